@@ -1,0 +1,120 @@
+"""Decides whether a file's bytes are a usable image, without decoding unless asked.
+
+The default "header" check is cheap enough to keep packing I/O-bound: it sniffs the
+format from the magic bytes, parses the header (JPEG markers up to the first scan, PNG
+IHDR, or Pillow's lazy header parse for the rest) and, for JPEG and PNG, looks for the
+end marker, which is what a truncated copy loses. "full" decodes every pixel.
+"""
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+
+CHECKS = ("header", "full", "none")
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Markers that carry no length field: TEM, RST0-7, SOI, EOI.
+_STANDALONE = {0x01, *range(0xD0, 0xD8), 0xD8, 0xD9}
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def sniff(data: bytes) -> str | None:
+    """The image format named by the magic bytes, or None."""
+    if data.startswith(JPEG_MAGIC):
+        return "jpeg"
+    if data.startswith(PNG_MAGIC):
+        return "png"
+    if data[:2] == b"BM":
+        return "bmp"
+    if data[:4] in (b"II*\0", b"MM\0*"):
+        return "tiff"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if len(data) >= 2 and data[0:1] == b"P" and data[1:2] in b"123456":
+        return "pnm"
+    return None
+
+
+def problem(data: bytes, level: str = "header") -> str | None:
+    """Why data is not a usable image, or None when it is."""
+    if level == "none":
+        return None
+    if not data:
+        return "empty file (0 bytes)"
+    kind = sniff(data)
+    if kind is None:
+        return f"not an image (starts with {data[:8]!r}; expected JPEG, PNG, BMP, TIFF, WebP or PNM)"
+    if kind == "jpeg":
+        reason = jpeg_problem(data)
+    elif kind == "png":
+        reason = png_problem(data)
+    else:
+        reason = None
+    if reason is None and (level == "full" or kind not in ("jpeg", "png")):
+        reason = pillow_problem(data, decode=level == "full")
+    return reason
+
+
+def jpeg_problem(data: bytes) -> str | None:
+    pos, size_seen = 2, False
+    n = len(data)
+    while pos < n:
+        if data[pos] != 0xFF:
+            return f"corrupt JPEG (no marker at byte {pos})"
+        marker = data[pos + 1] if pos + 1 < n else None
+        if marker is None:
+            break
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if pos + 4 > n:
+            break
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if marker in _SOF:
+            if pos + 9 > n:
+                break
+            height, width = struct.unpack_from(">HH", data, pos + 5)
+            if width == 0:
+                return "corrupt JPEG (zero width in frame header)"
+            size_seen = True
+        if marker == 0xDA:  # start of scan: entropy data follows; EOI must come after it
+            if not size_seen:
+                return "corrupt JPEG (scan before frame header)"
+            # Entropy-coded data never contains FF D9 (FF is always stuffed), so an EOI
+            # after the first scan exists exactly when the file was not cut short.
+            if data.rfind(b"\xff\xd9", pos) == -1:
+                return "truncated JPEG (no end-of-image marker)"
+            return None
+        pos += 2 + length
+    return "truncated JPEG (ends inside the header)"
+
+
+def png_problem(data: bytes) -> str | None:
+    if len(data) < 33 or data[12:16] != b"IHDR":
+        return "truncated PNG (no IHDR header)"
+    width, height = struct.unpack_from(">II", data, 16)
+    if width == 0 or height == 0:
+        return "corrupt PNG (zero size in IHDR)"
+    if data.rfind(b"IEND", max(0, len(data) - 64)) == -1:
+        return "truncated PNG (no IEND chunk)"
+    return None
+
+
+def pillow_problem(data: bytes, decode: bool) -> str | None:
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DecompressionBombWarning is the caller's policy
+            with Image.open(io.BytesIO(data)) as im:
+                if decode:
+                    im.load()
+                    im.convert("RGB")
+    except Exception as exc:  # Pillow raises many types for bad data; all mean the same here
+        return f"cannot decode image ({type(exc).__name__}: {exc})"
+    return None

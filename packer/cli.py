@@ -1,0 +1,164 @@
+"""The `packer` command: parses options, calls the library, turns PackError into exit code 1."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import click
+
+from . import __version__
+from .check import CHECKS
+from .errors import PackError
+from .formats import FORMATS
+from .pack import ON_ERROR, PackResult, pack
+
+
+def library_errors(fn):
+    """The one place where library errors become CLI errors (exit 1, message on stderr)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PackError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper
+
+
+def say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="packer")
+def main():
+    """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""
+
+
+@main.command("pack")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
+@click.option("-o", "--out", type=click.Path(), help="Output path [default: SRC + .lmdb/.h5/.wds].")
+@click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
+              help="fail: stop at the first bad file; skip: leave bad files out and record them.")
+@click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
+              help="header: format, header and end marker; full: decode every image; none.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@library_errors
+def pack_command(src, fmt, out, workers, on_error, check, force):
+    """Pack the ImageFolder tree SRC into one dataset file or folder."""
+    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force)
+    report_pack(result)
+
+
+def report_pack(result: PackResult) -> None:
+    for path in result.removed_stale:
+        say(f"removed {path}, left by an interrupted pack")
+    for warning in result.warnings:
+        say(f"warning: {warning}")
+    meta = result.metadata
+    for entry in meta.skipped:
+        say(f"skipped {entry['path']}: {entry['reason']}")
+    splits = ", ".join(f"{name} {s.count}" for name, s in meta.splits.items())
+    say(f"packed {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
+        f"{len(meta.skipped)} skipped) into {result.out} in {result.seconds:.1f} s: "
+        f"{result.files_per_s:.0f} files/s, {result.mb_per_s:.0f} MB/s")
+
+
+@main.command("info")
+@click.argument("packed", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@library_errors
+def info_command(packed, as_json):
+    """Show what the packed dataset PACKED holds."""
+    from .verify import info
+
+    facts = info(packed)
+    if as_json:
+        click.echo(json.dumps(facts, ensure_ascii=False))
+        return
+    click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}), "
+               f"{facts['count']} images, {facts['bytes'] / 1e6:.1f} MB of images, "
+               f"{facts['disk_bytes'] / 1e6:.1f} MB on disk")
+    for name, split in facts["splits"].items():
+        kind = "" if split["labeled"] else " (unlabeled)"
+        click.echo(f"  split {name}: {split['count']} images{kind}")
+    shown = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
+    click.echo(f"  classes: {len(facts['classes'])} ({shown})")
+    click.echo(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")
+    click.echo(f"  parameters: {json.dumps(facts['params'])}")
+    click.echo(f"  skipped: {len(facts['skipped'])}")
+    for entry in facts["skipped"]:
+        click.echo(f"    {entry['path']}: {entry['reason']}")
+
+
+@main.command("verify")
+@click.argument("packed", type=click.Path(exists=True))
+@click.option("--against", type=click.Path(exists=True, file_okay=False),
+              help="Also check that every file of this source folder is packed, byte-identical.")
+@click.option("--check", type=click.Choice(CHECKS), default="full", show_default=True,
+              help="How each stored image is checked beyond its CRC.")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes [default: all cores].")
+@library_errors
+def verify_command(packed, against, check, workers):
+    """Re-read every record of PACKED; exit 1 on any damage or difference."""
+    from .verify import verify
+
+    report = verify(packed, against, check=check, workers=workers)
+    for note in report.notes:
+        say(f"note: {note}")
+    for found in report.problems:
+        say(f"error: {found}")
+    if not report.ok:
+        raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
+    versus = f", identical to {against}" if against else ""
+    say(f"ok: {report.checked} records intact{versus}")
+
+
+@main.command("demo")
+@click.option("--dir", "folder", type=click.Path(file_okay=False),
+              help="Where to write the demo files [default: a temporary folder, removed after].")
+@click.option("--images", type=click.IntRange(min=10), default=1000, show_default=True,
+              help="How many images to generate (10 classes).")
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="lmdb", show_default=True)
+@library_errors
+def demo_command(folder, images, fmt):
+    """Generate an ImageNet-style folder, pack it, verify it, read it back; print samples/s."""
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix="packer-demo-") as tmp:
+            run_demo(tmp, images, fmt)
+    else:
+        run_demo(folder, images, fmt)
+
+
+def run_demo(folder: str, images: int, fmt: str) -> None:
+    from .demo import read_rates
+    from .synth import make_corpus
+    from .verify import verify
+
+    src = os.path.join(folder, "imagenet-demo")
+    out = src + FORMATS[fmt].EXTENSION
+    say(f"1/4 writing {images} synthetic JPEGs to {src}")
+    start = time.perf_counter()
+    make_corpus(src, classes=10, per_class=max(1, images // 10), workers=os.cpu_count() or 1)
+    say(f"    {time.perf_counter() - start:.1f} s")
+    say(f"2/4 packing into {out}")
+    report_pack(pack(src, fmt, out, force=True))
+    say("3/4 verifying against the source")
+    report = verify(out, src)
+    if not report.ok:
+        raise PackError("demo verification failed:\n" + "\n".join(report.problems))
+    say(f"    ok: {report.checked} records byte-identical to the source")
+    say("4/4 reading back through readers (random order, decode to uint8 tensors, 1 process)")
+    for name, rate in read_rates(src, out):
+        click.echo(f"    {name:<14} {rate:8.0f} samples/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Reads an unpacked ImageFolder tree through the same Reader interface as the formats."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import BadImageError
+from .records import PathTable, choose_split
+from .scan import scan_source
+
+
+class FolderReader:
+    """Random access to one split of a source folder: the raw-folder baseline.
+
+    Holds no open files (each read opens one), so it is trivially fork- and spawn-safe.
+    """
+
+    def __init__(self, root: str, split: str | None = None):
+        source = scan_source(root)
+        self.path = source.root
+        self.classes = source.classes
+        self.split = choose_split(list(source.splits), split, self.path)
+        listing = source.splits[self.split]
+        self.paths: PathTable = listing.paths
+        self.labels: np.ndarray = listing.labels
+        self.warnings = source.warnings
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        relpath = self.paths[index]
+        try:
+            with open(os.path.join(self.path, relpath), "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise BadImageError(relpath, f"cannot read file ({exc.strerror or exc})") from exc
+        return data, int(self.labels[index]), relpath
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,39 @@
+"""The packed formats: each module owns one on-disk layout (writer, reader, detect)."""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from ..errors import FormatError
+from . import lmdb
+
+# One entry per format; the key is the CLI spelling (--to lmdb).
+FORMATS: dict[str, ModuleType] = {"lmdb": lmdb}
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The name of the format stored at path."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or folder", path)
+    for name, module in FORMATS.items():
+        if module.detect(path):
+            return name
+    raise FormatError(f"{path}: not a packed dataset (expected one of: {', '.join(FORMATS)}; "
+                      "create one with `packer pack SRC --to FORMAT`)", path)
+
+
+def open_reader(path: str | os.PathLike, split: str | None = None, **options):
+    """A torch-free Reader for one split of the dataset at path, whatever its format."""
+    path = os.fspath(path)
+    return FORMATS[detect_format(path)].Reader(path, split, **options)
+
+
+def default_output(src: str, fmt: str) -> str:
+    return os.path.abspath(os.fspath(src)).rstrip(os.sep) + FORMATS[fmt].EXTENSION
+
+
+def read_metadata(path: str | os.PathLike):
+    """The Metadata of the dataset at path, whatever its format."""
+    path = os.fspath(path)
+    return FORMATS[detect_format(path)].read_metadata(path)

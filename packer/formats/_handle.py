@@ -1,0 +1,102 @@
+"""Per-process lazy handles: opened on first use, never carried across fork or pickle.
+
+A reader stores plain data only (path, split, small metadata). Its handle is opened the
+first time a process needs it and remembered with that process's pid; a handle whose pid
+is not ours was inherited through fork and is closed and reopened, and pickling (spawn,
+DDP) drops it. lmdb >= 2.0 refuses a second open of one path in a process, so handles
+are shared per (pid, real path) and reference-counted.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+_lock = threading.Lock()
+# real path -> [pid, handle, refcount, closer]
+_shared: dict[str, list] = {}
+
+
+def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None]) -> Any:
+    """This process's shared handle for path, opened with opener(path) when needed."""
+    key = os.path.realpath(path)
+    pid = os.getpid()
+    with _lock:
+        entry = _shared.get(key)
+        if entry is not None and entry[0] != pid:
+            # Inherited through fork: the parent's handle must be closed in this process
+            # before the path can be opened again here (lmdb's rule).
+            _close_quietly(entry[3], entry[1])
+            entry = None
+        if entry is None:
+            entry = [pid, opener(path), 0, closer]
+            _shared[key] = entry
+        entry[2] += 1
+        return entry[1]
+
+
+def release(path: str) -> None:
+    key = os.path.realpath(path)
+    with _lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0] != os.getpid():
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del _shared[key]
+            _close_quietly(entry[3], entry[1])
+
+
+def _close_quietly(closer: Callable[[Any], None], handle: Any) -> None:
+    try:
+        closer(handle)
+    except Exception:  # an inherited handle may already be unusable; it is being discarded
+        pass
+
+
+class LazyHandle:
+    """Mixin for readers: self.handle() opens per process; pickling drops the handle.
+
+    Subclasses define _open() -> handle and _close(handle).
+    """
+
+    _handle: Any = None
+    _handle_pid: int | None = None
+
+    def handle(self) -> Any:
+        if self._handle is None or self._handle_pid != os.getpid():
+            self._handle = None  # never use, and never close, another process's handle here
+            self._handle = self._open()
+            self._handle_pid = os.getpid()
+        return self._handle
+
+    @property
+    def is_open(self) -> bool:
+        return self._handle is not None and self._handle_pid == os.getpid()
+
+    def close(self) -> None:
+        if self.is_open:
+            self._close(self._handle)
+        self._handle = None
+        self._handle_pid = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_handle", None)
+        state.pop("_handle_pid", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def _close(self, handle: Any) -> None:
+        raise NotImplementedError

@@ -1,0 +1,125 @@
+"""info and verify: what a packed dataset holds, and whether it is intact and matches its source."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from multiprocessing import Pool
+
+from .check import problem
+from .errors import PackError
+from .formats import detect_format, open_reader, read_metadata
+from .pack import default_workers
+from .scan import scan_source
+
+BLOCK = 256  # records per verification task
+
+
+def disk_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def info(path: str) -> dict:
+    """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict."""
+    meta = read_metadata(path)
+    return {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_block(path: str, split: str, start: int, stop: int, check: str, against: str | None) -> list[str]:
+    """Problems found in records [start, stop) of one split."""
+    reader = open_reader(path, split)
+    problems = []
+    try:
+        for i in range(start, stop):
+            where = f"{split}/{i}"
+            try:
+                data, label, relpath = reader.read(i)
+            except PackError as exc:
+                problems.append(str(exc))
+                continue
+            if relpath != reader.paths[i] or label != reader.labels[i]:
+                problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
+            reason = problem(data, check)
+            if reason:
+                problems.append(f"{where} ({relpath}): {reason}")
+            if against is not None:
+                problems += compare_with_source(against, relpath, data, where)
+    finally:
+        reader.close()
+    return problems
+
+
+def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[str]:
+    try:
+        with open(os.path.join(root, relpath), "rb") as f:
+            original = f.read()
+    except FileNotFoundError:
+        return []  # reported once, as removed, by the listing comparison
+    except OSError as exc:
+        return [f"{relpath}: cannot read the source file ({exc.strerror or exc})"]
+    if original != data:
+        return [f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
+                f"{len(original)} in SRC)"]
+    return []
+
+
+def verify(path: str, against: str | None = None, check: str = "full",
+           workers: int | None = None) -> VerifyReport:
+    """Re-read every record, check its checksum and image, and compare with the source if given."""
+    detect_format(path)
+    meta = read_metadata(path)
+    report = VerifyReport()
+    root = None
+    if against is not None:
+        source = scan_source(against)
+        root = source.root
+        compare_listings(path, meta, source, report)
+    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, info.count), check, root)
+             for split, info in meta.splits.items() for start in range(0, info.count, BLOCK)]
+    workers = min(workers or default_workers(), max(len(tasks), 1))
+    if workers <= 1:
+        for task in tasks:
+            report.problems += verify_block(*task)
+    else:
+        with Pool(workers) as pool:
+            for found in pool.starmap(verify_block, tasks, chunksize=1):
+                report.problems += found
+    report.checked = meta.count
+    return report
+
+
+def compare_listings(path: str, meta, source, report: VerifyReport) -> None:
+    """Files added to or removed from SRC since packing, and label changes."""
+    if sorted(meta.splits) != sorted(source.splits):
+        report.problems.append(f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}")
+    skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
+    for split in sorted(set(meta.splits) & set(source.splits)):
+        reader = open_reader(path, split)
+        packed = {p: meta.classes[l] if l >= 0 else None for p, l in zip(reader.paths, reader.labels)}
+        reader.close()
+        listing = source.splits[split]
+        current = {p: source.classes[l] if l >= 0 else None for p, l in zip(listing.paths, listing.labels)}
+        for relpath in sorted(current.keys() - packed.keys()):
+            reason = skipped.get((split, relpath))
+            if reason is None:
+                report.problems.append(f"{relpath}: in SRC but not packed (added since packing?)")
+            else:
+                report.notes.append(f"{relpath}: skipped at pack time ({reason})")
+        for relpath in sorted(packed.keys() - current.keys()):
+            report.problems.append(f"{relpath}: packed but no longer in SRC (removed since packing?)")
+        for relpath in sorted(packed.keys() & current.keys()):
+            if packed[relpath] != current[relpath]:
+                report.problems.append(f"{relpath}: packed with class {packed[relpath]!r}, "
+                                       f"SRC now has it under {current[relpath]!r}")

@@ -1,0 +1,6 @@
+"""What training code imports: Datasets over packed data and raw folders."""
+from .decode import decode_array, decode_pil, decode_tensor
+from .folder import FolderDataset
+from .lmdb import LMDBDataset
+
+__all__ = ["FolderDataset", "LMDBDataset", "decode_array", "decode_pil", "decode_tensor"]

@@ -1,0 +1,60 @@
+"""The map-style torch Dataset shared by every format: a packer Reader plus decode and transform."""
+from __future__ import annotations
+
+import numpy as np
+import torch.utils.data
+
+from .decode import DECODE_MODES, decode
+
+
+class ReaderDataset(torch.utils.data.Dataset):
+    """ds[i] -> (image, label), like torchvision's ImageFolder.
+
+    The wrapped Reader holds plain data until first access and opens its own handle in
+    each process, so the dataset pickles (spawn, DDP) and survives fork.
+    """
+
+    def __init__(self, reader, transform=None, target_transform=None, decode: str = "pil"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
+        self.reader = reader
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = decode
+        self.classes: list[str] = list(reader.classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, index: int):
+        if index < 0:
+            index += len(self)
+        data, label, relpath = self.reader.read(index)
+        image = decode(data, self.decode, f"{self.reader.path}: {relpath}")
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    @property
+    def split(self) -> str:
+        return self.reader.split
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label, in order (int32), without reading any image."""
+        return self.reader.labels
+
+    @property
+    def paths(self):
+        """Every sample's path relative to the source folder, in order."""
+        return self.reader.paths
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.reader.path!r}, split={self.split!r}, "
+                f"samples={len(self)}, classes={len(self.classes)}, decode={self.decode!r})")

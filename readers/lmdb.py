@@ -1,0 +1,20 @@
+"""LMDBDataset: a map-style Dataset over a `packer pack --to lmdb` database."""
+from __future__ import annotations
+
+from packer.formats import lmdb
+
+from ._dataset import ReaderDataset
+
+
+class LMDBDataset(ReaderDataset):
+    """Records of one split of a packed LMDB, in ImageFolder order and labels.
+
+    The environment is opened read-only (lock=False) on first access in each process;
+    a handle inherited through fork is closed and reopened, and pickling drops it.
+    Set check_crc=False to skip the per-read CRC-32 check.
+    """
+
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil",
+                 check_crc=True):
+        super().__init__(lmdb.Reader(str(path), split, check_crc=check_crc), transform, target_transform,
+                         decode)
