@@ -1,9 +1,15 @@
 """Packs a source folder into one format: parallel read + check, a single streaming writer.
 
-Worker processes read and check files; the parent receives them in ImageFolder order and
+Worker processes read and check files; the parent receives them in write order and
 hands them to the format's Writer. The number of files in flight is bounded, so memory
 stays flat however large the dataset is, and nothing reaches OUT until the writer has
 finished (packer.output.staged).
+
+Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
+(write_order). The Writer protocol is unchanged either way: add() per sample in write
+order, then end_split(labels, paths) with the kept samples in ImageFolder order; a
+shuffled split also passes order=, the ImageFolder rank of each added sample, which only
+formats that declare SHUFFLE accept.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import functools
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from typing import Callable, Iterator
@@ -123,12 +130,36 @@ class Progress:
         self.bar.close()
 
 
+def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
+    """The seeded permutation of range(count) that split is written in, or None (ImageFolder order).
+
+    numpy's PCG64 seeded with (seed, CRC-32 of the split name): reproducible, and each
+    split gets its own permutation.
+    """
+    if seed is None:
+        return None
+    return np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(count)
+
+
 def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
          on_error: str = "fail", check: str = "header", force: bool = False,
-         progress: bool | None = None, options: dict | None = None) -> PackResult:
-    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension)."""
+         progress: bool | None = None, options: dict | None = None,
+         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
+
+    shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
+    None means the format's default (on for wds, which is the only format that takes it).
+    """
     if fmt not in FORMATS:
         raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    shuffles = getattr(FORMATS[fmt], "SHUFFLE", None)
+    if shuffle and shuffles is None:
+        shufflers = [name for name, m in FORMATS.items() if getattr(m, "SHUFFLE", None) is not None]
+        raise PackError(f"{fmt} stores samples for random access, so it is never written shuffled "
+                        f"(shuffled writing applies to: {', '.join(shufflers)})")
+    seed = shuffle_seed if (shuffles if shuffle is None else shuffle) else None
+    if seed is not None and seed < 0:
+        raise PackError(f"shuffle_seed must be a non-negative integer, not {seed}")
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
@@ -140,10 +171,12 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     removed = remove_stale(out)
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
+    if shuffles is not None:
+        params["shuffle_seed"] = seed
     with staged(out, force, directory=module.DIRECTORY) as stage:
         writer = module.Writer(stage, options or {})
         try:
-            meta = write_source(writer, source, check, on_error, workers, progress,
+            meta = write_source(writer, source, check, on_error, workers, progress, seed,
                                 lambda skipped, splits: Metadata(
                                     format=fmt, classes=source.classes, splits=splits, source=source.root,
                                     created=now_utc(), packer_version=__version__, params=params,
@@ -156,10 +189,13 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
 
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
-                 progress: bool | None, make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
+                 progress: bool | None, seed: int | None,
+                 make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
     """Stream every split of source through writer; return the metadata to store."""
     names = sorted(source.splits)
-    all_paths = [os.path.join(source.root, p) for n in names for p in source.splits[n].paths]
+    orders = {n: write_order(len(source.splits[n]), n, seed) for n in names}
+    all_paths = [os.path.join(source.root, source.splits[n].paths[int(i)])
+                 for n in names for i in (range(len(source.splits[n])) if orders[n] is None else orders[n])]
     loaded = load_in_order(all_paths, check, workers)
     bar = Progress(len(all_paths), progress)
     skipped: list[dict] = []
@@ -167,7 +203,7 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
     try:
         for name in names:
             splits[name] = write_split(writer, name, source.splits[name], len(source.classes),
-                                       loaded, on_error, skipped, bar)
+                                       loaded, on_error, skipped, bar, orders[name])
     finally:
         bar.close()
         loaded.close()
@@ -175,11 +211,12 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],
-                on_error: str, skipped: list[dict], bar: Progress) -> SplitInfo:
+                on_error: str, skipped: list[dict], bar: Progress, order: np.ndarray | None = None) -> SplitInfo:
     writer.begin_split(name)
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
-    for i, relpath in enumerate(listing.paths):
+    for i in (range(len(listing)) if order is None else order.tolist()):
+        relpath = listing.paths[i]
         item = next(loaded)
         if item.reason is not None:
             if on_error == "fail":
@@ -195,7 +232,11 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         bar.update(len(item.data))
     labels = listing.labels[kept]
     paths = PathTable.from_strings(p for p, k in zip(listing.paths, kept) if k)
-    writer.end_split(labels, paths)
+    if order is None:
+        writer.end_split(labels, paths)
+    else:
+        rank = np.cumsum(kept) - 1  # ImageFolder position -> index among the kept samples
+        writer.end_split(labels, paths, order=rank[order[kept[order]]])
     counts = np.bincount(labels[labels >= 0], minlength=n_classes) if listing.labeled else np.zeros(0)
     return SplitInfo(int(kept.sum()), nbytes, [int(c) for c in counts], listing.labeled)
 
