@@ -14,6 +14,7 @@ from . import __version__
 from .check import CHECKS
 from .errors import PackError
 from .formats import FORMATS
+from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
 from .pack import ON_ERROR, PackResult, pack
 
 
@@ -28,6 +29,20 @@ def library_errors(fn):
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
+
+
+class ByteSize(click.ParamType):
+    """A size such as 1GB, 256MB, 512KB or a plain byte count."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def say(message: str) -> None:
@@ -50,10 +65,25 @@ def main():
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
               help="header: format, header and end marker; full: decode every image; none.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--shard-size", type=ByteSize(), help="wds: start a new shard before one would exceed this: "
+              "1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB].")
+@click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard.")
+@click.option("--shuffle-seed", type=click.IntRange(min=0),
+              help="wds: write samples in the permutation this seed gives [default: 0].")
+@click.option("--no-shuffle", is_flag=True, help="wds: write samples in ImageFolder order.")
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, force):
+def pack_command(src, fmt, out, workers, on_error, check, force, shard_size, max_count, shuffle_seed, no_shuffle):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
-    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force)
+    wds_only = {"--shard-size": shard_size, "--max-count": max_count, "--shuffle-seed": shuffle_seed,
+                "--no-shuffle": no_shuffle or None}
+    given = [name for name, value in wds_only.items() if value is not None]
+    if given and fmt != "wds":
+        raise click.UsageError(f"{', '.join(given)} only apply to --to wds (shards), not --to {fmt}")
+    if shuffle_seed is not None and no_shuffle:
+        raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
+    options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
+    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force, options=options,
+                  shuffle=False if no_shuffle else None, shuffle_seed=shuffle_seed or 0)
     report_pack(result)
 
 

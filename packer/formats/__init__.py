@@ -5,10 +5,10 @@ import os
 from types import ModuleType
 
 from ..errors import FormatError
-from . import lmdb
+from . import lmdb, wds
 
 # One entry per format; the key is the CLI spelling (--to lmdb).
-FORMATS: dict[str, ModuleType] = {"lmdb": lmdb}
+FORMATS: dict[str, ModuleType] = {"lmdb": lmdb, "wds": wds}
 
 
 def detect_format(path: str | os.PathLike) -> str:
