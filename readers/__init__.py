@@ -2,5 +2,6 @@
 from .decode import decode_array, decode_pil, decode_tensor
 from .folder import FolderDataset
 from .lmdb import LMDBDataset
+from .wds import WDSDataset, WDSMapDataset
 
-__all__ = ["FolderDataset", "LMDBDataset", "decode_array", "decode_pil", "decode_tensor"]
+__all__ = ["FolderDataset", "LMDBDataset", "WDSDataset", "WDSMapDataset", "decode_array", "decode_pil", "decode_tensor"]
