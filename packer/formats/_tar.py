@@ -146,9 +146,9 @@ def read_exact(stream: IO[bytes], n: int, where: str, offset: int, what: str) ->
 
 
 def skip(stream: IO[bytes], n: int, where: str, offset: int, name: str) -> None:
-    if n and stream.seekable():
+    if n and stream.seekable() and not isinstance(stream, gzip.GzipFile):  # gzip can only read through
         # Land on the member's last byte: reading it proves the file is long enough (a seek
-        # past the end succeeds silently). GzipFile seeks forward by decompressing.
+        # past the end succeeds silently).
         stream.seek(n - 1, 1)
         n = 1
     while n:
