@@ -78,7 +78,7 @@ def pack_command(src, fmt, out, workers, on_error, check, force, shard_size, max
                 "--no-shuffle": no_shuffle or None}
     given = [name for name, value in wds_only.items() if value is not None]
     if given and fmt != "wds":
-        raise click.UsageError(f"{', '.join(given)} only apply to --to wds (shards), not --to {fmt}")
+        raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
     if shuffle_seed is not None and no_shuffle:
         raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
     options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None

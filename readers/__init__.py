@@ -4,4 +4,5 @@ from .folder import FolderDataset
 from .lmdb import LMDBDataset
 from .wds import WDSDataset, WDSMapDataset
 
-__all__ = ["FolderDataset", "LMDBDataset", "WDSDataset", "WDSMapDataset", "decode_array", "decode_pil", "decode_tensor"]
+__all__ = ["FolderDataset", "LMDBDataset", "WDSDataset", "WDSMapDataset", "decode_array", "decode_pil",
+           "decode_tensor"]

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
 import readers
-from packer import CorruptDataError, pack
+from packer import CorruptDataError, PackError, pack
 from packer.cli import main
 from packer.formats import _tar, wds
 from packer.verify import verify
@@ -139,10 +139,16 @@ def test_shuffled_shards_mix_classes_and_no_shuffle_keeps_imagefolder_order(imag
 def test_cli_shard_options_are_refused_for_other_formats(image_tree, tmp_path):
     result = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "lmdb", "-o", str(tmp_path / "x"),
                                        "--shard-size", "1MB"])
-    assert result.exit_code == 2 and "only apply to --to wds" in result.output
+    assert result.exit_code == 2 and "only for --to wds" in result.output
     assert not (tmp_path / "x").exists()
     result = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "wds", "--shard-size", "lots"])
     assert result.exit_code == 2 and "not a size" in result.output
+
+
+def test_library_refuses_to_shuffle_a_random_access_format(image_tree, tmp_path):
+    with pytest.raises(PackError, match="never written shuffled.*wds"):
+        pack(str(image_tree), "lmdb", str(tmp_path / "x.lmdb"), shuffle=True, progress=False)
+    assert not (tmp_path / "x.lmdb").exists()
 
 
 def test_cli_packs_with_shard_options_and_info_and_verify_work(image_tree, tmp_path):

@@ -219,6 +219,7 @@ class Reader(_handle.LazyHandle):
         self.tables = (entry["records"], entry["paths"])
         self.check_crc = check_crc
         self._records: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
 
     def __len__(self) -> int:
@@ -237,7 +238,9 @@ class Reader(_handle.LazyHandle):
 
     @property
     def labels(self) -> np.ndarray:
-        return self.records["label"].astype(np.int32)
+        if self._labels is None:
+            self._labels = self.records["label"].astype(np.int32)
+        return self._labels
 
     @property
     def paths(self) -> PathTable:
