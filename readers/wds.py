@@ -80,11 +80,15 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.epoch = int(epoch)
 
     def world(self) -> tuple[int, int]:
+        """(rank, world size): from the constructor, else torch.distributed, else RANK/WORLD_SIZE."""
         if self.rank is not None:
             return self.rank, self.world_size
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if not 0 <= rank < world_size:
+            raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
+        return rank, world_size
 
     def shard_counts(self) -> list[int]:
         if self.counts is None:

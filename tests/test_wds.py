@@ -283,6 +283,34 @@ def test_more_ranks_than_shards_still_gives_every_rank_samples(tmp_path):
     assert lengths == [90] * 4
 
 
+def ddp_rank(rank: int, world_size: int, out: str, init_file: str, results: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ds = WDSDataset(out, decode="raw", shuffle=4)
+        assert pickle.loads(pickle.dumps(ds)).rank == rank  # what a spawned DataLoader worker gets
+        digests = [digest(data) for data, _ in ds]
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (len(ds), digests))
+        if rank == 0:
+            Path(results).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_come_from_torch_distributed_when_initialised(even_tree, tmp_path, monkeypatch):
+    import torch.multiprocessing
+
+    out = pack_wds(even_tree, tmp_path / "d.wds", max_count=4)  # 6 shards of 4
+    monkeypatch.setenv("WORLD_SIZE", "1")  # must lose to the process group
+    results = tmp_path / "ranks.json"
+    torch.multiprocessing.spawn(ddp_rank, args=(2, str(out), str(tmp_path / "init"), str(results)), nprocs=2)
+    (len0, seen0), (len1, seen1) = json.loads(results.read_text())
+    assert len0 == len1 == len(seen0) == len(seen1) == 12
+    assert sorted(seen0 + seen1) == sorted(digest(d) for d, _ in WDSDataset(out, decode="raw"))
+
+
 def test_set_epoch_reshuffles_deterministically(even_tree, tmp_path):
     out = pack_wds(even_tree, tmp_path / "s.wds", max_count=3)
 
