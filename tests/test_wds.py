@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -75,6 +76,19 @@ def test_keys_are_unique_for_same_stem_with_other_extension_or_case():
     keys = [wds.sample_key(n) for n in names]
     assert len(set(keys)) == len(names)
     assert all("." not in k.rpartition("/")[2] for k in keys)
+
+
+def test_non_utf8_file_names_round_trip(tmp_path):
+    src = tmp_path / "nonutf8"
+    folder = os.fsencode(src) + b"/cl\xffass"
+    os.makedirs(folder)
+    with open(folder + b"/im\xfeg.jpg", "wb") as f:
+        f.write(jpeg_bytes(9))
+    out = pack_wds(src, tmp_path / "n.wds")
+    reader = wds.Reader(str(out))
+    assert reader.read(0)[2] == "cl\udcffass/im\udcfeg.jpg" and reader.classes == ["cl\udcffass"]
+    assert [label for _, label in WDSDataset(out, decode="raw")] == [0]
+    assert verify(str(out), str(src), workers=1).ok
 
 
 def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):

@@ -34,7 +34,7 @@ import re
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, checksum, choose_split
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, checksum, choose_split
 from . import _handle, _tar
 
 EXTENSION = ".wds"
@@ -89,7 +89,7 @@ def load_index(path: str) -> dict:
     where = os.path.join(path, INDEX)
     try:
         with open(where, "rb") as f:
-            index = json.loads(f.read())
+            index = json.loads(f.read().decode("utf-8", PATH_ENCODING_ERRORS))
         index["wds"]["splits"]
     except FileNotFoundError as exc:
         raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX}); for shards written by "
@@ -135,7 +135,7 @@ class Writer:
         if label >= 0:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
         meta = json.dumps({"crc32": crc, "path": relpath}, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-        parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", "surrogateescape"))[0])
+        parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
@@ -189,7 +189,8 @@ class Writer:
         index = {**meta.to_dict(), "wds": {"layout_version": LAYOUT_VERSION, "shard_size": self.shard_size,
                                           "max_count": self.max_count, "splits": self.splits}}
         with open(os.path.join(self.stage, INDEX), "wb") as f:
-            f.write(json.dumps(index, ensure_ascii=False, indent=1).encode("utf-8"))
+            # Non-UTF-8 file names (possible on Linux) survive as surrogate escapes, as in every format.
+            f.write(json.dumps(index, ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS))
             f.flush()
             os.fsync(f.fileno())
 
