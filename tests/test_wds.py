@@ -91,6 +91,13 @@ def test_non_utf8_file_names_round_trip(tmp_path):
     assert verify(str(out), str(src), workers=1).ok
 
 
+@pytest.mark.parametrize("name", ["a", "x" * 100, "x" * 101, "cat/img_0_JPEG.jpeg", "ünï/名前_jpg.jpg",
+                                  "dog house/100%25_png.json", "tab\there.cls"])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 123_456_789, 8**11 - 1, 8**11])
+def test_fast_tar_header_is_byte_identical_to_tarfile(name, size):
+    assert _tar.header(name, size) == _tar.tar_header(name, size)
+
+
 def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):
     out = pack_wds(image_tree, tmp_path / "t.wds", max_count=5)
     shards = shard_files(out)

@@ -32,16 +32,39 @@ MTIME = 946684800
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
 
-def member(name: str, data: bytes) -> tuple[bytes, int]:
-    """One regular-file member as bytes (header, data, padding) and where its data starts."""
+def tar_header(name: str, size: int) -> bytes:
+    """tarfile's header block(s) for a regular file with our fixed fields."""
     info = tarfile.TarInfo(name)
-    info.size = len(data)
+    info.size = size
     info.mtime = MTIME
     info.mode = 0o644
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    return b"".join((header, data, bytes(-len(data) % BLOCK))), len(header)
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+_TEMPLATE = tar_header("x", 0)
+_MAX_USTAR_SIZE = 8**11 - 1
+
+
+def header(name: str, size: int) -> bytes:
+    """Identical to tar_header(name, size), but for the common case (ASCII name of at most
+    100 bytes, so one ustar block) it patches a template: tarfile takes about 60 us per
+    header, a third of the writer's time per sample."""
+    if not (name.isascii() and len(name) <= 100 and size <= _MAX_USTAR_SIZE):
+        return tar_header(name, size)
+    block = bytearray(_TEMPLATE)
+    block[0:100] = name.encode("ascii").ljust(100, b"\0")
+    block[124:136] = b"%011o\0" % size
+    block[148:156] = b" " * 8  # the checksum is computed with its own field as spaces
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block)
+
+
+def member(name: str, data: bytes) -> tuple[bytes, int]:
+    """One regular-file member as bytes (header, data, padding) and where its data starts."""
+    head = header(name, len(data))
+    return b"".join((head, data, bytes(-len(data) % BLOCK))), len(head)
 
 
 class Member(NamedTuple):
