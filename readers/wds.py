@@ -37,8 +37,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     path_or_urls: a `packer pack --to wds` folder (its index gives counts and classes),
     a folder of .tar/.tgz shards, one shard, a brace pattern (`shard-{000000..000009}.tar`)
-    or a list of shard paths. Without a packer index, samples are counted by scanning
-    the shards once, on first need (headers only for uncompressed tar).
+    or a list of shard paths. Without a packer index, the constructor counts samples by
+    scanning every shard once (headers only for uncompressed tar); workers inherit the counts.
 
     Distribution: the rank and world size come from rank=/world_size=, else from
     torch.distributed when it is initialised, else from the RANK and WORLD_SIZE
@@ -75,6 +75,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.shuffle, self.seed, self.on_error = int(shuffle), int(seed), on_error
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
+        self.shard_counts()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -164,7 +165,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def convert(self, where: str, parts: dict):
         image = decode(parts[_tar.image_suffix(parts)], self.decode, where)
-        label = int(parts["cls"]) if parts.get("cls") is not None else -1
+        label = -1
+        if parts.get("cls") is not None:
+            try:
+                label = int(parts["cls"])
+            except ValueError as exc:
+                raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label",
+                                       where) from exc
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
