@@ -14,7 +14,6 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
