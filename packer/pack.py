@@ -222,6 +222,7 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
     writer.begin_split(name)
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
+    first_skipped = len(skipped)
     for i in (range(len(listing)) if order is None else order.tolist()):
         relpath = listing.paths[i]
         item = next(loaded)
@@ -239,6 +240,8 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         bar.update(len(item.data))
     labels = listing.labels[kept]
     paths = PathTable.from_strings(p for p, k in zip(listing.paths, kept) if k)
+    if order is not None:  # list skipped files in ImageFolder order whatever the write order
+        skipped[first_skipped:] = [skipped[first_skipped:][j] for j in np.argsort(order[~kept[order]])]
     if order is None:
         writer.end_split(labels, paths)
     else:

@@ -165,6 +165,16 @@ def test_cli_shard_options_are_refused_for_other_formats(image_tree, tmp_path):
     assert result.exit_code == 2 and "not a size" in result.output
 
 
+def test_skipped_files_are_listed_in_imagefolder_order_and_verify_notes_them(bad_tree, tmp_path):
+    out = pack_wds(bad_tree, tmp_path / "b.wds", on_error="skip", shuffle_seed=11)
+    skipped = [e["path"] for e in json.loads((out / "index.json").read_text())["skipped"]]
+    assert skipped == sorted(skipped) and len(skipped) == 4
+    assert len(list(WDSDataset(out, decode="raw"))) == 3
+    report = verify(str(out), str(bad_tree), workers=1)
+    assert report.ok, report.problems
+    assert sum("skipped at pack time" in n for n in report.notes) == 4
+
+
 def test_library_refuses_to_shuffle_a_random_access_format(image_tree, tmp_path):
     with pytest.raises(PackError, match="never written shuffled.*wds"):
         pack(str(image_tree), "lmdb", str(tmp_path / "x.lmdb"), shuffle=True, progress=False)
