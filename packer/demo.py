@@ -26,6 +26,6 @@ def read_rates(src: str, packed: str) -> list[tuple[str, float]]:
 
     from .formats import detect_format
 
-    packed_dataset = {"lmdb": readers.LMDBDataset}[detect_format(packed)]
+    packed_dataset = {"lmdb": readers.LMDBDataset, "hdf5": readers.HDF5Dataset}[detect_format(packed)]
     return [("FolderDataset", samples_per_s(readers.FolderDataset(src, decode="tensor"))),
             (packed_dataset.__name__, samples_per_s(packed_dataset(packed, decode="tensor")))]
