@@ -174,12 +174,19 @@ def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
     """
     module = FORMATS[fmt]
     with staged(out, force, directory=module.DIRECTORY) as stage:
-        writer = module.Writer(stage, options or {})
+        writer = None
         try:
+            writer = module.Writer(stage, options or {})
             meta = fill(writer)
             writer.finish(meta)
-        except BaseException:
-            writer.abort()
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if isinstance(exc, Exception) and not isinstance(exc, PackError):
+                # Disk full, quota, I/O error: say where, and that OUT was left untouched.
+                raise PackError(f"{out}: writing the {fmt} dataset failed ({type(exc).__name__}: {exc}); "
+                                "nothing was written at OUT (free some space or choose -o elsewhere)",
+                                out) from exc
             raise
     return meta
 

@@ -19,6 +19,8 @@ from packer import CorruptDataError, FormatError, open_reader, pack
 from packer.cli import main
 from packer.formats import hdf5 as hdf5_format
 
+from conftest import jpeg_bytes
+
 
 def packed(src, tmp_path, name="d.h5", workers=1):
     out = tmp_path / name
@@ -129,3 +131,16 @@ def test_verify_names_a_damaged_hdf5_record(image_tree, tmp_path):
     result = CliRunner().invoke(main, ["verify", str(out), "--workers", "1"])
     assert result.exit_code == 1
     assert "cat/gray.jpeg): checksum mismatch" in result.stderr and "1 problem(s)" in result.stderr
+
+
+def test_class_names_that_are_not_utf8_survive(tmp_path):
+    src = tmp_path / "src"
+    folder = os.path.join(os.fsencode(src), b"caf\xe9-latin1")
+    os.makedirs(folder)
+    with open(os.path.join(folder, b"x.jpg"), "wb") as f:
+        f.write(jpeg_bytes(1))
+    reader = open_reader(packed(src, tmp_path))
+    name = os.fsdecode(b"caf\xe9-latin1")
+    assert reader.classes == [name] and reader.read(0)[2] == name + "/x.jpg"
+    with h5py.File(reader.path, "r", locking=False) as f:
+        assert list(f.attrs["classes"]) == [name]

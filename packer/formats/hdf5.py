@@ -34,7 +34,7 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, checksum, choose_split
+from ..records import Metadata, PathTable, checksum, choose_split, encode_path
 from . import _handle
 
 EXTENSION = ".h5"
@@ -90,8 +90,12 @@ class Writer:
         self.group = None
 
     def finish(self, meta: Metadata) -> None:
-        self.file.attrs[META_ATTR] = meta.to_json().decode("utf-8")
-        self.file.attrs["classes"] = np.array(meta.classes, dtype=h5py.string_dtype("utf-8"))
+        # Written as bytes: a class name that is not valid UTF-8 (possible on Linux) is kept
+        # byte for byte, and h5py reads it back with surrogate escapes, as packer encodes paths.
+        text = h5py.string_dtype("utf-8")
+        self.file.attrs.create(META_ATTR, meta.to_json(), dtype=text)
+        self.file.attrs.create("classes", np.array([encode_path(c) for c in meta.classes], dtype=object),
+                               dtype=text)
         self.file.close()
         with open(self.stage, "rb") as f:  # on disk before it is published
             os.fsync(f.fileno())
