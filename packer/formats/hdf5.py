@@ -173,7 +173,7 @@ class Reader(_handle.LazyHandle):
     def _open(self):
         f = _handle.acquire(self.path, open_file, close_file)
         try:
-            return f, f[self.split]["images"].id
+            return f, f[self.split]["images"]
         except (KeyError, OSError) as exc:
             _handle.release(self.path)
             raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
@@ -240,15 +240,11 @@ class Reader(_handle.LazyHandle):
         return self._paths
 
 
-def read_bytes(images: h5py.h5d.DatasetID, start: int, stop: int, where: str) -> bytes:
-    """images[start:stop] through the low-level API: one hyperslab, no h5py slicing overhead."""
-    out = np.empty(stop - start, np.uint8)
-    if stop > start:
-        try:
-            space = images.get_space()
-            space.select_hyperslab((start,), (stop - start,))
-            images.read(h5py.h5s.create_simple((stop - start,)), space, out)
-        except (OSError, ValueError) as exc:
-            raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
-                                   "(run packer verify; re-pack from the source)", where) from exc
-    return out.tobytes()
+def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes:
+    """images[start:stop]. Plain slicing: h5py's fast path for simple slices measured faster
+    than building the hyperslab through the low-level API."""
+    try:
+        return images[start:stop].tobytes()
+    except (OSError, ValueError) as exc:
+        raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
+                               "(run packer verify; re-pack from the source)", where) from exc
