@@ -42,7 +42,7 @@ DIRECTORY = False
 META_ATTR = "packer_metadata"
 CHUNK_BYTES = 256 << 10
 INDEX_CHUNK = 4096  # entries per chunk of the per-record arrays, which readers read whole
-FLUSH_BYTES = 64 << 20  # image bytes buffered between writes: bounded memory, large writes
+FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
 LIBVER = ("v110", "v110")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
