@@ -10,24 +10,25 @@
 
 Records are in ImageFolder order; all numbers are little-endian.
 
-Why a blob and not a variable-length dataset: h5py's variable-length bytes stop at the
-first NUL (and JPEGs are full of them), a vlen uint8 dataset stores a heap pointer per
-record that is dereferenced on every read, and one blob reads with a single hyperslab
-selection (see the README for the figures measured). Paths are a NUL-joined blob for the
-same reason (and it is the same encoding as LMDB's).
+Why a blob and not a variable-length dataset: h5py refuses variable-length byte strings
+that contain NUL (JPEGs are full of them), and a vlen uint8 dataset goes through a heap
+pointer per record on every read (3-5x slower random reads here; README has the figures),
+while a record of the blob is one slice. Paths are a NUL-joined blob for the same reason,
+the same encoding as LMDB's.
 
 Why chunks of 256 KiB: `images` grows while packing, and HDF5 can only resize a chunked
-dataset. Readers open the file with the chunk cache off (rdcc_nbytes=0): uncompressed
-chunks that are not cached are read directly, exactly the selected bytes, so a random
-read costs the image's bytes in 1 + size/256 KiB reads, whatever the chunk size. 256 KiB
-keeps that to one or two reads for typical ~110 KB JPEGs and keeps the chunk index small
-(4 entries per MB), while a reader that keeps h5py's default chunk cache (8 MiB in HDF5
-2.0) reads whole chunks and so at most about 4x the bytes it needs. No compression:
-JPEG does not compress, and filters would force whole-chunk reads. The file is written
-with HDF5 1.10 object formats (extensible-array chunk index), readable by HDF5 >= 1.10.
+dataset. Readers open the file with the chunk cache off (rdcc_nbytes=0): chunks that are
+neither cached nor filtered are read directly, exactly the selected bytes (measured: bytes
+read / bytes wanted = 1.00 at every chunk size), with one read per chunk an image touches.
+256 KiB keeps that to one or two reads for typical ~110 KB JPEGs and the chunk index at 4
+entries per MB, while a reader that keeps h5py's default chunk cache (8 MiB in HDF5 2.0)
+reads whole chunks, so at most about 4x the bytes it needs (13x with 1 MiB chunks). No
+compression: JPEG does not compress, and a filter would force whole-chunk reads. Written
+with libver ("v110", "v110"): the newer chunk indexes, readable by any HDF5 >= 1.10.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import h5py
@@ -59,7 +60,10 @@ class Writer:
 
     def __init__(self, stage: str, options: dict):
         self.stage = stage
-        self.file = h5py.File(stage, "w", libver=LIBVER, locking=False)
+        # No chunk cache here either: every write reaches the file when it is made, so a full
+        # disk fails that write, cleanly. With a cache the failure surfaces when HDF5 evicts
+        # or closes, and closing a file whose flush failed crashes HDF5 (segfault, HDF5 2.0).
+        self.file = h5py.File(stage, "w", libver=LIBVER, locking=False, rdcc_nbytes=0)
         self.group: h5py.Group | None = None
         self.buffer: list[bytes] = []
         self.buffered = 0
@@ -101,7 +105,10 @@ class Writer:
             os.fsync(f.fileno())
 
     def abort(self) -> None:
-        self.file.close()
+        # The staging file is deleted next; after a failed write HDF5 cannot flush it and
+        # says so here, which must not hide the error that got us here.
+        with contextlib.suppress(Exception):
+            self.file.close()
 
     def flush(self) -> None:
         if not self.ends:
