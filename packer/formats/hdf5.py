@@ -144,6 +144,9 @@ def read_metadata(path: str) -> Metadata:
     f = _handle.acquire(path, open_file, close_file)
     try:
         raw = f.attrs.get(META_ATTR)
+    except OSError as exc:
+        raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
+                               "damaged, re-pack it", path) from exc
     finally:
         _handle.release(path)
     if raw is None:
