@@ -36,7 +36,10 @@ def leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if ".partial-" in p.name]
 
 
-@pytest.mark.parametrize("src_fmt,fmt", list(itertools.permutations(FORMATS, 2)), ids="-to-".join)
+PAIRS = list(itertools.permutations(FORMATS, 2))
+
+
+@pytest.mark.parametrize("src_fmt,fmt", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
 def test_conversion_keeps_every_record_byte_for_byte(split_tree, tmp_path, src_fmt, fmt):
     source = packed(split_tree, src_fmt, tmp_path)
     out = tmp_path / f"out{FORMATS[fmt].EXTENSION}"
