@@ -87,7 +87,7 @@ def pack_command(src, fmt, out, workers, on_error, check, force, shard_size, max
     report_pack(result)
 
 
-def report_pack(result: PackResult) -> None:
+def report_pack(result: PackResult, verb: str = "packed") -> None:
     for path in result.removed_stale:
         say(f"removed {path}, left by an interrupted pack")
     for warning in result.warnings:
@@ -96,9 +96,27 @@ def report_pack(result: PackResult) -> None:
     for entry in meta.skipped:
         say(f"skipped {entry['path']}: {entry['reason']}")
     splits = ", ".join(f"{name} {s.count}" for name, s in meta.splits.items())
-    say(f"packed {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
+    say(f"{verb} {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
         f"{len(meta.skipped)} skipped) into {result.out} in {result.seconds:.1f} s: "
         f"{result.files_per_s:.0f} files/s, {result.mb_per_s:.0f} MB/s")
+
+
+@main.command("convert")
+@click.argument("packed", type=click.Path(exists=True))
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
+@click.option("-o", "--out", type=click.Path(),
+              help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@library_errors
+def convert_command(packed, fmt, out, force, workers):
+    """Convert the packed dataset PACKED to another format, byte for byte.
+
+    Reads PACKED only: the folder it was packed from is not needed.
+    """
+    from .convert import convert
+
+    report_pack(convert(packed, fmt, out, workers=workers, force=force), verb="converted")
 
 
 @main.command("info")
@@ -122,6 +140,9 @@ def info_command(packed, as_json):
     shown = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
     click.echo(f"  classes: {len(facts['classes'])} ({shown})")
     click.echo(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")
+    origin = facts["params"].get("converted_from")
+    if origin:
+        click.echo(f"  converted from: {origin['path']} ({origin['format']})")
     click.echo(f"  parameters: {json.dumps(facts['params'])}")
     click.echo(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:

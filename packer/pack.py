@@ -21,7 +21,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from multiprocessing import Pool
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -83,28 +83,45 @@ def load_file(path: str, level: str) -> Loaded:
     return Loaded(data, checksum(data), None)
 
 
-def load_in_order(paths: list[str], level: str, workers: int) -> Iterator[Loaded]:
-    """Loaded files in input order, read by `workers` processes with bounded look-ahead."""
-    load = functools.partial(load_file, level=level)
+def load_in_order(jobs: list, load: Callable[[Any], Loaded], workers: int,
+                  chunk: int = CHUNK) -> Iterator[Loaded]:
+    """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
+
+    load must be picklable; each worker receives it once, so it may keep state (open
+    readers) for the life of the pool.
+    """
     if workers <= 1:
-        yield from map(load, paths)
+        yield from map(load, jobs)
         return
-    window = threading.BoundedSemaphore(workers * CHUNK * 4)
+    window = threading.BoundedSemaphore(workers * chunk * 4)
 
     def feed():
-        for p in paths:
+        for job in jobs:
             window.acquire()  # Pool's feeder thread blocks here: no unbounded read-ahead
-            yield p
+            yield job
 
-    pool = Pool(workers)
+    pool = Pool(workers, initializer=_set_worker_load, initargs=(load,))
     try:
-        for loaded in pool.imap(load, feed(), chunksize=CHUNK):
+        for loaded in pool.imap(_worker_load, feed(), chunksize=chunk):
             window.release()
             yield loaded
         pool.close()
     finally:
         pool.terminate()
         pool.join()
+
+
+# Set once in each pool worker, so that load is not pickled again with every task.
+_load: Callable[[Any], Loaded] | None = None
+
+
+def _set_worker_load(load: Callable[[Any], Loaded]) -> None:
+    global _load
+    _load = load
+
+
+def _worker_load(job) -> Loaded:
+    return _load(job)
 
 
 class Progress:
@@ -165,7 +182,6 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     if check not in CHECKS:
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
     start = time.perf_counter()
-    module = FORMATS[fmt]
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or default_workers()
     removed = remove_stale(out)
@@ -173,15 +189,28 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
     if shuffles is not None:
         params["shuffle_seed"] = seed
+
+    def metadata(skipped: list, splits: dict) -> Metadata:
+        return Metadata(format=fmt, classes=source.classes, splits=splits, source=source.root,
+                        created=now_utc(), packer_version=__version__, params=params, skipped=skipped)
+
+    meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
+        writer, source, check, on_error, workers, progress, seed, metadata))
+    return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
+
+
+def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
+                  fill: Callable[[Any], Metadata]) -> Metadata:
+    """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
+
+    On any error the writer is aborted and nothing appears at out (packer.output.staged).
+    """
+    module = FORMATS[fmt]
     with staged(out, force, directory=module.DIRECTORY) as stage:
         writer = None
         try:
             writer = module.Writer(stage, options or {})
-            meta = write_source(writer, source, check, on_error, workers, progress, seed,
-                                lambda skipped, splits: Metadata(
-                                    format=fmt, classes=source.classes, splits=splits, source=source.root,
-                                    created=now_utc(), packer_version=__version__, params=params,
-                                    skipped=skipped))
+            meta = fill(writer)
             writer.finish(meta)
         except BaseException as exc:
             if writer is not None:
@@ -192,25 +221,40 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                                 "nothing was written at OUT (free some space or choose -o elsewhere)",
                                 out) from exc
             raise
-    return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
+    return meta
 
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None,
                  make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
-    """Stream every split of source through writer; return the metadata to store."""
-    names = sorted(source.splits)
-    orders = {n: write_order(len(source.splits[n]), n, seed) for n in names}
-    all_paths = [os.path.join(source.root, source.splits[n].paths[int(i)])
-                 for n in names for i in (range(len(source.splits[n])) if orders[n] is None else orders[n])]
-    loaded = load_in_order(all_paths, check, workers)
-    bar = Progress(len(all_paths), progress)
+    """Stream every split of the source folder through writer; return the metadata to store."""
+    listings = {name: source.splits[name] for name in sorted(source.splits)}
+    orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
+    all_paths = [os.path.join(source.root, listing.paths[i])
+                 for name, listing in listings.items() for i in split_order(len(listing), orders[name])]
+    loaded = load_in_order(all_paths, functools.partial(load_file, level=check), workers)
+    return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, make_metadata,
+                          orders)
+
+
+def split_order(count: int, order: np.ndarray | None):
+    """The ImageFolder indexes of a split in the order they are written."""
+    return range(count) if order is None else order.tolist()
+
+
+def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, loaded: Iterator[Loaded],
+                   on_error: str, progress: bool | None,
+                   make_metadata: Callable[[list, dict], Metadata],
+                   orders: dict[str, np.ndarray | None] | None = None) -> Metadata:
+    """Write each split's records, taking their bytes from loaded in write order."""
+    orders = orders or {}
+    bar = Progress(sum(len(listing) for listing in listings.values()), progress)
     skipped: list[dict] = []
     splits: dict[str, SplitInfo] = {}
     try:
-        for name in names:
-            splits[name] = write_split(writer, name, source.splits[name], len(source.classes),
-                                       loaded, on_error, skipped, bar, orders[name])
+        for name, listing in listings.items():
+            splits[name] = write_split(writer, name, listing, n_classes, loaded, on_error, skipped, bar,
+                                       orders.get(name))
     finally:
         bar.close()
         loaded.close()
@@ -223,7 +267,7 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
     first_skipped = len(skipped)
-    for i in (range(len(listing)) if order is None else order.tolist()):
+    for i in split_order(len(listing), order):
         relpath = listing.paths[i]
         item = next(loaded)
         if item.reason is not None:
