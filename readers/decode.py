@@ -101,9 +101,10 @@ def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int
                                           min_width=-(-header[1] // k))
         except ValueError as exc:
             raise CorruptDataError(f"{where or 'image'}: cannot decode JPEG ({exc})", where) from exc
+    # np.array, not asarray: Pillow's buffer is read-only and torch warns on such arrays.
     if min_size:
-        return np.asarray(_decode_pil_draft(data, where, min_size))
-    return np.asarray(decode_pil(data, where))
+        return np.array(_decode_pil_draft(data, where, min_size))
+    return np.array(decode_pil(data, where))
 
 
 def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int]) -> Image.Image:
