@@ -26,7 +26,12 @@ def collate(batch, pin_memory: bool = False):
     if not isinstance(first, (torch.Tensor, np.ndarray)):
         return default_collate(batch)
     images = [torch.as_tensor(sample[0]) for sample in batch]
-    return stack(images, pin_memory), torch.as_tensor([sample[1] for sample in batch], dtype=torch.int64)
+    labels = [sample[1] for sample in batch]
+    if all(isinstance(label, int) for label in labels):
+        labels = torch.tensor(labels, dtype=torch.int64)
+    else:
+        labels = default_collate(labels)
+    return stack(images, pin_memory), labels
 
 
 def stack(images: list, pin_memory: bool = False) -> torch.Tensor:

@@ -90,8 +90,16 @@ class Loader(tud.DataLoader):
         return super().__iter__()
 
 
-def _is_cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda"
+def _device_type(device) -> str | None:
+    if device is None:
+        return None
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"make_loader: device must be None, 'cpu', 'cuda' or 'cuda:N', not {str(device)!r}")
+    return kind
 
 
 def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, workers: int | None = None,
@@ -121,9 +129,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         workers = default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"make_loader: workers must be an int >= 0, got {workers!r}")
-    cuda = _is_cuda(device)
-    if device is not None and torch.device(device).type not in ("cuda", "cpu"):
-        raise ValueError(f"make_loader: device must be None, 'cpu', 'cuda' or 'cuda:N', not {str(device)!r}")
+    cuda = _device_type(device) == "cuda"
     if cuda and not torch.cuda.is_available():
         raise RuntimeError(f"make_loader: device={str(device)!r} but CUDA is not available (torch "
                            f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
