@@ -119,8 +119,9 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             divided by LOCAL_WORLD_SIZE.
         seed: DistributedSampler's shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
-        gpu_decode: a callable turning a list of JPEG bytes into a uint8 image batch on the
-            GPU (readers.nvjpeg.GPUDecoder); the dataset must yield raw bytes.
+        gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
+            RandomResizedCrop(224) / CenterCrop(224) by `train`, or a readers.nvjpeg.GPUDecoder.
+            The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -134,8 +135,15 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         raise RuntimeError(f"make_loader: device={str(device)!r} but CUDA is not available (torch "
                            f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
                            f"pass device=None or 'cpu'")
-    if gpu_decode is not None and not cuda:
+    if gpu_decode is not None and gpu_decode is not False and not cuda:
         raise ValueError("make_loader: gpu_decode decodes on the GPU and needs device='cuda'")
+    if gpu_decode is True:
+        from .nvjpeg import GPUDecoder
+        from .transforms import CenterCrop, RandomResizedCrop
+
+        gpu_decode = GPUDecoder(RandomResizedCrop(224) if train else CenterCrop(224), device)
+    elif gpu_decode is False:
+        gpu_decode = None
 
     if persistent_workers is None:
         persistent_workers = workers > 0

@@ -69,8 +69,11 @@ def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Antialiased bilinear resize of a CxHxW uint8 tensor; a contiguous copy out."""
     if tuple(image.shape[-2:]) == tuple(size):
         return image.contiguous()
-    return F.interpolate(image.unsqueeze(0), size=size, mode="bilinear", align_corners=False,
-                         antialias=True)[0].contiguous()
+    if image.device.type == "cpu":  # torch has a dedicated uint8 kernel on the CPU (Pillow's algorithm)
+        return F.interpolate(image.unsqueeze(0), size=size, mode="bilinear", align_corners=False,
+                             antialias=True)[0].contiguous()
+    out = F.interpolate(image.unsqueeze(0).float(), size=size, mode="bilinear", align_corners=False, antialias=True)
+    return out[0].round_().clamp_(0, 255).to(torch.uint8)
 
 
 def _pair(size) -> tuple[int, int]:
