@@ -67,6 +67,30 @@ CASES = {
 }
 
 
+def through_one_worker(folder: str, repeats: int) -> dict:
+    """img/s of one DataLoader worker (make_loader, LMDB): bare decode vs decode + RandomResizedCrop(224)."""
+    from packer.pack import pack
+    from readers import LMDBDataset, make_loader
+
+    packed = pack(folder, "lmdb", tempfile.mkdtemp(prefix="decode-bench-") + "/data.lmdb", progress=False).out
+    datasets = {
+        "1 worker, LMDB: bare decode (decode='numpy', as uint8 tensor)":
+            LMDBDataset(packed, decode="tensor", transform=lambda t: t[:, :1, :1].clone()),
+        "1 worker, LMDB: decode + RandomResizedCrop(224) + flip (decode='raw')":
+            LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224)),
+    }
+    loaders = {name: make_loader(ds, 32, workers=1, train=False) for name, ds in datasets.items()}
+    times = {name: [] for name in loaders}
+    for name, loader in loaders.items():
+        list(loader)  # start the persistent worker, warm the page cache
+    for _ in range(repeats):
+        for name, loader in loaders.items():
+            start = time.perf_counter()
+            n = sum(len(labels) for _, labels in loader)
+            times[name].append(time.perf_counter() - start)
+    return {name: n / statistics.median(t) for name, t in times.items()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("folder", nargs="?")
@@ -93,6 +117,7 @@ def main(argv=None):
                 fn(data)
             times[name].append(time.perf_counter() - start)
     results = {name: len(datas) / statistics.median(t) for name, t in times.items()}
+    results.update(through_one_worker(folder, args.repeats))
     env = {"images": len(datas), "folder": folder, "mean_bytes": int(np.mean([len(d) for d in datas])),
            "python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor(),
            "threads": 1, "cache": "warm (files read into memory first)"}
