@@ -14,6 +14,7 @@ DataLoader's per-worker seeding applies and a seeded run draws what
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -25,6 +26,13 @@ from .decode import decode_array, image_size
 BYTES_TYPES = (bytes, bytearray, memoryview)
 
 
+@functools.lru_cache(maxsize=16)
+def _log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
+    # torchvision takes the logs in float32; the same rounding keeps the draws identical.
+    lo, hi = torch.log(torch.tensor(ratio)).tolist()
+    return lo, hi
+
+
 def random_resized_crop_params(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
                                generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
     """(top, left, h, w) drawn as torchvision's RandomResizedCrop.get_params draws them.
@@ -33,10 +41,10 @@ def random_resized_crop_params(height: int, width: int, scale=(0.08, 1.0), ratio
     `ratio`; if none fits, the largest centred crop whose ratio lies within `ratio`.
     """
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
+    log_lo, log_hi = _log_ratio(tuple(ratio))
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=generator)).item()
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
