@@ -141,16 +141,23 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
     with staged(out, force, directory=module.DIRECTORY) as stage:
-        writer = module.Writer(stage, options or {})
+        writer = None
         try:
+            writer = module.Writer(stage, options or {})
             meta = write_source(writer, source, check, on_error, workers, progress,
                                 lambda skipped, splits: Metadata(
                                     format=fmt, classes=source.classes, splits=splits, source=source.root,
                                     created=now_utc(), packer_version=__version__, params=params,
                                     skipped=skipped))
             writer.finish(meta)
-        except BaseException:
-            writer.abort()
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if isinstance(exc, Exception) and not isinstance(exc, PackError):
+                # Disk full, quota, I/O error: say where, and that OUT was left untouched.
+                raise PackError(f"{out}: writing the {fmt} dataset failed ({type(exc).__name__}: {exc}); "
+                                "nothing was written at OUT (free some space or choose -o elsewhere)",
+                                out) from exc
             raise
     return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
 

@@ -86,8 +86,8 @@ def verify(path: str, against: str | None = None, check: str = "full",
         source = scan_source(against)
         root = source.root
         compare_listings(path, meta, source, report)
-    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, info.count), check, root)
-             for split, info in meta.splits.items() for start in range(0, info.count, BLOCK)]
+    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, s.count), check, root)
+             for split, s in meta.splits.items() for start in range(0, s.count, BLOCK)]
     workers = min(workers or default_workers(), max(len(tasks), 1))
     if workers <= 1:
         for task in tasks:
