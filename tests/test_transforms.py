@@ -223,3 +223,23 @@ def test_bad_arguments_are_refused():
         RandomResizedCrop(224, scale=(1.0, 0.5))
     with pytest.raises(ValueError, match="resize >= 300"):
         CenterCrop(300, resize=256)(encode(100, 100))
+
+
+def test_every_file_of_a_tricky_tree_becomes_a_fixed_size_rgb_crop(image_tree):
+    from readers import FolderDataset
+
+    for transform in (RandomResizedCrop(32), CenterCrop(32, 36)):
+        dataset = FolderDataset(str(image_tree), decode="raw", transform=transform)
+        shapes = {tuple(dataset[i][0].shape) for i in range(len(dataset))}
+        assert shapes == {(3, 32, 32)}
+
+
+def test_a_broken_file_is_named_in_the_error(bad_tree):
+    from packer.errors import CorruptDataError
+    from readers import FolderDataset
+
+    dataset = FolderDataset(str(bad_tree), decode="raw", transform=RandomResizedCrop(32))
+    index = list(dataset.paths).index("bad/truncated.jpg")
+    with pytest.raises(CorruptDataError, match=r"bad/truncated\.jpg: cannot decode") as info:
+        dataset[index]
+    assert info.value.path.endswith("bad/truncated.jpg")
