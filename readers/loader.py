@@ -137,6 +137,10 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
                            f"pass device=None or 'cpu'")
     if gpu_decode is not None and gpu_decode is not False and not cuda:
         raise ValueError("make_loader: gpu_decode decodes on the GPU and needs device='cuda'")
+    if gpu_decode not in (None, False) and (getattr(dataset, "decode", "raw") != "raw"
+                                            or getattr(dataset, "transform", None) is not None):
+        raise ValueError("make_loader: with gpu_decode the workers only read bytes and the GPU decodes and "
+                         "transforms them; build the dataset with decode='raw' and no transform")
     if gpu_decode is True:
         from .nvjpeg import GPUDecoder
         from .transforms import CenterCrop, RandomResizedCrop

@@ -179,3 +179,15 @@ def test_device_and_stats_wrap_the_loader():
     assert len(result) == 2
     images, labels = next(iter(result))
     assert images.dtype == torch.float32 and labels.dtype == torch.int64
+
+
+def test_an_initialised_process_group_is_detected(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert L.distributed() == (0, 1)
+        assert isinstance(make_loader(Numbers(), 2, workers=0).sampler, tud.RandomSampler)  # one rank: no split
+    finally:
+        dist.destroy_process_group()
+    assert L.distributed() == (0, 1)

@@ -22,6 +22,19 @@ def test_make_loader_gpu_decode_needs_a_cuda_device():
     assert make_loader([(b"", 0)], 1, workers=0, gpu_decode=False) is not None
 
 
+def test_make_loader_gpu_decode_needs_a_raw_dataset(monkeypatch, tmp_path):
+    from readers import FolderDataset, RandomResizedCrop
+    import readers.loader
+
+    monkeypatch.setattr(readers.loader.torch.cuda, "is_available", lambda: True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.jpg").write_bytes(b"\xff\xd8\xff")
+    for dataset in (FolderDataset(str(tmp_path), decode="pil"),
+                    FolderDataset(str(tmp_path), decode="raw", transform=RandomResizedCrop(8))):
+        with pytest.raises(ValueError, match="decode='raw' and no transform"):
+            make_loader(dataset, 1, workers=0, device="cuda", gpu_decode=True)
+
+
 def test_gpu_decoder_batches_jpegs_and_falls_back_per_file(monkeypatch):
     """The batching and fallback logic, with a stand-in for torchvision's decode_jpeg that
     decodes on the CPU, refuses one file, and fails whole batches that hold it (as nvJPEG does)."""
