@@ -65,7 +65,8 @@ def image_size(data: bytes, where: str | None = None) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as im:  # lazy: reads the header only
             return im.height, im.width
     except Exception as exc:
-        raise CorruptDataError(f"{where or 'image'}: cannot read image header ({type(exc).__name__}: {exc})", where) from exc
+        raise CorruptDataError(f"{where or 'image'}: cannot read image header ({type(exc).__name__}: {exc})",
+                               where) from exc
 
 
 def dct_factor(height: int, width: int, min_size: tuple[int, int] | None) -> int:

@@ -139,8 +139,8 @@ class RandomResizedCrop:
         return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
 
     def __repr__(self) -> str:
-        return (f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={tuple(round(r, 4) for r in self.ratio)}, "
-                f"flip={self.flip}, dct={self.dct})")
+        ratio = tuple(round(r, 4) for r in self.ratio)
+        return f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={ratio}, flip={self.flip}, dct={self.dct})"
 
 
 def resized_size(height: int, width: int, short: int) -> tuple[int, int]:

@@ -49,7 +49,8 @@ def test_waits_and_steps_are_measured():
 def test_a_starved_loop_is_warned_once_with_advice():
     clock = Clock()
     stats = LoaderStats(scripted(clock, [0.05] * 40), clock=clock, warmup=2, window=10, threshold=0.2)
-    with pytest.warns(LoaderWarning, match=r"waited for data 50% .*GPU is waiting for data.*more workers \(now 3\)") as record:
+    advice = r"waited for data 50% .*GPU is waiting for data.*more workers \(now 3\)"
+    with pytest.warns(LoaderWarning, match=advice) as record:
         run(stats, clock, 0.05)
     assert len(record) == 1
 

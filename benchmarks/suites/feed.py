@@ -16,7 +16,6 @@ the plumbing, not a measurement of the claim).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -114,7 +113,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
-        args.images, args.batch, args.steps, args.warmup = min(args.images, 96), min(args.batch, 8), min(args.steps, 6), 2
+        args.images, args.batch = min(args.images, 100), min(args.batch, 8)
+        args.steps, args.warmup = min(args.steps, 6), 2
     work = tempfile.mkdtemp(prefix="feed-bench-")
     make_corpus(os.path.join(work, "src"), classes=100, per_class=max(1, args.images // 100),
                 workers=os.cpu_count() or 1)
