@@ -1,10 +1,15 @@
-"""What training code imports: Datasets over packed data and raw folders."""
+"""What training code imports: Datasets over packed data and raw folders, and the loader that feeds a GPU."""
 from __future__ import annotations
 
-from .decode import decode_array, decode_pil, decode_tensor
+from .collate import collate
+from .decode import decode_array, decode_pil, decode_tensor, image_size
 from .folder import FolderDataset
+from .gpu import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
 from .hdf5 import HDF5Dataset
 from .lmdb import LMDBDataset
+from .loader import make_loader
+from .stats import LoaderStats, LoaderWarning
+from .transforms import CenterCrop, RandomResizedCrop
 from .wds import WDSDataset, WDSMapDataset
 
 # The map-style (random access) Dataset of each packed format, by its CLI name.
@@ -18,5 +23,9 @@ def open_dataset(path, split=None, **kwargs):
     return MAP_DATASETS[detect_format(path)](path, split, **kwargs)
 
 
-__all__ = ["MAP_DATASETS", "FolderDataset", "HDF5Dataset", "LMDBDataset", "WDSDataset", "WDSMapDataset",
-           "decode_array", "decode_pil", "decode_tensor", "open_dataset"]
+__all__ = [
+    "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "CUDAPrefetcher", "CenterCrop", "FolderDataset",
+    "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop", "WDSDataset",
+    "WDSMapDataset", "collate", "decode_array", "decode_pil", "decode_tensor", "image_size", "make_loader",
+    "open_dataset",
+]
