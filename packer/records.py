@@ -7,7 +7,6 @@ metadata is UTF-8 JSON, paths are NUL-separated UTF-8, arrays are little-endian.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence

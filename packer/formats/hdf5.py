@@ -35,8 +35,9 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, checksum, choose_split, encode_path
+from ..records import Metadata, PathTable, encode_path
 from . import _handle
+from ._reader import SplitReader
 
 EXTENSION = ".h5"
 DIRECTORY = False
@@ -155,7 +156,7 @@ def read_metadata(path: str) -> Metadata:
     return Metadata.from_json(raw, path)
 
 
-class Reader(_handle.LazyHandle):
+class Reader(SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork.
 
     The h5py file is opened on first access in each process (never used across fork) and
@@ -166,19 +167,11 @@ class Reader(_handle.LazyHandle):
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not an HDF5 file", path)
-        self.path = os.path.abspath(path)
-        self.metadata = read_metadata(self.path)
-        self.split = choose_split(list(self.metadata.splits), split, self.path)
-        self.classes = self.metadata.classes
-        self.count = self.metadata.splits[self.split].count
-        self.check_crc = check_crc
+        super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
         self._offsets: np.ndarray | None = None
         self._crcs: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
-
-    def __len__(self) -> int:
-        return self.count
 
     def _open(self):
         f = _handle.acquire(self.path, open_file, close_file)
@@ -191,9 +184,6 @@ class Reader(_handle.LazyHandle):
 
     def _close(self, handle) -> None:
         _handle.release(self.path)
-
-    def where(self, index: int) -> str:
-        return f"{self.path} record {self.split}/{index}"
 
     def _array(self, name: str, length: int, dtype: str) -> np.ndarray:
         f, _ = self.handle()
@@ -221,15 +211,12 @@ class Reader(_handle.LazyHandle):
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of record index."""
-        if not 0 <= index < self.count:
-            raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} records")
+        self.check_index(index)
         offsets, crcs = self.index()
         start, stop = int(offsets[index]), int(offsets[index + 1])
         data = read_bytes(self.handle()[1], start, stop, self.where(index))
         relpath = self.paths[index]
-        if self.check_crc and checksum(data) != crcs[index]:
-            raise CorruptDataError(f"{self.where(index)} ({relpath}): checksum mismatch, the stored image "
-                                   "is damaged (run packer verify; re-pack from the source)", self.path)
+        self.check_data(data, int(crcs[index]), f"{self.where(index)} ({relpath})")
         return data, int(self.labels[index]), relpath
 
     @property

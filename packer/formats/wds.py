@@ -34,8 +34,9 @@ import re
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, checksum, choose_split
-from . import _handle, _tar
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
+from . import _tar
+from ._reader import SplitReader
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -200,7 +201,7 @@ class Writer:
             self.file = None
 
 
-class Reader(_handle.LazyHandle):
+class Reader(SplitReader):
     """Random access to one split's samples in ImageFolder order: one pread per sample.
 
     The handle is a dict of open shard descriptors, opened as samples need them.
@@ -209,22 +210,15 @@ class Reader(_handle.LazyHandle):
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} inside)", path)
-        self.path = os.path.abspath(path)
-        index = load_index(self.path)
-        self.metadata = Metadata.from_json(json.dumps(index), os.path.join(self.path, INDEX))
-        self.split = choose_split(list(self.metadata.splits), split, self.path)
-        self.classes = self.metadata.classes
-        self.count = self.metadata.splits[self.split].count
+        index = load_index(os.path.abspath(path))
+        metadata = Metadata.from_json(json.dumps(index), os.path.join(os.path.abspath(path), INDEX))
+        super().__init__(path, split, check_crc, metadata)
         entry = index["wds"]["splits"][self.split]
         self.shards = [s["name"] for s in entry["shards"]]
         self.tables = (entry["records"], entry["paths"])
-        self.check_crc = check_crc
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
-
-    def __len__(self) -> int:
-        return self.count
 
     @property
     def records(self) -> np.ndarray:
@@ -259,8 +253,7 @@ class Reader(_handle.LazyHandle):
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of sample index in ImageFolder order."""
-        if not 0 <= index < self.count:
-            raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} samples")
+        self.check_index(index)
         shard, crc, offset, size, label = self.records[index].tolist()
         relpath = self.paths[index]
         fds = self.handle()
@@ -271,9 +264,7 @@ class Reader(_handle.LazyHandle):
         if len(data) != size:
             raise CorruptDataError(f"{where}: shard truncated, {size} bytes expected at byte {offset} "
                                    "(re-pack, or restore the shard from a copy)", self.path)
-        if self.check_crc and checksum(data) != crc:
-            raise CorruptDataError(f"{where}: checksum mismatch, the stored image is damaged "
-                                   "(run packer verify; re-pack from the source)", self.path)
+        self.check_data(data, crc, where)
         return data, label, relpath
 
 
