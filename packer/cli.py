@@ -55,6 +55,33 @@ def main():
     """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""
 
 
+def shard_options(command):
+    """The options that only the wds writer takes (pack and convert share them)."""
+    for option in reversed([
+        click.option("--shard-size", type=ByteSize(), help="wds: start a new shard before one would exceed "
+                     "this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB]."),
+        click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard."),
+        click.option("--shuffle-seed", type=click.IntRange(min=0),
+                     help="wds: write samples in the permutation this seed gives [default: 0]."),
+        click.option("--no-shuffle", is_flag=True, help="wds: write samples in ImageFolder order."),
+    ]):
+        command = option(command)
+    return command
+
+
+def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict:
+    """pack()/convert() keyword arguments from the shard options, refusing them for other formats."""
+    wds_only = {"--shard-size": shard_size, "--max-count": max_count, "--shuffle-seed": shuffle_seed,
+                "--no-shuffle": no_shuffle or None}
+    given = [name for name, value in wds_only.items() if value is not None]
+    if given and fmt != "wds":
+        raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
+    if shuffle_seed is not None and no_shuffle:
+        raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
+    options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
+    return {"options": options, "shuffle": False if no_shuffle else None, "shuffle_seed": shuffle_seed or 0}
+
+
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
@@ -65,25 +92,12 @@ def main():
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
               help="header: format, header and end marker; full: decode every image; none.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--shard-size", type=ByteSize(), help="wds: start a new shard before one would exceed this: "
-              "1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB].")
-@click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard.")
-@click.option("--shuffle-seed", type=click.IntRange(min=0),
-              help="wds: write samples in the permutation this seed gives [default: 0].")
-@click.option("--no-shuffle", is_flag=True, help="wds: write samples in ImageFolder order.")
+@shard_options
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, force, shard_size, max_count, shuffle_seed, no_shuffle):
+def pack_command(src, fmt, out, workers, on_error, check, force, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
-    wds_only = {"--shard-size": shard_size, "--max-count": max_count, "--shuffle-seed": shuffle_seed,
-                "--no-shuffle": no_shuffle or None}
-    given = [name for name, value in wds_only.items() if value is not None]
-    if given and fmt != "wds":
-        raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
-    if shuffle_seed is not None and no_shuffle:
-        raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
-    options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
-    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force, options=options,
-                  shuffle=False if no_shuffle else None, shuffle_seed=shuffle_seed or 0)
+    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
+                  **writer_options(fmt, **shards))
     report_pack(result)
 
 
@@ -108,15 +122,17 @@ def report_pack(result: PackResult, verb: str = "packed") -> None:
               help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers):
+def convert_command(packed, fmt, out, force, workers, **shards):
     """Convert the packed dataset PACKED to another format, byte for byte.
 
     Reads PACKED only: the folder it was packed from is not needed.
     """
     from .convert import convert
 
-    report_pack(convert(packed, fmt, out, workers=workers, force=force), verb="converted")
+    report_pack(convert(packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards)),
+                verb="converted")
 
 
 @main.command("info")

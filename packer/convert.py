@@ -14,7 +14,8 @@ from . import __version__
 from .errors import PackError
 from .formats import FORMATS, detect_format, open_reader, read_metadata
 from .output import remove_stale
-from .pack import Loaded, PackResult, default_workers, load_in_order, now_utc, write_dataset, write_listings
+from .pack import (Loaded, PackResult, default_workers, load_in_order, now_utc, shuffle_seed_for, split_order,
+                   write_dataset, write_listings, write_order)
 from .records import Metadata, checksum
 from .scan import SplitListing
 
@@ -62,10 +63,13 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
 
 
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
-            force: bool = False, progress: bool | None = None, options: dict | None = None) -> PackResult:
-    """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes."""
-    if fmt not in FORMATS:
-        raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+            force: bool = False, progress: bool | None = None, options: dict | None = None,
+            shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+    """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
+
+    shuffle and shuffle_seed as for pack(): wds output is shuffled by default.
+    """
+    seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     start = time.perf_counter()
     packed = os.path.abspath(packed)
     src_fmt = detect_format(packed)
@@ -83,10 +87,13 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
             listings[split] = SplitListing(reader.paths, reader.labels, info.labeled)
         finally:
             reader.close()
-    jobs = [(split, i) for split, listing in listings.items() for i in range(len(listing))]
+    orders = {split: write_order(len(listing), split, seed) for split, listing in listings.items()}
+    jobs = [(split, i) for split, listing in listings.items() for i in split_order(len(listing), orders[split])]
     params = {"format": fmt, "workers": workers, **(options or {}),
               "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
                                  "params": src_meta.params}}
+    if hasattr(FORMATS[fmt], "SHUFFLE"):
+        params["shuffle_seed"] = seed
 
     def metadata(skipped: list, splits: dict) -> Metadata:
         return Metadata(format=fmt, classes=src_meta.classes, splits=splits, source=src_meta.source,
@@ -97,7 +104,8 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
         load = RecordLoader(packed)
         try:
             loaded = load_in_order(jobs, load, workers, chunk=RECORD_CHUNK)
-            return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata)
+            return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata,
+                                  orders)
         finally:
             load.close()
 

@@ -158,14 +158,11 @@ def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
     return np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(count)
 
 
-def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
-         on_error: str = "fail", check: str = "header", force: bool = False,
-         progress: bool | None = None, options: dict | None = None,
-         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
-    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
+def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int | None:
+    """The seed fmt is written shuffled with, or None for ImageFolder order.
 
-    shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
-    None means the format's default (on for wds, which is the only format that takes it).
+    shuffle=None means the format's default (its SHUFFLE flag; formats without one store
+    samples for random access and refuse shuffle=True).
     """
     if fmt not in FORMATS:
         raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
@@ -177,6 +174,19 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     seed = shuffle_seed if (shuffles if shuffle is None else shuffle) else None
     if seed is not None and seed < 0:
         raise PackError(f"shuffle_seed must be a non-negative integer, not {seed}")
+    return seed
+
+
+def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
+         on_error: str = "fail", check: str = "header", force: bool = False,
+         progress: bool | None = None, options: dict | None = None,
+         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
+
+    shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
+    None means the format's default (on for wds, which is the only format that takes it).
+    """
+    seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
@@ -187,7 +197,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     removed = remove_stale(out)
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
-    if shuffles is not None:
+    if hasattr(FORMATS[fmt], "SHUFFLE"):
         params["shuffle_seed"] = seed
 
     def metadata(skipped: list, splits: dict) -> Metadata:

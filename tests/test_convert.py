@@ -132,3 +132,24 @@ def test_failure_midway_keeps_the_previous_output(image_tree, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         convert(str(source), "hdf5", str(out), workers=1, progress=False, force=True)
     assert out.read_bytes() == before and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("shuffle", [None, False])
+def test_converting_to_wds_shuffles_like_pack_does(image_tree, tmp_path, shuffle):
+    lmdb = packed(image_tree, "lmdb", tmp_path)
+    direct = tmp_path / "direct.wds"
+    pack(str(image_tree), "wds", str(direct), progress=False, workers=1, shuffle=shuffle)
+    converted = convert(str(lmdb), "wds", str(tmp_path / "conv.wds"), workers=1, progress=False, shuffle=shuffle)
+    assert converted.metadata.params["shuffle_seed"] == (None if shuffle is False else 0)
+    # Same seed, same records: the shards hold the same bytes in the same order as a direct pack.
+    for name in sorted(p.relative_to(direct) for p in direct.rglob("*.tar")):
+        assert (direct / name).read_bytes() == (tmp_path / "conv.wds" / name).read_bytes()
+
+
+def test_convert_refuses_shard_options_for_other_formats(image_tree, tmp_path):
+    lmdb = packed(image_tree, "lmdb", tmp_path)
+    result = CliRunner().invoke(main, ["convert", str(lmdb), "--to", "hdf5", "--shard-size", "1MB"])
+    assert result.exit_code == 2 and "only for --to wds" in result.stderr
+    result = CliRunner().invoke(main, ["convert", str(lmdb), "--to", "wds", "--max-count", "5", "--no-shuffle"])
+    assert result.exit_code == 0, result.output
+    assert read_metadata(str(lmdb)[:-5] + ".wds").params["max_count"] == 5
