@@ -43,6 +43,24 @@ def generate(folder: str, n: int, seed: int, workers: int) -> None:
     make_corpus(folder, classes=classes, per_class=per_class, seed=seed, workers=workers)
 
 
+def reuse_corpus(folder: str, n: int, seed: int) -> None:
+    """Generate the corpus into folder unless a --keep'd workdir already holds this exact one."""
+    stamp = folder + ".json"
+    want = {"images": n, "seed": seed, "shape": corpus_shape(n)}
+    if os.path.isdir(folder):
+        try:
+            with open(stamp) as f:
+                if json.load(f) == json.loads(json.dumps(want)):
+                    log(f"reusing the corpus in {folder}")
+                    return
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(folder)
+    generate(folder, n, seed, max(1, machine.usable_cpus()))
+    with open(stamp, "w") as f:
+        json.dump(want, f)
+
+
 def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: str) -> list[dict]:
     """Run each group of cases in one fresh process; a crashed process fails only its cases."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
@@ -92,8 +110,7 @@ def run(args) -> dict:
             folder, generated = os.path.abspath(args.data), False
         else:
             folder, generated = os.path.join(workdir, "corpus"), True
-            if not os.path.isdir(folder):
-                generate(folder, args.generate, args.seed, max(1, machine.usable_cpus()))
+            reuse_corpus(folder, args.generate, args.seed)
         images = len(cache.data_files(folder))
         results = {
             "schema": SCHEMA,
