@@ -52,7 +52,9 @@ def problem(data: bytes, level: str = "header") -> str | None:
         reason = png_problem(data)
     else:
         reason = None
-    if reason is None and (level == "full" or kind not in ("jpeg", "png")):
+    if reason is None and level == "full" and kind == "jpeg":
+        reason = strict_jpeg_problem(data)
+    elif reason is None and (level == "full" or kind != "png"):
         reason = pillow_problem(data, decode=level == "full")
     return reason
 
@@ -102,6 +104,21 @@ def png_problem(data: bytes) -> str | None:
         return "corrupt PNG (zero size in IHDR)"
     if data.rfind(b"IEND", max(0, len(data) - 64)) == -1:
         return "truncated PNG (no IEND chunk)"
+    return None
+
+
+def strict_jpeg_problem(data: bytes) -> str | None:
+    """Decode with libjpeg-turbo in strict mode: unlike Pillow, it reports corrupt scan
+    data (which libjpeg otherwise papers over with grey) instead of warning."""
+    import simplejpeg
+
+    try:
+        colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK/YCCK: Pillow's converter
+            return pillow_problem(data, decode=True)
+        simplejpeg.decode_jpeg(data, strict=True)
+    except ValueError as exc:
+        return f"corrupt JPEG ({exc})"
     return None
 
 

@@ -1,0 +1,122 @@
+"""Seeded image trees built on tmp_path: clean, with splits, with traps, and with bad files."""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def jpeg_bytes(seed: int, size=(64, 48), mode: str = "RGB", fmt: str = "JPEG", quality: int = 90) -> bytes:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    channels = {"RGB": 3, "L": 1, "CMYK": 4}[mode]
+    pixels = rng.integers(0, 256, size=(h, w, channels), dtype=np.uint8)
+    im = Image.fromarray(pixels[:, :, 0] if channels == 1 else pixels, mode)
+    buf = io.BytesIO()
+    im.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def image_tree(tmp_path) -> Path:
+    """SRC/<class>/... with the traps ImageFolder users meet: odd class names, nesting,
+    hidden files, mixed-case extensions, CMYK, grayscale, PNG named .JPEG, non-images."""
+    root = tmp_path / "src"
+    seed = iter(range(1000))
+    for cls in ["cat", "dog house", "v1.2", "ünïcode"]:
+        for i in range(3):
+            write(root / cls / f"img_{i}.JPEG", jpeg_bytes(next(seed)))
+    write(root / "cat" / "nested" / "deeper" / "x.jpg", jpeg_bytes(next(seed)))
+    write(root / "cat" / "UPPER.JPG", jpeg_bytes(next(seed)))
+    write(root / "cat" / "gray.jpeg", jpeg_bytes(next(seed), mode="L"))
+    write(root / "dog house" / "cmyk.jpg", jpeg_bytes(next(seed), mode="CMYK"))
+    write(root / "dog house" / "really_png.JPEG", jpeg_bytes(next(seed), fmt="PNG"))
+    write(root / "v1.2" / "img.v2.final.jpg", jpeg_bytes(next(seed)))
+    write(root / "ünïcode" / "名前 with space.jpg", jpeg_bytes(next(seed)))
+    # Ignored: hidden files and folders, non-image extensions.
+    write(root / "cat" / "._img_0.JPEG", b"\x00\x05\x16\x07 macOS resource fork")
+    write(root / "cat" / ".hidden" / "h.jpg", jpeg_bytes(next(seed)))
+    write(root / ".ipynb_checkpoints" / "z.jpg", jpeg_bytes(next(seed)))
+    write(root / "dog house" / "notes.txt", b"not an image")
+    return root
+
+
+@pytest.fixture
+def split_tree(tmp_path) -> Path:
+    """SRC/{train,val}/<class>/...; val lacks one class, so the class list is the union."""
+    root = tmp_path / "splits"
+    seed = iter(range(2000, 3000))
+    for cls in ["a", "b", "c"]:
+        for i in range(4):
+            write(root / "train" / cls / f"{cls}{i}.jpg", jpeg_bytes(next(seed)))
+    for cls in ["a", "c"]:
+        for i in range(2):
+            write(root / "val" / cls / f"{cls}{i}.jpg", jpeg_bytes(next(seed)))
+    return root
+
+
+@pytest.fixture
+def flat_tree(tmp_path) -> Path:
+    root = tmp_path / "flat"
+    for i in range(5):
+        write(root / f"f{i}.jpg", jpeg_bytes(3000 + i))
+    return root
+
+
+BAD_FILES = {
+    "empty.jpg": b"",
+    "truncated.jpg": None,  # filled in by the fixture: a real JPEG cut in half
+    "text.jpg": b"this is a text file, not a JPEG\n",
+}
+
+
+@pytest.fixture
+def bad_tree(tmp_path) -> Path:
+    """Two good classes plus one bad file of each kind in class 'bad'."""
+    root = tmp_path / "bad"
+    for i in range(3):
+        write(root / "good" / f"g{i}.jpg", jpeg_bytes(4000 + i))
+    good = jpeg_bytes(4100, size=(200, 150))
+    for name, data in BAD_FILES.items():
+        write(root / "bad" / name, data if data is not None else good[: len(good) // 2])
+    # Unreadable: a dangling symlink is listed like a file but cannot be opened (even by root).
+    os.symlink(root / "missing-target.jpg", root / "bad" / "unreadable.jpg")
+    return root
+
+
+@pytest.fixture
+def imagenet_sample() -> Path:
+    path = SHARED_DATA / "imagenet-sample"
+    if not path.is_dir():
+        pytest.skip("../shared/data/imagenet-sample is not present")
+    return path
+
+
+def torchvision_samples(root: Path) -> list[tuple[str, int]]:
+    """ImageFolder's (path, label) list, per torchvision's find_classes + make_dataset, with
+    packer's documented difference: names starting with '.' are ignored."""
+    extensions = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    samples = []
+    for label, cls in enumerate(classes):
+        walked = []
+        for dirpath, dirnames, filenames in os.walk(root / cls, followlinks=True):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            walked.append((dirpath, filenames))
+        for dirpath, filenames in sorted(walked):
+            for name in sorted(filenames):
+                if name.lower().endswith(extensions) and not name.startswith("."):
+                    samples.append((os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"), label))
+    return samples

@@ -1,0 +1,61 @@
+import pytest
+
+from packer.check import problem, sniff
+
+from conftest import jpeg_bytes
+
+
+@pytest.mark.parametrize("level", ["header", "full"])
+@pytest.mark.parametrize("kind", ["RGB", "L", "CMYK", "PNG", "progressive"])
+def test_valid_images_pass(kind, level):
+    if kind == "PNG":
+        data = jpeg_bytes(1, fmt="PNG")
+    elif kind == "progressive":
+        from PIL import Image
+        import io
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(jpeg_bytes(2, size=(120, 90)))).save(buf, "JPEG", progressive=True)
+        data = buf.getvalue()
+    else:
+        data = jpeg_bytes(1, mode=kind)
+    assert problem(data, level) is None
+
+
+def test_trailing_bytes_after_end_marker_are_accepted():
+    assert problem(jpeg_bytes(3) + b"\x00" * 100) is None
+
+
+@pytest.mark.parametrize("level", ["header", "full"])
+@pytest.mark.parametrize("cut", [0.1, 0.5, 0.99])
+def test_truncated_jpeg_is_caught_without_decoding(cut, level):
+    data = jpeg_bytes(4, size=(200, 150))
+    reason = problem(data[: int(len(data) * cut)], level)
+    assert reason is not None and "truncated" in reason
+
+
+def test_truncated_png_is_caught():
+    data = jpeg_bytes(5, size=(100, 80), fmt="PNG")
+    assert "truncated PNG" in problem(data[: len(data) - 30])
+
+
+@pytest.mark.parametrize("data,expected", [
+    (b"", "empty file"),
+    (b"hello, world", "not an image"),
+    (b"\xff\xd8\xff\xe0\x00\x10JFIF", "truncated JPEG"),
+])
+def test_bad_bytes_get_a_reason(data, expected):
+    assert expected in problem(data)
+
+
+def test_full_check_catches_corrupt_scan_data_the_header_check_cannot_see():
+    data = jpeg_bytes(6, size=(160, 120))
+    damaged = data[: len(data) // 2] + b"\xff\xd9"  # cut short, but an end marker re-added
+    assert problem(damaged, "header") is None
+    assert "corrupt JPEG" in problem(damaged, "full")
+
+
+def test_sniff_names_formats():
+    assert sniff(jpeg_bytes(7)) == "jpeg"
+    assert sniff(jpeg_bytes(7, fmt="PNG")) == "png"
+    assert sniff(b"BM" + b"\0" * 20) == "bmp"
+    assert sniff(b"GIF89a") is None

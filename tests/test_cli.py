@@ -1,0 +1,179 @@
+"""The packer command as users run it: exit codes, messages, refusal, crash safety."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from packer.cli import main
+from packer.formats import FORMATS
+
+from conftest import jpeg_bytes, write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_pack_writes_default_output_and_summary(image_tree):
+    result = run("pack", image_tree, "--to", "lmdb", "--workers", "2")
+    assert result.exit_code == 0, result.output
+    out = Path(str(image_tree) + ".lmdb")
+    assert (out / "data.mdb").is_file()
+    assert re.search(r"packed 19 images .* files/s, \d+ MB/s", result.stderr)
+    assert "file/s" not in result.stderr  # no progress bar when stderr is not a terminal
+    assert leftovers(image_tree.parent) == []
+
+
+def test_info_json_is_one_object_for_scripts(split_tree):
+    assert run("pack", split_tree, "--to", "lmdb").exit_code == 0
+    result = run("info", str(split_tree) + ".lmdb", "--json")
+    assert result.exit_code == 0
+    facts = json.loads(result.stdout)
+    assert facts["format"] == "lmdb"
+    assert facts["count"] == 16 and facts["splits"]["train"]["count"] == 12
+    assert facts["classes"] == ["a", "b", "c"]
+    assert facts["splits"]["val"]["class_counts"] == [2, 0, 2]
+    assert facts["skipped"] == [] and facts["bytes"] > 0
+    assert facts["source"] == str(split_tree)
+    human = run("info", str(split_tree) + ".lmdb")
+    assert "split train: 12 images" in human.stdout
+
+
+def test_existing_output_is_refused_without_force(image_tree, tmp_path):
+    out = tmp_path / "out.lmdb"
+    assert run("pack", image_tree, "--to", "lmdb", "-o", out).exit_code == 0
+    before = (out / "data.mdb").read_bytes()
+    refused = run("pack", image_tree, "--to", "lmdb", "-o", out)
+    assert refused.exit_code == 1
+    assert "already exists (pass --force" in refused.stderr
+    assert (out / "data.mdb").read_bytes() == before
+    write(image_tree / "cat" / "new.jpg", jpeg_bytes(99))
+    forced = run("pack", image_tree, "--to", "lmdb", "-o", out, "--force")
+    assert forced.exit_code == 0
+    assert json.loads(run("info", out, "--json").stdout)["count"] == 20
+    assert leftovers(tmp_path) == []
+
+
+def test_bad_file_fails_by_default_naming_it_and_leaves_nothing(bad_tree, tmp_path):
+    out = tmp_path / "bad.lmdb"
+    result = run("pack", bad_tree, "--to", "lmdb", "-o", out, "--workers", "1")
+    assert result.exit_code == 1
+    # The first bad file in ImageFolder order is bad/empty.jpg.
+    assert "bad/empty.jpg: empty file (0 bytes) (pass --on-error skip" in result.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_skip_packs_the_rest_and_records_what_was_skipped(bad_tree, tmp_path):
+    out = tmp_path / "bad.lmdb"
+    result = run("pack", bad_tree, "--to", "lmdb", "-o", out, "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    for name, reason in [("empty.jpg", "empty file"), ("text.jpg", "not an image"),
+                         ("truncated.jpg", "truncated JPEG"), ("unreadable.jpg", "cannot read file")]:
+        assert re.search(rf"skipped bad/{name}: {reason}", result.stderr), result.stderr
+    facts = json.loads(run("info", out, "--json").stdout)
+    assert facts["count"] == 3
+    assert sorted(s["path"] for s in facts["skipped"]) == [
+        "bad/empty.jpg", "bad/text.jpg", "bad/truncated.jpg", "bad/unreadable.jpg"]
+    assert facts["splits"]["all"]["class_counts"] == [0, 3]  # the 'bad' class keeps label 0
+
+
+def test_full_check_is_selectable(bad_tree, tmp_path):
+    result = run("pack", bad_tree, "--to", "lmdb", "-o", tmp_path / "o.lmdb", "--check", "full",
+                 "--on-error", "skip")
+    assert result.exit_code == 0
+    assert json.loads(run("info", tmp_path / "o.lmdb", "--json").stdout)["params"]["check"] == "full"
+
+
+def test_usage_errors_exit_2_and_list_choices(image_tree):
+    result = run("pack", image_tree, "--to", "zip")
+    assert result.exit_code == 2
+    assert "'zip' is not" in result.stderr and "'lmdb'" in result.stderr
+    assert run("pack", image_tree / "nope", "--to", "lmdb").exit_code == 2
+
+
+def test_info_on_a_non_dataset_names_the_path(tmp_path):
+    result = run("info", tmp_path)
+    assert result.exit_code == 1
+    assert f"{tmp_path}: not a packed dataset" in result.stderr
+
+
+def slow_source(tmp_path: Path, n: int = 400) -> Path:
+    src = tmp_path / "slow"
+    for i in range(n):
+        write(src / f"c{i % 4}" / f"{i}.jpg", jpeg_bytes(i, size=(320, 240)))
+    return src
+
+
+def start_pack(src: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "lmdb", "-o", str(out),
+                             "--workers", "1", "--check", "full"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_staging(folder: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while not leftovers(folder):
+        assert proc.poll() is None, "pack finished before it could be interrupted"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
+    src = slow_source(tmp_path)
+    out = tmp_path / "out.lmdb"
+    proc = start_pack(src, out)
+    wait_for_staging(tmp_path, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    assert leftovers(tmp_path), "SIGKILL cannot clean up; the staging folder is expected to remain"
+    result = run("pack", src, "--to", "lmdb", "-o", out)
+    assert result.exit_code == 0
+    assert "left by an interrupted pack" in result.stderr
+    assert leftovers(tmp_path) == [] and (out / "data.mdb").exists()
+
+
+def test_interrupted_pack_removes_its_staging(tmp_path):
+    src = slow_source(tmp_path)
+    out = tmp_path / "out.lmdb"
+    proc = start_pack(src, out)
+    wait_for_staging(tmp_path, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_every_command_and_option_is_documented_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for name, command in main.commands.items():
+        assert f"packer {name}" in readme, f"README lacks `packer {name}`"
+        for param in command.params:
+            for opt in param.opts:
+                if opt.startswith("--"):
+                    assert opt in readme, f"README lacks {opt} of packer {name}"
+    for fmt in FORMATS:
+        assert f"--to {fmt}" in readme or f"`{fmt}`" in readme
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_demo_runs_end_to_end(tmp_path, fmt):
+    result = run("demo", "--dir", tmp_path, "--images", "40", "--to", fmt)
+    assert result.exit_code == 0, result.output
+    assert "records byte-identical to the source" in result.stderr
+    assert re.search(r"FolderDataset\s+\d+ samples/s", result.stdout)
+    assert os.path.isdir(tmp_path / "imagenet-demo")

@@ -1,0 +1,81 @@
+"""The LMDB layout as documented in the README, read with the lmdb package alone."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+
+import lmdb
+import numpy as np
+
+import readers
+from packer import pack
+from packer.formats import lmdb as lmdb_format
+
+
+def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path):
+    out = tmp_path / "s.lmdb"
+    pack(str(split_tree), "lmdb", str(out), progress=False)
+    assert sorted(os.listdir(out)) == ["data.mdb"]  # no lock file: read-only data, lock=False
+    env = lmdb.open(str(out), readonly=True, lock=False)
+    accounted = 0
+    with env.begin() as txn:
+        meta = json.loads(txn.get(b"__meta__"))
+        accounted += 1
+        assert meta["format"] == "lmdb" and meta["format_version"] == 1
+        for split, info in meta["splits"].items():
+            labels = np.frombuffer(txn.get(f"{split}/labels".encode()), "<i4")
+            paths = txn.get(f"{split}/paths".encode()).decode().split("\0")
+            accounted += 2
+            assert len(labels) == len(paths) == info["count"]
+            for i in range(info["count"]):
+                value = txn.get(b"%s/%010d" % (split.encode(), i))
+                crc, label, n = struct.unpack_from("<IiH", value)
+                relpath = value[10:10 + n].decode()
+                image = value[10 + n:]
+                accounted += 1
+                assert zlib.crc32(image) == crc
+                assert (label, relpath) == (labels[i], paths[i])
+                assert image == (split_tree / relpath).read_bytes()
+                assert meta["classes"][label] == relpath.split("/")[1]
+        # Every key is one of the documented ones: nothing else (no pickles) is stored.
+        assert txn.stat()["entries"] == accounted
+
+
+def test_map_grows_past_its_initial_size(image_tree, tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_format, "INITIAL_MAP_SIZE", 64 << 10)
+    monkeypatch.setattr(lmdb_format, "TXN_BYTES", 16 << 10)
+    out = tmp_path / "grown.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    ds = readers.LMDBDataset(out, decode="raw")
+    assert sum(len(ds[i][0]) for i in range(len(ds))) > 64 << 10
+    assert [ds[i][0] for i in range(len(ds))] == [(image_tree / p).read_bytes() for p in ds.paths]
+
+
+def test_forked_child_reopens_instead_of_using_the_inherited_environment(image_tree, tmp_path):
+    out = tmp_path / "f.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False)
+    ds = readers.LMDBDataset(out, decode="raw")
+    expected = [ds[i][0] for i in range(len(ds))]  # the parent's environment is open now
+    other = readers.LMDBDataset(out, decode="raw")  # a second dataset on the same path shares it
+    assert other[1][0] == expected[1]
+    inherited = ds.reader.handle()[0]
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if it reads through a fresh environment of its own
+        ok = [ds[i][0] for i in range(len(ds))] == expected and other[2][0] == expected[2]
+        ok = ok and ds.reader.handle()[0] is not inherited and ds.reader.handle()[0] is other.reader.handle()[0]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ds[0][0] == expected[0]  # the parent's handle still works after the child exited
+
+
+def test_readers_share_one_environment_per_process(image_tree, tmp_path):
+    out = tmp_path / "r.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False)
+    a, b = readers.LMDBDataset(out, decode="raw"), readers.LMDBDataset(out, decode="raw")
+    a[0], b[0]
+    assert a.reader.handle()[0] is b.reader.handle()[0]
+    a.close()
+    assert b[1][0]  # still open for b
