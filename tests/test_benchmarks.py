@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -88,6 +89,20 @@ def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
     assert cache.prepare([str(path)], "warm") == 1.0
     assert cache.verdict("cold", [0.5]) == (False, "eviction did not take effect: 50% of the data stayed cached")
     assert cache.verdict("warm", [1.0])[0] is True
+
+
+def test_eviction_of_a_mapped_file_is_detected_not_assumed(tmp_path):
+    if cache.resident_fraction([]) is None:
+        pytest.skip("mincore not available here")
+    if machine.mount_of(str(tmp_path)).get("fstype") in ("tmpfs", "ramfs"):
+        pytest.skip("a RAM filesystem has no page cache to evict")
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(1 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))  # fault every page in, as LMDB does
+        resident = cache.prepare([str(path)], "cold")
+    assert resident == 1.0  # the kernel keeps pages a process maps
+    assert cache.verdict("cold", [resident])[0] is False
 
 
 def results_with(rate: float, pack_s: float, status: str = "ok") -> dict:
