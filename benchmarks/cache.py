@@ -23,6 +23,7 @@ READ_CHUNK = 8 << 20
 # Below COLD_MAX resident counts as evicted; at or above WARM_MIN as fully cached.
 COLD_MAX = 0.02
 WARM_MIN = 0.98
+CAN_EVICT = hasattr(os, "posix_fadvise")  # Linux and most Unixes; not macOS or Windows
 
 
 def data_files(path: str) -> list[str]:
@@ -55,7 +56,7 @@ def load(paths: Iterable[str]) -> None:
 
 def _libc():
     name = ctypes.util.find_library("c")
-    if name is None or not hasattr(os, "posix_fadvise"):
+    if name is None or not CAN_EVICT:
         return None
     libc = ctypes.CDLL(name, use_errno=True)
     if not hasattr(libc, "mincore"):

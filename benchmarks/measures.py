@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from packer.scan import IMG_EXTENSIONS
 
 from . import cache
 
@@ -161,7 +162,7 @@ class Ceiling:
         from readers import decode_array
 
         self.decode = decode_array
-        files = cache.data_files(ctx["folder"])
+        files = [p for p in cache.data_files(ctx["folder"]) if p.lower().endswith(IMG_EXTENSIONS)]
         stride = max(1, len(files) // self.MAX_FILES)
         self.blobs = []
         for path in files[::stride][: self.MAX_FILES]:

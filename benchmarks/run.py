@@ -99,6 +99,9 @@ def run(args) -> dict:
     os.makedirs(workdir, exist_ok=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     notes = []
+    if "cold" in args.cache and not cache.CAN_EVICT:
+        notes.append("cold cases skipped: os.posix_fadvise is not available on this system")
+        args.cache = [s for s in args.cache if s != "cold"]
     if device.startswith("cuda") and not torch.cuda.is_available():
         notes.append(f"--device {device} requested but CUDA is not available: ran on cpu")
         device = "cpu"

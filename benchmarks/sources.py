@@ -19,6 +19,7 @@ from . import cache
 from .augment import augment_pil, train_transform
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
+IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
 FALLBACK_LOADER = "fallback: torch DataLoader + synchronous .to(device) (readers.make_loader not available)"
 PEER_LOADER = "peer: torch DataLoader + synchronous .to(device)"
 
@@ -265,7 +266,7 @@ class PILListdirPeer:
         root = ctx["folder"]
         classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
         return [(os.path.join(root, c, f), label) for label, c in enumerate(classes)
-                for f in sorted(os.listdir(os.path.join(root, c)))]
+                for f in sorted(os.listdir(os.path.join(root, c))) if f.lower().endswith(IMAGE_EXTENSIONS)]
 
     def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
         from PIL import Image
