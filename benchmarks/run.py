@@ -170,6 +170,20 @@ def run(args) -> dict:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def check_data(folder: str) -> str | None:
+    """Why folder cannot be measured, or None: the one place scan errors become a message."""
+    from packer import PackError, scan_source
+
+    try:
+        source = scan_source(folder)
+    except PackError as exc:
+        return str(exc)
+    if len(source.splits) != 1:
+        return (f"holds splits {', '.join(source.splits)}; the suite measures one ImageFolder tree, "
+                f"so pass one of them, e.g. --data {os.path.join(folder, sorted(source.splits)[0])}")
+    return None
+
+
 def main(args) -> int:
     unknown = [f for f in args.formats if f not in PACKER_SOURCES]
     unknown += [m for m in args.measures if m not in MEASURES]
@@ -178,9 +192,11 @@ def main(args) -> int:
         log(f"unknown choice(s): {', '.join(unknown)}; formats: {', '.join(PACKER_SOURCES)}; "
             f"measures: {', '.join(MEASURES)}; cache: {', '.join(CACHE_STATES)}")
         return 2
-    if args.data and not os.path.isdir(args.data):
-        log(f"--data {args.data}: not a folder (expected an ImageFolder tree DIR/<class>/<images>)")
-        return 2
+    if args.data:
+        problem = check_data(args.data)
+        if problem:
+            log(f"--data {args.data}: {problem}")
+            return 2
     results = run(args)
     if args.out:
         with open(args.out, "w") as f:
