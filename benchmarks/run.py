@@ -145,8 +145,6 @@ def run(args) -> dict:
         results["pack"] = pack_results
 
         ctx = {"folder": folder, "packed": packed}
-        [results["ceiling"]] = run_children([[{"source": None, "measure": "ceiling", "cache": None}]],
-                                            ctx, opts, workdir)
         results["sources"] = {}
         groups = []
         for name, source in SOURCES.items():
@@ -160,8 +158,16 @@ def run(args) -> dict:
                 continue
             cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache]
             groups += [cases] if args.isolation == "source" else [[c] for c in cases]
+        ceiling = {"source": None, "measure": "ceiling", "cache": None}
+        if args.isolation == "source" and groups:
+            groups[0].insert(0, ceiling)  # one process start fewer
+        else:
+            groups.insert(0, [ceiling])
         for r in run_children(groups, ctx, opts, workdir):
-            results["sources"][r["source"]]["measures"].setdefault(r["measure"], {})[r["cache"]] = r
+            if r["measure"] == "ceiling":
+                results["ceiling"] = r
+            else:
+                results["sources"][r["source"]]["measures"].setdefault(r["measure"], {})[r["cache"]] = r
         results["ratios"] = report.ratios(results)
         results["seconds"] = time.time() - started
         return results

@@ -56,7 +56,10 @@ def packer_loader(dataset, opts, shuffle: bool, how_augment: str) -> Loader:
     """readers.make_loader when installed (CUDAPrefetcher on CUDA); else a plain DataLoader."""
     make_loader = getattr(_readers(), "make_loader", None)
     if make_loader is not None:
-        batches = make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers)
+        # Fresh workers for every timed run: a persistent worker would keep LMDB's map, and so its
+        # pages, alive across the eviction that makes the next run cold.
+        batches = make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers,
+                              persistent_workers=False)
         return Loader(batches, f"readers.make_loader; {how_augment}", True, dataset)
     return Loader(plain_loader(dataset, opts, shuffle), f"{FALLBACK_LOADER}; {how_augment}", False, dataset)
 

@@ -17,13 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
-    """One tiny end-to-end run: 100 images, one repeat, a fraction of a second per case."""
+    """One tiny end-to-end run: 60 images, one repeat, a fraction of a second per case."""
     work = tmp_path_factory.mktemp("bench")
     out = work / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--generate", "100", "--repeat", "1", "--budget", "0.2",
-         "--warmup", "0.05", "--workers", "1", "--batch-size", "8", "--step-ms", "1", "--isolation", "source",
+        [sys.executable, "-m", "benchmarks", "run", "--generate", "60", "--repeat", "1", "--budget", "0.1",
+         "--warmup", "0.02", "--workers", "1", "--batch-size", "8", "--step-ms", "1", "--isolation", "source",
          "--workdir", str(work / "wd"), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,7 +35,7 @@ def test_smoke_run_records_the_machine_and_config(smoke):
     assert results["schema"] == 1
     for key in ("cpu", "cpus_usable", "ram_bytes", "torch", "cuda", "gpu", "disk"):
         assert key in results["machine"]
-    assert results["config"]["corpus"]["images"] == 100
+    assert results["config"]["corpus"]["images"] == 60
     assert results["config"]["repeat"] == 1
 
 
