@@ -18,8 +18,8 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="measure every source and measure; results.json + Markdown table")
     data = run.add_mutually_exclusive_group()
     data.add_argument("--data", metavar="DIR", help="an ImageFolder tree DIR/<class>/<images> to measure")
-    data.add_argument("--generate", metavar="N", type=int, default=1500,
-                      help="generate N synthetic ImageNet-like JPEGs (default: 1500)")
+    data.add_argument("--generate", metavar="N", type=int, default=1000,
+                      help="generate N synthetic ImageNet-like JPEGs (default: 1000)")
     run.add_argument("--formats", type=csv, default=list(PACKER_SOURCES),
                      help=f"comma-separated, from {','.join(PACKER_SOURCES)} (default: all)")
     run.add_argument("--measures", type=csv, default=list(MEASURES),
@@ -30,8 +30,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, help="loader and pack workers (default: usable CPUs)")
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--repeat", type=int, default=3, help="timed runs per case (default: 3)")
-    run.add_argument("--budget", type=float, default=2.0, help="seconds per timed run, at most (default: 2)")
-    run.add_argument("--warmup", type=float, default=0.5, help="seconds of untimed warm-up per case")
+    run.add_argument("--budget", type=float, default=1.0, help="seconds per timed run, at most (default: 1)")
+    run.add_argument("--warmup", type=float, default=0.25, help="seconds of untimed warm-up per case (0.25)")
     run.add_argument("--step-ms", type=float, default=20.0, help="synthetic training step per batch (ms)")
     run.add_argument("--isolation", choices=("case", "source"), default="case",
                      help="a fresh process per case (default) or per source (faster, for smoke runs)")

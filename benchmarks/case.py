@@ -48,14 +48,17 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         result["mb_per_s"] = summarise([r["mb_per_s"] for r in runs])
     if "wait_fraction" in runs[0]:
         result["wait_fraction"] = summarise([r["wait_fraction"] for r in runs])
-        result["first_batch_s"] = summarise([r["first_batch_s"] or 0.0 for r in runs])
+        startups = [r["startup_s"] for r in runs if r["startup_s"] is not None]
+        result["startup_s"] = summarise(startups) if startups else None
         result["how"], result["step"] = runs[0]["how"], runs[0]["step"]
+    notes = sorted({r["note"] for r in runs if r.get("note")})
     if state:
         verified, note = cache.verdict(state, resident)
         result["resident"] = resident
         result["cache_verified"] = verified
-        if note:
-            result["note"] = note
+        notes += [note] if note else []
+    if notes:
+        result["note"] = "; ".join(notes)
     return result
 
 

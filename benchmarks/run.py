@@ -89,10 +89,56 @@ def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: st
     return results
 
 
+def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, repeat: int) -> tuple[dict, dict]:
+    """({format: packed path}, {format or "tar": timing}) for every packed format asked for."""
+    import packer.formats
+
+    packed, timings = {}, {}
+    for fmt in (f for f in formats if f != "folder"):
+        if fmt not in packer.formats.FORMATS:
+            timings[fmt] = {"status": "n/a", "reason": f"format {fmt!r} not in packer.formats.FORMATS"}
+            continue
+        out = os.path.join(workdir, "packed" + packer.formats.FORMATS[fmt].EXTENSION)
+        log(f"packing {fmt} ({repeat}x) ...")
+        try:
+            timings[fmt] = time_pack(folder, fmt, out, workers, repeat)
+            packed[fmt] = out
+        except Exception as exc:  # a broken writer is a result, not a crash
+            timings[fmt] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        log(report.pack_line(fmt, timings[fmt]))
+    try:
+        timings["tar"] = time_tar(folder, os.path.join(workdir, "corpus.tar"), repeat)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        timings["tar"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    log(report.pack_line("tar", timings["tar"]))
+    return packed, timings
+
+
+def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
+    """The cases to run, grouped by process; fills sources with each row's availability."""
+    groups = []
+    for name, source in SOURCES.items():
+        if name in PACKER_SOURCES and name not in args.formats or source.peer and args.no_peers:
+            continue
+        reason = source.missing(ctx)
+        sources[name] = {"peer": source.peer, "available": reason is None, "reason": reason, "measures": {}}
+        if reason is not None:
+            log(f"{name}: n/a ({reason})")
+            continue
+        cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache]
+        groups += [cases] if args.isolation == "source" else [[c] for c in cases]
+    ceiling = {"source": None, "measure": "ceiling", "cache": None}
+    if args.isolation == "source" and groups:
+        groups[0].insert(0, ceiling)  # one process start fewer
+    else:
+        groups.insert(0, [ceiling])
+    return groups
+
+
 def run(args) -> dict:
     """Everything `python -m benchmarks run` does except printing; returns the results dict."""
-    import packer.formats
     import torch
+    from packer import scan_source
 
     started = time.time()
     workdir = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="packer-bench-")
@@ -114,7 +160,8 @@ def run(args) -> dict:
         else:
             folder, generated = os.path.join(workdir, "corpus"), True
             reuse_corpus(folder, args.generate, args.seed)
-        images = len(cache.data_files(folder))
+        corpus = {"path": folder, "generated": generated, "images": scan_source(folder).count,
+                  "bytes": tree_bytes(folder)}
         results = {
             "schema": SCHEMA,
             "created": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
@@ -122,48 +169,13 @@ def run(args) -> dict:
             "machine": machine.describe(workdir),
             "config": {**asdict(opts), "formats": args.formats, "measures": args.measures, "cache": args.cache,
                        "peers": not args.no_peers, "isolation": args.isolation, "workdir": workdir,
-                       "corpus": {"path": folder, "generated": generated, "images": images,
-                                  "bytes": tree_bytes(folder)}},
+                       "corpus": corpus},
             "notes": notes,
+            "sources": {},
         }
-
-        packed, pack_results = {}, {}
-        for fmt in (f for f in args.formats if f != "folder"):
-            if fmt not in packer.formats.FORMATS:
-                pack_results[fmt] = {"status": "n/a", "reason": f"format {fmt!r} not in packer.formats.FORMATS"}
-                continue
-            out = os.path.join(workdir, "packed" + packer.formats.FORMATS[fmt].EXTENSION)
-            log(f"packing {fmt} ({args.repeat}x) ...")
-            try:
-                pack_results[fmt] = time_pack(folder, fmt, out, opts.workers or 1, args.repeat)
-                packed[fmt] = out
-            except Exception as exc:  # a broken writer is a result, not a crash
-                pack_results[fmt] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-            log(report.pack_line(fmt, pack_results[fmt]))
-        pack_results["tar"] = time_tar(folder, os.path.join(workdir, "corpus.tar"), args.repeat)
-        log(report.pack_line("tar", pack_results["tar"]))
-        results["pack"] = pack_results
-
+        packed, results["pack"] = pack_formats(args.formats, folder, workdir, opts.workers or 1, args.repeat)
         ctx = {"folder": folder, "packed": packed}
-        results["sources"] = {}
-        groups = []
-        for name, source in SOURCES.items():
-            if name in PACKER_SOURCES and name not in args.formats or source.peer and args.no_peers:
-                continue
-            reason = source.missing(ctx)
-            results["sources"][name] = {"peer": source.peer, "available": reason is None, "reason": reason,
-                                        "measures": {}}
-            if reason is not None:
-                log(f"{name}: n/a ({reason})")
-                continue
-            cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache]
-            groups += [cases] if args.isolation == "source" else [[c] for c in cases]
-        ceiling = {"source": None, "measure": "ceiling", "cache": None}
-        if args.isolation == "source" and groups:
-            groups[0].insert(0, ceiling)  # one process start fewer
-        else:
-            groups.insert(0, [ceiling])
-        for r in run_children(groups, ctx, opts, workdir):
+        for r in run_children(plan(args, ctx, results["sources"]), ctx, opts, workdir):
             if r["measure"] == "ceiling":
                 results["ceiling"] = r
             else:

@@ -60,7 +60,7 @@ def packer_loader(dataset, opts, shuffle: bool, how_augment: str) -> Loader:
         # pages, alive across the eviction that makes the next run cold.
         batches = make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers,
                               persistent_workers=False)
-        return Loader(batches, f"readers.make_loader; {how_augment}", True, dataset)
+        return Loader(batches, f"readers.make_loader(device={opts.device!r}); {how_augment}", True, dataset)
     return Loader(plain_loader(dataset, opts, shuffle), f"{FALLBACK_LOADER}; {how_augment}", False, dataset)
 
 

@@ -127,6 +127,16 @@ def test_compare_exits_non_zero_on_a_regression(tmp_path, capsys, new, code):
     assert "regression(s) beyond 10%" in capsys.readouterr().out
 
 
+def test_compare_shows_but_does_not_judge_the_references(tmp_path, capsys):
+    old, new = results_with(1000.0, 10.0), results_with(1000.0, 10.0)
+    new["ceiling"]["median"] = 100.0
+    old["pack"]["tar"], new["pack"]["tar"] = {"status": "ok", "median": 1.0}, {"status": "ok", "median": 5.0}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert bench_main(["compare", str(tmp_path / "old.json"), str(tmp_path / "new.json")]) == 0
+    assert "reference pack tar: 1 -> 5 (+400.0%)" in capsys.readouterr().out
+
+
 def test_compare_tolerance_is_adjustable(tmp_path):
     old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
     old_path.write_text(json.dumps(results_with(1000.0, 10.0)))
