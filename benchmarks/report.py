@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .measures import CACHE_STATES, MEASURES
 
-FORMAT_OF = {"lmdb": "lmdb", "hdf5": "hdf5", "wds": "wds"}
+PACKED = ("lmdb", "hdf5", "wds")  # rows whose name is also the format packed for them
 
 
 def median(case: dict | None) -> float | None:
@@ -35,8 +35,8 @@ def ratios(results: dict) -> dict:
             for m in MEASURES:
                 for s in CACHE_STATES:
                     r[f"{m}_{s}_vs_folder"] = divide(figure(results, name, m, s), figure(results, "folder", m, s))
-        if name in FORMAT_OF:
-            r["pack_vs_tar"] = divide(median(results.get("pack", {}).get(FORMAT_OF[name])), tar)
+        if name in PACKED:
+            r["pack_vs_tar"] = divide(median(results.get("pack", {}).get(name)), tar)
         for s in CACHE_STATES:
             r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
                                               workers * ceiling if ceiling else None)
@@ -97,7 +97,7 @@ def markdown(results: dict) -> str:
         if "e2e" in measures and "warm" in states:
             wait = entry["measures"].get("e2e", {}).get("warm", {}).get("wait_fraction")
             row.append("–" if not wait else f"{wait['median']:.0%}")
-        pack = results["pack"].get(FORMAT_OF.get(name, ""), {})
+        pack = results["pack"].get(name, {}) if name in PACKED else {}
         row.append(f"{pack['median']:.1f}" if pack.get("status") == "ok" else "–")
         r = results["ratios"].get(name, {})
         row += [ratio_pair(r, "raw"), ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")),

@@ -20,8 +20,9 @@ from .augment import augment_pil, train_transform
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
-FALLBACK_LOADER = "fallback: torch DataLoader + synchronous .to(device) (readers.make_loader not available)"
-PEER_LOADER = "peer: torch DataLoader + synchronous .to(device)"
+FALLBACK_LOADER = ("fallback: torch DataLoader + synchronous .to(device) + normalise "
+                   "(readers.make_loader not available)")
+PEER_LOADER = "peer: torch DataLoader + synchronous .to(device) + normalise"
 
 
 def _readers():

@@ -23,7 +23,7 @@ def smoke(tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--generate", "60", "--repeat", "1", "--budget", "0.1",
-         "--warmup", "0.02", "--workers", "1", "--batch-size", "8", "--step-ms", "1", "--isolation", "source",
+         "--warmup", "0.02", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1", "--isolation", "source",
          "--workdir", str(work / "wd"), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,6 +37,17 @@ def test_smoke_run_records_the_machine_and_config(smoke):
         assert key in results["machine"]
     assert results["config"]["corpus"]["images"] == 60
     assert results["config"]["repeat"] == 1
+
+
+def test_cuda_is_used_when_present_and_its_absence_is_reported(smoke):
+    import torch
+
+    results = smoke["results"]
+    if torch.cuda.is_available():
+        assert results["config"]["device"] == "cuda" and results["machine"]["gpu"]
+    else:
+        assert results["config"]["device"] == "cpu"
+        assert "--device cuda requested but CUDA is not available: ran on cpu" in smoke["stdout"]
 
 
 def test_every_available_case_produced_a_positive_figure(smoke):
