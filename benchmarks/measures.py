@@ -59,6 +59,18 @@ class ItemLoop:
         return out
 
 
+def repetitions_for(work, seconds: float, calibrate_s: float = 0.1) -> int:
+    """How many repetitions make work(k) last `seconds`, timed over at least calibrate_s
+    (one matmul can take microseconds, too short to time alone)."""
+    k, elapsed = 1, 0.0
+    while elapsed < calibrate_s:
+        k *= 2
+        start = time.perf_counter()
+        work(k)
+        elapsed = time.perf_counter() - start
+    return max(1, round(seconds / (elapsed / k)))
+
+
 def make_step(device: torch.device, ms: float):
     """(step, description): a fixed amount of work per batch standing in for training."""
     if ms <= 0:
@@ -72,10 +84,7 @@ def make_step(device: torch.device, ms: float):
             torch.cuda.synchronize(device)  # the step ends when the GPU is done, not when queued
 
         matmuls(5)
-        start = time.perf_counter()
-        matmuls(20)
-        per = (time.perf_counter() - start) / 20
-        k = max(1, round(ms / 1000 / per))
+        k = repetitions_for(matmuls, ms / 1000)
         return (lambda: matmuls(k)), f"GPU step: {k} fp16 2048x2048 matmuls + synchronize (~{ms:g} ms per batch)"
     return (lambda: time.sleep(ms / 1000)), f"CPU stand-in for a GPU step: sleep {ms:g} ms per batch"
 

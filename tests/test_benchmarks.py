@@ -6,6 +6,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,6 +115,12 @@ def test_eviction_of_a_mapped_file_is_detected_not_assumed(tmp_path):
         resident = cache.prepare([str(path)], "cold")
     assert resident == 1.0  # the kernel keeps pages a process maps
     assert cache.verdict("cold", [resident])[0] is False
+
+
+def test_the_gpu_step_is_calibrated_to_its_duration():
+    from benchmarks.measures import repetitions_for
+
+    assert repetitions_for(lambda k: time.sleep(0.001 * k), 0.02, calibrate_s=0.05) in range(10, 21)  # sleep overshoots a little
 
 
 def results_with(rate: float, pack_s: float, status: str = "ok") -> dict:
