@@ -44,6 +44,8 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
     result = {**case, "status": "ok", "unit": "samples/s",
               **summarise([r["samples"] / r["seconds"] for r in runs]),
               "samples": [r["samples"] for r in runs]}
+    if case["measure"] == "augment":
+        result["how"] = source.augment_description()
     if "mb_per_s" in runs[0]:
         result["mb_per_s"] = summarise([r["mb_per_s"] for r in runs])
     if "wait_fraction" in runs[0]:

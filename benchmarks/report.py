@@ -122,15 +122,17 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
     tar = results["pack"].get("tar", {})
     if tar.get("status") == "ok":
         out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s).")
-    hows = {}
-    for name, entry in results["sources"].items():
-        case = entry.get("measures", {}).get("e2e", {}).get("warm") or entry.get("measures", {}).get("e2e", {}).get("cold")
-        if case and case.get("status") == "ok":
-            hows.setdefault(case["how"], []).append(name)
-            step = case["step"]
-    if hows:
-        out.append(f"e2e step: {step}.")
-        out += [f"e2e loader for {', '.join(names)}: {how}." for how, names in hows.items()]
+    for measure in ("augment", "e2e"):
+        hows, step = {}, None
+        for name, entry in results["sources"].items():
+            for case in entry.get("measures", {}).get(measure, {}).values():
+                if case.get("status") == "ok":
+                    hows.setdefault(case["how"], []).append(name)
+                    step = case.get("step")
+                    break
+        if step:
+            out.append(f"e2e step: {step}.")
+        out += [f"{measure} for {', '.join(names)}: {how}." for how, names in hows.items()]
     for name, pack in results["pack"].items():
         if pack.get("status") == "error":
             out.append(f"pack {name}: error: {pack['error']}")

@@ -23,6 +23,7 @@ IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
 FALLBACK_LOADER = ("fallback: torch DataLoader + synchronous .to(device) + normalise "
                    "(readers.make_loader not available)")
 PEER_LOADER = "peer: torch DataLoader + synchronous .to(device) + normalise"
+PILLOW_AUGMENT = "Pillow RandomResizedCrop(224) + flip (torchvision's path)"
 
 
 def _readers():
@@ -75,6 +76,9 @@ class PackerMap:
     """A packer map-style dataset (FolderDataset, LMDBDataset, HDF5Dataset), read in random order."""
 
     peer = False
+
+    def augment_description(self) -> str:
+        return train_transform()[2]
 
     def __init__(self, fmt: str | None, dataset: str):
         self.fmt, self.dataset_name = fmt, dataset
@@ -141,6 +145,9 @@ class PackerShards:
     """readers.WDSDataset: tar shards streamed in order."""
 
     peer = False
+
+    def augment_description(self) -> str:
+        return train_transform()[2]
     fmt = "wds"
 
     def missing(self, ctx: dict) -> str | None:
@@ -201,6 +208,7 @@ class WebDatasetPeer:
     """The official webdataset library reading packer's wds shards, as its users write it."""
 
     peer = True
+    augment_description = staticmethod(lambda: PILLOW_AUGMENT)
     fmt = "wds"
 
     def missing(self, ctx: dict) -> str | None:
@@ -209,7 +217,7 @@ class WebDatasetPeer:
         except ImportError:
             return "webdataset not installed (pip install webdataset)"
         if self.fmt not in ctx["packed"]:
-            return "needs packer's wds shards (include wds in --formats)"
+            return "no wds shards to read (wds was not packed)"
         return None
 
     def files(self, ctx: dict) -> list[str]:
@@ -259,6 +267,7 @@ class PILListdirPeer:
     """Plain Pillow + os.listdir over SRC/<class>/<file>, no packer code at all."""
 
     peer = True
+    augment_description = staticmethod(lambda: PILLOW_AUGMENT)
 
     def missing(self, ctx: dict) -> str | None:
         return None
