@@ -133,6 +133,14 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
         if step:
             out.append(f"e2e step: {step}.")
         out += [f"{measure} for {', '.join(names)}: {how}." for how, names in hows.items()]
+    wds = results["pack"].get("wds", {})
+    if wds.get("status") == "ok":
+        size = wds["options"].get("shard_size")
+        out.append(f"wds: {wds['shards']} shard(s)" + (f", packed with shard_size={size / 1e6:.0f} MB (aiming at two "
+                   "shards per loader worker, none under 16 MB)" if size else "") + ".")
+        if wds["shards"] < config["workers"]:
+            out.append(f"wds has fewer shards than loader workers: {config['workers'] - wds['shards']} worker(s) sat "
+                       "idle in its e2e rows.")
     for name, pack in results["pack"].items():
         if pack.get("status") == "error":
             out.append(f"pack {name}: error: {pack['error']}")

@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from . import cache, machine, report
 from .measures import CACHE_STATES, MEASURES, Options
-from .packtime import time_pack, time_tar, tree_bytes
+from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
 SCHEMA = 1
@@ -89,11 +89,13 @@ def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: st
     return results
 
 
-def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, repeat: int) -> tuple[dict, dict]:
+def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, repeat: int,
+                 loader_workers: int) -> tuple[dict, dict]:
     """({format: packed path}, {format or "tar": timing}) for every packed format asked for."""
     import packer.formats
 
     packed, timings = {}, {}
+    corpus_bytes = tree_bytes(folder)
     for fmt in (f for f in formats if f != "folder"):
         if fmt not in packer.formats.FORMATS:
             timings[fmt] = {"status": "n/a", "reason": f"format {fmt!r} not in packer.formats.FORMATS"}
@@ -101,7 +103,8 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
         out = os.path.join(workdir, "packed" + packer.formats.FORMATS[fmt].EXTENSION)
         log(f"packing {fmt} ({repeat}x) ...")
         try:
-            timings[fmt] = time_pack(folder, fmt, out, workers, repeat)
+            timings[fmt] = time_pack(folder, fmt, out, workers, repeat,
+                                     pack_options(fmt, corpus_bytes, loader_workers))
             packed[fmt] = out
         except Exception as exc:  # a broken writer is a result, not a crash
             timings[fmt] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
@@ -173,7 +176,8 @@ def run(args) -> dict:
             "notes": notes,
             "sources": {},
         }
-        packed, results["pack"] = pack_formats(args.formats, folder, workdir, opts.workers or 1, args.repeat)
+        packed, results["pack"] = pack_formats(args.formats, folder, workdir, opts.workers or 1, args.repeat,
+                                               opts.workers)
         ctx = {"folder": folder, "packed": packed}
         for r in run_children(plan(args, ctx, results["sources"]), ctx, opts, workdir):
             if r["measure"] == "ceiling":
