@@ -3,7 +3,8 @@
 The default "header" check is cheap enough to keep packing I/O-bound: it sniffs the
 format from the magic bytes, parses the header (JPEG markers up to the first scan, PNG
 IHDR, or Pillow's lazy header parse for the rest) and, for JPEG and PNG, looks for the
-end marker, which is what a truncated copy loses. "full" decodes every pixel.
+end marker, which is what a truncated copy loses. "full" decodes every pixel, JPEGs with
+libjpeg-turbo in strict mode, which reports corrupt scan data that Pillow greys over.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from . import __version__
 from .check import CHECKS
 from .errors import PackError
 from .formats import FORMATS
+from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
 from .pack import ON_ERROR, PackResult, pack
 
 
@@ -30,6 +31,20 @@ def library_errors(fn):
     return wrapper
 
 
+class ByteSize(click.ParamType):
+    """A size such as 1GB, 256MB, 512KB or a plain byte count."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 def say(message: str) -> None:
     click.echo(message, err=True)
 
@@ -38,6 +53,33 @@ def say(message: str) -> None:
 @click.version_option(__version__, prog_name="packer")
 def main():
     """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""
+
+
+def shard_options(command):
+    """The options that only the wds writer takes (pack and convert share them)."""
+    for option in reversed([
+        click.option("--shard-size", type=ByteSize(), help="wds: start a new shard before one would exceed "
+                     "this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB]."),
+        click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard."),
+        click.option("--shuffle-seed", type=click.IntRange(min=0),
+                     help="wds: write samples in the permutation this seed gives [default: 0]."),
+        click.option("--no-shuffle", is_flag=True, help="wds: write samples in ImageFolder order."),
+    ]):
+        command = option(command)
+    return command
+
+
+def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict:
+    """pack()/convert() keyword arguments from the shard options, refusing them for other formats."""
+    wds_only = {"--shard-size": shard_size, "--max-count": max_count, "--shuffle-seed": shuffle_seed,
+                "--no-shuffle": no_shuffle or None}
+    given = [name for name, value in wds_only.items() if value is not None]
+    if given and fmt != "wds":
+        raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
+    if shuffle_seed is not None and no_shuffle:
+        raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
+    options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
+    return {"options": options, "shuffle": False if no_shuffle else None, "shuffle_seed": shuffle_seed or 0}
 
 
 @main.command("pack")
@@ -50,14 +92,16 @@ def main():
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
               help="header: format, header and end marker; full: decode every image; none.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@shard_options
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, force):
+def pack_command(src, fmt, out, workers, on_error, check, force, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
-    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force)
+    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
+                  **writer_options(fmt, **shards))
     report_pack(result)
 
 
-def report_pack(result: PackResult) -> None:
+def report_pack(result: PackResult, verb: str = "packed") -> None:
     for path in result.removed_stale:
         say(f"removed {path}, left by an interrupted pack")
     for warning in result.warnings:
@@ -66,9 +110,29 @@ def report_pack(result: PackResult) -> None:
     for entry in meta.skipped:
         say(f"skipped {entry['path']}: {entry['reason']}")
     splits = ", ".join(f"{name} {s.count}" for name, s in meta.splits.items())
-    say(f"packed {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
+    say(f"{verb} {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
         f"{len(meta.skipped)} skipped) into {result.out} in {result.seconds:.1f} s: "
         f"{result.files_per_s:.0f} files/s, {result.mb_per_s:.0f} MB/s")
+
+
+@main.command("convert")
+@click.argument("packed", type=click.Path(exists=True))
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
+@click.option("-o", "--out", type=click.Path(),
+              help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@shard_options
+@library_errors
+def convert_command(packed, fmt, out, force, workers, **shards):
+    """Convert the packed dataset PACKED to another format, byte for byte.
+
+    Reads PACKED only: the folder it was packed from is not needed.
+    """
+    from .convert import convert
+
+    report_pack(convert(packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards)),
+                verb="converted")
 
 
 @main.command("info")
@@ -92,6 +156,9 @@ def info_command(packed, as_json):
     shown = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
     click.echo(f"  classes: {len(facts['classes'])} ({shown})")
     click.echo(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")
+    origin = facts["params"].get("converted_from")
+    if origin:
+        click.echo(f"  converted from: {origin['path']} ({origin['format']})")
     click.echo(f"  parameters: {json.dumps(facts['params'])}")
     click.echo(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:

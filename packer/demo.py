@@ -24,8 +24,6 @@ def read_rates(src: str, packed: str) -> list[tuple[str, float]]:
     """Random-order samples/s of the raw folder and of the packed dataset, decoding to tensors."""
     import readers
 
-    from .formats import detect_format
-
-    packed_dataset = {"lmdb": readers.LMDBDataset}[detect_format(packed)]
+    packed_dataset = readers.open_dataset(packed, decode="tensor")
     return [("FolderDataset", samples_per_s(readers.FolderDataset(src, decode="tensor"))),
-            (packed_dataset.__name__, samples_per_s(packed_dataset(packed, decode="tensor")))]
+            (type(packed_dataset).__name__, samples_per_s(packed_dataset))]

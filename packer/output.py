@@ -66,9 +66,9 @@ def staged(out: str, force: bool, directory: bool) -> Iterator[str]:
     refuse_existing(out, force)
     stage = staging_path(out)
     remove_path(stage)
-    if directory:
-        os.makedirs(stage)
     try:
+        if directory:  # inside the try: an interrupt that lands just after mkdir still cleans up
+            os.makedirs(stage)
         yield stage
         publish(stage, out, force)
     except BaseException:  # KeyboardInterrupt too: never leave a partial dataset behind

@@ -1,9 +1,15 @@
 """Packs a source folder into one format: parallel read + check, a single streaming writer.
 
-Worker processes read and check files; the parent receives them in ImageFolder order and
+Worker processes read and check files; the parent receives them in write order and
 hands them to the format's Writer. The number of files in flight is bounded, so memory
 stays flat however large the dataset is, and nothing reaches OUT until the writer has
 finished (packer.output.staged).
+
+Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
+(write_order). The Writer protocol is unchanged either way: add() per sample in write
+order, then end_split(labels, paths) with the kept samples in ImageFolder order; a
+shuffled split also passes order=, the ImageFolder rank of each added sample, which only
+formats that declare SHUFFLE accept.
 """
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import functools
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from multiprocessing import Pool
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -76,28 +83,45 @@ def load_file(path: str, level: str) -> Loaded:
     return Loaded(data, checksum(data), None)
 
 
-def load_in_order(paths: list[str], level: str, workers: int) -> Iterator[Loaded]:
-    """Loaded files in input order, read by `workers` processes with bounded look-ahead."""
-    load = functools.partial(load_file, level=level)
+def load_in_order(jobs: list, load: Callable[[Any], Loaded], workers: int,
+                  chunk: int = CHUNK) -> Iterator[Loaded]:
+    """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
+
+    load must be picklable; each worker receives it once, so it may keep state (open
+    readers) for the life of the pool.
+    """
     if workers <= 1:
-        yield from map(load, paths)
+        yield from map(load, jobs)
         return
-    window = threading.BoundedSemaphore(workers * CHUNK * 4)
+    window = threading.BoundedSemaphore(workers * chunk * 4)
 
     def feed():
-        for p in paths:
+        for job in jobs:
             window.acquire()  # Pool's feeder thread blocks here: no unbounded read-ahead
-            yield p
+            yield job
 
-    pool = Pool(workers)
+    pool = Pool(workers, initializer=_set_worker_load, initargs=(load,))
     try:
-        for loaded in pool.imap(load, feed(), chunksize=CHUNK):
+        for loaded in pool.imap(_worker_load, feed(), chunksize=chunk):
             window.release()
             yield loaded
         pool.close()
     finally:
         pool.terminate()
         pool.join()
+
+
+# Set once in each pool worker, so that load is not pickled again with every task.
+_load: Callable[[Any], Loaded] | None = None
+
+
+def _set_worker_load(load: Callable[[Any], Loaded]) -> None:
+    global _load
+    _load = load
+
+
+def _worker_load(job) -> Loaded:
+    return _load(job)
 
 
 class Progress:
@@ -123,51 +147,124 @@ class Progress:
         self.bar.close()
 
 
-def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
-         on_error: str = "fail", check: str = "header", force: bool = False,
-         progress: bool | None = None, options: dict | None = None) -> PackResult:
-    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension)."""
+def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
+    """The seeded permutation of range(count) that split is written in, or None (ImageFolder order).
+
+    numpy's PCG64 seeded with (seed, CRC-32 of the split name): reproducible, and each
+    split gets its own permutation.
+    """
+    if seed is None:
+        return None
+    return np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(count)
+
+
+def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int | None:
+    """The seed fmt is written shuffled with, or None for ImageFolder order.
+
+    shuffle=None means the format's default (its SHUFFLE flag; formats without one store
+    samples for random access and refuse shuffle=True).
+    """
     if fmt not in FORMATS:
         raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    shuffles = getattr(FORMATS[fmt], "SHUFFLE", None)
+    if shuffle and shuffles is None:
+        shufflers = [name for name, m in FORMATS.items() if getattr(m, "SHUFFLE", None) is not None]
+        raise PackError(f"{fmt} stores samples for random access, so it is never written shuffled "
+                        f"(shuffled writing applies to: {', '.join(shufflers)})")
+    seed = shuffle_seed if (shuffles if shuffle is None else shuffle) else None
+    if seed is not None and seed < 0:
+        raise PackError(f"shuffle_seed must be a non-negative integer, not {seed}")
+    return seed
+
+
+def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
+         on_error: str = "fail", check: str = "header", force: bool = False,
+         progress: bool | None = None, options: dict | None = None,
+         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
+
+    shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
+    None means the format's default (on for wds, which is the only format that takes it).
+    """
+    seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
     start = time.perf_counter()
-    module = FORMATS[fmt]
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or default_workers()
     removed = remove_stale(out)
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
-    with staged(out, force, directory=module.DIRECTORY) as stage:
-        writer = module.Writer(stage, options or {})
-        try:
-            meta = write_source(writer, source, check, on_error, workers, progress,
-                                lambda skipped, splits: Metadata(
-                                    format=fmt, classes=source.classes, splits=splits, source=source.root,
-                                    created=now_utc(), packer_version=__version__, params=params,
-                                    skipped=skipped))
-            writer.finish(meta)
-        except BaseException:
-            writer.abort()
-            raise
+    if hasattr(FORMATS[fmt], "SHUFFLE"):
+        params["shuffle_seed"] = seed
+
+    def metadata(skipped: list, splits: dict) -> Metadata:
+        return Metadata(format=fmt, classes=source.classes, splits=splits, source=source.root,
+                        created=now_utc(), packer_version=__version__, params=params, skipped=skipped)
+
+    meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
+        writer, source, check, on_error, workers, progress, seed, metadata))
     return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
 
 
+def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
+                  fill: Callable[[Any], Metadata]) -> Metadata:
+    """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
+
+    On any error the writer is aborted and nothing appears at out (packer.output.staged).
+    """
+    module = FORMATS[fmt]
+    with staged(out, force, directory=module.DIRECTORY) as stage:
+        writer = None
+        try:
+            writer = module.Writer(stage, options or {})
+            meta = fill(writer)
+            writer.finish(meta)
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            if isinstance(exc, Exception) and not isinstance(exc, PackError):
+                # Disk full, quota, I/O error: say where, and that OUT was left untouched.
+                raise PackError(f"{out}: writing the {fmt} dataset failed ({type(exc).__name__}: {exc}); "
+                                "nothing was written at OUT (free some space or choose -o elsewhere)",
+                                out) from exc
+            raise
+    return meta
+
+
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
-                 progress: bool | None, make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
-    """Stream every split of source through writer; return the metadata to store."""
-    names = sorted(source.splits)
-    all_paths = [os.path.join(source.root, p) for n in names for p in source.splits[n].paths]
-    loaded = load_in_order(all_paths, check, workers)
-    bar = Progress(len(all_paths), progress)
+                 progress: bool | None, seed: int | None,
+                 make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
+    """Stream every split of the source folder through writer; return the metadata to store."""
+    listings = {name: source.splits[name] for name in sorted(source.splits)}
+    orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
+    all_paths = [os.path.join(source.root, listing.paths[i])
+                 for name, listing in listings.items() for i in split_order(len(listing), orders[name])]
+    loaded = load_in_order(all_paths, functools.partial(load_file, level=check), workers)
+    return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, make_metadata,
+                          orders)
+
+
+def split_order(count: int, order: np.ndarray | None):
+    """The ImageFolder indexes of a split in the order they are written."""
+    return range(count) if order is None else order.tolist()
+
+
+def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, loaded: Iterator[Loaded],
+                   on_error: str, progress: bool | None,
+                   make_metadata: Callable[[list, dict], Metadata],
+                   orders: dict[str, np.ndarray | None] | None = None) -> Metadata:
+    """Write each split's records, taking their bytes from loaded in write order."""
+    orders = orders or {}
+    bar = Progress(sum(len(listing) for listing in listings.values()), progress)
     skipped: list[dict] = []
     splits: dict[str, SplitInfo] = {}
     try:
-        for name in names:
-            splits[name] = write_split(writer, name, source.splits[name], len(source.classes),
-                                       loaded, on_error, skipped, bar)
+        for name, listing in listings.items():
+            splits[name] = write_split(writer, name, listing, n_classes, loaded, on_error, skipped, bar,
+                                       orders.get(name))
     finally:
         bar.close()
         loaded.close()
@@ -175,11 +272,13 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],
-                on_error: str, skipped: list[dict], bar: Progress) -> SplitInfo:
+                on_error: str, skipped: list[dict], bar: Progress, order: np.ndarray | None = None) -> SplitInfo:
     writer.begin_split(name)
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
-    for i, relpath in enumerate(listing.paths):
+    first_skipped = len(skipped)
+    for i in split_order(len(listing), order):
+        relpath = listing.paths[i]
         item = next(loaded)
         if item.reason is not None:
             if on_error == "fail":
@@ -195,7 +294,13 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         bar.update(len(item.data))
     labels = listing.labels[kept]
     paths = PathTable.from_strings(p for p, k in zip(listing.paths, kept) if k)
-    writer.end_split(labels, paths)
+    if order is not None:  # list skipped files in ImageFolder order whatever the write order
+        skipped[first_skipped:] = [skipped[first_skipped:][j] for j in np.argsort(order[~kept[order]])]
+    if order is None:
+        writer.end_split(labels, paths)
+    else:
+        rank = np.cumsum(kept) - 1  # ImageFolder position -> index among the kept samples
+        writer.end_split(labels, paths, order=rank[order[kept[order]]])
     counts = np.bincount(labels[labels >= 0], minlength=n_classes) if listing.labeled else np.zeros(0)
     return SplitInfo(int(kept.sum()), nbytes, [int(c) for c in counts], listing.labeled)
 

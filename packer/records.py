@@ -7,7 +7,6 @@ metadata is UTF-8 JSON, paths are NUL-separated UTF-8, arrays are little-endian.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -133,12 +132,12 @@ class Metadata:
         }
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), ensure_ascii=False, indent=1).encode("utf-8")
+        return json.dumps(self.to_dict(), ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS)
 
     @classmethod
     def from_json(cls, raw: bytes | str, where: str) -> "Metadata":
         try:
-            d = json.loads(raw)
+            d = json.loads(raw.decode("utf-8", PATH_ENCODING_ERRORS) if isinstance(raw, bytes) else raw)
             version = int(d["format_version"])
             if version > FORMAT_VERSION:
                 raise FormatError(

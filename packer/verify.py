@@ -7,7 +7,7 @@ from multiprocessing import Pool
 
 from .check import problem
 from .errors import PackError
-from .formats import detect_format, open_reader, read_metadata
+from .formats import FORMATS, detect_format, open_reader, read_metadata
 from .pack import default_workers
 from .scan import scan_source
 
@@ -78,16 +78,20 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> lis
 def verify(path: str, against: str | None = None, check: str = "full",
            workers: int | None = None) -> VerifyReport:
     """Re-read every record, check its checksum and image, and compare with the source if given."""
-    detect_format(path)
+    fmt = detect_format(path)
     meta = read_metadata(path)
     report = VerifyReport()
+    # Container-level checks a format may add (wds: shard sizes, SHA-256s, tar structure).
+    check_files = getattr(FORMATS[fmt], "check_files", None)
+    if check_files is not None:
+        report.problems += check_files(path)
     root = None
     if against is not None:
         source = scan_source(against)
         root = source.root
         compare_listings(path, meta, source, report)
-    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, info.count), check, root)
-             for split, info in meta.splits.items() for start in range(0, info.count, BLOCK)]
+    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, s.count), check, root)
+             for split, s in meta.splits.items() for start in range(0, s.count, BLOCK)]
     workers = min(workers or default_workers(), max(len(tasks), 1))
     if workers <= 1:
         for task in tasks:

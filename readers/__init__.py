@@ -1,6 +1,31 @@
-"""What training code imports: Datasets over packed data and raw folders."""
-from .decode import decode_array, decode_pil, decode_tensor
-from .folder import FolderDataset
-from .lmdb import LMDBDataset
+"""What training code imports: Datasets over packed data and raw folders, and the loader that feeds a GPU."""
+from __future__ import annotations
 
-__all__ = ["FolderDataset", "LMDBDataset", "decode_array", "decode_pil", "decode_tensor"]
+from .collate import collate
+from .decode import decode_array, decode_pil, decode_tensor, image_size
+from .folder import FolderDataset
+from .gpu import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
+from .hdf5 import HDF5Dataset
+from .lmdb import LMDBDataset
+from .loader import make_loader
+from .stats import LoaderStats, LoaderWarning
+from .transforms import CenterCrop, RandomResizedCrop
+from .wds import WDSDataset, WDSMapDataset
+
+# The map-style (random access) Dataset of each packed format, by its CLI name.
+MAP_DATASETS = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset, "wds": WDSMapDataset}
+
+
+def open_dataset(path, split=None, **kwargs):
+    """The map-style Dataset for the packed dataset at path, whatever its format."""
+    from packer.formats import detect_format
+
+    return MAP_DATASETS[detect_format(path)](path, split, **kwargs)
+
+
+__all__ = [
+    "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "CUDAPrefetcher", "CenterCrop", "FolderDataset",
+    "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop", "WDSDataset",
+    "WDSMapDataset", "collate", "decode_array", "decode_pil", "decode_tensor", "image_size", "make_loader",
+    "open_dataset",
+]

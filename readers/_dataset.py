@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch.utils.data
 
+from packer.errors import CorruptDataError
+
 from .decode import DECODE_MODES, decode
 
 
@@ -31,9 +33,16 @@ class ReaderDataset(torch.utils.data.Dataset):
         if index < 0:
             index += len(self)
         data, label, relpath = self.reader.read(index)
-        image = decode(data, self.decode, f"{self.reader.path}: {relpath}")
+        where = f"{self.reader.path}: {relpath}"
+        image = decode(data, self.decode, where)
         if self.transform is not None:
-            image = self.transform(image)
+            try:
+                image = self.transform(image)
+            except CorruptDataError as exc:
+                if exc.path is not None:
+                    raise
+                # A transform given raw bytes (decode="raw") decodes them and cannot name the file.
+                raise CorruptDataError(f"{where}: {str(exc).removeprefix('image: ')}", where) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label

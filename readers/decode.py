@@ -5,6 +5,11 @@ the fastest PyPI binding measured here; its output is identical to Pillow's for 
 CMYK/YCCK JPEGs and every other format go through Pillow, so colour conversion matches
 torchvision's loader. Output is always RGB. EXIF orientation is not applied, exactly as
 torchvision's ImageFolder loader does not apply it.
+
+`min_size` turns on DCT-domain downscaling: libjpeg-turbo decodes at 1/2, 1/4 or 1/8
+scale by running a smaller inverse DCT per 8x8 block, which skips most of the IDCT and
+colour-conversion work. Only power-of-two scales are used: libjpeg-turbo's other n/8
+scales have no SIMD code and measured slower than a full decode (README, "Decode").
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from packer.errors import CorruptDataError
 
 DECODE_MODES = ("pil", "tensor", "numpy", "raw")
 JPEG_MAGIC = b"\xff\xd8\xff"
+DCT_FACTORS = (8, 4, 2)
 
 try:
     import simplejpeg
@@ -24,43 +30,105 @@ except ImportError:  # optional at import time so a broken wheel degrades to Pil
     simplejpeg = None
 
 
-def decode_pil(data: bytes, where: str = "image") -> Image.Image:
+def decode_pil(data: bytes, where: str | None = None) -> Image.Image:
     """An RGB PIL image, decoded as torchvision's pil_loader decodes it."""
     try:
         with Image.open(io.BytesIO(data)) as im:
             return im.convert("RGB")
     except Exception as exc:  # Pillow raises many types for bad data
-        raise CorruptDataError(f"{where}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+        raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+
+
+def _turbo_header(data: bytes):
+    if simplejpeg is None or not data.startswith(JPEG_MAGIC):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace not in ("YCbCr", "Gray", "RGB"):
+        return None
+    return height, width
 
 
 def turbo_decodable(data: bytes) -> bool:
-    if simplejpeg is None or not data.startswith(JPEG_MAGIC):
-        return False
+    """Whether simplejpeg decodes these bytes (a JPEG that is not CMYK/YCCK)."""
+    return _turbo_header(data) is not None
+
+
+def image_size(data: bytes, where: str | None = None) -> tuple[int, int]:
+    """(height, width) of the stored image, read from its header without decoding pixels."""
+    header = _turbo_header(data)
+    if header is not None:
+        return header
     try:
-        _, _, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return False
-    return colorspace in ("YCbCr", "Gray", "RGB")
+        with Image.open(io.BytesIO(data)) as im:  # lazy: reads the header only
+            return im.height, im.width
+    except Exception as exc:
+        raise CorruptDataError(f"{where or 'image'}: cannot read image header ({type(exc).__name__}: {exc})",
+                               where) from exc
 
 
-def decode_array(data: bytes, where: str = "image") -> np.ndarray:
-    """An HxWx3 uint8 RGB array; libjpeg-turbo for JPEG, Pillow for the rest."""
-    if turbo_decodable(data):
+def dct_factor(height: int, width: int, min_size: tuple[int, int] | None) -> int:
+    """The largest of 8, 4, 2 (else 1) whose scaled size still covers min_size (h, w).
+
+    libjpeg scales a dimension d by 1/k to ceil(d / k).
+    """
+    if not min_size:
+        return 1
+    min_h, min_w = min_size
+    for k in DCT_FACTORS:
+        if -(-height // k) >= min_h and -(-width // k) >= min_w and min(height, width) >= k:
+            return k
+    return 1
+
+
+def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None) -> np.ndarray:
+    """An HxWx3 uint8 RGB array; libjpeg-turbo for JPEG, Pillow for the rest.
+
+    Args:
+        min_size: (height, width) the caller needs at least. A JPEG is then decoded at the
+            smallest 1/2, 1/4 or 1/8 scale that is still at least this large in both
+            dimensions (full size when none is). Other formats always decode at full size.
+    """
+    header = _turbo_header(data)
+    if header is not None:
+        k = dct_factor(*header, min_size)
         try:
-            return simplejpeg.decode_jpeg(data, colorspace="RGB")
+            if k == 1:
+                return simplejpeg.decode_jpeg(data, colorspace="RGB")
+            # simplejpeg picks the smallest n/8 scale meeting these; with ceil(d/k) that is 1/k.
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-header[0] // k),
+                                          min_width=-(-header[1] // k))
         except ValueError as exc:
-            raise CorruptDataError(f"{where}: cannot decode JPEG ({exc})", where) from exc
-    return np.asarray(decode_pil(data, where))
+            raise CorruptDataError(f"{where or 'image'}: cannot decode JPEG ({exc})", where) from exc
+    # np.array, not asarray: Pillow's buffer is read-only and torch warns on such arrays.
+    if min_size:
+        return np.array(_decode_pil_draft(data, where, min_size))
+    return np.array(decode_pil(data, where))
 
 
-def decode_tensor(data: bytes, where: str = "image"):
-    """A 3xHxW uint8 torch tensor."""
+def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int]) -> Image.Image:
+    """Pillow's DCT scaling (draft) for the JPEGs simplejpeg leaves to Pillow, e.g. CMYK."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            k = dct_factor(im.height, im.width, min_size)
+            if k > 1 and im.format == "JPEG":
+                # Pillow picks the largest power-of-two scale s with width // s >= requested.
+                im.draft(None, (max(1, im.width // k), max(1, im.height // k)))
+            return im.convert("RGB")
+    except Exception as exc:
+        raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+
+
+def decode_tensor(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None):
+    """A 3xHxW uint8 torch tensor (a view of the decoded HxWx3 array; no copy)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(decode_array(data, where))).permute(2, 0, 1)
+    return torch.from_numpy(np.ascontiguousarray(decode_array(data, where, min_size))).permute(2, 0, 1)
 
 
-def decode(data: bytes, mode: str, where: str = "image"):
+def decode(data: bytes, mode: str, where: str | None = None):
     if mode == "pil":
         return decode_pil(data, where)
     if mode == "tensor":

@@ -177,3 +177,19 @@ def test_demo_runs_end_to_end(tmp_path, fmt):
     assert "records byte-identical to the source" in result.stderr
     assert re.search(r"FolderDataset\s+\d+ samples/s", result.stdout)
     assert os.path.isdir(tmp_path / "imagenet-demo")
+
+
+def test_disk_full_fails_cleanly_naming_the_output(tmp_path):
+    src = slow_source(tmp_path, n=40)
+    out = tmp_path / "full.lmdb"
+
+    def tiny_disk():  # the child can write at most 256 KB per file: a full disk, as far as it sees
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "lmdb", "-o", str(out)],
+                          cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=tiny_disk)
+    assert proc.returncode == 1
+    assert f"{out}: writing the lmdb dataset failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and leftovers(tmp_path) == []

@@ -13,7 +13,7 @@ import readers
 from packer import FORMATS, open_reader, pack
 from packer.formats import detect_format
 
-DATASETS = {"lmdb": "LMDBDataset", "hdf5": "HDF5Dataset"}  # map-style readers by format
+DATASETS = {"lmdb": "LMDBDataset", "hdf5": "HDF5Dataset", "wds": "WDSMapDataset"}  # map-style readers by format
 
 
 def dataset_class(fmt):

@@ -5,10 +5,10 @@ import os
 from types import ModuleType
 
 from ..errors import FormatError
-from . import lmdb
+from . import hdf5, lmdb, wds
 
 # One entry per format; the key is the CLI spelling (--to lmdb).
-FORMATS: dict[str, ModuleType] = {"lmdb": lmdb}
+FORMATS: dict[str, ModuleType] = {"lmdb": lmdb, "hdf5": hdf5, "wds": wds}
 
 
 def detect_format(path: str | os.PathLike) -> str:

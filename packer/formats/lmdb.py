@@ -26,8 +26,9 @@ import lmdb
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, checksum, choose_split, decode_path, encode_path
+from ..records import Metadata, PathTable, decode_path, encode_path
 from . import _handle
+from ._reader import SplitReader
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -145,23 +146,15 @@ def read_metadata(path: str) -> Metadata:
     return Metadata.from_json(raw, path)
 
 
-class Reader(_handle.LazyHandle):
+class Reader(SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork."""
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not an LMDB dataset (no {DATA_FILE} inside)", path)
-        self.path = os.path.abspath(path)
-        self.metadata = read_metadata(self.path)
-        self.split = choose_split(list(self.metadata.splits), split, self.path)
-        self.classes = self.metadata.classes
-        self.count = self.metadata.splits[self.split].count
-        self.check_crc = check_crc
+        super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
-
-    def __len__(self) -> int:
-        return self.count
 
     def _open(self):
         env = _handle.acquire(self.path, open_env, close_env)
@@ -172,22 +165,16 @@ class Reader(_handle.LazyHandle):
         handle[1].abort()
         _handle.release(self.path)
 
-    def where(self, index: int) -> str:
-        return f"{self.path} record {self.split}/{index}"
-
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of record index."""
-        if not 0 <= index < self.count:
-            raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} records")
+        self.check_index(index)
         _, txn = self.handle()
         value = txn.get(record_key(self.split, index))
         if value is None:
             raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
                                    "re-pack it or restore it from a copy)", self.path)
         data, label, relpath, crc = decode_record(value, self.where(index))
-        if self.check_crc and checksum(data) != crc:
-            raise CorruptDataError(f"{self.where(index)} ({relpath}): checksum mismatch, the stored image "
-                                   "is damaged (run packer verify; re-pack from the source)", self.path)
+        self.check_data(data, crc, f"{self.where(index)} ({relpath})")
         return data, label, relpath
 
     def _aux(self, name: bytes) -> bytes:

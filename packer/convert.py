@@ -1,0 +1,113 @@
+"""Converts a packed dataset to another format, byte for byte, through the pack machinery.
+
+The records come from the packed dataset's Reader instead of the source folder (which is
+never opened, and need not exist any more): worker processes read and CRC-check them,
+and the parent feeds them in order to the target format's Writer, staged and published
+atomically exactly as `pack` does.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from . import __version__
+from .errors import PackError
+from .formats import FORMATS, detect_format, open_reader, read_metadata
+from .output import remove_stale
+from .pack import (Loaded, PackResult, default_workers, load_in_order, now_utc, shuffle_seed_for, split_order,
+                   write_dataset, write_listings, write_order)
+from .records import Metadata, checksum
+from .scan import SplitListing
+
+# Records per task sent to a worker: reading a record is cheap, so amortise the IPC more.
+RECORD_CHUNK = 64
+
+
+class RecordLoader:
+    """load((split, index)) -> Loaded for one packed dataset; opens a Reader per split lazily.
+
+    Picklable (readers are dropped and reopened), so each pool worker holds its own.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.readers: dict = {}
+
+    def __call__(self, job: tuple[str, int]) -> Loaded:
+        split, index = job
+        reader = self.readers.get(split)
+        if reader is None:
+            reader = self.readers[split] = open_reader(self.path, split)
+        data, _, _ = reader.read(index)  # raises CorruptDataError on a checksum mismatch
+        return Loaded(data, checksum(data), None)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers = {}
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.readers = state["path"], {}
+
+
+def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
+    """PACKED with its format's extension replaced by fmt's: data.lmdb -> data.h5."""
+    base = os.path.abspath(packed).rstrip(os.sep)
+    ext = FORMATS[src_fmt].EXTENSION
+    if base.endswith(ext) and len(base) > len(ext):
+        base = base[:-len(ext)]
+    return base + FORMATS[fmt].EXTENSION
+
+
+def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
+            force: bool = False, progress: bool | None = None, options: dict | None = None,
+            shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+    """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
+
+    shuffle and shuffle_seed as for pack(): wds output is shuffled by default.
+    """
+    seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
+    start = time.perf_counter()
+    packed = os.path.abspath(packed)
+    src_fmt = detect_format(packed)
+    src_meta = read_metadata(packed)
+    out = os.path.abspath(out or converted_output(packed, src_fmt, fmt))
+    if os.path.realpath(out) == os.path.realpath(packed):
+        raise PackError(f"{packed}: converting it to {fmt} would write over it; pass -o OUT to write "
+                        "elsewhere", packed)
+    workers = workers or default_workers()
+    removed = remove_stale(out)
+    listings = {}
+    for split, info in src_meta.splits.items():
+        reader = open_reader(packed, split)
+        try:
+            listings[split] = SplitListing(reader.paths, reader.labels, info.labeled)
+        finally:
+            reader.close()
+    orders = {split: write_order(len(listing), split, seed) for split, listing in listings.items()}
+    jobs = [(split, i) for split, listing in listings.items() for i in split_order(len(listing), orders[split])]
+    params = {"format": fmt, "workers": workers, **(options or {}),
+              "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
+                                 "params": src_meta.params}}
+    if hasattr(FORMATS[fmt], "SHUFFLE"):
+        params["shuffle_seed"] = seed
+
+    def metadata(skipped: list, splits: dict) -> Metadata:
+        return Metadata(format=fmt, classes=src_meta.classes, splits=splits, source=src_meta.source,
+                        created=now_utc(), packer_version=__version__, params=params,
+                        skipped=src_meta.skipped + skipped)
+
+    def fill(writer) -> Metadata:
+        load = RecordLoader(packed)
+        try:
+            loaded = load_in_order(jobs, load, workers, chunk=RECORD_CHUNK)
+            return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata,
+                                  orders)
+        finally:
+            load.close()
+
+    meta = write_dataset(fmt, out, force, options, fill)
+    return PackResult(out, meta, time.perf_counter() - start, [], removed)

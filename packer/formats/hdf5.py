@@ -1,0 +1,247 @@
+"""HDF5: one file holding every split, each as a contiguous byte blob plus index arrays.
+
+  /                      attrs: packer_metadata  UTF-8 JSON (packer.records.Metadata)
+                                classes          class names, variable-length UTF-8 strings
+  /<split>/images        uint8[total bytes]   every record's original file bytes, back to back
+  /<split>/offsets       int64[count + 1]     record i is images[offsets[i]:offsets[i + 1]]
+  /<split>/labels        int32[count]         label of record i (-1 = unlabeled)
+  /<split>/crc32         uint32[count]        CRC-32 (zlib) of record i's bytes
+  /<split>/paths         uint8[n]             relative paths, UTF-8, "/"-separated, joined by NUL
+
+Records are in ImageFolder order; all numbers are little-endian.
+
+Why a blob and not a variable-length dataset: h5py refuses variable-length byte strings
+that contain NUL (JPEGs are full of them), and a vlen uint8 dataset goes through a heap
+pointer per record on every read (3-5x slower random reads here; README has the figures),
+while a record of the blob is one slice. Paths are a NUL-joined blob for the same reason,
+the same encoding as LMDB's.
+
+Why chunks of 256 KiB: `images` grows while packing, and HDF5 can only resize a chunked
+dataset. Readers open the file with the chunk cache off (rdcc_nbytes=0): chunks that are
+neither cached nor filtered are read directly, exactly the selected bytes (measured: bytes
+read / bytes wanted = 1.00 at every chunk size), with one read per chunk an image touches.
+256 KiB keeps that to one or two reads for typical ~110 KB JPEGs and the chunk index at 4
+entries per MB, while a reader that keeps h5py's default chunk cache (8 MiB in HDF5 2.0)
+reads whole chunks, so at most about 4x the bytes it needs (13x with 1 MiB chunks). No
+compression: JPEG does not compress, and a filter would force whole-chunk reads. Written
+with libver ("v110", "v110"): the newer chunk indexes, readable by any HDF5 >= 1.10.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import h5py
+import numpy as np
+
+from ..errors import CorruptDataError, FormatError
+from ..records import Metadata, PathTable, encode_path
+from . import _handle
+from ._reader import SplitReader
+
+EXTENSION = ".h5"
+DIRECTORY = False
+META_ATTR = "packer_metadata"
+CHUNK_BYTES = 256 << 10
+INDEX_CHUNK = 4096  # entries per chunk of the per-record arrays, which readers read whole
+FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
+LIBVER = ("v110", "v110")
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def detect(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+
+
+class Writer:
+    """Streams each split's bytes into resizable datasets, one large write per FLUSH_BYTES."""
+
+    def __init__(self, stage: str, options: dict):
+        self.stage = stage
+        # No chunk cache here either: every write reaches the file when it is made, so a full
+        # disk fails that write, cleanly. With a cache the failure surfaces when HDF5 evicts
+        # or closes, and closing a file whose flush failed crashes HDF5 (segfault, HDF5 2.0).
+        self.file = h5py.File(stage, "w", libver=LIBVER, locking=False, rdcc_nbytes=0)
+        self.group: h5py.Group | None = None
+        self.buffer: list[bytes] = []
+        self.buffered = 0
+        self.ends: list[int] = []
+        self.crcs: list[int] = []
+        self.size = 0  # bytes of the current split, written or buffered
+
+    def begin_split(self, split: str) -> None:
+        g = self.group = self.file.create_group(split)
+        g.create_dataset("images", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(CHUNK_BYTES,))
+        g.create_dataset("offsets", data=np.zeros(1, "<i8"), maxshape=(None,), chunks=(INDEX_CHUNK,))
+        g.create_dataset("crc32", shape=(0,), maxshape=(None,), dtype="<u4", chunks=(INDEX_CHUNK,))
+        self.size = 0
+
+    def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
+        self.buffer.append(data)
+        self.buffered += len(data)
+        self.size += len(data)
+        self.ends.append(self.size)
+        self.crcs.append(crc)
+        if self.buffered >= FLUSH_BYTES:
+            self.flush()
+
+    def end_split(self, labels: np.ndarray, paths: PathTable) -> None:
+        self.flush()
+        self.group.create_dataset("labels", data=labels.astype("<i4"))
+        self.group.create_dataset("paths", data=np.frombuffer(paths.to_nul_separated(), np.uint8))
+        self.group = None
+
+    def finish(self, meta: Metadata) -> None:
+        # Written as bytes: a class name that is not valid UTF-8 (possible on Linux) is kept
+        # byte for byte, and h5py reads it back with surrogate escapes, as packer encodes paths.
+        text = h5py.string_dtype("utf-8")
+        self.file.attrs.create(META_ATTR, meta.to_json(), dtype=text)
+        self.file.attrs.create("classes", np.array([encode_path(c) for c in meta.classes], dtype=object),
+                               dtype=text)
+        self.file.close()
+        with open(self.stage, "rb") as f:  # on disk before it is published
+            os.fsync(f.fileno())
+
+    def abort(self) -> None:
+        # The staging file is deleted next; after a failed write HDF5 cannot flush it and
+        # says so here, which must not hide the error that got us here.
+        with contextlib.suppress(Exception):
+            self.file.close()
+
+    def flush(self) -> None:
+        if not self.ends:
+            return
+        g = self.group
+        append(g["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
+        append(g["offsets"], np.asarray(self.ends, "<i8"))
+        append(g["crc32"], np.asarray(self.crcs, "<u4"))
+        self.buffer, self.buffered, self.ends, self.crcs = [], 0, [], []
+
+
+def append(dataset: h5py.Dataset, values: np.ndarray) -> None:
+    n = dataset.shape[0]
+    dataset.resize((n + len(values),))
+    dataset[n:] = values
+
+
+def open_file(path: str) -> h5py.File:
+    # locking=False: HDF5's file locks fail on NFS and other network filesystems, and the
+    # file is immutable. rdcc_nbytes=0: read exactly the requested bytes (module docstring).
+    try:
+        return h5py.File(path, "r", locking=False, rdcc_nbytes=0)
+    except OSError as exc:
+        raise CorruptDataError(f"{path}: cannot open the HDF5 file ({exc}); it is damaged or was not "
+                               "fully copied (re-pack it, or restore it from a copy)", path) from exc
+
+
+def close_file(f: h5py.File) -> None:
+    f.close()
+
+
+def read_metadata(path: str) -> Metadata:
+    f = _handle.acquire(path, open_file, close_file)
+    try:
+        raw = f.attrs.get(META_ATTR)
+    except OSError as exc:
+        raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
+                               "damaged, re-pack it", path) from exc
+    finally:
+        _handle.release(path)
+    if raw is None:
+        raise FormatError(f"{path}: HDF5 file without packer metadata (no {META_ATTR!r} attribute); "
+                          "an interrupted pack never publishes, so this was not written by packer pack", path)
+    return Metadata.from_json(raw, path)
+
+
+class Reader(SplitReader):
+    """Random access to one split's records; safe to pickle and to use after fork.
+
+    The h5py file is opened on first access in each process (never used across fork) and
+    dropped on pickle. The per-record arrays are plain numpy data read once: they stay
+    shared copy-on-write with forked workers.
+    """
+
+    def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
+        if not detect(path):
+            raise FormatError(f"{path}: not an HDF5 file", path)
+        super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
+        self._offsets: np.ndarray | None = None
+        self._crcs: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self._paths: PathTable | None = None
+
+    def _open(self):
+        f = _handle.acquire(self.path, open_file, close_file)
+        try:
+            return f, f[self.split]["images"]
+        except (KeyError, OSError) as exc:
+            _handle.release(self.path)
+            raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
+                                   "the file is damaged, re-pack it", self.path) from exc
+
+    def _close(self, handle) -> None:
+        _handle.release(self.path)
+
+    def _array(self, name: str, length: int, dtype: str) -> np.ndarray:
+        f, _ = self.handle()
+        try:
+            values = np.asarray(f[self.split][name][()], dtype=dtype)
+        except (KeyError, OSError) as exc:
+            raise CorruptDataError(f"{self.path}: cannot read dataset {self.split}/{name} ({exc}); "
+                                   "the file is damaged, re-pack it", self.path) from exc
+        if length >= 0 and values.shape != (length,):
+            raise CorruptDataError(f"{self.path}: {self.split}/{name} holds {values.size} entries, "
+                                   f"the metadata says {length}; the file is damaged, re-pack it", self.path)
+        return values
+
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, crcs) of this split, read once."""
+        if self._offsets is None:
+            offsets = self._array("offsets", self.count + 1, "<i8")
+            size = self.handle()[1].shape[0]
+            if offsets[0] != 0 or offsets[-1] != size or np.any(np.diff(offsets) < 0):
+                raise CorruptDataError(f"{self.path}: {self.split}/offsets does not describe the "
+                                       f"{size}-byte images dataset; the file is damaged, re-pack it", self.path)
+            self._crcs = self._array("crc32", self.count, "<u4")
+            self._offsets = offsets
+        return self._offsets, self._crcs
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(image bytes, label, relative path) of record index."""
+        self.check_index(index)
+        offsets, crcs = self.index()
+        start, stop = int(offsets[index]), int(offsets[index + 1])
+        data = read_bytes(self.handle()[1], start, stop, self.where(index))
+        relpath = self.paths[index]
+        self.check_data(data, int(crcs[index]), f"{self.where(index)} ({relpath})")
+        return data, int(self.labels[index]), relpath
+
+    @property
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            self._labels = self._array("labels", self.count, "<i4").astype(np.int32)
+        return self._labels
+
+    @property
+    def paths(self) -> PathTable:
+        if self._paths is None:
+            table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes())
+            if len(table) != self.count:
+                raise CorruptDataError(f"{self.path}: {self.split}/paths holds {len(table)} paths, "
+                                       f"the metadata says {self.count}; the file is damaged, re-pack it",
+                                       self.path)
+            self._paths = table
+        return self._paths
+
+
+def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes:
+    """images[start:stop]. Plain slicing: h5py's fast path for simple slices measured faster
+    than building the hyperslab through the low-level API."""
+    try:
+        return images[start:stop].tobytes()
+    except (OSError, ValueError) as exc:
+        raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
+                               "(run packer verify; re-pack from the source)", where) from exc

@@ -1,0 +1,291 @@
+"""WebDataset: per split a folder of standard tar shards plus a JSON index; writer and reader.
+
+  OUT.wds/index.json                 packer.records.Metadata, plus "wds": the shard index
+  OUT.wds/<split>/shard-000000.tar   standard tar, readable by webdataset and by `tar`
+  OUT.wds/<split>/records.bin        28 bytes per sample, little-endian, in ImageFolder order:
+                                     uint32 shard, uint32 CRC-32, uint64 data offset,
+                                     uint64 data size, int32 label
+  OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
+
+A sample is three consecutive members (see _tar for the header rules):
+  <key>.<ext>    the original file bytes; ext is the file's extension, lowercased
+  <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
+  <key>.json     {"crc32": <int>, "path": "<relative path>"}, keys sorted, no spaces
+
+webdataset keys end at the first dot of the last path component, so a key keeps the
+relative path's folders and turns the file name into <stem>_<ext> with "%" and "." in
+the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` becomes key
+`v1.2/img%2Ev2%2Efinal_jpg`. The ext part has no "_", so the last "_" splits it off and
+the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
+
+Shards are written in the order pack() hands samples over (a seeded permutation of
+ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
+records and paths tables stay in ImageFolder order, so the map-style Reader, verify
+and convert see the same order as every other format; read(i) is one pread.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import re
+
+import numpy as np
+
+from ..errors import CorruptDataError, FormatError
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
+from . import _tar
+from ._reader import SplitReader
+
+EXTENSION = ".wds"
+DIRECTORY = True
+SHUFFLE = True  # pack() writes a seeded permutation by default; also marks that Writer takes order=
+INDEX = "index.json"
+LAYOUT_VERSION = 1
+DEFAULT_SHARD_SIZE = 1_000_000_000
+SHARD_NAME = "shard-{:06d}.tar"
+RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in `1GB`, `256MB`, `512KB` (powers of 1000), `1GiB` (powers of 1024) or `4096`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS:
+        raise ValueError(f"{text!r} is not a size: use a byte count or a number with one of "
+                         "KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+    size = int(float(match.group(1)) * UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{text!r}: a shard size must be positive")
+    return size
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%25").replace(".", "%2E")
+
+
+def sample_key(relpath: str) -> str:
+    """The webdataset key of a relative path: folders kept, `<stem>_<ext>` with no dot."""
+    folder, _, name = relpath.rpartition("/")
+    stem, dot, ext = name.rpartition(".")
+    if not dot:
+        stem, ext = name, ""
+    last = f"{_escape(stem)}_{_escape(ext).replace('_', '%5F')}"
+    return f"{folder}/{last}" if folder else last
+
+
+def member_suffix(relpath: str) -> str:
+    name = relpath.rpartition("/")[2]
+    return name.rpartition(".")[2].lower() if "." in name else "bin"
+
+
+def detect(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, INDEX))
+
+
+def load_index(path: str) -> dict:
+    where = os.path.join(path, INDEX)
+    try:
+        with open(where, "rb") as f:
+            index = json.loads(f.read().decode("utf-8", PATH_ENCODING_ERRORS))
+        index["wds"]["splits"]
+    except FileNotFoundError as exc:
+        raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX}); for shards written by "
+                          "other tools use readers.WDSDataset, which counts samples by scanning", path) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{where}: not a packer WebDataset index ({exc}); re-pack the dataset", path) from exc
+    return index
+
+
+def read_metadata(path: str) -> Metadata:
+    return Metadata.from_json(json.dumps(load_index(path)), os.path.join(path, INDEX))
+
+
+def shard_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Writer:
+    """Streams samples into shards of at most shard_size bytes and max_count samples."""
+
+    def __init__(self, stage: str, options: dict):
+        self.stage = stage
+        self.shard_size = parse_size(options.get("shard_size") or DEFAULT_SHARD_SIZE)
+        self.max_count = options.get("max_count") or None
+        self.splits: dict[str, dict] = {}
+        self.file = None
+
+    def begin_split(self, split: str) -> None:
+        self.split = split
+        os.makedirs(os.path.join(self.stage, split))
+        self.shards: list[dict] = []
+        self.rows = {name: array.array(code) for name, code in
+                     (("shard", "I"), ("crc", "I"), ("offset", "Q"), ("size", "Q"), ("label", "i"))}
+
+    def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
+        key = sample_key(relpath)
+        image, data_at = _tar.member(f"{key}.{member_suffix(relpath)}", data)
+        parts = [image]
+        if label >= 0:
+            parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
+        meta = json.dumps({"crc32": crc, "path": relpath}, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
+        blob = b"".join(parts)
+        full = self.file is not None and self.count > 0 and (
+            (self.max_count is not None and self.count >= self.max_count)
+            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.shard_size)
+        if self.file is None or full:
+            self.next_shard()
+        for name, value in zip(self.rows, (len(self.shards), crc, self.bytes + data_at, len(data), label)):
+            self.rows[name].append(value)
+        self.file.write(blob)
+        self.digest.update(blob)
+        self.bytes += len(blob)
+        self.count += 1
+
+    def next_shard(self) -> None:
+        self.close_shard()
+        self.name = f"{self.split}/{SHARD_NAME.format(len(self.shards))}"
+        self.file = open(os.path.join(self.stage, self.name), "wb")
+        self.digest, self.bytes, self.count = hashlib.sha256(), 0, 0
+
+    def close_shard(self) -> None:
+        if self.file is None:
+            return
+        self.file.write(_tar.END_OF_ARCHIVE)
+        self.digest.update(_tar.END_OF_ARCHIVE)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        self.file = None
+        self.shards.append({"name": self.name, "count": self.count, "bytes": self.bytes + len(_tar.END_OF_ARCHIVE),
+                            "sha256": self.digest.hexdigest()})
+
+    def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
+        """Write the split's tables; order[j] is the ImageFolder rank of the j-th added sample."""
+        self.close_shard()
+        written = np.empty(len(self.rows["crc"]), RECORD)
+        for name, values in self.rows.items():
+            written[name] = np.asarray(values)
+        if len(written) != len(labels):
+            raise ValueError(f"split {self.split}: {len(written)} samples added but {len(labels)} labels given")
+        records = written if order is None else np.empty_like(written)
+        if order is not None:
+            records[np.asarray(order)] = written
+        folder = os.path.join(self.stage, self.split)
+        records.tofile(os.path.join(folder, "records.bin"))
+        with open(os.path.join(folder, "paths.bin"), "wb") as f:
+            f.write(paths.to_nul_separated())
+        self.splits[self.split] = {"count": len(records), "shards": self.shards,
+                                   "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin"}
+
+    def finish(self, meta: Metadata) -> None:
+        index = {**meta.to_dict(), "wds": {"layout_version": LAYOUT_VERSION, "shard_size": self.shard_size,
+                                          "max_count": self.max_count, "splits": self.splits}}
+        with open(os.path.join(self.stage, INDEX), "wb") as f:
+            # Non-UTF-8 file names (possible on Linux) survive as surrogate escapes, as in every format.
+            f.write(json.dumps(index, ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Reader(SplitReader):
+    """Random access to one split's samples in ImageFolder order: one pread per sample.
+
+    The handle is a dict of open shard descriptors, opened as samples need them.
+    """
+
+    def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
+        if not detect(path):
+            raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} inside)", path)
+        index = load_index(os.path.abspath(path))
+        metadata = Metadata.from_json(json.dumps(index), os.path.join(os.path.abspath(path), INDEX))
+        super().__init__(path, split, check_crc, metadata)
+        entry = index["wds"]["splits"][self.split]
+        self.shards = [s["name"] for s in entry["shards"]]
+        self.tables = (entry["records"], entry["paths"])
+        self._records: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self._paths: PathTable | None = None
+
+    @property
+    def records(self) -> np.ndarray:
+        if self._records is None:
+            where = os.path.join(self.path, self.tables[0])
+            records = np.fromfile(where, dtype=RECORD)
+            if len(records) != self.count:
+                raise CorruptDataError(f"{where}: {len(records)} records for {self.count} samples; the index "
+                                       "is damaged (re-pack the dataset)", self.path)
+            self._records = records
+        return self._records
+
+    @property
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            self._labels = self.records["label"].astype(np.int32)
+        return self._labels
+
+    @property
+    def paths(self) -> PathTable:
+        if self._paths is None:
+            with open(os.path.join(self.path, self.tables[1]), "rb") as f:
+                self._paths = PathTable.from_nul_separated(f.read())
+        return self._paths
+
+    def _open(self) -> dict:
+        return {}
+
+    def _close(self, fds: dict) -> None:
+        for fd in fds.values():
+            os.close(fd)
+
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(image bytes, label, relative path) of sample index in ImageFolder order."""
+        self.check_index(index)
+        shard, crc, offset, size, label = self.records[index].tolist()
+        relpath = self.paths[index]
+        fds = self.handle()
+        if shard not in fds:
+            fds[shard] = os.open(os.path.join(self.path, self.shards[shard]), os.O_RDONLY)
+        data = os.pread(fds[shard], size, offset)
+        where = f"{self.path}/{self.shards[shard]} sample {self.split}/{index} ({relpath})"
+        if len(data) != size:
+            raise CorruptDataError(f"{where}: shard truncated, {size} bytes expected at byte {offset} "
+                                   "(re-pack, or restore the shard from a copy)", self.path)
+        self.check_data(data, crc, where)
+        return data, label, relpath
+
+
+def check_files(path: str) -> list[str]:
+    """Shard-level problems verify adds to the per-sample ones: size, SHA-256, tar structure."""
+    problems = []
+    for split, entry in load_index(path)["wds"]["splits"].items():
+        for shard in entry["shards"]:
+            where = os.path.join(path, shard["name"])
+            if not os.path.isfile(where):
+                problems.append(f"{shard['name']}: shard missing")
+                continue
+            if os.path.getsize(where) != shard["bytes"]:
+                problems.append(f"{shard['name']}: {os.path.getsize(where)} bytes, the index says {shard['bytes']}")
+            elif shard_digest(where) != shard["sha256"]:
+                problems.append(f"{shard['name']}: SHA-256 differs from the index (the shard changed or is damaged)")
+            try:
+                found = _tar.count_samples(where)
+            except CorruptDataError as exc:
+                problems.append(str(exc))
+                continue
+            if found != shard["count"]:
+                problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
+    return problems

@@ -1,0 +1,184 @@
+"""uint8 training and evaluation transforms that choose their crop before decoding.
+
+Given JPEG bytes (a dataset built with decode="raw"), the crop window is drawn from the
+size in the JPEG header, the image is decoded at the smallest DCT scale (1, 1/2, 1/4,
+1/8) that still leaves the window at least as large as the output, and only the scaled
+window is resized, with torch's antialiased bilinear kernel on uint8 (the same filter
+as Pillow's and torchvision's antialiased resize). Arrays and tensors are accepted too,
+without the decode saving. Output is a contiguous 3xHxW uint8 tensor; converting to
+float and normalising is left to the GPU (readers.CUDAPrefetcher).
+
+Random draws use torch's generator in torchvision's order (crop, then flip), so a
+DataLoader's per-worker seeding applies and a seeded run draws what
+`Compose([RandomResizedCrop(...), RandomHorizontalFlip()])` would.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .decode import decode_array, image_size
+
+BYTES_TYPES = (bytes, bytearray, memoryview)
+
+
+@functools.lru_cache(maxsize=16)
+def _log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
+    # torchvision takes the logs in float32; the same rounding keeps the draws identical.
+    lo, hi = torch.log(torch.tensor(ratio)).tolist()
+    return lo, hi
+
+
+def random_resized_crop_params(height: int, width: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                               generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
+    """(top, left, h, w) drawn as torchvision's RandomResizedCrop.get_params draws them.
+
+    Ten tries at an area fraction uniform in `scale` and a log-uniform aspect ratio in
+    `ratio`; if none fits, the largest centred crop whose ratio lies within `ratio`.
+    """
+    area = height * width
+    log_lo, log_hi = _log_ratio(tuple(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=generator)).item()
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+            return top, left, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def as_chw(image) -> torch.Tensor:
+    """A CxHxW uint8 tensor view of an HxWxC / HxW array, a PIL image or a CxHxW tensor."""
+    if isinstance(image, torch.Tensor):
+        return image if image.ndim == 3 else image.unsqueeze(0)
+    array = np.asarray(image)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
+
+
+def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Antialiased bilinear resize of a CxHxW uint8 tensor; a contiguous copy out."""
+    if tuple(image.shape[-2:]) == tuple(size):
+        return image.contiguous()
+    if image.device.type == "cpu":  # torch has a dedicated uint8 kernel on the CPU (Pillow's algorithm)
+        return F.interpolate(image.unsqueeze(0), size=size, mode="bilinear", align_corners=False,
+                             antialias=True)[0].contiguous()
+    out = F.interpolate(image.unsqueeze(0).float(), size=size, mode="bilinear", align_corners=False, antialias=True)
+    return out[0].round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _pair(size) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    h, w = size
+    return int(h), int(w)
+
+
+def _scaled_window(top, left, h, w, full_h, full_w, dec_h, dec_w):
+    """The crop window (top, left, h, w) in a decoded image of dec_h x dec_w pixels."""
+    sy, sx = dec_h / full_h, dec_w / full_w
+    t, b = int(round(top * sy)), int(round((top + h) * sy))
+    l, r = int(round(left * sx)), int(round((left + w) * sx))
+    t, l = min(t, dec_h - 1), min(l, dec_w - 1)
+    return t, l, max(b, t + 1) - t, max(r, l + 1) - l
+
+
+class RandomResizedCrop:
+    """Training crop: random area/ratio window, resized to `size`, flipped with probability `flip`.
+
+    Args:
+        dct: on bytes input, decode at a reduced DCT scale when the window allows it.
+            Off, the result equals the crop-then-resize of the full decode.
+    """
+
+    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+                 dct: bool = True):
+        if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"scale and ratio must be increasing positive pairs, got scale={scale}, ratio={ratio}")
+        self.size = _pair(size)
+        self.scale = tuple(scale)
+        self.ratio = tuple(ratio)
+        self.flip = flip
+        self.dct = dct
+
+    def __call__(self, image) -> torch.Tensor:
+        out_h, out_w = self.size
+        if isinstance(image, BYTES_TYPES):
+            data = bytes(image)
+            full_h, full_w = image_size(data)
+            top, left, h, w = random_resized_crop_params(full_h, full_w, self.scale, self.ratio)
+            flip = self._draw_flip()
+            need = (math.ceil(out_h * full_h / h), math.ceil(out_w * full_w / w)) if self.dct else None
+            decoded = as_chw(decode_array(data, min_size=need))
+            top, left, h, w = _scaled_window(top, left, h, w, full_h, full_w, *decoded.shape[-2:])
+        else:
+            decoded = as_chw(image)
+            top, left, h, w = random_resized_crop_params(*decoded.shape[-2:], self.scale, self.ratio)
+            flip = self._draw_flip()
+        out = resize(decoded[:, top:top + h, left:left + w], (out_h, out_w))
+        return out.flip(-1) if flip else out
+
+    def _draw_flip(self) -> bool:
+        return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
+
+    def __repr__(self) -> str:
+        ratio = tuple(round(r, 4) for r in self.ratio)
+        return f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={ratio}, flip={self.flip}, dct={self.dct})"
+
+
+def resized_size(height: int, width: int, short: int) -> tuple[int, int]:
+    """torchvision's Resize(int): the short side becomes `short`, the long side keeps the ratio (floor)."""
+    if height <= width:
+        return short, int(short * width / height)
+    return int(short * height / width), short
+
+
+class CenterCrop:
+    """Evaluation transform: torchvision's Resize(resize) then CenterCrop(size), on uint8.
+
+    On bytes input the JPEG is decoded at the smallest DCT scale whose short side still
+    reaches `resize`; the resized size is computed from the full size, as torchvision does.
+    """
+
+    def __init__(self, size=224, resize: int = 256, dct: bool = True):
+        self.size = _pair(size)
+        self.resize = int(resize)
+        self.dct = dct
+
+    def __call__(self, image) -> torch.Tensor:
+        if isinstance(image, BYTES_TYPES):
+            data = bytes(image)
+            full_h, full_w = image_size(data)
+            need = (self.resize, self.resize) if self.dct else None
+            decoded = as_chw(decode_array(data, min_size=need))
+        else:
+            decoded = as_chw(image)
+            full_h, full_w = decoded.shape[-2:]
+        new_h, new_w = resized_size(full_h, full_w, self.resize)
+        out_h, out_w = self.size
+        if out_h > new_h or out_w > new_w:
+            raise ValueError(f"CenterCrop: crop {self.size} is larger than the {new_h}x{new_w} resized image; "
+                             f"use resize >= {max(self.size)}")
+        top, left = int(round((new_h - out_h) / 2.0)), int(round((new_w - out_w) / 2.0))
+        # Resizing the whole image, then cropping, keeps torchvision's exact sampling grid.
+        return resize(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
+
+    def __repr__(self) -> str:
+        return f"CenterCrop(size={self.size}, resize={self.resize}, dct={self.dct})"

@@ -1,0 +1,249 @@
+"""WDSDataset: streams WebDataset tar shards (packer's or any tool's) across DDP ranks and workers.
+
+One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
+by (seed, epoch) when shuffling), dealt to ranks, then to DataLoader workers, and only
+then streamed through a per-worker shuffle buffer. Reading is three small generators:
+shard samples, the buffer, the conversion to (image, label).
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from typing import Iterable, Iterator, NamedTuple
+
+import numpy as np
+import torch.distributed
+import torch.utils.data
+
+from packer.errors import CorruptDataError, FormatError
+from packer.formats import _tar, wds
+from packer.records import choose_split
+
+from ._dataset import ReaderDataset
+from .decode import DECODE_MODES, decode
+
+ON_ERROR = ("raise", "skip")
+SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+
+
+class Task(NamedTuple):
+    shard: int
+    limit: int | None  # read only the first `limit` samples (padding), or all
+
+
+class WDSDataset(torch.utils.data.IterableDataset):
+    """Iterates (image, label) over shards, each sample once per epoch across ranks x workers.
+
+    path_or_urls: a `packer pack --to wds` folder (its index gives counts and classes),
+    a folder of .tar/.tgz shards, one shard, a brace pattern (`shard-{000000..000009}.tar`)
+    or a list of shard paths. Without a packer index, the constructor counts samples by
+    scanning every shard once (headers only for uncompressed tar); workers inherit the counts.
+
+    Distribution: the rank and world size come from rank=/world_size=, else from
+    torch.distributed when it is initialised, else from the RANK and WORLD_SIZE
+    environment variables. Shards are dealt to ranks in epoch order, each to the rank
+    holding the fewest samples so far, then to DataLoader workers round-robin. Padding
+    rule: every rank yields exactly len(self) samples, the largest rank's share, so DDP
+    never hangs; a rank with fewer samples repeats samples from the start of its own
+    shards (of the epoch's shard list, if it got none), as DistributedSampler repeats
+    indices. Nothing is dropped: every sample is yielded at least once per epoch, and
+    exactly once when the ranks' shares come out equal (always, with one rank).
+
+    shuffle: buffer size per worker (0: shards and samples in stored order). With
+    shuffle > 0, set_epoch(n) changes the shard order, the rank/worker assignment and
+    the buffer's draws, all derived from (seed, epoch). Call set_epoch before iterating
+    a DataLoader; persistent_workers keep the epoch they were started with.
+
+    on_error: "raise" (default) stops at a damaged or truncated shard with a
+    CorruptDataError naming the shard and byte offset; "skip" warns and moves on to
+    the next shard, so that epoch is shorter (the warning says by how much).
+    """
+
+    def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
+                 decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, on_error: str = "raise"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
+        if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
+            raise ValueError(f"pass rank and world_size together, with 0 <= rank < world_size "
+                             f"(got rank={rank}, world_size={world_size})")
+        self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split)
+        self.transform, self.target_transform, self.decode = transform, target_transform, decode
+        self.shuffle, self.seed, self.on_error = int(shuffle), int(seed), on_error
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.shard_counts()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def world(self) -> tuple[int, int]:
+        """(rank, world size): from the constructor, else torch.distributed, else RANK/WORLD_SIZE."""
+        if self.rank is not None:
+            return self.rank, self.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if not 0 <= rank < world_size:
+            raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
+        return rank, world_size
+
+    def shard_counts(self) -> list[int]:
+        if self.counts is None:
+            self.counts = [count_samples(path) for path in self.shards]
+        return self.counts
+
+    def plan(self, rank: int, world_size: int) -> list[Task]:
+        """This rank's tasks for the current epoch: its own shards, then its padding."""
+        counts = self.shard_counts()
+        order = list(range(len(self.shards)))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
+        load = [0] * world_size
+        owned: list[list[int]] = [[] for _ in range(world_size)]
+        for shard in order:
+            least = load.index(min(load))
+            owned[least].append(shard)
+            load[least] += counts[shard]
+        tasks = [Task(s, None) for s in owned[rank] if counts[s]]
+        deficit = max(load) - load[rank]
+        sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
+        while deficit > 0 and sources:
+            for shard in sources:
+                take = min(deficit, counts[shard])
+                tasks.append(Task(shard, take))
+                deficit -= take
+                if not deficit:
+                    break
+        return tasks
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (padded; the total sample count with one rank)."""
+        rank, world_size = self.world()
+        if world_size == 1:
+            return sum(self.shard_counts())
+        return sum(t.limit or self.shard_counts()[t.shard] for t in self.plan(rank, world_size))
+
+    def __iter__(self) -> Iterator:
+        rank, world_size = self.world()
+        worker = torch.utils.data.get_worker_info()
+        worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        tasks = self.plan(rank, world_size)[worker_id::workers]
+        samples = self.read_tasks(tasks)
+        if self.shuffle > 1:
+            seed = np.random.SeedSequence([self.seed, self.epoch, rank, worker_id]).generate_state(1)[0]
+            samples = shuffled(samples, self.shuffle, random.Random(int(seed)))
+        for where, parts in samples:
+            yield self.convert(where, parts)
+
+    def read_tasks(self, tasks: Iterable[Task]) -> Iterator[tuple[str, dict]]:
+        """(where, members) of every image sample of the tasks' shards, in order."""
+        for task in tasks:
+            path, expected = self.shards[task.shard], self.shard_counts()[task.shard]
+            wanted = expected if task.limit is None else task.limit
+            got = 0
+            try:
+                for sample in _tar.iter_samples(path):
+                    if _tar.image_suffix(sample.parts) is None:
+                        continue
+                    yield f"{path}: {sample.key}", sample.parts
+                    got += 1
+                    if got == wanted:
+                        break
+                if got < wanted:
+                    raise CorruptDataError(f"{path}: ended after {got} samples, {expected} expected; the shard "
+                                           "is truncated or was replaced (re-create it, or read with "
+                                           "on_error='skip')", path)
+            except CorruptDataError as exc:
+                if self.on_error == "raise":
+                    raise
+                warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
+                              RuntimeWarning, stacklevel=2)
+
+    def convert(self, where: str, parts: dict):
+        image = decode(parts[_tar.image_suffix(parts)], self.decode, where)
+        label = -1
+        if parts.get("cls") is not None:
+            try:
+                label = int(parts["cls"])
+            except ValueError as exc:
+                raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label",
+                                       where) from exc
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # A spawned worker has no process group: it keeps the rank of the process that pickled it.
+            state["rank"], state["world_size"] = self.world()
+        return state
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
+
+
+def shuffled(items: Iterable, size: int, rng: random.Random) -> Iterator:
+    """A shuffle buffer: keep `size` items, yield a random one as each new one arrives."""
+    buffer = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        j = rng.randrange(size)
+        yield buffer[j]
+        buffer[j] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def count_samples(path: str) -> int:
+    return _tar.count_samples(path)
+
+
+def resolve(path_or_urls, split: str | None) -> tuple[list[str], list[int] | None, list[str], str | None]:
+    """(shard paths, their sample counts or None, class names, split) for any accepted source."""
+    if isinstance(path_or_urls, (str, os.PathLike)):
+        path = os.fspath(path_or_urls)
+        if os.path.isdir(path) and wds.detect(path):
+            index = wds.load_index(path)
+            split = choose_split(list(index["wds"]["splits"]), split, path)
+            shards = index["wds"]["splits"][split]["shards"]
+            return ([os.path.join(path, s["name"]) for s in shards], [s["count"] for s in shards],
+                    list(index["classes"]), split)
+        if os.path.isdir(path):
+            folder = os.path.join(path, split) if split else path
+            shards = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(SHARD_SUFFIXES))
+            if not shards:
+                raise FormatError(f"{folder}: no shards ({', '.join(SHARD_SUFFIXES)} files) in this folder", folder)
+            return shards, None, [], split
+        urls = expand_braces(path)
+    else:
+        urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if missing:
+        raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing; only local "
+                          "files are read)", missing[0])
+    return urls, None, [], split
+
+
+def expand_braces(pattern: str) -> list[str]:
+    if "{" not in pattern:
+        return [pattern]
+    import braceexpand
+
+    return list(braceexpand.braceexpand(pattern))
+
+
+class WDSMapDataset(ReaderDataset):
+    """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index."""
+
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True):
+        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode)

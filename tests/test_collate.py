@@ -1,0 +1,50 @@
+"""readers.collate: one preallocated uint8 batch, shared in workers, clear errors."""
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from readers.collate import collate
+
+
+def samples(n, shape=(3, 8, 6)):
+    return [(torch.full(shape, i, dtype=torch.uint8), i) for i in range(n)]
+
+
+def test_stacks_images_and_labels():
+    images, labels = collate(samples(5))
+    assert images.shape == (5, 3, 8, 6) and images.dtype == torch.uint8 and images.is_contiguous()
+    assert labels.dtype == torch.int64 and labels.tolist() == [0, 1, 2, 3, 4]
+    assert images[:, 0, 0, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_accepts_numpy_images_in_their_own_layout():
+    batch = [(np.full((8, 6, 3), i, dtype=np.uint8), i) for i in range(3)]
+    images, _ = collate(batch)
+    assert images.shape == (3, 8, 6, 3) and images[2].unique().tolist() == [2]
+
+
+def test_pinning_is_skipped_without_cuda():
+    images, _ = collate(samples(2), pin_memory=True)
+    assert images.is_pinned() == torch.cuda.is_available()
+
+
+def test_refuses_mixed_sizes_naming_the_sample():
+    batch = samples(3)
+    batch[2] = (torch.zeros(3, 9, 6, dtype=torch.uint8), 2)
+    with pytest.raises(ValueError, match=r"sample 2 is \(3, 9, 6\).*sample 0 is \(3, 8, 6\).*fixed output size"):
+        collate(batch)
+
+
+def test_other_structures_go_to_default_collate():
+    batch = [{"image": torch.zeros(2), "label": i} for i in range(3)]
+    out = collate(batch)
+    assert out["image"].shape == (3, 2) and out["label"].tolist() == [0, 1, 2]
+    assert list(collate([(b"raw", 1), (b"jpeg", 2)])[0]) == [b"raw", b"jpeg"]
+
+
+def test_worker_batches_are_built_in_shared_memory():
+    loader = DataLoader(samples(8), batch_size=4, num_workers=1, collate_fn=collate)
+    batches = list(loader)
+    assert [b[0].is_shared() for b in batches] == [True, True]
+    assert torch.equal(batches[1][0][:, 0, 0, 0], torch.tensor([4, 5, 6, 7], dtype=torch.uint8))

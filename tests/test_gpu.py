@@ -1,0 +1,179 @@
+"""readers.gpu: CUDAPrefetcher's CPU fallback everywhere; stream safety on a real GPU when there is one."""
+import collections
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from PIL import Image
+
+from readers import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher, make_loader
+from readers.gpu import normalize, normalize_coefficients
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+Pair = collections.namedtuple("Pair", "images labels")
+
+
+class Images(tud.Dataset):
+    """Deterministic uint8 images: sample i is the same wherever and whenever it is built."""
+
+    def __init__(self, n=24, shape=(3, 16, 12)):
+        self.n, self.shape = n, shape
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(0, 256, self.shape, dtype=torch.uint8, generator=g), i
+
+
+def reference(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """The textbook formula, computed synchronously in float64."""
+    m = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+    return (images.double() / 255 - m) / s
+
+
+def test_cpu_fallback_matches_the_synchronous_reference():
+    loader = make_loader(Images(), 8, train=False, workers=0)
+    prefetcher = CUDAPrefetcher(loader, "cpu", IMAGENET_MEAN, IMAGENET_STD)
+    scale, shift = normalize_coefficients(IMAGENET_MEAN, IMAGENET_STD, 3)
+    batches = list(prefetcher)
+    assert len(batches) == len(prefetcher) == 3
+    for (images, labels), (raw, raw_labels) in zip(batches, loader):
+        assert images.dtype == torch.float32 and images.device.type == "cpu"
+        assert torch.equal(labels, raw_labels)
+        assert torch.equal(images, normalize(raw, scale, shift))
+        torch.testing.assert_close(images.double(), reference(raw), rtol=0, atol=2e-6)
+
+
+def test_without_mean_and_std_images_are_scaled_to_unit_range():
+    raw = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+    (out,) = list(CUDAPrefetcher([raw], "cpu"))
+    torch.testing.assert_close(out, raw.float() / 255, rtol=0, atol=1e-7)
+    assert out.min() == 0 and out.max() == 1
+
+
+def test_nested_batches_keep_their_structure():
+    images = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    batch = {"pair": Pair(images, torch.tensor([1, 2])), "list": [images, "name"], "mask": torch.ones(2, 4, 4)}
+    (out,) = list(CUDAPrefetcher([batch], "cpu", mean=0.5, std=0.5))
+    assert isinstance(out["pair"], Pair) and out["pair"].images.dtype == torch.float32
+    assert bool((out["pair"].images == -1).all()) and out["pair"].labels.tolist() == [1, 2]
+    assert out["list"][1] == "name" and out["list"][0].dtype == torch.float32
+    assert out["mask"].dtype == torch.float32 and bool((out["mask"] == 1).all())  # only uint8 4-D is an image
+
+
+def test_options_channels_last_and_dtype():
+    loader = make_loader(Images(), 8, train=False, workers=0)
+    images, _ = next(iter(CUDAPrefetcher(loader, "cpu", channels_last=True, dtype=torch.bfloat16)))
+    assert images.dtype == torch.bfloat16 and images.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_early_break_and_reiteration():
+    prefetcher = CUDAPrefetcher(make_loader(Images(), 4, train=False, workers=2), "cpu")
+    for _ in range(3):
+        for i, _ in enumerate(prefetcher):
+            if i == 1:
+                break
+    assert sum(len(labels) for _, labels in prefetcher) == 24
+
+
+def test_set_epoch_and_attributes_reach_the_loader():
+    loader = make_loader(Images(), 4, workers=0)
+    prefetcher = CUDAPrefetcher(loader, "cpu")
+    prefetcher.set_epoch(5)
+    assert loader._next_epoch == 5 and prefetcher.dataset is loader.dataset and prefetcher.batch_size == 4
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="one value per channel"):
+        list(CUDAPrefetcher([torch.zeros(1, 3, 2, 2, dtype=torch.uint8)], "cpu", mean=(0.5, 0.5)))
+    with pytest.raises(ValueError, match="std must not contain zeros"):
+        normalize_coefficients(None, (1.0, 0.0, 1.0), 3)
+    with pytest.raises(ValueError, match="device must be 'cuda'"):
+        CUDAPrefetcher([], "meta")
+    with pytest.raises(ValueError, match="floating-point"):
+        CUDAPrefetcher([], "cpu", dtype=torch.uint8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_is_checked_at_construction_not_import():
+    assert not torch.cuda.is_initialized()
+    with pytest.raises(RuntimeError, match="CUDA is not available.*device='cpu'"):
+        CUDAPrefetcher([], "cuda")
+
+
+@cuda
+def test_every_prefetched_batch_equals_a_synchronous_copy_under_allocator_pressure():
+    """Catches a missing wait_stream (reads before the copy lands) and a missing
+    record_stream (the allocator hands a batch's memory to the next copy while the
+    consumer's delayed kernels still read it)."""
+    device = torch.device("cuda")
+    dataset = Images(n=64 * 60, shape=(3, 64, 64))
+    loader = make_loader(dataset, 64, train=False, workers=2, pin_memory=True)
+    scale, shift = (t.to(device) for t in normalize_coefficients(IMAGENET_MEAN, IMAGENET_STD, 3))
+    expected = [normalize(images.to(device), scale, shift) for images, _ in loader]
+    torch.cuda.synchronize()
+    for epoch in range(2):  # the second epoch reuses the prefetcher's one side stream
+        early, late = [], []
+        prefetcher = CUDAPrefetcher(loader, device, IMAGENET_MEAN, IMAGENET_STD)
+        for i, (images, labels) in enumerate(prefetcher):
+            early.append((images != expected[i]).sum())  # right away: was the copy waited for?
+            torch.cuda._sleep(2_000_000)  # hold the consumer stream back while copies run ahead
+            pressure = torch.empty(64 * 3 * 64 * 64 * 4, dtype=torch.uint8, device=device).fill_(255)
+            late.append((images != expected[i]).sum())  # after a delay: was the memory protected?
+            del pressure
+            assert labels.device == device
+        torch.cuda.synchronize()
+        assert len(early) == len(expected)
+        assert [int(x) for x in early] == [0] * len(expected)
+        assert [int(x) for x in late] == [0] * len(expected)
+
+
+@cuda
+def test_cuda_outputs_are_identical_to_the_cpu_fallback():
+    loader = make_loader(Images(), 8, train=False, workers=0, pin_memory=True)
+    for channels_last in (False, True):
+        gpu = CUDAPrefetcher(loader, "cuda", IMAGENET_MEAN, IMAGENET_STD, channels_last=channels_last)
+        cpu = CUDAPrefetcher(loader, "cpu", IMAGENET_MEAN, IMAGENET_STD, channels_last=channels_last)
+        stream = gpu._stream
+        for (g, gl), (c, cl) in zip(gpu, cpu):
+            assert torch.equal(g.cpu(), c) and torch.equal(gl.cpu(), cl)
+        assert gpu._stream is stream
+
+
+@cuda
+def test_early_break_on_cuda_leaves_nothing_behind():
+    loader = make_loader(Images(n=256), 8, train=False, workers=2, pin_memory=True)
+    prefetcher = CUDAPrefetcher(loader, "cuda")
+    torch.cuda.synchronize()
+    for _ in range(5):
+        for i, _ in enumerate(prefetcher):
+            if i == 2:
+                break
+    assert sum(len(labels) for _, labels in prefetcher) == 256
+    torch.cuda.synchronize()
+
+
+def jpeg(mode, fmt="JPEG", size=(80, 60)):
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) \
+        .convert(mode).save(buf, fmt)
+    return buf.getvalue()
+
+
+@cuda
+def test_gpu_decode_matches_the_cpu_decode_and_falls_back_for_cmyk_and_png():
+    pytest.importorskip("torchvision")
+    from readers import CenterCrop
+    from readers.nvjpeg import GPUDecoder
+
+    encoded = [jpeg("RGB"), jpeg("L"), jpeg("CMYK"), jpeg("RGB", "PNG")]
+    out = GPUDecoder(CenterCrop(48, 56))(encoded)
+    cpu = torch.stack([CenterCrop(48, 56, dct=False)(data) for data in encoded])
+    assert out.shape == (4, 3, 48, 48) and out.dtype == torch.uint8 and out.is_cuda
+    # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a few levels
+    assert (out.cpu().float() - cpu.float()).abs().mean() < 3

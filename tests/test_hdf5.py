@@ -1,0 +1,171 @@
+"""The HDF5 layout as documented in the README, read with h5py alone; HDF5-specific failure modes.
+
+Round trips, FolderDataset equivalence, fork/spawn DataLoaders, pickling and checksum
+damage are covered for every format (hdf5 included) by test_formats.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import readers
+from packer import CorruptDataError, FormatError, open_reader, pack
+from packer.cli import main
+from packer.formats import hdf5 as hdf5_format
+
+from conftest import jpeg_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def packed(src, tmp_path, name="d.h5", workers=1):
+    out = tmp_path / name
+    pack(str(src), "hdf5", str(out), progress=False, workers=workers)
+    return out
+
+
+def test_layout_is_readable_with_h5py_and_json_alone(split_tree, tmp_path):
+    out = packed(split_tree, tmp_path)
+    with h5py.File(out, "r", locking=False, rdcc_nbytes=0) as f:
+        meta = json.loads(f.attrs["packer_metadata"])
+        assert meta["format"] == "hdf5" and meta["format_version"] == 1
+        assert list(f.attrs["classes"]) == meta["classes"] == ["a", "b", "c"]
+        assert sorted(f) == sorted(meta["splits"]) == ["train", "val"]
+        for split, info in meta["splits"].items():
+            g = f[split]
+            assert sorted(g) == ["crc32", "images", "labels", "offsets", "paths"]
+            images, offsets, labels, crcs = g["images"], g["offsets"][:], g["labels"][:], g["crc32"][:]
+            assert images.dtype == np.uint8 and images.chunks == (256 << 10,) and images.compression is None
+            assert (offsets.dtype, labels.dtype, crcs.dtype) == (np.int64, np.int32, np.uint32)
+            paths = g["paths"][:].tobytes().decode("utf-8").split("\0")
+            assert len(offsets) == info["count"] + 1 and offsets[-1] == images.shape[0]
+            assert len(labels) == len(crcs) == len(paths) == info["count"]
+            for i, relpath in enumerate(paths):
+                image = images[offsets[i]:offsets[i + 1]].tobytes()
+                assert image == (split_tree / relpath).read_bytes()
+                assert zlib.crc32(image) == crcs[i]
+                assert meta["classes"][labels[i]] == relpath.split("/")[1]
+
+
+def test_nothing_in_the_file_needs_pickle(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    kinds = []
+    with h5py.File(out, "r", locking=False) as f:
+        f.visititems(lambda name, obj: kinds.append(obj.dtype.kind) if isinstance(obj, h5py.Dataset) else None)
+        assert set(f.attrs) == {"packer_metadata", "classes"}
+    assert set(kinds) <= {"u", "i"}  # numbers only: no opaque, object or vlen data
+
+
+def test_records_spanning_chunks_and_flushes_read_back_exactly(image_tree, tmp_path, monkeypatch):
+    # Tiny chunks and flushes: every image crosses chunk boundaries and several flushes.
+    monkeypatch.setattr(hdf5_format, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(hdf5_format, "FLUSH_BYTES", 3000)
+    out = packed(image_tree, tmp_path)
+    reader = open_reader(out)
+    with h5py.File(out, "r", locking=False) as f:
+        assert f["all/images"].chunks == (1000,)
+    folder = readers.FolderDataset(image_tree, decode="raw")
+    assert [reader.read(i) for i in range(len(reader))] == [folder.reader.read(i) for i in range(len(folder))]
+
+
+def test_real_images_decode_like_the_folder(imagenet_sample, tmp_path):
+    out = packed(imagenet_sample, tmp_path, workers=2)
+    ds, folder = readers.HDF5Dataset(out, decode="numpy"), readers.FolderDataset(imagenet_sample, decode="numpy")
+    assert ds.targets.tolist() == folder.targets.tolist() and list(ds.paths) == list(folder.paths)
+    for i in range(0, len(ds), 7):  # grayscale ones included: the sample holds 23
+        (a, la), (b, lb) = ds[i], folder[i]
+        assert la == lb and a.shape == b.shape and np.array_equal(a, b)
+
+
+def test_forked_child_opens_its_own_file_and_parent_keeps_reading(image_tree, tmp_path):
+    reader = open_reader(packed(image_tree, tmp_path))
+    expected = reader.read(3)
+    parent_file = reader.handle()[0]
+    pid = os.fork()
+    if pid == 0:  # the child: must not touch the parent's h5py objects
+        try:
+            ok = reader.read(3) == expected and reader.handle()[0] is not parent_file
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reader.read(3) == expected and reader.handle()[0] is parent_file
+
+
+def test_damaged_offsets_are_reported_not_misread(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    with h5py.File(out, "r+", locking=False) as f:
+        f["all/offsets"][5] = 10 ** 9
+    with pytest.raises(CorruptDataError, match=r"all/offsets does not describe"):
+        open_reader(out).read(0)
+
+
+def test_truncated_file_is_reported_with_its_path(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptDataError, match=rf"{out}: cannot open the HDF5 file.*re-pack"):
+        open_reader(out)
+
+
+def test_foreign_hdf5_file_is_not_mistaken_for_a_packed_one(tmp_path):
+    out = tmp_path / "other.h5"
+    with h5py.File(out, "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(FormatError, match="without packer metadata"):
+        open_reader(out)
+
+
+def test_verify_names_a_damaged_hdf5_record(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    target = (image_tree / "cat" / "gray.jpeg").read_bytes()
+    blob = bytearray(out.read_bytes())
+    offset = blob.find(target)
+    blob[offset + len(target) // 2] ^= 0xFF
+    out.write_bytes(bytes(blob))
+    result = CliRunner().invoke(main, ["verify", str(out), "--workers", "1"])
+    assert result.exit_code == 1
+    assert "cat/gray.jpeg): checksum mismatch" in result.stderr and "1 problem(s)" in result.stderr
+
+
+def test_class_names_that_are_not_utf8_survive(tmp_path):
+    src = tmp_path / "src"
+    folder = os.path.join(os.fsencode(src), b"caf\xe9-latin1")
+    os.makedirs(folder)
+    with open(os.path.join(folder, b"x.jpg"), "wb") as f:
+        f.write(jpeg_bytes(1))
+    reader = open_reader(packed(src, tmp_path))
+    name = os.fsdecode(b"caf\xe9-latin1")
+    assert reader.classes == [name] and reader.read(0)[2] == name + "/x.jpg"
+    with h5py.File(reader.path, "r", locking=False) as f:
+        assert list(f.attrs["classes"]) == [name]
+
+
+def test_disk_full_fails_cleanly_naming_the_output(tmp_path):
+    src = tmp_path / "src"
+    for i in range(40):
+        (src / f"c{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 4}" / f"{i}.jpg").write_bytes(jpeg_bytes(i, size=(320, 240)))
+    out = tmp_path / "full.h5"
+
+    def tiny_disk():  # the child can write at most 256 KB per file: a full disk, as far as it sees
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "hdf5", "-o", str(out)],
+                          cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=tiny_disk)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{out}: writing the hdf5 dataset failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -1,0 +1,81 @@
+"""readers.nvjpeg: the optional GPU decode path is import-guarded and refuses clearly without its needs."""
+import importlib.util
+
+import pytest
+import torch
+
+from readers import CenterCrop, make_loader
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="checks the no-torchvision error")
+def test_gpu_decoder_without_torchvision_says_what_to_install():
+    from readers.nvjpeg import GPUDecoder  # importing the module needs neither torchvision nor CUDA
+
+    with pytest.raises(ImportError, match="gpu_decode needs torchvision.*decode on the CPU"):
+        GPUDecoder(CenterCrop(224))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_make_loader_gpu_decode_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="gpu_decode decodes on the GPU and needs device='cuda'"):
+        make_loader([(b"", 0)], 1, workers=0, gpu_decode=True)
+    assert make_loader([(b"", 0)], 1, workers=0, gpu_decode=False) is not None
+
+
+def test_make_loader_gpu_decode_needs_a_raw_dataset(monkeypatch, tmp_path):
+    from readers import FolderDataset, RandomResizedCrop
+    import readers.loader
+
+    monkeypatch.setattr(readers.loader.torch.cuda, "is_available", lambda: True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.jpg").write_bytes(b"\xff\xd8\xff")
+    for dataset in (FolderDataset(str(tmp_path), decode="pil"),
+                    FolderDataset(str(tmp_path), decode="raw", transform=RandomResizedCrop(8))):
+        with pytest.raises(ValueError, match="decode='raw' and no transform"):
+            make_loader(dataset, 1, workers=0, device="cuda", gpu_decode=True)
+
+
+def test_gpu_decoder_batches_jpegs_and_falls_back_per_file(monkeypatch):
+    """The batching and fallback logic, with a stand-in for torchvision's decode_jpeg that
+    decodes on the CPU, refuses one file, and fails whole batches that hold it (as nvJPEG does)."""
+    import io
+    import sys
+    import types
+
+    import numpy as np
+    from PIL import Image
+
+    from readers.decode import decode_tensor
+    from readers.nvjpeg import GPUDecoder
+
+    def encode(mode, fmt="JPEG", seed=0):
+        buf = io.BytesIO()
+        pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+        Image.fromarray(pixels).convert(mode).save(buf, fmt)
+        return buf.getvalue()
+
+    refused = encode("RGB", seed=9)
+    calls = []
+
+    def decode_jpeg(data, mode=None, device=None):
+        batch = isinstance(data, list)
+        items = data if batch else [data]
+        calls.append(len(items) if batch else "one")
+        if any(bytes(t.numpy()) == refused for t in items):
+            raise RuntimeError("nvjpeg: unsupported")
+        out = [decode_tensor(bytes(t.numpy())) for t in items]
+        return out if batch else out[0]
+
+    fake = types.ModuleType("torchvision.io")
+    fake.decode_jpeg, fake.ImageReadMode = decode_jpeg, types.SimpleNamespace(RGB="RGB")
+    monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
+    monkeypatch.setitem(sys.modules, "torchvision.io", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    encoded = [encode("RGB", seed=1), encode("L"), encode("CMYK"), encode("RGB", "PNG"), refused]
+    out = GPUDecoder(CenterCrop(32, 36), device="cpu")(encoded)
+    expected = torch.stack([CenterCrop(32, 36)(data) for data in encoded])
+    assert out.shape == (5, 3, 32, 32) and torch.equal(out, expected)
+    # one batch call for the three turbo-decodable JPEGs... plus the refused one, which fails it;
+    # then one call per file; CMYK and PNG never reach the GPU decoder.
+    assert calls == [3, "one", "one", "one"]

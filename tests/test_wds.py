@@ -1,0 +1,442 @@
+"""WebDataset shards: layout, interop both ways with the webdataset library and tar, and WDSDataset."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from torch.utils.data import DataLoader
+
+import readers
+from packer import CorruptDataError, PackError, pack
+from packer.cli import main
+from packer.formats import _tar, wds
+from packer.verify import verify
+from readers import WDSDataset
+
+from conftest import SHARED_DATA, jpeg_bytes, write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pack_wds(src: Path, out: Path, max_count: int | None = None, **kwargs) -> Path:
+    if max_count is not None:
+        kwargs["options"] = {"max_count": max_count}
+    pack(str(src), "wds", str(out), workers=1, progress=False, **kwargs)
+    return out
+
+
+def shard_files(out: Path, split: str = "all") -> list[Path]:
+    return sorted((out / split).glob("*.tar"))
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+@pytest.fixture
+def even_tree(tmp_path) -> Path:
+    """24 distinct JPEGs in 4 classes: with --max-count 3, eight equal shards."""
+    root = tmp_path / "even"
+    for i in range(24):
+        write(root / f"c{i % 4}" / f"img_{i:02d}.jpg", jpeg_bytes(5000 + i, size=(16, 16)))
+    return root
+
+
+# --- keys and layout ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("relpath, key", [
+    ("cat/img_0.JPEG", "cat/img_0_JPEG"),
+    ("v1.2/img.v2.final.jpg", "v1.2/img%2Ev2%2Efinal_jpg"),
+    ("dog house/名前 with space.jpg", "dog house/名前 with space_jpg"),
+    ("a/100%.png", "a/100%25_png"),
+    ("flat.jpg", "flat_jpg"),
+])
+def test_keys_have_no_dot_in_the_last_component_and_split_back_as_webdataset_does(relpath, key):
+    assert wds.sample_key(relpath) == key
+    member = f"{key}.{wds.member_suffix(relpath)}"
+    webdataset_tariterators = pytest.importorskip("webdataset.tariterators")
+    assert webdataset_tariterators.base_plus_ext(member) == (key, relpath.rpartition(".")[2].lower())
+
+
+def test_keys_are_unique_for_same_stem_with_other_extension_or_case():
+    names = ["d/x.jpg", "d/x.png", "d/x.JPG", "d/x_jpg.jpg", "d/x.jpg.jpg", "d/x%2Ejpg.jpg", "d/x_.jpg"]
+    keys = [wds.sample_key(n) for n in names]
+    assert len(set(keys)) == len(names)
+    assert all("." not in k.rpartition("/")[2] for k in keys)
+
+
+def test_non_utf8_file_names_round_trip(tmp_path):
+    src = tmp_path / "nonutf8"
+    folder = os.fsencode(src) + b"/cl\xffass"
+    os.makedirs(folder)
+    with open(folder + b"/im\xfeg.jpg", "wb") as f:
+        f.write(jpeg_bytes(9))
+    out = pack_wds(src, tmp_path / "n.wds")
+    reader = wds.Reader(str(out))
+    assert reader.read(0)[2] == "cl\udcffass/im\udcfeg.jpg" and reader.classes == ["cl\udcffass"]
+    assert [label for _, label in WDSDataset(out, decode="raw")] == [0]
+    assert verify(str(out), str(src), workers=1).ok
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 100, "x" * 101, "cat/img_0_JPEG.jpeg", "ünï/名前_jpg.jpg",
+                                  "dog house/100%25_png.json", "tab\there.cls"])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 123_456_789, 8**11 - 1, 8**11])
+def test_fast_tar_header_is_byte_identical_to_tarfile(name, size):
+    assert _tar.header(name, size) == _tar.tar_header(name, size)
+
+
+def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "t.wds", max_count=5)
+    shards = shard_files(out)
+    index = json.loads((out / "index.json").read_text())
+    entries = index["wds"]["splits"]["all"]["shards"]
+    assert [e["name"] for e in entries] == [f"all/shard-{i:06d}.tar" for i in range(4)]
+    assert [e["count"] for e in entries] == [5, 5, 5, 4]
+    names = []
+    for shard, entry in zip(shards, entries):
+        assert shard.stat().st_size == entry["bytes"]
+        assert hashlib.sha256(shard.read_bytes()).hexdigest() == entry["sha256"]
+        with tarfile.open(shard) as tar:
+            members = tar.getmembers()
+        assert all(m.isreg() and m.mtime == _tar.MTIME and m.uid == 0 for m in members)
+        names += [m.name for m in members]
+        if shutil.which("tar"):
+            listed = subprocess.run(["tar", "tf", str(shard)], capture_output=True, check=True).stdout
+            assert listed.decode().splitlines() == [m.name for m in members]
+    assert len(names) == 19 * 3
+    assert {n.rpartition(".")[2] for n in names} == {"jpeg", "jpg", "cls", "json"}
+
+
+def test_shard_size_bounds_every_shard_that_holds_more_than_one_sample(imagenet_sample, tmp_path):
+    out = pack_wds(imagenet_sample, tmp_path / "s.wds", options={"shard_size": "1MB"})
+    shards = json.loads((out / "index.json").read_text())["wds"]["splits"]["all"]["shards"]
+    assert len(shards) > 5 and sum(s["count"] for s in shards) == 125
+    assert all(s["bytes"] <= 1_000_000 for s in shards if s["count"] > 1)
+
+
+@pytest.mark.parametrize("text, size", [("1GB", 10**9), ("256MB", 256 * 10**6), ("512KB", 512_000),
+                                        ("4096", 4096), ("1GiB", 2**30), ("1.5 mb", 1_500_000)])
+def test_parse_size_accepts_units_and_plain_bytes(text, size):
+    assert wds.parse_size(text) == size
+
+
+def test_parse_size_rejects_nonsense_listing_the_units():
+    with pytest.raises(ValueError, match="KB, MB, GB"):
+        wds.parse_size("12 parsecs")
+
+
+def test_repacking_gives_identical_shards(image_tree, tmp_path):
+    a = pack_wds(image_tree, tmp_path / "a.wds", max_count=4)
+    b = pack_wds(image_tree, tmp_path / "b.wds", max_count=4)
+    assert [p.read_bytes() for p in shard_files(a)] == [p.read_bytes() for p in shard_files(b)]
+
+
+def test_shuffled_shards_mix_classes_and_no_shuffle_keeps_imagefolder_order(image_tree, tmp_path):
+    folder = readers.FolderDataset(image_tree, decode="raw")
+    in_order = [folder[i][0] for i in range(len(folder))]
+    plain = pack_wds(image_tree, tmp_path / "p.wds", shuffle=False)
+    assert [d for d, _ in WDSDataset(plain, decode="raw")] == in_order
+    mixed = pack_wds(image_tree, tmp_path / "m.wds", shuffle_seed=7)
+    stored = [d for d, _ in WDSDataset(mixed, decode="raw")]
+    assert stored != in_order and sorted(stored) == sorted(in_order)
+    assert json.loads((mixed / "index.json").read_text())["params"]["shuffle_seed"] == 7
+    # The map-style view stays in ImageFolder order whatever the shard order.
+    assert [wds.Reader(str(mixed)).read(i)[0] for i in range(len(folder))] == in_order
+
+
+def test_cli_shard_options_are_refused_for_other_formats(image_tree, tmp_path):
+    result = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "lmdb", "-o", str(tmp_path / "x"),
+                                       "--shard-size", "1MB"])
+    assert result.exit_code == 2 and "only for --to wds" in result.output
+    assert not (tmp_path / "x").exists()
+    result = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "wds", "--shard-size", "lots"])
+    assert result.exit_code == 2 and "not a size" in result.output
+
+
+def test_skipped_files_are_listed_in_imagefolder_order_and_verify_notes_them(bad_tree, tmp_path):
+    out = pack_wds(bad_tree, tmp_path / "b.wds", on_error="skip", shuffle_seed=11)
+    skipped = [e["path"] for e in json.loads((out / "index.json").read_text())["skipped"]]
+    assert skipped == sorted(skipped) and len(skipped) == 4
+    assert len(list(WDSDataset(out, decode="raw"))) == 3
+    report = verify(str(out), str(bad_tree), workers=1)
+    assert report.ok, report.problems
+    assert sum("skipped at pack time" in n for n in report.notes) == 4
+
+
+def test_library_refuses_to_shuffle_a_random_access_format(image_tree, tmp_path):
+    with pytest.raises(PackError, match="never written shuffled.*wds"):
+        pack(str(image_tree), "lmdb", str(tmp_path / "x.lmdb"), shuffle=True, progress=False)
+    assert not (tmp_path / "x.lmdb").exists()
+
+
+def test_cli_packs_with_shard_options_and_info_and_verify_work(image_tree, tmp_path):
+    out = tmp_path / "c.wds"
+    result = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "wds", "-o", str(out), "--max-count", "6",
+                                       "--no-shuffle", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert len(shard_files(out)) == 4
+    facts = json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)
+    assert facts["format"] == "wds" and facts["count"] == 19 and facts["params"]["shuffle_seed"] is None
+    result = CliRunner().invoke(main, ["verify", str(out), "--against", str(image_tree)])
+    assert result.exit_code == 0 and "ok: 19 records intact" in result.stderr
+
+
+def test_verify_names_a_damaged_or_truncated_shard(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "v.wds", max_count=5)
+    last = shard_files(out)[-1]
+    last.write_bytes(last.read_bytes()[:-2048])
+    problems = "\n".join(verify(str(out), workers=1).problems)
+    assert "all/shard-000003.tar: " in problems and "the index says" in problems
+    assert "truncated" in problems
+
+
+# --- interop: out to the webdataset library ----------------------------------------------
+
+def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    out = pack_wds(image_tree, tmp_path / "o.wds", max_count=4)
+    folder = readers.FolderDataset(image_tree)
+    position = {p: i for i, p in enumerate(folder.paths)}
+    seen = []
+    for sample in webdataset.WebDataset([str(p) for p in shard_files(out)], shardshuffle=False).decode("pil"):
+        relpath = sample["json"]["path"]
+        image = next(v for k, v in sample.items() if k in ("jpg", "jpeg"))
+        expected, label = folder[position[relpath]]
+        assert sample["cls"] == label
+        assert image.convert("RGB").tobytes() == expected.tobytes()
+        seen.append(relpath)
+    assert sorted(seen) == sorted(folder.paths)
+
+
+# --- interop: in from other writers ------------------------------------------------------
+
+def test_reads_the_real_gzip_shard_as_it_is():
+    shard = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
+    if not shard.is_file():
+        pytest.skip("../shared/data/webdataset-testdata/sample.tgz is not present")
+    ds = WDSDataset(shard)
+    assert len(ds) == 90
+    samples = list(ds)
+    assert len(samples) == 90
+    assert all(im.size == (28, 28) and im.mode == "RGB" for im, _ in samples)
+    assert set(label for _, label in samples) == set(range(10))
+    webdataset = pytest.importorskip("webdataset")
+    official = [s["cls"] for s in webdataset.WebDataset(str(shard), shardshuffle=False).decode("pil")]
+    assert [label for _, label in samples] == official
+
+
+def test_reads_shards_written_by_webdataset_shardwriter(tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    images = [jpeg_bytes(6000 + i, size=(8, 8)) for i in range(20)]
+    with webdataset.ShardWriter(str(tmp_path / "sw-%06d.tar"), maxcount=7, verbose=0) as sink:
+        for i, data in enumerate(images):
+            sink.write({"__key__": f"sample{i:04d}", "jpg": data, "cls": i % 3})
+    pattern = str(tmp_path / "sw-{000000..000002}.tar")
+    for source in (pattern, tmp_path, sorted(tmp_path.glob("sw-*.tar"))):
+        ds = WDSDataset(source, decode="raw")
+        assert len(ds) == 20
+        assert list(ds) == [(data, i % 3) for i, data in enumerate(images)]
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_reads_a_plain_tar_of_a_folder_with_dot_slash_names_and_folders(tmp_path, mode):
+    src = tmp_path / "plain"
+    files = {"a/x.jpg": jpeg_bytes(1), "a/deeper/y.png": jpeg_bytes(2, fmt="PNG"), "b/z.v2.jpeg": jpeg_bytes(3)}
+    for name, data in files.items():
+        write(src / name, data)
+    write(src / "README", b"no suffix: not a sample")
+    write(src / "b" / "notes.txt", b"no image member: not a sample")
+    shard = tmp_path / "plain.tar"
+    with tarfile.open(shard, mode) as tar:
+        tar.add(src, arcname=".")
+    with tarfile.open(shard) as tar:
+        assert "./a" in tar.getnames() and "./a/x.jpg" in tar.getnames()
+    ds = WDSDataset(shard, decode="raw")
+    assert len(ds) == 3
+    assert sorted(data for data, _ in ds) == sorted(files.values())
+    assert {label for _, label in ds} == {-1}
+
+
+# --- distribution, epochs, shuffling -----------------------------------------------------
+
+def collect(ds, workers: int = 2, context: str | None = None) -> list[str]:
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context)
+    return [digest(data) for data, _ in loader]
+
+
+def test_every_sample_once_across_ranks_and_workers(even_tree, tmp_path):
+    out = pack_wds(even_tree, tmp_path / "e.wds", max_count=3)
+    everything = sorted(digest(data) for data, _ in WDSDataset(out, decode="raw"))
+    assert len(everything) == 24 == len(set(everything))
+    per_rank = []
+    for rank in range(2):
+        ds = WDSDataset(out, decode="raw", shuffle=5, seed=3, rank=rank, world_size=2)
+        assert len(ds) == 12
+        per_rank.append(collect(ds))
+    assert [len(r) for r in per_rank] == [12, 12]
+    assert sorted(per_rank[0] + per_rank[1]) == everything
+
+
+def test_uneven_shards_pad_every_rank_to_the_same_length_by_repeating(image_tree, tmp_path, monkeypatch):
+    out = pack_wds(image_tree, tmp_path / "u.wds", max_count=3)  # shards of 3,3,3,3,3,3,1
+    everything = Counter(digest(data) for data, _ in WDSDataset(out, decode="raw"))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = WDSDataset(out, decode="raw")
+        per_rank.append(collect(ds))
+        assert len(per_rank[-1]) == len(ds)
+    assert len({len(r) for r in per_rank}) == 1  # equal lengths: DDP cannot hang
+    seen = Counter(d for r in per_rank for d in r)
+    assert set(seen) == set(everything)  # nothing dropped
+    assert sum(seen.values()) - len(everything) == 3 * len(per_rank[0]) - 19  # only padding repeats
+
+
+def test_more_ranks_than_shards_still_gives_every_rank_samples(tmp_path):
+    shard = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
+    if not shard.is_file():
+        pytest.skip("sample.tgz is not present")
+    lengths = [sum(1 for _ in WDSDataset(shard, decode="raw", rank=r, world_size=4)) for r in range(4)]
+    assert lengths == [90] * 4
+
+
+def ddp_rank(rank: int, world_size: int, out: str, init_file: str, results: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ds = WDSDataset(out, decode="raw", shuffle=4)
+        assert pickle.loads(pickle.dumps(ds)).rank == rank  # what a spawned DataLoader worker gets
+        digests = [digest(data) for data, _ in ds]
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (len(ds), digests))
+        if rank == 0:
+            Path(results).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_come_from_torch_distributed_when_initialised(even_tree, tmp_path, monkeypatch):
+    import torch.multiprocessing
+
+    out = pack_wds(even_tree, tmp_path / "d.wds", max_count=4)  # 6 shards of 4
+    monkeypatch.setenv("WORLD_SIZE", "1")  # must lose to the process group
+    results = tmp_path / "ranks.json"
+    torch.multiprocessing.spawn(ddp_rank, args=(2, str(out), str(tmp_path / "init"), str(results)), nprocs=2)
+    (len0, seen0), (len1, seen1) = json.loads(results.read_text())
+    assert len0 == len1 == len(seen0) == len(seen1) == 12
+    assert sorted(seen0 + seen1) == sorted(digest(d) for d, _ in WDSDataset(out, decode="raw"))
+
+
+def test_set_epoch_reshuffles_deterministically(even_tree, tmp_path):
+    out = pack_wds(even_tree, tmp_path / "s.wds", max_count=3)
+
+    def order(epoch, seed=0):
+        ds = WDSDataset(out, decode="raw", shuffle=8, seed=seed)
+        ds.set_epoch(epoch)
+        return [digest(d) for d, _ in ds]
+
+    assert order(1) == order(1)
+    assert order(1) != order(2)
+    assert order(1, seed=5) != order(1)
+    assert sorted(order(1)) == sorted(order(2))
+    unshuffled = WDSDataset(out, decode="raw")
+    unshuffled.set_epoch(9)
+    assert [digest(d) for d, _ in unshuffled] == [digest(d) for d, _ in WDSDataset(out, decode="raw")]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_under_fork_and_spawn(even_tree, tmp_path, context):
+    out = pack_wds(even_tree, tmp_path / "w.wds", max_count=5)
+    ds = WDSDataset(out, decode="tensor", shuffle=4)
+    assert len(ds) == 24
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context)
+    batches = list(loader)
+    assert sum(len(labels) for _, labels in batches) == 24
+    assert batches[0][0].shape == (4, 3, 16, 16)
+
+
+def test_dataset_pickles_and_yields_the_same(even_tree, tmp_path):
+    ds = WDSDataset(pack_wds(even_tree, tmp_path / "k.wds"), decode="raw", shuffle=6, seed=2)
+    ds.set_epoch(3)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert list(clone) == list(ds)
+    mapped = readers.WDSMapDataset(tmp_path / "k.wds", decode="raw")
+    mapped[0]
+    assert pickle.loads(pickle.dumps(mapped))[5] == mapped[5]
+
+
+# --- damage -----------------------------------------------------------------------------
+
+def test_truncated_shard_raises_naming_the_shard_and_offset(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "x.wds", max_count=5)
+    shard = shard_files(out)[1]
+    blob = shard.read_bytes()
+    shard.write_bytes(blob[:len(blob) // 2 + 100])
+    with pytest.raises(CorruptDataError, match=r"shard-000001\.tar: truncated at byte \d+"):
+        list(WDSDataset(out, decode="raw"))
+
+
+def test_shard_cut_at_a_block_boundary_is_not_a_silent_short_epoch(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "y.wds", max_count=5)
+    shard = shard_files(out)[0]
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[-3].offset  # drop the last sample, end blocks and all
+    shard.write_bytes(shard.read_bytes()[:cut])
+    with pytest.raises(CorruptDataError, match=r"shard-000000\.tar"):
+        list(WDSDataset(out, decode="raw"))
+    # The sample before the cut is still open when the damage shows (its members may be
+    # missing), so skipping loses it too, and says so.
+    with pytest.warns(RuntimeWarning, match=r"shard-000000\.tar.* 2 sample\(s\) short this epoch"):
+        assert len(list(WDSDataset(out, decode="raw", on_error="skip"))) == 17
+
+
+def test_foreign_shard_with_a_garbage_header_names_the_offset(tmp_path):
+    shard = tmp_path / "g.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(3):
+            info = tarfile.TarInfo(f"k{i}.jpg")
+            data = jpeg_bytes(i)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tar:
+        second = tar.getmembers()[1].offset
+    blob[second:second + 20] = b"garbage garbage garb"
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(CorruptDataError, match=rf"g\.tar: no valid tar header at byte {second}"):
+        len(WDSDataset(shard))
+
+
+def test_corrupt_gzip_shard_is_reported(tmp_path):
+    src = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
+    if not src.is_file():
+        pytest.skip("sample.tgz is not present")
+    blob = src.read_bytes()
+    shard = tmp_path / "cut.tgz"
+    shard.write_bytes(blob[:len(blob) // 2])
+    with pytest.raises(CorruptDataError, match=r"cut\.tgz \(gzip\): cannot decompress"):
+        len(WDSDataset(shard))
+
+
+def test_subprocess_cli_packs_wds(image_tree, tmp_path):
+    out = tmp_path / "sub.wds"
+    subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(image_tree), "--to", "wds", "-o", str(out),
+                    "--shard-size", "20KB", "--shuffle-seed", "3", "--workers", "1"], cwd=ROOT, check=True,
+                   capture_output=True)
+    assert len(shard_files(out)) > 2
+    assert zlib.crc32((out / "all" / "paths.bin").read_bytes()) == zlib.crc32(
+        "\0".join(readers.FolderDataset(image_tree).paths).encode())
