@@ -77,9 +77,6 @@ class PackerMap:
 
     peer = False
 
-    def augment_description(self) -> str:
-        return train_transform()[2]
-
     def __init__(self, fmt: str | None, dataset: str):
         self.fmt, self.dataset_name = fmt, dataset
 
@@ -94,6 +91,9 @@ class PackerMap:
         if getattr(_readers(), self.dataset_name, None) is None:
             return f"readers.{self.dataset_name} not available"
         return None
+
+    def augment_description(self) -> str:
+        return train_transform()[2]
 
     def path(self, ctx: dict) -> str:
         return ctx["folder"] if self.fmt is None else ctx["packed"][self.fmt]
@@ -127,28 +127,14 @@ class PackerMap:
         return packer_loader(self.open(ctx, decode, transform), opts, True, how)
 
 
-class Mapped(torch.utils.data.IterableDataset):
-    """Applies fn to each sample's image: a transform for an iterable dataset that takes none."""
-
-    def __init__(self, dataset, fn):
-        self.dataset, self.fn = dataset, fn
-
-    def __iter__(self):
-        for image, label in self.dataset:
-            yield self.fn(image), label
-
-    def close(self) -> None:
-        getattr(self.dataset, "close", lambda: None)()
-
-
 class PackerShards:
     """readers.WDSDataset: tar shards streamed in order."""
 
     peer = False
-
-    def augment_description(self) -> str:
-        return train_transform()[2]
     fmt = "wds"
+    # A training loader shuffles: map-style rows through a random sampler, shards through
+    # WDSDataset's buffer (of raw samples, ahead of decoding), which leaves reads sequential.
+    TRAIN_SHUFFLE = 1000
 
     def missing(self, ctx: dict) -> str | None:
         from packer.formats import FORMATS
@@ -161,16 +147,15 @@ class PackerShards:
             return "readers.WDSDataset not available"
         return None
 
+    def augment_description(self) -> str:
+        return train_transform()[2]
+
     def files(self, ctx: dict) -> list[str]:
         return cache.data_files(ctx["packed"][self.fmt])
 
-    def open(self, ctx: dict, decode: str, transform=None):
-        cls = _readers().WDSDataset
-        try:
-            return cls(ctx["packed"][self.fmt], decode=decode, shuffle=0, transform=transform)
-        except TypeError:  # no transform= argument: apply it around the dataset
-            dataset = cls(ctx["packed"][self.fmt], decode=decode, shuffle=0)
-            return dataset if transform is None else Mapped(dataset, transform)
+    def open(self, ctx: dict, decode: str, transform=None, shuffle: int = 0, seed: int = 0):
+        return _readers().WDSDataset(ctx["packed"][self.fmt], decode=decode, transform=transform, shuffle=shuffle,
+                                     seed=seed)
 
     def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
         if mode == "augment":
@@ -182,7 +167,8 @@ class PackerShards:
 
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
-        return packer_loader(self.open(ctx, decode, transform), opts, False, how)
+        dataset = self.open(ctx, decode, transform, shuffle=self.TRAIN_SHUFFLE, seed=opts.seed)
+        return packer_loader(dataset, opts, False, f"{how}; shuffle buffer {self.TRAIN_SHUFFLE}")
 
 
 def wds_image(sample: dict):
@@ -208,7 +194,9 @@ class WebDatasetPeer:
     """The official webdataset library reading packer's wds shards, as its users write it."""
 
     peer = True
-    augment_description = staticmethod(lambda: PILLOW_AUGMENT)
+
+    def augment_description(self) -> str:
+        return PILLOW_AUGMENT
     fmt = "wds"
 
     def missing(self, ctx: dict) -> str | None:
@@ -240,9 +228,9 @@ class WebDatasetPeer:
         return (augment_pil(wds_image(s), rng) for s in self.pipeline(ctx).decode("pil"))
 
     def loader(self, ctx: dict, opts) -> Loader:
-        dataset = self.pipeline(ctx).decode("pil").map(_wds_train_pair)
-        return Loader(plain_loader(dataset, opts, False), f"{PEER_LOADER}; webdataset .decode('pil') + "
-                      "Pillow RandomResizedCrop(224) + flip", False)
+        dataset = self.pipeline(ctx).shuffle(PackerShards.TRAIN_SHUFFLE).decode("pil").map(_wds_train_pair)
+        return Loader(plain_loader(dataset, opts, False), f"{PEER_LOADER}; webdataset .shuffle("
+                      f"{PackerShards.TRAIN_SHUFFLE}).decode('pil') + Pillow RandomResizedCrop(224) + flip", False)
 
 
 class PILFolder:
@@ -267,7 +255,9 @@ class PILListdirPeer:
     """Plain Pillow + os.listdir over SRC/<class>/<file>, no packer code at all."""
 
     peer = True
-    augment_description = staticmethod(lambda: PILLOW_AUGMENT)
+
+    def augment_description(self) -> str:
+        return PILLOW_AUGMENT
 
     def missing(self, ctx: dict) -> str | None:
         return None
