@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +122,17 @@ def test_the_gpu_step_is_calibrated_to_its_duration():
     from benchmarks.measures import repetitions_for
 
     assert repetitions_for(lambda k: time.sleep(0.001 * k), 0.02, calibrate_s=0.05) in range(10, 21)  # sleep overshoots a little
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_every_option_is_documented_in_the_readme(command, capsys):
+    with pytest.raises(SystemExit):
+        bench_main([command, "--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## Benchmarks", 1)[1]
+    assert f"python -m benchmarks {command}" in section
+    assert flags and all(f"`{flag}" in section for flag in flags), flags
 
 
 def results_with(rate: float, pack_s: float, status: str = "ok") -> dict:
