@@ -12,7 +12,7 @@ import time
 
 from . import __version__
 from .errors import PackError
-from .formats import FORMATS, detect_format, open_reader, read_metadata
+from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .output import remove_stale
 from .pack import (Loaded, PackResult, default_workers, load_in_order, now_utc, shuffle_seed_for, split_order,
                    write_dataset, write_listings, write_order)
@@ -24,33 +24,19 @@ RECORD_CHUNK = 64
 
 
 class RecordLoader:
-    """load((split, index)) -> Loaded for one packed dataset; opens a Reader per split lazily.
-
-    Picklable (readers are dropped and reopened), so each pool worker holds its own.
-    """
+    """load((split, index)) -> Loaded for one packed dataset; picklable, so each pool
+    worker opens its own readers once."""
 
     def __init__(self, path: str):
-        self.path = path
-        self.readers: dict = {}
+        self.readers = ReaderCache(path)
 
     def __call__(self, job: tuple[str, int]) -> Loaded:
         split, index = job
-        reader = self.readers.get(split)
-        if reader is None:
-            reader = self.readers[split] = open_reader(self.path, split)
-        data, _, _ = reader.read(index)  # raises CorruptDataError on a checksum mismatch
+        data, _, _ = self.readers[split].read(index)  # raises CorruptDataError on a checksum mismatch
         return Loaded(data, checksum(data), None)
 
     def close(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
-        self.readers = {}
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.path, self.readers = state["path"], {}
+        self.readers.close()
 
 
 def converted_output(packed: str, src_fmt: str, fmt: str) -> str:

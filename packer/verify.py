@@ -7,7 +7,7 @@ from multiprocessing import Pool
 
 from .check import problem
 from .errors import PackError
-from .formats import FORMATS, detect_format, open_reader, read_metadata
+from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .pack import default_workers
 from .scan import scan_source
 
@@ -37,28 +37,40 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_block(path: str, split: str, start: int, stop: int, check: str, against: str | None) -> list[str]:
+# This process's readers of the dataset being verified: opened once, used by every block.
+_readers: ReaderCache | None = None
+
+
+def use_readers(path: str) -> None:
+    global _readers
+    if _readers is not None:
+        _readers.close()
+    _readers = ReaderCache(path) if path else None
+
+
+def verify_block(split: str, start: int, stop: int, check: str, against: str | None) -> list[str]:
     """Problems found in records [start, stop) of one split."""
-    reader = open_reader(path, split)
+    reader = _readers[split]
     problems = []
-    try:
-        for i in range(start, stop):
-            where = f"{split}/{i}"
-            try:
-                data, label, relpath = reader.read(i)
-            except PackError as exc:
-                problems.append(str(exc))
-                continue
-            if relpath != reader.paths[i] or label != reader.labels[i]:
-                problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
-            reason = problem(data, check)
-            if reason:
-                problems.append(f"{where} ({relpath}): {reason}")
-            if against is not None:
-                problems += compare_with_source(against, relpath, data, where)
-    finally:
-        reader.close()
+    for i in range(start, stop):
+        where = f"{split}/{i}"
+        try:
+            data, label, relpath = reader.read(i)
+        except PackError as exc:
+            problems.append(str(exc))
+            continue
+        if relpath != reader.paths[i] or label != reader.labels[i]:
+            problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
+        reason = problem(data, check)
+        if reason:
+            problems.append(f"{where} ({relpath}): {reason}")
+        if against is not None:
+            problems += compare_with_source(against, relpath, data, where)
     return problems
+
+
+def star_verify_block(task: tuple) -> list[str]:
+    return verify_block(*task)
 
 
 def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[str]:
@@ -90,15 +102,19 @@ def verify(path: str, against: str | None = None, check: str = "full",
         source = scan_source(against)
         root = source.root
         compare_listings(path, meta, source, report)
-    tasks = [(os.path.abspath(path), split, start, min(start + BLOCK, s.count), check, root)
+    tasks = [(split, start, min(start + BLOCK, s.count), check, root)
              for split, s in meta.splits.items() for start in range(0, s.count, BLOCK)]
     workers = min(workers or default_workers(), max(len(tasks), 1))
     if workers <= 1:
-        for task in tasks:
-            report.problems += verify_block(*task)
+        use_readers(os.path.abspath(path))
+        try:
+            for task in tasks:
+                report.problems += verify_block(*task)
+        finally:
+            use_readers("")
     else:
-        with Pool(workers) as pool:
-            for found in pool.starmap(verify_block, tasks, chunksize=1):
+        with Pool(workers, initializer=use_readers, initargs=(os.path.abspath(path),)) as pool:
+            for found in pool.imap(star_verify_block, tasks):
                 report.problems += found
     report.checked = meta.count
     return report

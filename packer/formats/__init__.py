@@ -37,3 +37,32 @@ def read_metadata(path: str | os.PathLike):
     """The Metadata of the dataset at path, whatever its format."""
     path = os.fspath(path)
     return FORMATS[detect_format(path)].read_metadata(path)
+
+
+class ReaderCache:
+    """One dataset's Readers by split, each opened on first use and kept.
+
+    Picklable without its readers, so a pool worker that receives it opens its own once
+    and keeps them for all the tasks it runs.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.readers: dict = {}
+
+    def __getitem__(self, split: str):
+        reader = self.readers.get(split)
+        if reader is None:
+            reader = self.readers[split] = open_reader(self.path, split)
+        return reader
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers = {}
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.readers = state["path"], {}

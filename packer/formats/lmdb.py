@@ -37,7 +37,7 @@ HEADER = struct.Struct("<IiH")
 DATA_FILE = "data.mdb"
 # Commit about this many bytes per transaction: large enough to amortise the commit,
 # small enough that a retry after growing the map re-sends little.
-TXN_BYTES = 256 << 20
+TXN_BYTES = 64 << 20
 INITIAL_MAP_SIZE = 1 << 30
 # Readers across DDP ranks x DataLoader workers x threads; a read slot is a few bytes.
 MAX_READERS = 2048
