@@ -23,7 +23,7 @@ IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
 FALLBACK_LOADER = ("fallback: torch DataLoader + synchronous .to(device) + normalise "
                    "(readers.make_loader not available)")
 PEER_LOADER = "peer: torch DataLoader + synchronous .to(device) + normalise"
-PILLOW_AUGMENT = "Pillow RandomResizedCrop(224) + flip (torchvision's path)"
+PILLOW_AUGMENT = "Pillow RandomResizedCrop(224) + flip (torchvision's path) -> uint8 tensor"
 
 
 def _readers():
@@ -194,10 +194,10 @@ class WebDatasetPeer:
     """The official webdataset library reading packer's wds shards, as its users write it."""
 
     peer = True
+    fmt = "wds"
 
     def augment_description(self) -> str:
         return PILLOW_AUGMENT
-    fmt = "wds"
 
     def missing(self, ctx: dict) -> str | None:
         try:
@@ -225,7 +225,7 @@ class WebDatasetPeer:
         if mode == "decode":
             return (wds_image(s) for s in self.pipeline(ctx).decode("rgb8"))
         rng = random.Random(seed)
-        return (augment_pil(wds_image(s), rng) for s in self.pipeline(ctx).decode("pil"))
+        return (_uint8_chw(augment_pil(wds_image(s), rng)) for s in self.pipeline(ctx).decode("pil"))
 
     def loader(self, ctx: dict, opts) -> Loader:
         dataset = self.pipeline(ctx).shuffle(PackerShards.TRAIN_SHUFFLE).decode("pil").map(_wds_train_pair)
@@ -287,7 +287,8 @@ class PILListdirPeer:
                     continue
                 with Image.open(path) as im:
                     image = im.convert("RGB")
-                yield np.asarray(image) if mode == "decode" else augment_pil(image, rng)
+                # Augmented output ends as a 3x224x224 uint8 tensor, as packer's transform returns.
+                yield np.asarray(image) if mode == "decode" else _uint8_chw(augment_pil(image, rng))
 
         return run()
 
