@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from packer.scan import IMG_EXTENSIONS
 
 from . import cache

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, MEASURES, Options
+from .measures import CACHE_STATES, CEILING, MEASURES, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
@@ -172,7 +172,9 @@ def run(args) -> dict:
             "machine": machine.describe(workdir),
             "config": {**asdict(opts), "formats": args.formats, "measures": args.measures, "cache": args.cache,
                        "peers": not args.no_peers, "isolation": args.isolation, "workdir": workdir,
-                       "corpus": corpus},
+                       "corpus": corpus,
+                       "descriptions": {**{m: MEASURES[m].description for m in args.measures},
+                                        "ceiling": CEILING.description}},
             "notes": notes,
             "sources": {},
         }
