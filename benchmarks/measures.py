@@ -1,0 +1,224 @@
+"""The columns of the table: what is timed for a source, as small cases in MEASURES.
+
+Every measure follows one shape (ffcv's): setup() does the untimed work once, run()
+is one timed pass of at most `budget` seconds that builds its own readers and closes
+them afterwards (an open LMDB map would keep its pages cached), and the caller adds
+the warm-up and the repeats. Rates are samples per second.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from packer.scan import IMG_EXTENSIONS
+
+from . import cache
+
+
+@dataclass
+class Options:
+    budget: float = 1.0  # seconds per timed run (a run also ends when the data does)
+    warmup: float = 0.25  # seconds of untimed warm-up per case
+    repeat: int = 3
+    batch_size: int = 64
+    workers: int = 2
+    device: str = "cpu"
+    step_ms: float = 20.0  # the synthetic training step per batch in the end-to-end measure
+    seed: int = 0
+
+
+class ItemLoop:
+    """One process pulls samples one at a time: raw bytes, decoded uint8 RGB, or augmented."""
+
+    def __init__(self, mode: str, description: str):
+        self.mode, self.description = mode, description
+
+    def setup(self, source, ctx: dict, opts: Options):
+        return self
+
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
+        samples = source.samples(ctx, self.mode, seed)  # untimed: listing, opening metadata
+        n = nbytes = 0
+        try:
+            start = time.perf_counter()
+            for sample in samples:
+                n += 1
+                if self.mode == "raw":
+                    nbytes += len(sample)
+                if time.perf_counter() - start >= budget:
+                    break
+            seconds = time.perf_counter() - start
+        finally:
+            close = getattr(samples, "close", None)
+            if close is not None:
+                close()
+        out = {"samples": n, "seconds": seconds}
+        if self.mode == "raw":
+            out["mb_per_s"] = nbytes / 1e6 / seconds
+        return out
+
+
+def repetitions_for(work, seconds: float, calibrate_s: float = 0.1) -> int:
+    """How many repetitions make work(k) last `seconds`, timed over at least calibrate_s
+    (one matmul can take microseconds, too short to time alone)."""
+    k, elapsed = 1, 0.0
+    while elapsed < calibrate_s:
+        k *= 2
+        start = time.perf_counter()
+        work(k)
+        elapsed = time.perf_counter() - start
+    return max(1, round(seconds / (elapsed / k)))
+
+
+def make_step(device: torch.device, ms: float):
+    """(step, description): a fixed amount of work per batch standing in for training."""
+    if ms <= 0:
+        return (lambda: None), "no step (data loading alone)"
+    if device.type == "cuda":
+        a = torch.randn(2048, 2048, device=device, dtype=torch.float16)
+
+        def matmuls(k: int) -> None:
+            for _ in range(k):
+                a @ a
+            torch.cuda.synchronize(device)  # the step ends when the GPU is done, not when queued
+
+        matmuls(5)
+        k = repetitions_for(matmuls, ms / 1000)
+        return (lambda: matmuls(k)), f"GPU step: {k} fp16 2048x2048 matmuls + synchronize (~{ms:g} ms per batch)"
+    return (lambda: time.sleep(ms / 1000)), f"CPU stand-in for a GPU step: sleep {ms:g} ms per batch"
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def to_device(batch, device: torch.device):
+    """(images, labels) uint8 from a plain DataLoader -> normalised float32 images on device.
+
+    The same work readers.CUDAPrefetcher does for make_loader's batches, done the simple
+    way (a synchronous copy), so every e2e row delivers the same thing to the step.
+    """
+    images, labels = batch[0], batch[1]
+    images = images.to(device)
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+    return (images.float() - mean) / std, labels.to(device)
+
+
+def batch_len(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)):
+        return batch_len(batch[0])
+    if isinstance(batch, dict):
+        return batch_len(next(iter(batch.values())))
+    return len(batch)
+
+
+class EndToEnd:
+    """Batches through the training loader onto the device, each followed by a fixed step.
+
+    Reports samples/s arriving on the device and the fraction of wall time the step loop
+    spent waiting for the next batch. The timed window opens once every worker has
+    delivered a batch: start-up (forking workers, opening files, filling the pipeline)
+    is excluded like the warm-up and reported apart as startup_s, since it is paid once
+    per epoch and would otherwise weigh more the shorter the budget.
+    """
+
+    description = "end to end: loader -> device, with a fixed step per batch"
+
+    def setup(self, source, ctx: dict, opts: Options):
+        self.device = torch.device(opts.device)
+        self.step, self.step_description = make_step(self.device, opts.step_ms)
+        return self
+
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
+        loader = source.loader(ctx, opts)  # untimed: datasets and loader objects, no data read
+        torch.manual_seed(seed)
+        fill = max(1, opts.workers)
+        counts = {"all": [0, 0.0], "window": [0, 0.0]}  # samples, seconds waited
+        batches = 0
+        opened = None
+        it = None
+        try:
+            start = time.perf_counter()
+            it = iter(loader.batches)
+            while True:
+                t0 = time.perf_counter()
+                if batches == fill:
+                    opened = t0
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                if not loader.on_device:
+                    batch = to_device(batch, self.device)
+                if self.device.type == "cuda":
+                    # The step before ended synchronized, so this waits only for this batch's copy
+                    # (and on-device preparation): data time, which the step would otherwise absorb.
+                    torch.cuda.current_stream(self.device).synchronize()
+                waited = time.perf_counter() - t0
+                batches += 1
+                for key in ("all", "window") if opened is not None else ("all",):
+                    counts[key][0] += batch_len(batch)
+                    counts[key][1] += waited
+                self.step()
+                if opened is not None and time.perf_counter() - opened >= budget:
+                    break
+            end = time.perf_counter()
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+            del it  # a DataLoader iterator shuts its workers down when dropped
+            loader.close()
+        out = {"batches": batches, "how": loader.how, "step": self.step_description}
+        if opened is not None and counts["window"][0]:
+            seconds = end - opened
+            return {**out, "samples": counts["window"][0], "seconds": seconds,
+                    "wait_fraction": counts["window"][1] / seconds, "startup_s": opened - start}
+        # Too few batches to leave start-up out: time the whole pass and say so.
+        seconds = end - start
+        return {**out, "samples": counts["all"][0], "seconds": seconds, "wait_fraction": counts["all"][1] / seconds,
+                "startup_s": None, "note": f"only {batches} batch(es): start-up included in the timing"}
+
+
+class Ceiling:
+    """Bare libjpeg-turbo decode of in-memory JPEGs on one core: the ceiling for decode rows."""
+
+    description = "single-core decode of in-memory JPEG bytes (readers.decode_array)"
+    MAX_FILES = 512  # enough variety of sizes; bounded memory on a large corpus
+
+    def setup(self, source, ctx: dict, opts: Options):
+        from readers import decode_array
+
+        self.decode = decode_array
+        files = [p for p in cache.data_files(ctx["folder"]) if p.lower().endswith(IMG_EXTENSIONS)]
+        stride = max(1, len(files) // self.MAX_FILES)
+        self.blobs = []
+        for path in files[::stride][: self.MAX_FILES]:
+            with open(path, "rb") as f:
+                self.blobs.append(f.read())
+        return self
+
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
+        n = 0
+        start = time.perf_counter()
+        while True:
+            self.decode(self.blobs[n % len(self.blobs)])
+            n += 1
+            if time.perf_counter() - start >= budget:
+                break
+        return {"samples": n, "seconds": time.perf_counter() - start}
+
+
+MEASURES = {
+    "raw": ItemLoop("raw", "raw read: bytes only (random order for map-style, shard order for shards)"),
+    "decode": ItemLoop("decode", "read + decode to uint8 RGB"),
+    "augment": ItemLoop("augment", "read + decode + RandomResizedCrop(224) + flip"),
+    "e2e": EndToEnd(),
+}
+CEILING = Ceiling()
+CACHE_STATES = ("cold", "warm")

@@ -1,0 +1,70 @@
+"""Times `packer.pack` per format against `tar cf` of the same folder: the cost of moving the bytes.
+
+The source is read into the page cache before every run, so each writer and tar start
+from the same state, and tar's archive is fsynced as LMDB's pack fsyncs its database.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+
+from . import cache
+from .case import summarise
+
+MIN_SHARD = 16 << 20  # tiny shards would measure tar-member overhead instead
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(p) for p in cache.data_files(path))
+
+
+def pack_options(fmt: str, corpus_bytes: int, workers: int) -> dict:
+    """Options for packer.pack: for wds, shards small enough that every loader worker gets some.
+
+    WDSDataset deals whole shards to DataLoader workers, so a corpus packed into fewer
+    shards than workers leaves workers idle and measures the shard count, not the format.
+    """
+    if fmt != "wds":
+        return {}
+    return {"shard_size": max(MIN_SHARD, math.ceil(corpus_bytes / (2 * max(1, workers))))}
+
+
+def time_pack(folder: str, fmt: str, out: str, workers: int, repeat: int, options: dict | None = None) -> dict:
+    """Pack folder into out `repeat` times (the last one stays for the read cases)."""
+    import packer
+
+    files = cache.data_files(folder)
+    seconds = []
+    for _ in range(repeat):
+        cache.load(files)
+        start = time.perf_counter()
+        packer.pack(folder, fmt, out, workers=workers, force=True, progress=False, options=options)
+        seconds.append(time.perf_counter() - start)
+    written = cache.data_files(out)
+    return {"status": "ok", "unit": "s", "workers": workers, "options": options or {},
+            "bytes": sum(os.path.getsize(p) for p in written),
+            "shards": sum(p.endswith(".tar") for p in written), **summarise(seconds)}
+
+
+def time_tar(folder: str, out: str, repeat: int) -> dict:
+    folder = os.path.abspath(folder)
+    files = cache.data_files(folder)
+    seconds = []
+    for _ in range(repeat):
+        if os.path.exists(out):
+            os.remove(out)
+        cache.load(files)
+        start = time.perf_counter()
+        subprocess.run(["tar", "cf", out, "-C", os.path.dirname(folder), os.path.basename(folder)],
+                       check=True, stdout=subprocess.DEVNULL)
+        fd = os.open(out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        seconds.append(time.perf_counter() - start)
+    size = os.path.getsize(out)
+    os.remove(out)
+    return {"status": "ok", "unit": "s", "command": "tar cf + fsync", "bytes": size, **summarise(seconds)}

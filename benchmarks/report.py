@@ -1,0 +1,206 @@
+"""Turns a results dict into the ratio figures, a Markdown table and an optional PNG chart."""
+from __future__ import annotations
+
+from .measures import CACHE_STATES, MEASURES
+
+PACKED = ("lmdb", "hdf5", "wds")  # rows whose name is also the format packed for them
+
+
+def median(case: dict | None) -> float | None:
+    if case and case.get("status") == "ok":
+        return case["median"]
+    return None
+
+
+def figure(results: dict, source: str, measure: str, state: str) -> float | None:
+    entry = results.get("sources", {}).get(source, {})
+    return median(entry.get("measures", {}).get(measure, {}).get(state))
+
+
+def divide(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(results: dict) -> dict:
+    """Per source: packed/folder for every measure and cache state, pack/tar, e2e/(workers x ceiling)."""
+    out = {}
+    ceiling = median(results.get("ceiling"))
+    workers = max(1, results["config"]["workers"])
+    tar = median(results.get("pack", {}).get("tar"))
+    for name, entry in results.get("sources", {}).items():
+        if not entry.get("available"):
+            continue
+        r = {}
+        if name != "folder":
+            for m in MEASURES:
+                for s in CACHE_STATES:
+                    r[f"{m}_{s}_vs_folder"] = divide(figure(results, name, m, s), figure(results, "folder", m, s))
+        if name in PACKED:
+            r["pack_vs_tar"] = divide(median(results.get("pack", {}).get(name)), tar)
+        for s in CACHE_STATES:
+            r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
+                                              workers * ceiling if ceiling else None)
+        out[name] = r
+    return out
+
+
+def rate(x: float | None) -> str:
+    return "–" if x is None else f"{x:,.0f}"
+
+
+def cell(case: dict | None, marks: list[str]) -> str:
+    if not case:
+        return "–"
+    if case.get("status") == "error":
+        marks.append(f"{case['source']} {case['measure']} {case.get('cache') or ''}: error: {case['error']}")
+        return "error"
+    text = rate(case["median"])
+    if case.get("spread") and len(case.get("runs", [])) > 1:
+        text += f" ±{case['spread'] / 2:.0%}"
+    if case.get("note"):  # a cache check that failed, or a run too short to leave start-up out
+        marks.append(f"{case['source']} {case['measure']} {case['cache']}: {case['note']}")
+        text += " †"
+    return text
+
+
+def ratio_pair(r: dict, measure: str) -> str:
+    pair = [r.get(f"{measure}_{s}_vs_folder") for s in CACHE_STATES]
+    return " / ".join("–" if x is None else f"{x:.2f}" for x in pair)
+
+
+def one(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def markdown(results: dict) -> str:
+    """The table (rows: sources; columns: measures, then ratios) and the notes that qualify it."""
+    config = results["config"]
+    marks: list[str] = []
+    states = config["cache"]
+    measures = config["measures"]
+    head = ["source"] + [f"{m} {s}" for m in measures for s in states]
+    if "e2e" in measures and "warm" in states:
+        head.append("e2e warm: waiting")
+    head += ["pack s", "raw ×folder (cold / warm)", "decode ×folder (cold / warm)", "e2e ×folder (cold / warm)",
+             "pack / tar", "e2e warm / (W × ceiling)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    na = []
+    for name, entry in results["sources"].items():
+        if not entry["available"]:
+            na.append(f"{name}: n/a ({entry['reason']})")
+            lines.append("| " + " | ".join([name] + ["n/a"] * (len(head) - 1)) + " |")
+            continue
+        row = [name]
+        for m in measures:
+            for s in states:
+                row.append(cell(entry["measures"].get(m, {}).get(s), marks))
+        if "e2e" in measures and "warm" in states:
+            wait = entry["measures"].get("e2e", {}).get("warm", {}).get("wait_fraction")
+            row.append("–" if not wait else f"{wait['median']:.0%}")
+        pack = results["pack"].get(name, {}) if name in PACKED else {}
+        row.append(f"{pack['median']:.3g}" if pack.get("status") == "ok" else "–")
+        r = results["ratios"].get(name, {})
+        row += [ratio_pair(r, "raw"), ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")),
+                one(r.get("e2e_warm_vs_ceiling"))]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines += notes(results, na, marks)
+    return "\n".join(lines)
+
+
+def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
+    config, m = results["config"], results["machine"]
+    corpus = config["corpus"]
+    out = ["Figures are samples/s, median of "
+           f"{config['repeat']} timed run(s) of ≤{config['budget']:g} s after an untimed warm-up; ± is half the "
+           "range. raw/decode/augment run in one process on one core; e2e uses "
+           f"{config['workers']} loader worker(s), batch {config['batch_size']}, device {config['device']}."]
+    ceiling = results.get("ceiling", {})
+    if ceiling.get("status") == "ok":
+        out.append(f"Ceiling: bare single-core decode {rate(ceiling['median'])} images/s (libjpeg-turbo, "
+                   f"in-memory bytes); W = {config['workers']}.")
+    tar = results["pack"].get("tar", {})
+    if tar.get("status") == "ok":
+        out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s).")
+    for measure in ("augment", "e2e"):
+        hows, step = {}, None
+        for name, entry in results["sources"].items():
+            for case in entry.get("measures", {}).get(measure, {}).values():
+                if case.get("status") == "ok":
+                    hows.setdefault(case["how"], []).append(name)
+                    step = case.get("step")
+                    break
+        if step:
+            out.append(f"e2e step: {step}.")
+        out += [f"{measure} for {', '.join(names)}: {how}." for how, names in hows.items()]
+    wds = results["pack"].get("wds", {})
+    if wds.get("status") == "ok":
+        size = wds["options"].get("shard_size")
+        out.append(f"wds: {wds['shards']} shard(s)" + (f", packed with shard_size={size / 1e6:.0f} MB (aiming at two "
+                   "shards per loader worker, none under 16 MB)" if size else "") + ".")
+        if wds["shards"] < config["workers"]:
+            out.append(f"wds has fewer shards than loader workers: {config['workers'] - wds['shards']} worker(s) sat "
+                       "idle in its e2e rows.")
+    for name, pack in results["pack"].items():
+        if pack.get("status") == "error":
+            out.append(f"pack {name}: error: {pack['error']}")
+    out += na
+    if marks:
+        out.append("† and errors:")
+        out += [f"- {x}" for x in marks]
+    out += results.get("notes", [])
+    gpu = m.get("gpu") or "no GPU"
+    ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
+    disk = m.get("disk", {})
+    out.append(f"Machine: {m['cpu']}, {m['cpus_usable']} usable CPUs, {ram}, {gpu}; torch {m.get('torch')} "
+               f"(CUDA {m.get('cuda')}); disk {disk.get('device')} ({disk.get('fstype')}"
+               f"{', rotational' if disk.get('rotational') else ''}). Corpus: {corpus['images']:,} images, "
+               f"{corpus['bytes'] / 1e6:,.0f} MB{' (generated)' if corpus['generated'] else ''}.")
+    return out
+
+
+def progress_line(case: dict) -> str:
+    where = f"{case['source'] or '-':>20} {case['measure']:8} {case.get('cache') or '':5}"
+    if case["status"] != "ok":
+        return f"{where} {case['status']}: {case.get('error', '')[:300]}"
+    extra = f"  waiting {case['wait_fraction']['median']:.0%}" if "wait_fraction" in case else ""
+    note = f"  ({case['note']})" if case.get("note") else ""
+    return f"{where} {case['median']:10,.0f} samples/s{extra}{note}"
+
+
+def pack_line(fmt: str, case: dict) -> str:
+    if case["status"] != "ok":
+        return f"{'pack ' + fmt:>20} {case['status']}: {case.get('error') or case.get('reason')}"
+    return f"{'pack ' + fmt:>20} {case['median']:8.2f} s  ({case['bytes'] / 1e6:,.0f} MB)"
+
+
+def chart(results: dict, path: str) -> str:
+    """Write a grouped bar chart of every measure; returns what happened, for stderr."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib not installed (pip install 'packer[plot]')"
+    config = results["config"]
+    names = [n for n, e in results["sources"].items() if e["available"]]
+    measures = config["measures"]
+    fig, axes = plt.subplots(1, len(measures), figsize=(4 * len(measures), 4), squeeze=False)
+    width = 0.8 / max(1, len(config["cache"]))
+    for ax, m in zip(axes[0], measures):
+        for k, s in enumerate(config["cache"]):
+            values = [figure(results, n, m, s) or 0 for n in names]
+            ax.bar([i + k * width for i in range(len(names))], values, width, label=s)
+        ax.set_title(m)
+        ax.set_xticks([i + width * (len(config["cache"]) - 1) / 2 for i in range(len(names))])
+        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("samples/s")
+    axes[0][0].legend()
+    corpus = config["corpus"]
+    fig.suptitle(f"packer benchmarks: {corpus['images']:,} images, {config['workers']} workers, "
+                 f"{config['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -1,0 +1,183 @@
+"""The benchmark suite must keep running: a tiny smoke run, the cache control, and compare's gate."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import cache, machine
+from benchmarks.__main__ import main as bench_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    """One tiny end-to-end run: 60 images, one repeat, a fraction of a second per case."""
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "results.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "--generate", "60", "--repeat", "1", "--budget", "0.1",
+         "--warmup", "0.02", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1",
+         "--isolation", "source",
+         "--workdir", str(work / "wd"), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"results": json.loads(out.read_text()), "stdout": proc.stdout}
+
+
+def test_smoke_run_records_the_machine_and_config(smoke):
+    results = smoke["results"]
+    assert results["schema"] == 1
+    for key in ("cpu", "cpus_usable", "ram_bytes", "torch", "cuda", "gpu", "disk"):
+        assert key in results["machine"]
+    assert results["config"]["corpus"]["images"] == 60
+    assert results["config"]["repeat"] == 1
+
+
+def test_cuda_is_used_when_present_and_its_absence_is_reported(smoke):
+    import torch
+
+    results = smoke["results"]
+    if torch.cuda.is_available():
+        assert results["config"]["device"] == "cuda" and results["machine"]["gpu"]
+    else:
+        assert results["config"]["device"] == "cpu"
+        assert "--device cuda requested but CUDA is not available: ran on cpu" in smoke["stdout"]
+
+
+def test_every_available_case_produced_a_positive_figure(smoke):
+    results = smoke["results"]
+    assert results["ceiling"]["status"] == "ok" and results["ceiling"]["median"] > 0
+    assert results["pack"]["tar"]["median"] > 0
+    assert results["sources"]["folder"]["available"] and results["sources"]["lmdb"]["available"]
+    for name, entry in results["sources"].items():
+        if not entry["available"]:
+            assert entry["reason"]
+            continue
+        for measure in ("raw", "decode", "augment", "e2e"):
+            for state in ("cold", "warm"):
+                case = entry["measures"][measure][state]
+                assert case["status"] == "ok", (name, measure, state, case.get("error"), case.get("traceback"))
+                assert case["median"] > 0 and case["samples"][0] > 0
+                assert len(case["resident"]) == 1
+        assert 0 <= entry["measures"]["e2e"]["warm"]["wait_fraction"]["median"] <= 1
+    for fmt, case in results["pack"].items():
+        assert case["status"] in ("ok", "n/a"), case
+        assert case["status"] == "n/a" or case["median"] > 0
+
+
+def test_ratios_compare_each_packed_source_with_the_folder(smoke):
+    ratios = smoke["results"]["ratios"]
+    assert ratios["lmdb"]["raw_warm_vs_folder"] > 0
+    assert ratios["lmdb"]["pack_vs_tar"] > 0
+    assert ratios["folder"]["e2e_warm_vs_ceiling"] > 0
+
+
+def test_table_has_a_row_per_source_and_says_why_one_is_missing(smoke):
+    stdout, results = smoke["stdout"], smoke["results"]
+    rows = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(results["sources"])
+    for name, entry in results["sources"].items():
+        assert any(row.startswith(f"| {name} |") for row in rows)
+        if not entry["available"]:
+            assert f"{name}: n/a ({entry['reason']})" in stdout
+    assert "Machine:" in stdout and "Ceiling:" in stdout
+
+
+def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
+    if cache.resident_fraction([]) is None:
+        pytest.skip("mincore not available here")
+    if machine.mount_of(str(tmp_path)).get("fstype") in ("tmpfs", "ramfs"):
+        pytest.skip("a RAM filesystem has no page cache to evict")
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(4 << 20))
+    assert cache.prepare([str(path)], "cold") == 0.0
+    assert cache.prepare([str(path)], "warm") == 1.0
+    assert cache.verdict("cold", [0.5]) == (False, "eviction did not take effect: 50% of the data stayed cached")
+    assert cache.verdict("warm", [1.0])[0] is True
+
+
+def test_eviction_of_a_mapped_file_is_detected_not_assumed(tmp_path):
+    if cache.resident_fraction([]) is None:
+        pytest.skip("mincore not available here")
+    if machine.mount_of(str(tmp_path)).get("fstype") in ("tmpfs", "ramfs"):
+        pytest.skip("a RAM filesystem has no page cache to evict")
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(1 << 20))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE))  # fault every page in, as LMDB does
+        resident = cache.prepare([str(path)], "cold")
+    assert resident == 1.0  # the kernel keeps pages a process maps
+    assert cache.verdict("cold", [resident])[0] is False
+
+
+def test_the_gpu_step_is_calibrated_to_its_duration():
+    from benchmarks.measures import repetitions_for
+
+    # 20 sleeps of 1 ms last 20 ms; sleep overshoots a little, so a few fewer may do.
+    assert repetitions_for(lambda k: time.sleep(0.001 * k), 0.02, calibrate_s=0.05) in range(10, 21)
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_every_option_is_documented_in_the_readme(command, capsys):
+    with pytest.raises(SystemExit):
+        bench_main([command, "--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("## Benchmarks", 1)[1]
+    assert f"python -m benchmarks {command}" in section
+    assert flags and all(f"`{flag}" in section for flag in flags), flags
+
+
+def results_with(rate: float, pack_s: float, status: str = "ok") -> dict:
+    case = {"status": status, "median": rate} if status == "ok" else {"status": "error", "error": "boom"}
+    return {"machine": {"cpu": "x"}, "ceiling": {"status": "ok", "median": 500.0},
+            "pack": {"lmdb": {"status": "ok", "median": pack_s}, "hdf5": {"status": "n/a"}},
+            "sources": {"lmdb": {"measures": {"raw": {"warm": case}}}}}
+
+
+@pytest.mark.parametrize("new, code", [
+    (results_with(950.0, 10.0), 0),  # 5% slower: inside tolerance
+    (results_with(1200.0, 9.0), 0),  # faster
+    (results_with(850.0, 10.0), 1),  # throughput fell 15%
+    (results_with(1000.0, 12.0), 1),  # pack took 20% longer
+    (results_with(0.0, 10.0, status="error"), 1),  # a case that used to work now fails
+], ids=["within-tolerance", "faster", "slower", "pack-slower", "now-error"])
+def test_compare_exits_non_zero_on_a_regression(tmp_path, capsys, new, code):
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(results_with(1000.0, 10.0)))
+    new_path.write_text(json.dumps(new))
+    assert bench_main(["compare", str(old_path), str(new_path), "--tolerance", "0.1"]) == code
+    assert "regression(s) beyond 10%" in capsys.readouterr().out
+
+
+def test_compare_shows_but_does_not_judge_the_references(tmp_path, capsys):
+    old, new = results_with(1000.0, 10.0), results_with(1000.0, 10.0)
+    new["ceiling"]["median"] = 100.0
+    old["pack"]["tar"], new["pack"]["tar"] = {"status": "ok", "median": 1.0}, {"status": "ok", "median": 5.0}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert bench_main(["compare", str(tmp_path / "old.json"), str(tmp_path / "new.json")]) == 0
+    assert "reference pack tar: 1 -> 5 (+400.0%)" in capsys.readouterr().out
+
+
+def test_compare_tolerance_is_adjustable(tmp_path):
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(results_with(1000.0, 10.0)))
+    new_path.write_text(json.dumps(results_with(850.0, 10.0)))
+    assert bench_main(["compare", str(old_path), str(new_path), "--tolerance", "0.2"]) == 0
+
+
+def test_compare_rejects_unreadable_results(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert bench_main(["compare", str(bad), str(bad)]) == 2
+    assert "cannot read results" in capsys.readouterr().err
