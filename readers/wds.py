@@ -131,7 +131,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rank, world_size = self.world()
         worker = torch.utils.data.get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        tasks = self.plan(rank, world_size)[worker_id::workers]
+        plan = self.plan(rank, world_size)
+        tasks = plan[worker_id::workers]
+        if not tasks and plan:
+            warnings.warn(f"WDSDataset: DataLoader worker {worker_id} of {workers} on rank {rank} has no shard "
+                          f"to read ({len(self.shards)} shards for {world_size} rank(s) x {workers} workers), so "
+                          "it idles; re-pack with a smaller --shard-size to get at least ranks x workers shards",
+                          RuntimeWarning, stacklevel=2)
         samples = self.read_tasks(tasks)
         if self.shuffle > 1:
             seed = np.random.SeedSequence([self.seed, self.epoch, rank, worker_id]).generate_state(1)[0]

@@ -440,3 +440,12 @@ def test_subprocess_cli_packs_wds(image_tree, tmp_path):
     assert len(shard_files(out)) > 2
     assert zlib.crc32((out / "all" / "paths.bin").read_bytes()) == zlib.crc32(
         "\0".join(readers.FolderDataset(image_tree).paths).encode())
+
+
+def test_a_worker_left_without_a_shard_says_how_to_fix_it(even_tree, tmp_path, monkeypatch):
+    out = pack_wds(even_tree, tmp_path / "one.wds")  # one shard for two workers
+    ds = WDSDataset(out, decode="raw")
+    second_of_two = type("WorkerInfo", (), {"id": 1, "num_workers": 2})()
+    monkeypatch.setattr("torch.utils.data.get_worker_info", lambda: second_of_two)
+    with pytest.warns(RuntimeWarning, match="worker 1 of 2 on rank 0 has no shard .* smaller --shard-size"):
+        assert list(ds) == []
