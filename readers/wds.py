@@ -7,6 +7,8 @@ shard samples, the buffer, the conversion to (image, label).
 """
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 import random
 import warnings
@@ -53,7 +55,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
     shuffle: buffer size per worker (0: shards and samples in stored order). With
     shuffle > 0, set_epoch(n) changes the shard order, the rank/worker assignment and
     the buffer's draws, all derived from (seed, epoch). Call set_epoch before iterating
-    a DataLoader; persistent_workers keep the epoch they were started with.
+    a DataLoader (readers.make_loader does it for you); the epoch lives in shared memory,
+    so persistent DataLoader workers see it too.
 
     on_error: "raise" (default) stops at a damaged or truncated shard with a
     CorruptDataError naming the shard and byte offset; "skip" warns and moves on to
@@ -74,11 +77,20 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error = int(shuffle), int(seed), on_error
         self.rank, self.world_size = rank, world_size
-        self.epoch = 0
+        # Shared with the DataLoader workers this process starts (fork or spawn), so a
+        # set_epoch() in the main process reaches persistent workers too.
+        self._epoch = multiprocessing.Value("q", 0, lock=False)
         self.shard_counts()
 
+    @property
+    def epoch(self) -> int:
+        return self._epoch if isinstance(self._epoch, int) else self._epoch.value
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        if isinstance(self._epoch, int):
+            self._epoch = int(epoch)
+        else:
+            self._epoch.value = int(epoch)
 
     def world(self) -> tuple[int, int]:
         """(rank, world size): from the constructor, else torch.distributed, else RANK/WORLD_SIZE."""
@@ -186,6 +198,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        if multiprocessing.context.get_spawning_popen() is None:
+            # Plain pickling (not a worker start): shared memory cannot travel, the value can.
+            state["_epoch"] = self.epoch
         if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()

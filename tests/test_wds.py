@@ -369,6 +369,22 @@ def test_dataloader_workers_under_fork_and_spawn(even_tree, tmp_path, context):
     assert batches[0][0].shape == (4, 3, 16, 16)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(even_tree, tmp_path, context):
+    out = pack_wds(even_tree, tmp_path / "p.wds", max_count=3)
+    ds = WDSDataset(out, decode="raw", shuffle=8, seed=1)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)
+    seen = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        seen.append([digest(d) for d, _ in loader])
+    fresh = WDSDataset(out, decode="raw", shuffle=8, seed=1)
+    fresh.set_epoch(1)
+    assert seen[1] != seen[0]
+    assert seen[1] == collect(fresh, context=context)  # epoch 1 in the same workers as in new ones
+
+
 def test_dataset_pickles_and_yields_the_same(even_tree, tmp_path):
     ds = WDSDataset(pack_wds(even_tree, tmp_path / "k.wds"), decode="raw", shuffle=6, seed=2)
     ds.set_epoch(3)
