@@ -55,7 +55,7 @@ def problem(data: bytes, level: str = "header") -> str | None:
         reason = None
     if reason is None and level == "full" and kind == "jpeg":
         reason = strict_jpeg_problem(data)
-    elif reason is None and (level == "full" or kind != "png"):
+    elif reason is None and (level == "full" or kind not in ("jpeg", "png")):
         reason = pillow_problem(data, decode=level == "full")
     return reason
 

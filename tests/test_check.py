@@ -59,3 +59,15 @@ def test_sniff_names_formats():
     assert sniff(jpeg_bytes(7, fmt="PNG")) == "png"
     assert sniff(b"BM" + b"\0" * 20) == "bmp"
     assert sniff(b"GIF89a") is None
+
+
+def test_header_check_of_a_jpeg_never_opens_pillow(monkeypatch):
+    import packer.check
+
+    def fail(*args, **kwargs):
+        raise AssertionError("Pillow was used: the header check must stay cheap for JPEGs")
+
+    monkeypatch.setattr(packer.check, "pillow_problem", fail)
+    monkeypatch.setattr(packer.check, "strict_jpeg_problem", fail)
+    assert problem(jpeg_bytes(8), "header") is None
+    assert "truncated" in problem(jpeg_bytes(8)[:200], "header")
