@@ -25,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--measures", type=csv, default=list(MEASURES),
                      help=f"comma-separated, from {','.join(MEASURES)} (default: all)")
     run.add_argument("--cache", type=csv, default=list(CACHE_STATES), help="cold,warm (default: both)")
+    run.add_argument("--pack-cache", choices=("cold", "warm"), default="cold",
+                     help="page cache state of the source before each pack and tar run (default: cold)")
     run.add_argument("--no-peers", action="store_true", help="skip the webdataset and PIL+listdir peers")
     run.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     run.add_argument("--workers", type=int, help="loader and pack workers (default: usable CPUs)")

@@ -121,7 +121,8 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    f"in-memory bytes); W = {config['workers']}.")
     tar = results["pack"].get("tar", {})
     if tar.get("status") == "ok":
-        out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s).")
+        out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s); "
+                   f"source {tar.get('cache', 'warm')} in the page cache before each run.")
     for measure in ("augment", "e2e"):
         hows, step = {}, None
         for name, entry in results["sources"].items():

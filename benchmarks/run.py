@@ -90,7 +90,7 @@ def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: st
 
 
 def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, repeat: int,
-                 loader_workers: int) -> tuple[dict, dict]:
+                 loader_workers: int, state: str = "cold") -> tuple[dict, dict]:
     """({format: packed path}, {format or "tar": timing}) for every packed format asked for."""
     import packer.formats
 
@@ -104,13 +104,13 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
         log(f"packing {fmt} ({repeat}x) ...")
         try:
             timings[fmt] = time_pack(folder, fmt, out, workers, repeat,
-                                     pack_options(fmt, corpus_bytes, loader_workers))
+                                     pack_options(fmt, corpus_bytes, loader_workers), state)
             packed[fmt] = out
         except Exception as exc:  # a broken writer is a result, not a crash
             timings[fmt] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
         log(report.pack_line(fmt, timings[fmt]))
     try:
-        timings["tar"] = time_tar(folder, os.path.join(workdir, "corpus.tar"), repeat)
+        timings["tar"] = time_tar(folder, os.path.join(workdir, "corpus.tar"), repeat, state)
     except (OSError, subprocess.CalledProcessError) as exc:
         timings["tar"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     log(report.pack_line("tar", timings["tar"]))
@@ -179,7 +179,7 @@ def run(args) -> dict:
             "sources": {},
         }
         packed, results["pack"] = pack_formats(args.formats, folder, workdir, opts.workers or 1, args.repeat,
-                                               opts.workers)
+                                               opts.workers, args.pack_cache)
         ctx = {"folder": folder, "packed": packed}
         for r in run_children(plan(args, ctx, results["sources"]), ctx, opts, workdir):
             if r["measure"] == "ceiling":
