@@ -8,6 +8,7 @@ import zlib
 
 import lmdb
 import numpy as np
+import pytest
 
 import readers
 from packer import pack
@@ -79,3 +80,31 @@ def test_readers_share_one_environment_per_process(image_tree, tmp_path):
     assert a.reader.handle()[0] is b.reader.handle()[0]
     a.close()
     assert b[1][0]  # still open for b
+
+
+def test_data_file_is_cut_back_to_the_pages_in_use(image_tree, tmp_path):
+    out = tmp_path / "small.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False)
+    size = (out / "data.mdb").stat().st_size
+    env = lmdb.open(str(out), readonly=True, lock=False)
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    env.close()
+    assert size == used < lmdb_format.INITIAL_MAP_SIZE
+
+
+def test_no_space_for_the_next_transaction_is_a_clean_error(image_tree, tmp_path, monkeypatch):
+    import errno
+
+    from packer import PackError
+
+    if not lmdb_format.WRITEMAP:
+        pytest.skip("space is reserved only where LMDB writes through its memory map")
+
+    def disk_full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full)
+    out = tmp_path / "full.lmdb"
+    with pytest.raises(PackError, match="writing the lmdb dataset failed .*No space left on device"):
+        pack(str(image_tree), "lmdb", str(out), progress=False)
+    assert not out.exists() and not list(tmp_path.glob("full.lmdb.partial-*"))

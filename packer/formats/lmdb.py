@@ -41,6 +41,8 @@ TXN_BYTES = 64 << 20
 INITIAL_MAP_SIZE = 1 << 30
 # Readers across DDP ranks x DataLoader workers x threads; a read slot is a few bytes.
 MAX_READERS = 2048
+# posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
+WRITEMAP = hasattr(os, "posix_fallocate")
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -68,10 +70,21 @@ def detect(path: str) -> bool:
 
 
 class Writer:
-    """Appends records in large transactions, doubling the map size whenever it fills."""
+    """Appends records in large transactions, doubling the map size whenever it fills.
+
+    With writemap, LMDB writes records straight into its memory map instead of copying
+    every dirty page out at commit (2 GB committed in 1.5 s instead of 2.4-4.5 s here).
+    A mapped write to a full disk would kill the process with SIGBUS, so the file space
+    each transaction may need is reserved first with posix_fallocate (a full disk is then
+    an ordinary OSError), and the file, which LMDB sizes to the whole map, is cut back
+    to the pages in use when finished.
+    """
 
     def __init__(self, stage: str, options: dict):
-        self.env = lmdb.open(stage, map_size=INITIAL_MAP_SIZE, subdir=True, lock=False,
+        self.path = os.path.join(stage, DATA_FILE)
+        self.writemap = WRITEMAP
+        self.reserved = 0
+        self.env = lmdb.open(stage, map_size=INITIAL_MAP_SIZE, subdir=True, lock=False, writemap=self.writemap,
                              sync=False, metasync=False, readahead=False, meminit=False)
         self.pending: list[tuple[bytes, bytes]] = []
         self.pending_bytes = 0
@@ -99,7 +112,10 @@ class Writer:
         self.flush()
         self.commit([(META_KEY, meta.to_json())], append=False)
         self.env.sync(True)
+        used = self.used_bytes()
         self.env.close()
+        if self.writemap:
+            os.truncate(self.path, used)  # readers map what they need; the rest was never written
 
     def abort(self) -> None:
         self.env.close()
@@ -109,8 +125,26 @@ class Writer:
             self.commit(self.pending, append=True)
         self.pending, self.pending_bytes = [], 0
 
+    def used_bytes(self) -> int:
+        return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+
+    def reserve(self, need: int) -> None:
+        """Allocate the file space a transaction of `need` bytes may write (writemap only)."""
+        if not self.writemap:
+            return
+        end = min(self.env.info()["map_size"], self.used_bytes() + 2 * need + (16 << 20))
+        if end > self.reserved:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, end)
+            finally:
+                os.close(fd)
+            self.reserved = end
+
     def commit(self, items: list[tuple[bytes, bytes]], append: bool) -> None:
+        need = sum(len(k) + len(v) for k, v in items)
         while True:
+            self.reserve(need)
             try:
                 with self.env.begin(write=True) as txn:
                     txn.cursor().putmulti(items, append=append)
@@ -118,7 +152,6 @@ class Writer:
             except lmdb.MapFullError:
                 # The failed transaction was aborted; nothing of it is in the file.
                 size = self.env.info()["map_size"]
-                need = sum(len(k) + len(v) for k, v in items)
                 self.env.set_mapsize(max(2 * size, size + 2 * need))
 
 
