@@ -42,6 +42,14 @@ def _uint8_chw(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
 
 
+
+def read_setup(mode: str) -> tuple[str, object]:
+    """(decode mode, transform) of a single-process measure: raw, decode or augment."""
+    if mode == "augment":
+        transform, decode, _ = train_transform()
+        return decode, transform
+    return {"raw": "raw", "decode": "numpy"}[mode], None
+
 class Loader:
     """What a source hands the end-to-end measure: batches, and whether they are on the device yet."""
 
@@ -105,11 +113,7 @@ class PackerMap:
         return getattr(_readers(), self.dataset_name)(self.path(ctx), decode=decode, transform=transform)
 
     def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
-        if mode == "augment":
-            transform, decode, _ = train_transform()
-        else:
-            transform, decode = None, {"raw": "raw", "decode": "numpy"}[mode]
-        dataset = self.open(ctx, decode, transform)
+        dataset = self.open(ctx, *read_setup(mode))
         order = _order(len(dataset), seed)
 
         def run():
@@ -158,11 +162,7 @@ class PackerShards:
                                      seed=seed)
 
     def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
-        if mode == "augment":
-            transform, decode, _ = train_transform()
-        else:
-            transform, decode = None, {"raw": "raw", "decode": "numpy"}[mode]
-        dataset = self.open(ctx, decode, transform)
+        dataset = self.open(ctx, *read_setup(mode))
         return (sample[0] for sample in dataset)
 
     def loader(self, ctx: dict, opts) -> Loader:

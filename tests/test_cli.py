@@ -133,13 +133,18 @@ def wait_for_staging(folder: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.005)
 
 
-def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
+def interrupt_pack(tmp_path: Path, sig: int) -> tuple[Path, Path, int]:
+    """Start a pack, send it sig once its staging folder exists; (src, out, exit code)."""
     src = slow_source(tmp_path)
     out = tmp_path / "out.lmdb"
     proc = start_pack(src, out)
     wait_for_staging(tmp_path, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(sig)
+    return src, out, proc.wait(timeout=60)
+
+
+def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
+    src, out, _ = interrupt_pack(tmp_path, signal.SIGKILL)
     assert not out.exists()
     assert leftovers(tmp_path), "SIGKILL cannot clean up; the staging folder is expected to remain"
     result = run("pack", src, "--to", "lmdb", "-o", out)
@@ -149,12 +154,8 @@ def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
 
 
 def test_interrupted_pack_removes_its_staging(tmp_path):
-    src = slow_source(tmp_path)
-    out = tmp_path / "out.lmdb"
-    proc = start_pack(src, out)
-    wait_for_staging(tmp_path, proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) != 0
+    _, out, code = interrupt_pack(tmp_path, signal.SIGINT)
+    assert code != 0
     assert not out.exists() and leftovers(tmp_path) == []
 
 
