@@ -146,3 +146,10 @@ def test_memory_per_sample_index_is_numpy(image_tree, tmp_path, fmt):
     reader = open_reader(packed(image_tree, fmt, tmp_path))
     assert isinstance(reader.labels, np.ndarray) and reader.labels.dtype == np.int32
     assert isinstance(reader.paths.offsets, np.ndarray)
+
+
+def test_open_dataset_picks_the_format_s_map_style_dataset(split_tree, tmp_path, fmt):
+    out = packed(split_tree, fmt, tmp_path)
+    ds = readers.open_dataset(out, "val", decode="raw")
+    assert type(ds) is dataset_class(fmt)
+    assert [ds[i][0] for i in range(len(ds))] == [(split_tree / p).read_bytes() for p in ds.paths]
