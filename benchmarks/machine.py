@@ -6,6 +6,8 @@ import platform
 import shutil
 import sys
 
+from packer.pack import available_cores
+
 
 def cpu_model() -> str:
     try:
@@ -23,13 +25,6 @@ def ram_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def mount_of(path: str) -> dict:
@@ -64,7 +59,7 @@ def describe(data_dir: str) -> dict:
         "python": sys.version.split()[0],
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpus_usable": usable_cpus(),
+        "cpus_usable": available_cores(),
         "ram_bytes": ram_bytes(),
         "numpy": numpy.__version__,
         "disk": {**mount_of(data_dir), "free_bytes": shutil.disk_usage(data_dir).free},

@@ -16,6 +16,8 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from packer.pack import available_cores
+
 from . import cache, machine, report
 from .measures import CACHE_STATES, CEILING, MEASURES, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
@@ -56,7 +58,7 @@ def reuse_corpus(folder: str, n: int, seed: int) -> None:
         except (OSError, ValueError):
             pass
         shutil.rmtree(folder)
-    generate(folder, n, seed, max(1, machine.usable_cpus()))
+    generate(folder, n, seed, max(1, available_cores()))
     with open(stamp, "w") as f:
         json.dump(want, f)
 
@@ -155,7 +157,7 @@ def run(args) -> dict:
         notes.append(f"--device {device} requested but CUDA is not available: ran on cpu")
         device = "cpu"
     opts = Options(budget=args.budget, warmup=args.warmup, repeat=args.repeat, batch_size=args.batch_size,
-                   workers=args.workers if args.workers is not None else machine.usable_cpus(),
+                   workers=args.workers if args.workers is not None else available_cores(),
                    device=device, step_ms=args.step_ms, seed=args.seed)
     try:
         if args.data:

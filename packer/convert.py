@@ -14,7 +14,7 @@ from . import __version__
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .output import remove_stale
-from .pack import (Loaded, PackResult, default_workers, load_in_order, now_utc, shuffle_seed_for, split_order,
+from .pack import (Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for, split_order,
                    write_dataset, write_listings, write_order)
 from .records import Metadata, checksum
 from .scan import SplitListing
@@ -64,7 +64,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     if os.path.realpath(out) == os.path.realpath(packed):
         raise PackError(f"{packed}: converting it to {fmt} would write over it; pass -o OUT to write "
                         "elsewhere", packed)
-    workers = workers or default_workers()
+    workers = workers or available_cores()
     removed = remove_stale(out)
     listings = {}
     for split, info in src_meta.splits.items():
@@ -89,7 +89,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     def fill(writer) -> Metadata:
         load = RecordLoader(packed)
         try:
-            loaded = load_in_order(jobs, load, workers, chunk=RECORD_CHUNK)
+            loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
             return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata,
                                   orders)
         finally:

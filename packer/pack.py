@@ -1,7 +1,7 @@
 """Packs a source folder into one format: parallel read + check, a single streaming writer.
 
-Worker processes read and check files; the parent receives them in write order and
-hands them to the format's Writer. The number of files in flight is bounded, so memory
+Reader threads (processes for the decoding --check full) read and check files; the
+parent receives them in write order and hands them to the format's Writer. The number of files in flight is bounded, so memory
 stays flat however large the dataset is, and nothing reaches OUT until the writer has
 finished (packer.output.staged).
 
@@ -65,7 +65,8 @@ class PackResult:
         return self.metadata.bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def default_workers() -> int:
+def available_cores() -> int:
+    """The cores this process may run on (CPU affinity respected where the OS has it)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -85,7 +86,7 @@ def load_file(path: str, level: str) -> Loaded:
     return Loaded(data, checksum(data), None)
 
 
-def load_in_order(jobs: list, load: Callable[[Any], Loaded], workers: int,
+def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
                   chunk: int = CHUNK) -> Iterator[Loaded]:
     """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
 
@@ -220,7 +221,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
-    workers = workers or default_workers()
+    workers = workers or available_cores()
     removed = remove_stale(out)
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
@@ -272,7 +273,7 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
     load = functools.partial(load_file, level=check)
     # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
     # I/O-bound: threads, which skip the pipe that processes send every file through.
-    loaded = (load_in_order if check == "full" else load_in_threads)(all_paths, load, workers)
+    loaded = (load_in_processes if check == "full" else load_in_threads)(all_paths, load, workers)
     return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, make_metadata,
                           orders)
 

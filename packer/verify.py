@@ -8,7 +8,7 @@ from multiprocessing import Pool
 from .check import problem
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
-from .pack import default_workers
+from .pack import available_cores
 from .scan import scan_source
 
 BLOCK = 256  # records per verification task
@@ -104,7 +104,7 @@ def verify(path: str, against: str | None = None, check: str = "full",
         compare_listings(path, meta, source, report)
     tasks = [(split, start, min(start + BLOCK, s.count), check, root)
              for split, s in meta.splits.items() for start in range(0, s.count, BLOCK)]
-    workers = min(workers or default_workers(), max(len(tasks), 1))
+    workers = min(workers or available_cores(), max(len(tasks), 1))
     if workers <= 1:
         use_readers(os.path.abspath(path))
         try:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.data as tud
 
+from packer.pack import available_cores
+
 from .collate import collate
 from .gpu import CUDAPrefetcher
 from .stats import LoaderStats
@@ -34,13 +36,6 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUM
 # Aim for this many batches ready or in flight across all workers: enough to absorb a
 # slow batch, without each worker holding many batches of shared memory.
 BATCHES_IN_FLIGHT = 8
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def distributed() -> tuple[int, int]:

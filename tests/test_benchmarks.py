@@ -92,11 +92,15 @@ def test_table_has_a_row_per_source_and_says_why_one_is_missing(smoke):
     assert "Machine:" in stdout and "Ceiling:" in stdout
 
 
-def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
+def skip_without_page_cache(folder) -> None:
     if cache.resident_fraction([]) is None:
         pytest.skip("mincore not available here")
-    if machine.mount_of(str(tmp_path)).get("fstype") in ("tmpfs", "ramfs"):
+    if machine.mount_of(str(folder)).get("fstype") in ("tmpfs", "ramfs"):
         pytest.skip("a RAM filesystem has no page cache to evict")
+
+
+def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
+    skip_without_page_cache(tmp_path)
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(4 << 20))
     assert cache.prepare([str(path)], "cold") == 0.0
@@ -106,10 +110,7 @@ def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
 
 
 def test_eviction_of_a_mapped_file_is_detected_not_assumed(tmp_path):
-    if cache.resident_fraction([]) is None:
-        pytest.skip("mincore not available here")
-    if machine.mount_of(str(tmp_path)).get("fstype") in ("tmpfs", "ramfs"):
-        pytest.skip("a RAM filesystem has no page cache to evict")
+    skip_without_page_cache(tmp_path)
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(1 << 20))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

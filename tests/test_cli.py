@@ -180,17 +180,18 @@ def test_demo_runs_end_to_end(tmp_path, fmt):
     assert os.path.isdir(tmp_path / "imagenet-demo")
 
 
-def test_disk_full_fails_cleanly_naming_the_output(tmp_path):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_disk_full_fails_cleanly_naming_the_output(tmp_path, fmt):
     src = slow_source(tmp_path, n=40)
-    out = tmp_path / "full.lmdb"
+    out = tmp_path / f"full{FORMATS[fmt].EXTENSION}"
 
     def tiny_disk():  # the child can write at most 256 KB per file: a full disk, as far as it sees
         import resource
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
 
-    proc = subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "lmdb", "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", fmt, "-o", str(out)],
                           cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=tiny_disk)
-    assert proc.returncode == 1
-    assert f"{out}: writing the lmdb dataset failed" in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert proc.returncode == 1, proc.stderr
+    assert f"{out}: writing the {fmt} dataset failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing at OUT, no staging left

@@ -8,9 +8,10 @@ are shared per (pid, real path) and reference-counted.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _lock = threading.Lock()
 # real path -> [pid, handle, refcount, closer]
@@ -45,6 +46,16 @@ def release(path: str) -> None:
         if entry[2] <= 0:
             del _shared[key]
             _close_quietly(entry[3], entry[1])
+
+
+@contextlib.contextmanager
+def borrowed(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None]) -> Iterator[Any]:
+    """This process's shared handle for path for the length of a with block."""
+    handle = acquire(path, opener, closer)
+    try:
+        yield handle
+    finally:
+        release(path)
 
 
 def _close_quietly(closer: Callable[[Any], None], handle: Any) -> None:

@@ -142,14 +142,12 @@ def close_file(f: h5py.File) -> None:
 
 
 def read_metadata(path: str) -> Metadata:
-    f = _handle.acquire(path, open_file, close_file)
-    try:
-        raw = f.attrs.get(META_ATTR)
-    except OSError as exc:
-        raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
-                               "damaged, re-pack it", path) from exc
-    finally:
-        _handle.release(path)
+    with _handle.borrowed(path, open_file, close_file) as f:
+        try:
+            raw = f.attrs.get(META_ATTR)
+        except OSError as exc:
+            raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
+                                   "damaged, re-pack it", path) from exc
     if raw is None:
         raise FormatError(f"{path}: HDF5 file without packer metadata (no {META_ATTR!r} attribute); "
                           "an interrupted pack never publishes, so this was not written by packer pack", path)

@@ -167,12 +167,8 @@ def close_env(env: lmdb.Environment) -> None:
 
 
 def read_metadata(path: str) -> Metadata:
-    env = _handle.acquire(path, open_env, close_env)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(META_KEY)
-    finally:
-        _handle.release(path)
+    with _handle.borrowed(path, open_env, close_env) as env, env.begin() as txn:
+        raw = txn.get(META_KEY)
     if raw is None:
         raise FormatError(f"{path}: LMDB without packer metadata (no {META_KEY.decode()} key); "
                           "an interrupted pack never publishes, so this was not written by packer pack", path)
