@@ -67,9 +67,9 @@ def normalize(images: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dt
     out = images.to(torch.float32).mul_(scale).add_(shift)
     if dtype != torch.float32:
         out = out.to(dtype)
-    if channels_last:
-        out = out.contiguous(memory_format=torch.channels_last)
-    return out
+    # The uint8 batch may arrive channels-last (readers' collate); the float batch is
+    # always contiguous in the format asked for.
+    return out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def is_image_batch(t: torch.Tensor) -> bool:

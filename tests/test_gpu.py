@@ -72,6 +72,15 @@ def test_options_channels_last_and_dtype():
     assert images.dtype == torch.bfloat16 and images.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_channels_last_uint8_batches_come_out_in_the_format_asked_for():
+    raw = torch.randint(0, 256, (2, 5, 4, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # NCHW view of NHWC
+    for channels_last in (False, True):
+        (out,) = list(CUDAPrefetcher([raw], "cpu", IMAGENET_MEAN, IMAGENET_STD, channels_last=channels_last))
+        (expected,) = list(CUDAPrefetcher([raw.contiguous()], "cpu", IMAGENET_MEAN, IMAGENET_STD))
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert out.is_contiguous(memory_format=fmt) and torch.equal(out, expected)
+
+
 def test_early_break_and_reiteration():
     prefetcher = CUDAPrefetcher(make_loader(Images(), 4, train=False, workers=2), "cpu")
     for _ in range(3):
