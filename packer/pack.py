@@ -19,8 +19,6 @@ import os
 import threading
 import time
 import zlib
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from typing import Any, Callable, Iterator
@@ -37,6 +35,10 @@ from .scan import Source, SplitListing, scan_source
 
 ON_ERROR = ("fail", "skip")
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
+# Reader threads run at most this many files, and about this many bytes, ahead of the writer:
+# enough to keep the disk busy through a commit, bounded so memory stays flat.
+WINDOW_FILES = 4096
+WINDOW_BYTES = 256 << 20
 
 
 @dataclass
@@ -114,29 +116,89 @@ def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
         pool.join()
 
 
-def load_in_threads(jobs: list, load: Callable[[Any], Loaded], threads: int) -> Iterator[Loaded]:
-    """load(job) for every job, in order, run by `threads` threads with bounded look-ahead.
+def load_in_threads(jobs: list, load: Callable[[Any], Loaded], threads: int,
+                    window: int = WINDOW_FILES, budget: int = WINDOW_BYTES) -> Iterator[Loaded]:
+    """load(job) for every job, in order, run by `threads` threads that read ahead of the consumer.
 
     For I/O-bound loads: reading a file and zlib's CRC-32 release the GIL, and the bytes
     need no pickling through a pipe, which cost more than the reading itself when
-    processes did this (README: "How fast packing is").
+    processes did this (README: "How fast packing is"). The threads keep reading while
+    the consumer is busy (an LMDB commit takes a few hundred ms), up to `window` files
+    ahead of it and at most about `budget` bytes loaded and not yet consumed, so memory
+    stays flat however large the dataset is.
     """
     if threads <= 1:
         yield from map(load, jobs)
         return
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="packer-read")
-    pending: deque = deque()
+    ahead = _ReadAhead(jobs, load, window, budget)
+    workers = [threading.Thread(target=ahead.work, name=f"packer-read-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
     try:
-        for job in jobs:
-            pending.append(pool.submit(load, job))
-            if len(pending) >= threads * CHUNK:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        for i in range(len(jobs)):
+            yield ahead.take(i)
     finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True)
+        ahead.stop()
+        for worker in workers:
+            worker.join()
+
+
+class _ReadAhead:
+    """Jobs handed to reader threads in order; results collected for an in-order consumer.
+
+    Jobs are started in order, so the job the consumer waits for is always started
+    before any later one: the budget can never hold it back (no deadlock).
+    """
+
+    def __init__(self, jobs: list, load: Callable[[Any], Loaded], window: int, budget: int):
+        self.jobs, self.load = jobs, load
+        self.window, self.budget = window, budget
+        self.cond = threading.Condition()
+        self.started = 0    # jobs handed to a thread
+        self.consumed = 0   # results taken by the consumer
+        self.ready_bytes = 0
+        self.results: dict[int, Loaded | BaseException] = {}
+        self.stopped = False
+
+    def _may_start(self) -> bool:
+        return self.stopped or self.started >= len(self.jobs) or (
+            self.started - self.consumed < self.window and self.ready_bytes < self.budget)
+
+    def work(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(self._may_start)
+                if self.stopped or self.started >= len(self.jobs):
+                    return
+                index = self.started
+                self.started += 1
+            try:
+                result = self.load(self.jobs[index])
+            except BaseException as exc:  # re-raised in the consumer, which knows what to do
+                result = exc
+            with self.cond:
+                self.results[index] = result
+                if isinstance(result, Loaded) and result.data is not None:
+                    self.ready_bytes += len(result.data)
+                self.cond.notify_all()
+
+    def take(self, index: int) -> Loaded:
+        with self.cond:
+            self.cond.wait_for(lambda: index in self.results)
+            result = self.results.pop(index)
+            if isinstance(result, Loaded) and result.data is not None:
+                self.ready_bytes -= len(result.data)
+            self.consumed = index + 1
+            self.cond.notify_all()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.results.clear()
+            self.cond.notify_all()
 
 
 # Set once in each pool worker, so that load is not pickled again with every task.

@@ -14,6 +14,8 @@ import readers
 from packer import pack
 from packer.formats import lmdb as lmdb_format
 
+from conftest import jpeg_bytes, write
+
 
 def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path):
     out = tmp_path / "s.lmdb"
@@ -52,6 +54,33 @@ def test_map_grows_past_its_initial_size(image_tree, tmp_path, monkeypatch):
     ds = readers.LMDBDataset(out, decode="raw")
     assert sum(len(ds[i][0]) for i in range(len(ds))) > 64 << 10
     assert [ds[i][0] for i in range(len(ds))] == [(image_tree / p).read_bytes() for p in ds.paths]
+
+
+def test_a_record_larger_than_the_map_and_a_transaction_fits(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmdb_format, "INITIAL_MAP_SIZE", 64 << 10)
+    monkeypatch.setattr(lmdb_format, "TXN_BYTES", 16 << 10)
+    src = tmp_path / "src"
+    files = {"a/small.jpg": jpeg_bytes(1), "a/huge.png": jpeg_bytes(2, size=(400, 300), fmt="PNG"),
+             "b/after.jpg": jpeg_bytes(3)}
+    for relpath, data in files.items():
+        write(src / relpath, data)
+    assert len(files["a/huge.png"]) > 4 * (64 << 10)
+    out = tmp_path / "big.lmdb"
+    pack(str(src), "lmdb", str(out), progress=False, workers=1)
+    ds = readers.LMDBDataset(out, decode="raw")
+    assert {ds.paths[i]: ds[i][0] for i in range(len(ds))} == files
+
+
+def test_a_full_map_mid_transaction_fails_cleanly(image_tree, tmp_path, monkeypatch):
+    # The map is grown ahead of every transaction, so this needs a broken size estimate.
+    from packer import PackError
+
+    monkeypatch.setattr(lmdb_format, "INITIAL_MAP_SIZE", 64 << 10)
+    monkeypatch.setattr(lmdb_format, "room", lambda txn_bytes: 0)
+    out = tmp_path / "full.lmdb"
+    with pytest.raises(PackError, match="LMDB map full although it was grown"):
+        pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    assert not out.exists() and not list(tmp_path.glob("full.lmdb.partial-*"))
 
 
 def test_forked_child_reopens_instead_of_using_the_inherited_environment(image_tree, tmp_path):

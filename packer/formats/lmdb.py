@@ -35,8 +35,8 @@ DIRECTORY = True
 META_KEY = b"__meta__"
 HEADER = struct.Struct("<IiH")
 DATA_FILE = "data.mdb"
-# Commit about this many bytes per transaction: large enough to amortise the commit,
-# small enough that a retry after growing the map re-sends little.
+# Commit about this many bytes per transaction: enough to amortise the commit; the map
+# and file are grown ahead by twice this (room).
 TXN_BYTES = 64 << 20
 INITIAL_MAP_SIZE = 1 << 30
 # Readers across DDP ranks x DataLoader workers x threads; a read slot is a few bytes.
@@ -70,14 +70,20 @@ def detect(path: str) -> bool:
 
 
 class Writer:
-    """Appends records in large transactions, doubling the map size whenever it fills.
+    """Puts each record as it arrives, in transactions of about TXN_BYTES.
 
     With writemap, LMDB writes records straight into its memory map instead of copying
     every dirty page out at commit (2 GB committed in 1.5 s instead of 2.4-4.5 s here).
-    A mapped write to a full disk would kill the process with SIGBUS, so the file space
-    each transaction may need is reserved first with posix_fallocate (a full disk is then
-    an ordinary OSError), and the file, which LMDB sizes to the whole map, is cut back
-    to the pages in use when finished.
+    Records go in one at a time rather than in a batch at commit, so each record's
+    buffers are freed right away and reused for the next: holding a transaction's worth
+    and freeing it at once let the allocator hand the memory back to the kernel, and
+    faulting it in again took more time than the copies (README: "How fast packing is").
+
+    That leaves no batch to replay if the map fills mid-transaction, so the map is grown
+    before a transaction starts to hold the largest one possible (room). A mapped write
+    to a full disk would kill the process with SIGBUS, so that file space is reserved
+    with posix_fallocate first (a full disk is then an ordinary OSError), and the file,
+    which LMDB sizes to the whole map, is cut back to the pages in use when finished.
     """
 
     def __init__(self, stage: str, options: dict):
@@ -86,8 +92,9 @@ class Writer:
         self.reserved = 0
         self.env = lmdb.open(stage, map_size=INITIAL_MAP_SIZE, subdir=True, lock=False, writemap=self.writemap,
                              sync=False, metasync=False, readahead=False, meminit=False)
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.pending_bytes = 0
+        self.txn: lmdb.Transaction | None = None
+        self.cursor: lmdb.Cursor | None = None
+        self.txn_bytes = 0
         self.split = ""
         self.index = 0
 
@@ -95,22 +102,17 @@ class Writer:
         self.split, self.index = split, 0
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
-        value = encode_record(data, label, relpath, crc)
-        self.pending.append((record_key(self.split, self.index), value))
-        self.pending_bytes += len(value)
+        self.put(record_key(self.split, self.index), encode_record(data, label, relpath, crc), append=True)
         self.index += 1
-        if self.pending_bytes >= TXN_BYTES:
-            self.flush()
 
     def end_split(self, labels: np.ndarray, paths: PathTable) -> None:
-        self.flush()
         prefix = self.split.encode()
-        self.commit([(prefix + b"/labels", labels.astype("<i4").tobytes()),
-                     (prefix + b"/paths", paths.to_nul_separated())], append=False)
+        self.put(prefix + b"/labels", labels.astype("<i4").tobytes(), append=False)
+        self.put(prefix + b"/paths", paths.to_nul_separated(), append=False)
 
     def finish(self, meta: Metadata) -> None:
-        self.flush()
-        self.commit([(META_KEY, meta.to_json())], append=False)
+        self.put(META_KEY, meta.to_json(), append=False)
+        self.commit()
         self.env.sync(True)
         used = self.used_bytes()
         self.env.close()
@@ -118,22 +120,46 @@ class Writer:
             os.truncate(self.path, used)  # readers map what they need; the rest was never written
 
     def abort(self) -> None:
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
         self.env.close()
 
-    def flush(self) -> None:
-        if self.pending:
-            self.commit(self.pending, append=True)
-        self.pending, self.pending_bytes = [], 0
+    def put(self, key: bytes, value: bytes, append: bool) -> None:
+        size = len(key) + len(value)
+        if self.txn is not None and self.txn_bytes + size > TXN_BYTES:
+            self.commit()
+        if self.txn is None:
+            self.begin(size)
+        try:
+            self.cursor.put(key, value, append=append)
+        except lmdb.MapFullError as exc:  # room() makes this unreachable; say so if it is not
+            raise FormatError(f"{self.path}: LMDB map full although it was grown to hold the transaction "
+                              f"({self.env.info()['map_size']} bytes); please report this", self.path) from exc
+        self.txn_bytes += size
+
+    def begin(self, first: int) -> None:
+        """Open a transaction on a map (and a reserved file) with room for the largest one possible."""
+        end = self.used_bytes() + room(max(TXN_BYTES, first))
+        size = self.env.info()["map_size"]
+        if end > size:
+            self.env.set_mapsize(max(2 * size, end))
+        self.reserve(end)
+        self.txn = self.env.begin(write=True)
+        self.cursor = self.txn.cursor()
+        self.txn_bytes = 0
+
+    def commit(self) -> None:
+        if self.txn is not None:
+            self.txn.commit()
+            self.txn = self.cursor = None
 
     def used_bytes(self) -> int:
         return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
 
-    def reserve(self, need: int) -> None:
-        """Allocate the file space a transaction of `need` bytes may write (writemap only)."""
-        if not self.writemap:
-            return
-        end = min(self.env.info()["map_size"], self.used_bytes() + 2 * need + (16 << 20))
-        if end > self.reserved:
+    def reserve(self, end: int) -> None:
+        """Allocate the file up to `end` bytes, where writemap will write (writemap only)."""
+        if self.writemap and end > self.reserved:
             fd = os.open(self.path, os.O_RDWR)
             try:
                 os.posix_fallocate(fd, 0, end)
@@ -141,18 +167,14 @@ class Writer:
                 os.close(fd)
             self.reserved = end
 
-    def commit(self, items: list[tuple[bytes, bytes]], append: bool) -> None:
-        need = sum(len(k) + len(v) for k, v in items)
-        while True:
-            self.reserve(need)
-            try:
-                with self.env.begin(write=True) as txn:
-                    txn.cursor().putmulti(items, append=append)
-                return
-            except lmdb.MapFullError:
-                # The failed transaction was aborted; nothing of it is in the file.
-                size = self.env.info()["map_size"]
-                self.env.set_mapsize(max(2 * size, size + 2 * need))
+
+def room(txn_bytes: int) -> int:
+    """Bytes of map a transaction putting txn_bytes of keys and values may need past the used pages.
+
+    Each value over a page takes its own overflow pages (at most twice its size for
+    values just over a page); leaf and branch pages copied on write add a few more.
+    """
+    return 2 * txn_bytes + (16 << 20)
 
 
 def open_env(path: str) -> lmdb.Environment:
