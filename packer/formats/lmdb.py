@@ -39,6 +39,7 @@ DATA_FILE = "data.mdb"
 # and file are grown ahead by twice this (room).
 TXN_BYTES = 64 << 20
 INITIAL_MAP_SIZE = 1 << 30
+RESERVE_STEP = 8 << 20
 # Readers across DDP ranks x DataLoader workers x threads; a read slot is a few bytes.
 MAX_READERS = 2048
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
@@ -95,6 +96,7 @@ class Writer:
         self.txn: lmdb.Transaction | None = None
         self.cursor: lmdb.Cursor | None = None
         self.txn_bytes = 0
+        self.txn_start = 0
         self.split = ""
         self.index = 0
 
@@ -131,6 +133,7 @@ class Writer:
             self.commit()
         if self.txn is None:
             self.begin(size)
+        self.reserve(self.txn_start + room(self.txn_bytes + size))
         try:
             self.cursor.put(key, value, append=append)
         except lmdb.MapFullError as exc:  # room() makes this unreachable; say so if it is not
@@ -139,12 +142,12 @@ class Writer:
         self.txn_bytes += size
 
     def begin(self, first: int) -> None:
-        """Open a transaction on a map (and a reserved file) with room for the largest one possible."""
-        end = self.used_bytes() + room(max(TXN_BYTES, first))
+        """Open a transaction on a map with room for the largest one possible."""
+        self.txn_start = self.used_bytes()
+        end = self.txn_start + room(max(TXN_BYTES, first))
         size = self.env.info()["map_size"]
         if end > size:
             self.env.set_mapsize(max(2 * size, end))
-        self.reserve(end)
         self.txn = self.env.begin(write=True)
         self.cursor = self.txn.cursor()
         self.txn_bytes = 0
@@ -158,8 +161,13 @@ class Writer:
         return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
 
     def reserve(self, end: int) -> None:
-        """Allocate the file up to `end` bytes, where writemap will write (writemap only)."""
+        """Allocate the file up to at least `end` bytes, where writemap will write (writemap only).
+
+        In steps of RESERVE_STEP, so a 2 GB pack makes a few hundred calls and a small one
+        never holds more than a few MB it does not use.
+        """
         if self.writemap and end > self.reserved:
+            end = min(end + RESERVE_STEP, self.env.info()["map_size"])
             fd = os.open(self.path, os.O_RDWR)
             try:
                 os.posix_fallocate(fd, 0, end)
@@ -172,9 +180,10 @@ def room(txn_bytes: int) -> int:
     """Bytes of map a transaction putting txn_bytes of keys and values may need past the used pages.
 
     Each value over a page takes its own overflow pages (at most twice its size for
-    values just over a page); leaf and branch pages copied on write add a few more.
+    values just over a page), small values fill leaf pages at least half; the branch
+    pages copied on write and the free list add a few pages more.
     """
-    return 2 * txn_bytes + (16 << 20)
+    return 2 * txn_bytes + (4 << 20)
 
 
 def open_env(path: str) -> lmdb.Environment:
