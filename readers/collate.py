@@ -17,7 +17,7 @@ def collate(batch, pin_memory: bool = False):
     """(images, labels) from a list of (image, label) pairs of equal-sized uint8 images.
 
     Images may be tensors or numpy arrays (stacked in the shape they have: CxHxW tensors
-    give NxCxHxW, channels-last when the images are). Any other sample structure goes to torch's default_collate.
+    give NxCxHxW). Any other sample structure goes to torch's default_collate.
     Pinning applies only in the main process and only when CUDA is available.
     """
     if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) != 2:
@@ -35,12 +35,7 @@ def collate(batch, pin_memory: bool = False):
 
 
 def stack(images: list, pin_memory: bool = False) -> torch.Tensor:
-    """Stack equal-shaped tensors into one new (shared or pinned) buffer.
-
-    CxHxW images whose pixels lie in HWC order (readers' transforms return them so) are
-    stacked into an NxHxWxC buffer and returned as its NxCxHxW channels-last view: one
-    memcpy per image instead of a transposing copy.
-    """
+    """Stack equal-shaped tensors into one new (shared or pinned) buffer."""
     shape, dtype = images[0].shape, images[0].dtype
     for i, image in enumerate(images):
         if image.shape != shape or image.dtype != dtype:
@@ -48,17 +43,8 @@ def stack(images: list, pin_memory: bool = False) -> torch.Tensor:
                 f"collate: sample {i} is {tuple(image.shape)} {image.dtype} but sample 0 is "
                 f"{tuple(shape)} {dtype}; batch images must share one size: use a transform "
                 f"with a fixed output size (readers.RandomResizedCrop / readers.CenterCrop)")
-    if is_hwc(images[0]):
-        out = allocate((len(images), *shape[1:], shape[0]), dtype, pin_memory)
-        return torch.stack([image.permute(1, 2, 0) for image in images], out=out).permute(0, 3, 1, 2)
     out = allocate((len(images), *shape), dtype, pin_memory)
     return torch.stack(images, out=out)
-
-
-def is_hwc(image: torch.Tensor) -> bool:
-    """A multi-channel CxHxW tensor stored in HWC order."""
-    return image.ndim == 3 and image.shape[0] > 1 and not image.is_contiguous() \
-        and image.permute(1, 2, 0).is_contiguous()
 
 
 def allocate(shape, dtype, pin_memory: bool = False) -> torch.Tensor:

@@ -18,14 +18,6 @@ def test_stacks_images_and_labels():
     assert images[:, 0, 0, 0].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_channels_last_images_stack_into_a_channels_last_batch():
-    hwc = [torch.randint(0, 256, (8, 6, 3), dtype=torch.uint8) for _ in range(4)]
-    batch = [(image.permute(2, 0, 1), i) for i, image in enumerate(hwc)]  # how the transforms return them
-    images, _ = collate(batch)
-    assert images.shape == (4, 3, 8, 6) and images.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(images, torch.stack([image.permute(2, 0, 1).contiguous() for image in hwc]))
-
-
 def test_accepts_numpy_images_in_their_own_layout():
     batch = [(np.full((8, 6, 3), i, dtype=np.uint8), i) for i in range(3)]
     images, _ = collate(batch)

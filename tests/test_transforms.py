@@ -117,19 +117,20 @@ def test_random_resized_crop_on_arrays_is_crop_then_antialiased_resize():
         out = RandomResizedCrop(224, flip=0.0)(array)
         torch.manual_seed(seed)
         expected = crop_resize_reference(chw, *random_resized_crop_params(300, 410))
-        assert out.dtype == torch.uint8 and out.shape == (3, 224, 224) and out.permute(1, 2, 0).is_contiguous()
+        assert out.dtype == torch.uint8 and out.shape == (3, 224, 224) and out.is_contiguous()
         assert torch.equal(out, expected)
 
 
 def test_crops_of_decoded_images_reach_torchs_channels_last_kernel():
     # A crop view of a decoded HxWx3 image must be seen as channels-last, or interpolate
-    # silently runs its slower NCHW path (and the output needs a transposing copy).
+    # silently runs its slower NCHW path.
     crop = torch.from_numpy(decode_array(encode(300, 410))).permute(2, 0, 1)[:, 10:250, 20:300]
     batch = T._batch_of_one(crop)
     assert torch.equal(batch[0], crop)
     out = F.interpolate(batch, size=(224, 224), mode="bilinear", antialias=True)
     assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
-    assert torch.equal(T.resize(crop, (224, 224)), out[0])
+    resized = T.resize(crop, (224, 224))
+    assert resized.is_contiguous() and torch.equal(resized, out[0])
 
 
 def test_bytes_without_dct_equal_the_array_path_and_tensors_too():
@@ -226,7 +227,7 @@ def test_center_crop_is_resize_then_centre_crop():
     assert torch.equal(CenterCrop(224, 256, dct=False)(data), expected)
     assert torch.equal(CenterCrop(224, 256)(chw), expected)
     fast = CenterCrop(224, 256)(encode(1200, 1600))
-    assert fast.shape == (3, 224, 224) and fast.permute(1, 2, 0).is_contiguous()
+    assert fast.shape == (3, 224, 224) and fast.is_contiguous()
 
 
 def test_bad_arguments_are_refused():
