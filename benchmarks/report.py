@@ -98,7 +98,7 @@ def markdown(results: dict) -> str:
             wait = entry["measures"].get("e2e", {}).get("warm", {}).get("wait_fraction")
             row.append("–" if not wait else f"{wait['median']:.0%}")
         pack = results["pack"].get(name, {}) if name in PACKED else {}
-        row.append(f"{pack['median']:.3g}" if pack.get("status") == "ok" else "–")
+        row.append(f"{pack['median']:.2f}" if pack.get("status") == "ok" else "–")
         r = results["ratios"].get(name, {})
         row += [ratio_pair(r, "raw"), ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")),
                 one(r.get("e2e_warm_vs_ceiling"))]
