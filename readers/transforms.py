@@ -153,7 +153,8 @@ class RandomResizedCrop:
             top, left, h, w = random_resized_crop_params(*decoded.shape[-2:], self.scale, self.ratio)
             flip = self._draw_flip()
         out = resize_view(decoded[:, top:top + h, left:left + w], (out_h, out_w))
-        return out.flip(-1).contiguous() if flip else out.contiguous()
+        out = out.contiguous()  # then flip: flipping the contiguous copy is the cheaper order here
+        return out.flip(-1) if flip else out
 
     def _draw_flip(self) -> bool:
         return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
