@@ -133,18 +133,19 @@ def wait_for_staging(folder: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.005)
 
 
-def interrupt_pack(tmp_path: Path, sig: int) -> tuple[Path, Path, int]:
-    """Start a pack, send it sig once its staging folder exists; (src, out, exit code)."""
+def interrupt_pack(tmp_path: Path, sig: int) -> tuple[Path, Path, int, str]:
+    """Start a pack, send it sig once its staging folder exists; (src, out, exit code, stderr)."""
     src = slow_source(tmp_path)
     out = tmp_path / "out.lmdb"
     proc = start_pack(src, out)
     wait_for_staging(tmp_path, proc)
     proc.send_signal(sig)
-    return src, out, proc.wait(timeout=60)
+    _, stderr = proc.communicate(timeout=60)
+    return src, out, proc.returncode, stderr
 
 
 def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
-    src, out, _ = interrupt_pack(tmp_path, signal.SIGKILL)
+    src, out, _, _ = interrupt_pack(tmp_path, signal.SIGKILL)
     assert not out.exists()
     assert leftovers(tmp_path), "SIGKILL cannot clean up; the staging folder is expected to remain"
     result = run("pack", src, "--to", "lmdb", "-o", out)
@@ -154,9 +155,10 @@ def test_killed_pack_leaves_nothing_at_out_and_the_next_run_cleans_up(tmp_path):
 
 
 def test_interrupted_pack_removes_its_staging(tmp_path):
-    _, out, code = interrupt_pack(tmp_path, signal.SIGINT)
-    assert code != 0
-    assert not out.exists() and leftovers(tmp_path) == []
+    _, out, code, stderr = interrupt_pack(tmp_path, signal.SIGINT)
+    state = f"exit {code}, out exists: {out.exists()}, left: {leftovers(tmp_path)}, stderr:\n{stderr}"
+    assert code != 0, state
+    assert not out.exists() and leftovers(tmp_path) == [], state
 
 
 def test_every_command_and_option_is_documented_in_the_readme():
