@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import time
+
+from packer.output import remove_path
 
 from . import cache
 from .case import summarise
@@ -39,10 +40,7 @@ def pack_options(fmt: str, corpus_bytes: int, workers: int) -> dict:
 
 def prepare_run(files: list[str], state: str, out: str) -> None:
     """Remove out, flush what earlier runs left dirty, then evict (cold) or load (warm) the source."""
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    elif os.path.exists(out):
-        os.remove(out)
+    remove_path(out)
     os.sync()
     (cache.evict if state == "cold" else cache.load)(files)
 

@@ -178,16 +178,14 @@ class _ReadAhead:
                 result = exc
             with self.cond:
                 self.results[index] = result
-                if isinstance(result, Loaded) and result.data is not None:
-                    self.ready_bytes += len(result.data)
+                self.ready_bytes += _loaded_bytes(result)
                 self.cond.notify_all()
 
     def take(self, index: int) -> Loaded:
         with self.cond:
             self.cond.wait_for(lambda: index in self.results)
             result = self.results.pop(index)
-            if isinstance(result, Loaded) and result.data is not None:
-                self.ready_bytes -= len(result.data)
+            self.ready_bytes -= _loaded_bytes(result)
             self.consumed = index + 1
             self.cond.notify_all()
         if isinstance(result, BaseException):
@@ -199,6 +197,11 @@ class _ReadAhead:
             self.stopped = True
             self.results.clear()
             self.cond.notify_all()
+
+
+def _loaded_bytes(result: Loaded | BaseException) -> int:
+    """The bytes a loaded result holds in memory (what the read-ahead budget counts)."""
+    return len(result.data) if isinstance(result, Loaded) and result.data is not None else 0
 
 
 # Set once in each pool worker, so that load is not pickled again with every task.

@@ -152,8 +152,8 @@ class RandomResizedCrop:
             decoded = as_chw(image)
             top, left, h, w = random_resized_crop_params(*decoded.shape[-2:], self.scale, self.ratio)
             flip = self._draw_flip()
-        out = resize_view(decoded[:, top:top + h, left:left + w], (out_h, out_w))
-        out = out.contiguous()  # then flip: flipping the contiguous copy is the cheaper order here
+        # Flip after resize() has made the result contiguous: the cheaper order of the two copies.
+        out = resize(decoded[:, top:top + h, left:left + w], (out_h, out_w))
         return out.flip(-1) if flip else out
 
     def _draw_flip(self) -> bool:
