@@ -62,8 +62,10 @@ def shard_options(command):
                      "this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB]."),
         click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard."),
         click.option("--shuffle-seed", type=click.IntRange(min=0),
-                     help="wds: write samples in the permutation this seed gives [default: 0]."),
-        click.option("--no-shuffle", is_flag=True, help="wds: write samples in ImageFolder order."),
+                     help="Write samples in the permutation this seed gives, so reading in storage order "
+                          "sees mixed classes [wds: on, seed 0; lmdb, hdf5: off]."),
+        click.option("--no-shuffle", is_flag=True, help="Write samples in ImageFolder order [the default "
+                     "for lmdb and hdf5]."),
     ]):
         command = option(command)
     return command
@@ -71,15 +73,15 @@ def shard_options(command):
 
 def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict:
     """pack()/convert() keyword arguments from the shard options, refusing them for other formats."""
-    wds_only = {"--shard-size": shard_size, "--max-count": max_count, "--shuffle-seed": shuffle_seed,
-                "--no-shuffle": no_shuffle or None}
+    wds_only = {"--shard-size": shard_size, "--max-count": max_count}
     given = [name for name, value in wds_only.items() if value is not None]
     if given and fmt != "wds":
         raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
     if shuffle_seed is not None and no_shuffle:
         raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
     options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
-    return {"options": options, "shuffle": False if no_shuffle else None, "shuffle_seed": shuffle_seed or 0}
+    shuffle = False if no_shuffle else (True if shuffle_seed is not None else None)
+    return {"options": options, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
 
 
 @main.command("pack")

@@ -254,16 +254,15 @@ def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
 def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int | None:
     """The seed fmt is written shuffled with, or None for ImageFolder order.
 
-    shuffle=None means the format's default (its SHUFFLE flag; formats without one store
-    samples for random access and refuse shuffle=True).
+    shuffle=None means the format's default (its SHUFFLE flag: on for wds, off for lmdb and
+    hdf5; a format without the flag cannot be written shuffled).
     """
     if fmt not in FORMATS:
         raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     shuffles = getattr(FORMATS[fmt], "SHUFFLE", None)
     if shuffle and shuffles is None:
         shufflers = [name for name, m in FORMATS.items() if getattr(m, "SHUFFLE", None) is not None]
-        raise PackError(f"{fmt} stores samples for random access, so it is never written shuffled "
-                        f"(shuffled writing applies to: {', '.join(shufflers)})")
+        raise PackError(f"{fmt} cannot be written shuffled (shuffled writing applies to: {', '.join(shufflers)})")
     seed = shuffle_seed if (shuffles if shuffle is None else shuffle) else None
     if seed is not None and seed < 0:
         raise PackError(f"shuffle_seed must be a non-negative integer, not {seed}")
@@ -277,7 +276,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
-    None means the format's default (on for wds, which is the only format that takes it).
+    None means the format's default (on for wds, off for lmdb and hdf5).
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     if on_error not in ON_ERROR:

@@ -175,8 +175,11 @@ def test_skipped_files_are_listed_in_imagefolder_order_and_verify_notes_them(bad
     assert sum("skipped at pack time" in n for n in report.notes) == 4
 
 
-def test_library_refuses_to_shuffle_a_random_access_format(image_tree, tmp_path):
-    with pytest.raises(PackError, match="never written shuffled.*wds"):
+def test_library_refuses_to_shuffle_a_format_without_the_flag(image_tree, tmp_path, monkeypatch):
+    from packer.formats import lmdb as lmdb_format
+
+    monkeypatch.delattr(lmdb_format, "SHUFFLE")
+    with pytest.raises(PackError, match="cannot be written shuffled.*wds"):
         pack(str(image_tree), "lmdb", str(tmp_path / "x.lmdb"), shuffle=True, progress=False)
     assert not (tmp_path / "x.lmdb").exists()
 

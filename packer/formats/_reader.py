@@ -1,11 +1,15 @@
-"""The common ground of every format's Reader: split choice, count, CRC policy, record names."""
+"""The common ground of every format's Reader: split choice, count, CRC policy, record names,
+access pattern and storage order."""
 from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from ..errors import CorruptDataError
 from ..records import Metadata, checksum, choose_split
 from ._handle import LazyHandle
+from ._io import check_access
 
 
 class SplitReader(LazyHandle):
@@ -18,6 +22,40 @@ class SplitReader(LazyHandle):
         self.classes = metadata.classes
         self.count = metadata.splits[self.split].count
         self.check_crc = check_crc
+        self.access = "random"
+
+    def advise(self, access: str) -> None:
+        """Tell the reader how records will be read: "random" (fetch exactly each record)
+        or "sequential" (storage order or blocks of it: let the kernel read ahead).
+        Takes effect when this process next opens the reader."""
+        access = check_access(access)
+        if access != self.access:
+            self.close()
+            self.access = access
+
+    def storage_order(self) -> np.ndarray | None:
+        """Index of the record stored at each position, or None when that is the index itself."""
+        return None
+
+    def position(self, index: int) -> int:
+        """Where record index is stored."""
+        order = self.storage_order()
+        if order is None:
+            return index
+        if getattr(self, "_position", None) is None:
+            self._position = np.argsort(order)
+        return int(self._position[index])
+
+    def checked_order(self, order: np.ndarray) -> np.ndarray:
+        """A stored order table, checked to be a permutation of the records."""
+        order = order.astype(np.int64)
+        if len(order) != self.count or not np.array_equal(np.sort(order), np.arange(self.count)):
+            raise CorruptDataError(f"{self.path}: the {self.split} order table is not a permutation of "
+                                   f"{self.count} records; the dataset is damaged, re-pack it", self.path)
+        return order
+
+    def will_need(self, start: int, stop: int) -> None:
+        """Hint that the records stored at positions [start, stop) are read soon (no-op here)."""
 
     def __len__(self) -> int:
         return self.count

@@ -3,31 +3,48 @@
 Keys are ASCII; all integers are little-endian.
 
   b"__meta__"                 UTF-8 JSON metadata (packer.records.Metadata)
-  b"<split>/<index:010d>"     one record, index 0..count-1 in ImageFolder order:
+  b"<split>/<position:010d>"  one record, position 0..count-1 in storage order:
       bytes 0..3   uint32  CRC-32 (zlib) of the image bytes
       bytes 4..7   int32   label (-1 = unlabeled)
       bytes 8..9   uint16  n = length of the relative path in bytes
       bytes 10..   n bytes relative path, UTF-8, "/"-separated
       then         the original file bytes, unchanged, to the end of the value
-  b"<split>/labels"           int32[count], every record's label (so .targets needs no scan)
-  b"<split>/paths"            relative paths, UTF-8, joined by NUL
+  b"<split>/labels"           int32[count], every record's label, by index
+  b"<split>/paths"            relative paths by index, UTF-8, joined by NUL
+  b"<split>/extents"          (uint64 offset, uint32 length)[count] by position: where each
+                              record's value lies in data.mdb; (0, 0) where unknown (values
+                              small enough to live inside B-tree pages, which move)
+  b"<split>/order"            int32[count], only in shuffled packs: the index of the record
+                              stored at each position
 
-Zero-padded decimal indexes sort in record order, so the writer appends (pages fill
-completely) and a cursor walks records in order. The reader never scans keys: counts
-come from the metadata. There is no lock file: packed data is immutable and opened
-read-only with lock=False.
+A record's index is its ImageFolder rank. Storage order is ImageFolder order (position =
+index, no order key) unless the pack was shuffled (--shuffle-seed), when order says which
+record each position holds. Zero-padded decimal positions sort in storage order, so the
+writer appends (pages fill completely) and a cursor walks records in storage order. The
+reader never scans keys: counts come from the metadata. There is no lock file: packed data
+is immutable and opened read-only with lock=False.
+
+Readers fetch a record with one pread at its extent instead of through LMDB's memory map:
+looking a record up faults in B-tree and overflow-header pages scattered through the file,
+each a random read of the kernel's whole read-around window, which made cold random reads
+slower than a folder of files (README: "Cold storage"). Extents are taken while packing
+from where writemap puts each value (overflow pages never move once written); a reader
+checks each record's header against its label and path, and uses the map if they differ.
 """
 from __future__ import annotations
 
 import os
 import struct
 
+import warnings
+from array import array
+
 import lmdb
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, decode_path, encode_path
-from . import _handle
+from . import _handle, _io
 from ._reader import SplitReader
 
 EXTENSION = ".lmdb"
@@ -44,6 +61,10 @@ RESERVE_STEP = 8 << 20
 MAX_READERS = 2048
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
 WRITEMAP = hasattr(os, "posix_fallocate")
+SHUFFLE = False  # ImageFolder order unless pack() is asked to shuffle; Writer takes order=
+EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
+# Values at least a page long always live in overflow pages, which never move once written.
+EXTENT_MIN = 4096
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -99,18 +120,34 @@ class Writer:
         self.txn_start = 0
         self.split = ""
         self.index = 0
+        self.map_base = self.locate_map()
+        self.offsets, self.lengths = array("Q"), array("I")
 
     def begin_split(self, split: str) -> None:
         self.split, self.index = split, 0
+        self.offsets, self.lengths = array("Q"), array("I")
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
-        self.put(record_key(self.split, self.index), encode_record(data, label, relpath, crc), append=True)
+        value = encode_record(data, label, relpath, crc)
+        self.put(record_key(self.split, self.index), value, append=True)
+        offset = 0
+        if self.map_base is not None and len(value) >= EXTENT_MIN:
+            # With writemap the cursor's value is the record in the map, where it stays.
+            offset = np.frombuffer(self.cursor.value(), np.uint8).ctypes.data - self.map_base
+        self.offsets.append(offset)
+        self.lengths.append(len(value) if offset else 0)
         self.index += 1
 
-    def end_split(self, labels: np.ndarray, paths: PathTable) -> None:
+    def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
+        """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         prefix = self.split.encode()
         self.put(prefix + b"/labels", labels.astype("<i4").tobytes(), append=False)
         self.put(prefix + b"/paths", paths.to_nul_separated(), append=False)
+        extents = np.empty(len(self.offsets), EXTENT)
+        extents["offset"], extents["length"] = self.offsets, self.lengths
+        self.put(prefix + b"/extents", extents.tobytes(), append=False)
+        if order is not None:
+            self.put(prefix + b"/order", np.asarray(order, "<i4").tobytes(), append=False)
 
     def finish(self, meta: Metadata) -> None:
         self.put(META_KEY, meta.to_json(), append=False)
@@ -148,7 +185,8 @@ class Writer:
         size = self.env.info()["map_size"]
         if end > size:
             self.env.set_mapsize(max(2 * size, end))
-        self.txn = self.env.begin(write=True)
+            self.map_base = self.locate_map()  # a larger map may be mapped elsewhere
+        self.txn = self.env.begin(write=True, buffers=True)
         self.cursor = self.txn.cursor()
         self.txn_bytes = 0
 
@@ -156,6 +194,10 @@ class Writer:
         if self.txn is not None:
             self.txn.commit()
             self.txn = self.cursor = None
+
+    def locate_map(self) -> int | None:
+        """Where data.mdb is mapped, when values are written straight into the map (writemap)."""
+        return _io.mapped_at(self.path) if self.writemap else None
 
     def used_bytes(self) -> int:
         return (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
@@ -215,32 +257,95 @@ class Reader(SplitReader):
         super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
+        self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
+        self._order: np.ndarray | None | bool = None
 
     def _open(self):
         env = _handle.acquire(self.path, open_env, close_env)
+        try:
+            fd = _io.open_for_reading(os.path.join(self.path, DATA_FILE), self.access)
+        except OSError:
+            _handle.release(self.path)
+            raise
         # One long-lived read transaction per process: the data never changes.
-        return env, env.begin(buffers=True)
+        return env, env.begin(buffers=True), fd
 
     def _close(self, handle) -> None:
         handle[1].abort()
+        os.close(handle[2])
         _handle.release(self.path)
 
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of record index."""
         self.check_index(index)
-        _, txn = self.handle()
-        value = txn.get(record_key(self.split, index))
-        if value is None:
-            raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
-                                   "re-pack it or restore it from a copy)", self.path)
-        data, label, relpath, crc = decode_record(value, self.where(index))
-        self.check_data(data, crc, f"{self.where(index)} ({relpath})")
+        position = self.position(index)
+        where = self.where(index)
+        value = self.fetch(position, index, where)
+        data, label, relpath, crc = decode_record(value, where)
+        self.check_data(data, crc, f"{where} ({relpath})")
         return data, label, relpath
 
-    def _aux(self, name: bytes) -> bytes:
-        _, txn = self.handle()
+    def fetch(self, position: int, index: int, where: str):
+        """The value stored at position: one pread at its extent, else through the map."""
+        extents = self.extents()
+        if extents is not None and extents["length"][position]:
+            offset, length = extents[position].tolist()
+            value = _io.pread(self.handle()[2], length, offset)
+            if self.header_matches(value, index):
+                return value
+            self.drop_extents()
+        value = self.handle()[1].get(record_key(self.split, position))
+        if value is None:
+            raise CorruptDataError(f"{where}: record missing (the database is damaged; "
+                                   "re-pack it or restore it from a copy)", self.path)
+        return value
+
+    def header_matches(self, value: bytes, index: int) -> bool:
+        """Whether value starts with the header of record index (an extent is trusted only then)."""
+        if len(value) < HEADER.size:
+            return False
+        _, label, n = HEADER.unpack_from(value)
+        return label == self.labels[index] and value[HEADER.size:HEADER.size + n] == self.paths.raw(index)
+
+    def drop_extents(self) -> None:
+        warnings.warn(f"{self.path}: the stored record extents do not match the records (the database was "
+                      "rewritten by another tool, e.g. mdb_copy -c); reading through LMDB's map instead, "
+                      "which is slower from a cold cache. Re-pack or `packer convert` it to restore them",
+                      RuntimeWarning, stacklevel=4)
+        self._extents = False
+
+    def extents(self) -> np.ndarray | None:
+        if self._extents is None:
+            raw = self._aux(b"extents", required=False) if _io.CAN_PREAD else None
+            self._extents = False if raw is None else np.frombuffer(raw, EXTENT)
+            if raw is not None and len(self._extents) != self.count:
+                raise CorruptDataError(f"{self.path}: {self.split}/extents holds {len(self._extents)} entries, "
+                                       f"the metadata says {self.count}; the database is damaged, re-pack it",
+                                       self.path)
+        return None if self._extents is False else self._extents
+
+    def storage_order(self) -> np.ndarray | None:
+        if self._order is None:
+            raw = self._aux(b"order", required=False)
+            self._order = False if raw is None else self.checked_order(np.frombuffer(raw, "<i4"))
+        return None if self._order is False else self._order
+
+    def will_need(self, start: int, stop: int) -> None:
+        extents = self.extents()
+        if extents is None or start >= stop:
+            return
+        chunk = extents[start:stop]
+        chunk = chunk[chunk["length"] > 0]
+        if len(chunk):
+            first = int(chunk["offset"].min())
+            _io.will_need(self.handle()[2], first, int((chunk["offset"] + chunk["length"]).max()) - first)
+
+    def _aux(self, name: bytes, required: bool = True) -> bytes | None:
+        _, txn, _ = self.handle()
         raw = txn.get(self.split.encode() + b"/" + name)
         if raw is None:
+            if not required:
+                return None
             raise CorruptDataError(f"{self.path}: missing key {self.split}/{name.decode()}", self.path)
         return bytes(raw)
 

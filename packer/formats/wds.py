@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import CorruptDataError, FormatError
 from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
-from . import _tar
+from . import _io, _tar
 from ._reader import SplitReader
 
 EXTENSION = ".wds"
@@ -219,6 +219,7 @@ class Reader(SplitReader):
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
+        self._storage: np.ndarray | None = None
 
     @property
     def records(self) -> np.ndarray:
@@ -251,15 +252,31 @@ class Reader(SplitReader):
         for fd in fds.values():
             os.close(fd)
 
+    def shard_fd(self, shard: int) -> int:
+        fds = self.handle()
+        if shard not in fds:
+            fds[shard] = _io.open_for_reading(os.path.join(self.path, self.shards[shard]), self.access)
+        return fds[shard]
+
+    def storage_order(self) -> np.ndarray | None:
+        """Samples by (shard, offset): the order the shards hold them in."""
+        if self._storage is None:
+            self._storage = np.lexsort((self.records["offset"], self.records["shard"]))
+        return self._storage
+
+    def will_need(self, start: int, stop: int) -> None:
+        chosen = self.records[self.storage_order()[start:stop]]
+        for shard in np.unique(chosen["shard"]).tolist():
+            mine = chosen[chosen["shard"] == shard]
+            first = int(mine["offset"].min())
+            _io.will_need(self.shard_fd(shard), first, int((mine["offset"] + mine["size"]).max()) - first)
+
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of sample index in ImageFolder order."""
         self.check_index(index)
         shard, crc, offset, size, label = self.records[index].tolist()
         relpath = self.paths[index]
-        fds = self.handle()
-        if shard not in fds:
-            fds[shard] = os.open(os.path.join(self.path, self.shards[shard]), os.O_RDONLY)
-        data = os.pread(fds[shard], size, offset)
+        data = _io.pread(self.shard_fd(shard), size, offset)
         where = f"{self.path}/{self.shards[shard]} sample {self.split}/{index} ({relpath})"
         if len(data) != size:
             raise CorruptDataError(f"{where}: shard truncated, {size} bytes expected at byte {offset} "

@@ -1,0 +1,69 @@
+"""Positional reads and page-cache advice shared by the readers.
+
+Readers fetch a record with one pread of exactly its bytes instead of touching a memory
+map: a page fault reads the kernel's whole read-around window (read_ahead_kb, 8 MB on
+some virtual disks), so random faults on a cold file read far more than they use. The
+access pattern a reader is told (random or sequential) becomes posix_fadvise advice on its
+descriptors: RANDOM reads exactly what is asked, SEQUENTIAL reads ahead. will_need()
+starts the kernel reading a byte range into the page cache in the background, which is
+how a block sampler fetches the blocks it is about to use in large sequential reads.
+Where posix_fadvise is missing (macOS, Windows) the advice is skipped; reads still work.
+"""
+from __future__ import annotations
+
+import os
+
+ACCESS_PATTERNS = ("random", "sequential")
+CAN_ADVISE = hasattr(os, "posix_fadvise")
+CAN_PREAD = hasattr(os, "pread")  # not on Windows: readers that need it fall back
+_ADVICE = {"random": "POSIX_FADV_RANDOM", "sequential": "POSIX_FADV_SEQUENTIAL"}
+
+
+def check_access(access: str) -> str:
+    if access not in ACCESS_PATTERNS:
+        raise ValueError(f"access must be one of {', '.join(ACCESS_PATTERNS)}, not {access!r}")
+    return access
+
+
+def open_for_reading(path: str, access: str) -> int:
+    """A read-only descriptor for path, advised for the access pattern."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    if CAN_ADVISE:
+        os.posix_fadvise(fd, 0, 0, getattr(os, _ADVICE[access]))
+    return fd
+
+
+def pread(fd: int, size: int, offset: int) -> bytes:
+    """size bytes at offset; shorter only at the end of the file (callers check)."""
+    data = os.pread(fd, size, offset)
+    if len(data) == size or not data:
+        return data
+    parts = [data]  # a pread may return early (signals, some network file systems)
+    got = len(data)
+    while got < size:
+        more = os.pread(fd, size - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def will_need(fd: int, offset: int, length: int) -> None:
+    """Start reading [offset, offset + length) into the page cache without waiting for it."""
+    if CAN_ADVISE and length > 0:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+
+def mapped_at(path: str) -> int | None:
+    """Address where this process maps path from file offset 0 (Linux /proc), or None."""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and fields[5] == real and int(fields[2], 16) == 0:
+                    return int(fields[0].split("-")[0], 16)
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,94 @@
+"""Shuffled packs of the map-style formats: records stored in a seeded permutation, read by index."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import lmdb
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from packer import pack
+from packer.cli import main
+from packer.formats import open_reader
+from packer.pack import write_order
+from packer.verify import verify
+
+from conftest import jpeg_bytes, write
+
+
+@pytest.fixture
+def sorted_tree(tmp_path):
+    """Three classes of 7 images each, large enough for LMDB to keep each in overflow pages."""
+    root = tmp_path / "src"
+    for c in range(3):
+        for i in range(7):
+            write(root / f"class{c}" / f"{i:02d}.jpg", jpeg_bytes(100 * c + i, size=(96, 80)))
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_shuffled_pack_keeps_index_order_and_stores_the_permutation(sorted_tree, tmp_path, fmt):
+    out = tmp_path / f"s.{fmt}"
+    plain = tmp_path / f"p.{fmt}"
+    pack(str(sorted_tree), fmt, str(out), shuffle=True, shuffle_seed=7, progress=False, workers=1)
+    pack(str(sorted_tree), fmt, str(plain), shuffle=False, progress=False, workers=1)
+    shuffled, ordered = open_reader(str(out)), open_reader(str(plain))
+    # By index, a shuffled pack reads exactly like an ImageFolder-order one.
+    assert list(shuffled.paths) == list(ordered.paths)
+    np.testing.assert_array_equal(shuffled.labels, ordered.labels)
+    for i in range(len(shuffled)):
+        data, label, relpath = shuffled.read(i)
+        assert data == (sorted_tree / relpath).read_bytes() and label == ordered.labels[i]
+    # Stored in the seeded permutation pack() documents.
+    order = shuffled.storage_order()
+    np.testing.assert_array_equal(order, write_order(21, "all", 7))
+    assert ordered.storage_order() is None or np.array_equal(ordered.storage_order(), np.arange(21))
+    assert verify(str(out), against=str(sorted_tree)).ok
+    shuffled.close()
+    ordered.close()
+
+
+def test_shuffled_lmdb_stores_records_by_position_for_other_tools(sorted_tree, tmp_path):
+    out = tmp_path / "s.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), shuffle=True, shuffle_seed=3, progress=False, workers=1)
+    env = lmdb.open(str(out), readonly=True, lock=False)
+    with env.begin() as txn:
+        order = np.frombuffer(txn.get(b"all/order"), "<i4")
+        paths = txn.get(b"all/paths").decode().split("\0")
+        for position, index in enumerate(order):
+            value = txn.get(b"all/%010d" % position)
+            n = int.from_bytes(value[8:10], "little")
+            assert value[10:10 + n].decode() == paths[index]
+    env.close()
+
+
+def test_shuffled_hdf5_describes_the_blob_by_position(sorted_tree, tmp_path):
+    out = tmp_path / "s.h5"
+    pack(str(sorted_tree), "hdf5", str(out), shuffle=True, shuffle_seed=3, progress=False, workers=1)
+    with h5py.File(out, "r") as f:
+        g = f["all"]
+        order, offsets, images = g["order"][()], g["offsets"][()], g["images"]
+        paths = g["paths"][()].tobytes().decode().split("\0")
+        for position, index in enumerate(order):
+            data = images[offsets[position]:offsets[position + 1]].tobytes()
+            assert data == (sorted_tree / paths[index]).read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_cli_shuffle_seed_turns_shuffling_on_for_map_formats(sorted_tree, tmp_path, fmt):
+    out = tmp_path / f"c.{fmt}"
+    result = CliRunner().invoke(main, ["pack", str(sorted_tree), "--to", fmt, "-o", str(out), "--shuffle-seed", "5",
+                                       "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)
+    assert facts["params"]["shuffle_seed"] == 5
+    reader = open_reader(str(out))
+    np.testing.assert_array_equal(reader.storage_order(), write_order(21, "all", 5))
+    reader.close()
+    default = tmp_path / f"d.{fmt}"
+    assert CliRunner().invoke(main, ["pack", str(sorted_tree), "--to", fmt, "-o", str(default)]).exit_code == 0
+    reader = open_reader(str(default))
+    assert reader.storage_order() is None
+    reader.close()
