@@ -10,7 +10,10 @@ What it sets and why:
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
 - DistributedSampler when torch.distributed is initialised (an IterableDataset splits
-  itself), an epoch counter that advances by itself so shuffles differ per epoch;
+  itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
+  an epoch counter that advances by itself so shuffles differ per epoch;
+- the reader told the access pattern (random: read exactly each record; block or
+  sequential: let the kernel read ahead);
 - drop_last for training, so every step sees a full batch (BatchNorm, DDP);
 - a collate that stacks uint8 images into one shared-memory/pinned buffer.
 """
@@ -30,12 +33,14 @@ from packer.pack import available_cores
 
 from .collate import collate
 from .gpu import CUDAPrefetcher
+from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, reader_of
 from .stats import LoaderStats
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 # Aim for this many batches ready or in flight across all workers: enough to absorb a
 # slow batch, without each worker holding many batches of shared memory.
 BATCHES_IN_FLIGHT = 8
+ORDERS = ("random", "block", "sequential")
 
 
 def distributed() -> tuple[int, int]:
@@ -102,7 +107,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
                 persistent_workers: bool | None = None, prefetch_factor: int | None = None,
                 multiprocessing_context=None, collate_fn=None, worker_init_fn=None, seed: int = 0,
                 mean=None, std=None, channels_last: bool = False, dtype=torch.float32,
-                gpu_decode=None, stats=False):
+                gpu_decode=None, stats=False, order: str | None = None, block_size: int = BLOCK_SIZE,
+                window: int = WINDOW):
     """A DataLoader (or CUDAPrefetcher over one) for `dataset`, set up for training speed.
 
     Args:
@@ -118,6 +124,10 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             RandomResizedCrop(224) / CenterCrop(224) by `train`, or a readers.nvjpeg.GPUDecoder.
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
+        order: how a map-style dataset is walked. "random": a permutation per epoch (the
+            default when shuffling); "block": readers.BlockShuffleSampler(block_size,
+            window), near-sequential reads with mixed batches, for cold or remote storage;
+            "sequential": storage order. Default: "random" if shuffling, else index order.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
@@ -168,21 +178,35 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     rank, world = distributed()
     iterable = isinstance(dataset, tud.IterableDataset)
     sampler = None
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"make_loader: order must be one of {', '.join(ORDERS)}, not {order!r}")
     if iterable:
-        if shuffle:
+        if shuffle or order is not None:
             raise ValueError(f"make_loader: {type(dataset).__name__} is an IterableDataset: it shuffles (and "
-                             f"splits shards among ranks and workers) itself; drop shuffle=True and configure "
+                             f"splits shards among ranks and workers) itself; drop shuffle/order and configure "
                              f"the dataset")
+        shuffle = None
+    elif order in ("block", "sequential"):
+        if order == "sequential" and shuffle:
+            raise ValueError("make_loader: order='sequential' reads in storage order; it cannot also shuffle "
+                             "(use order='block' for near-sequential reads with shuffled batches)")
+        block_shuffle = order == "block" and (train if shuffle is None else shuffle)
+        sampler = BlockShuffleSampler(dataset, block_size, window, shuffle=block_shuffle, seed=seed, rank=rank,
+                                      world_size=world)
         shuffle = None
     else:
         if shuffle is None:
-            shuffle = train
+            shuffle = train or order == "random"
         if world > 1:
             sampler = tud.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
                                              drop_last=train if drop_last is None else drop_last)
             shuffle = None
     if drop_last is None:
         drop_last = train
+    reader = None if iterable else reader_of(dataset)
+    if reader is not None:  # read exactly each record, or let the kernel read ahead
+        permuted = shuffle or (isinstance(sampler, tud.DistributedSampler) and sampler.shuffle)
+        reader.advise("random" if permuted and not isinstance(sampler, BlockShuffleSampler) else "sequential")
     if collate_fn is None:
         collate_fn = functools.partial(collate, pin_memory=pin_memory and workers == 0)
 

@@ -280,32 +280,40 @@ class Reader(SplitReader):
         self.check_index(index)
         position = self.position(index)
         where = self.where(index)
-        value = self.fetch(position, index, where)
-        data, label, relpath, crc = decode_record(value, where)
+        found = self.read_at_extent(position, index)
+        if found is None:
+            value = self.handle()[1].get(record_key(self.split, position))
+            if value is None:
+                raise CorruptDataError(f"{where}: record missing (the database is damaged; "
+                                       "re-pack it or restore it from a copy)", self.path)
+            found = decode_record(value, where)
+        data, label, relpath, crc = found
         self.check_data(data, crc, f"{where} ({relpath})")
         return data, label, relpath
 
-    def fetch(self, position: int, index: int, where: str):
-        """The value stored at position: one pread at its extent, else through the map."""
-        extents = self.extents()
-        if extents is not None and extents["length"][position]:
-            offset, length = extents[position].tolist()
-            value = _io.pread(self.handle()[2], length, offset)
-            if self.header_matches(value, index):
-                return value
-            self.drop_extents()
-        value = self.handle()[1].get(record_key(self.split, position))
-        if value is None:
-            raise CorruptDataError(f"{where}: record missing (the database is damaged; "
-                                   "re-pack it or restore it from a copy)", self.path)
-        return value
+    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int, str, int] | None:
+        """The record at position by pread of its extent, or None where there is none.
 
-    def header_matches(self, value: bytes, index: int) -> bool:
-        """Whether value starts with the header of record index (an extent is trusted only then)."""
-        if len(value) < HEADER.size:
-            return False
-        _, label, n = HEADER.unpack_from(value)
-        return label == self.labels[index] and value[HEADER.size:HEADER.size + n] == self.paths.raw(index)
+        The header and path (known from the path table) and the image are read separately,
+        so the image bytes are copied once, straight from the page cache. A header that
+        does not name record index means the extents are stale: they are dropped.
+        """
+        extents = self.extents()
+        if extents is None or not extents["length"][position]:
+            return None
+        offset, length = extents[position].tolist()
+        relpath = self.paths.raw(index)
+        head = HEADER.size + len(relpath)
+        fd = self.handle()[2]
+        header = _io.pread(fd, head, offset)
+        if len(header) == head and length > head:
+            crc, label, n = HEADER.unpack_from(header)
+            if n == len(relpath) and label == self.labels[index] and header[HEADER.size:] == relpath:
+                data = _io.pread(fd, length - head, offset + head)
+                if len(data) == length - head:
+                    return data, label, decode_path(relpath), crc
+        self.drop_extents()
+        return None
 
     def drop_extents(self) -> None:
         warnings.warn(f"{self.path}: the stored record extents do not match the records (the database was "

@@ -1,0 +1,180 @@
+"""BlockShuffleSampler: coverage, locality, DDP shares, storage order, read-ahead hints, mixing."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import readers
+from benchmarks import cache
+from packer import pack
+from readers import BlockShuffleSampler, class_entropy, make_loader
+
+from conftest import jpeg_bytes, write
+
+
+class Sized:
+    """A plain map-style dataset of n items: no reader, so storage order is index order."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.fixture
+def sorted_tree(tmp_path):
+    root = tmp_path / "src"
+    for c in range(4):
+        for i in range(10):
+            write(root / f"class{c}" / f"{i:02d}.jpg", jpeg_bytes(50 * c + i, size=(96, 80)))
+    return root
+
+
+def test_one_rank_reads_every_index_once_in_shuffled_blocks():
+    sampler = BlockShuffleSampler(Sized(1000), block_size=10, window=4, seed=3)
+    first = list(sampler)
+    assert len(sampler) == 1000 and sorted(first) == list(range(1000))
+    assert first != list(range(1000))
+    # Each window of 4 blocks (40 records) comes from 4 blocks of 10 consecutive indexes.
+    for w in range(0, 1000, 40):
+        assert len({i // 10 for i in first[w:w + 40]}) == 4
+    assert list(sampler) == first  # same epoch, same order
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert sorted(second) == list(range(1000)) and second != first
+
+
+def test_without_shuffle_it_is_storage_order():
+    assert list(BlockShuffleSampler(Sized(25), block_size=4, shuffle=False)) == list(range(25))
+
+
+@pytest.mark.parametrize("n, world", [(1000, 3), (1000, 4), (97, 5), (3, 4)])
+def test_ranks_get_disjoint_blocks_and_equal_padded_shares(n, world):
+    samplers = [BlockShuffleSampler(Sized(n), block_size=8, window=2, seed=1, rank=r, world_size=world)
+                for r in range(world)]
+    shares = [list(s) for s in samplers]
+    assert len({len(s) for s in shares}) == 1 and all(len(s) == len(x) for s, x in zip(samplers, shares))
+    owned = [set(s.positions()[:sum(b - a for a, b in s.blocks(r, world))].tolist())
+             for r, s in enumerate(samplers)]
+    assert sum(len(o) for o in owned) == n and set().union(*owned) == set(range(n))  # disjoint, complete
+    for share, own in zip(shares, owned):
+        # Padding repeats the rank's own records (anyone's, if it got none).
+        assert set(share) <= (own or set(range(n)))
+        assert own <= set(share)
+
+
+def test_rank_and_world_size_are_checked():
+    with pytest.raises(ValueError, match="rank and world_size together"):
+        BlockShuffleSampler(Sized(10), rank=1)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        BlockShuffleSampler(Sized(10), block_size=0)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_blocks_follow_storage_order_of_a_shuffled_pack(sorted_tree, tmp_path, fmt):
+    out = tmp_path / f"s.{fmt}"
+    pack(str(sorted_tree), fmt, str(out), shuffle=True, shuffle_seed=2, progress=False, workers=1)
+    dataset = readers.open_dataset(out, decode="raw")
+    reader = dataset.reader
+    stored = reader.storage_order()
+    position = np.argsort(stored)
+    sampler = BlockShuffleSampler(dataset, block_size=5, window=2, seed=0)
+    indexes = list(sampler)
+    assert sorted(indexes) == list(range(40))
+    for w in range(0, 40, 10):  # each window reads two runs of 5 consecutive stored records
+        assert len({int(position[i]) // 5 for i in indexes[w:w + 10]}) == 2
+    dataset.close()
+
+
+def test_each_window_is_hinted_before_it_is_read(sorted_tree, tmp_path):
+    out = tmp_path / "d.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
+    dataset = readers.LMDBDataset(out, decode="raw")
+    hinted = []
+    dataset.reader.will_need = lambda start, stop: hinted.append((start, stop))
+    sampler = BlockShuffleSampler(dataset, block_size=5, window=2, seed=0)
+    seen = []
+    for k, i in enumerate(sampler):
+        seen.append(i)
+        # Before window w is read, its blocks and the next window's have been hinted.
+        window = k // 10
+        ahead = {b for b in hinted}
+        for j in seen[window * 10:]:
+            assert any(a <= j < b for a, b in ahead)
+        assert len(hinted) == min(2 * (window + 2), 8)
+    assert sorted(hinted) == [(s, s + 5) for s in range(0, 40, 5)]
+    dataset.close()
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT or cache.resident_fraction([__file__]) is None,
+                    reason="needs posix_fadvise and mincore")
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_will_need_brings_the_records_into_the_page_cache(sorted_tree, tmp_path, fmt):
+    out = tmp_path / f"h.{fmt}"
+    pack(str(sorted_tree), fmt, str(out), progress=False, workers=1)
+    reader = readers.open_dataset(out, decode="raw").reader
+    reader.labels, reader.paths  # the tables, read before eviction
+    if fmt == "wds":
+        reader.records
+    files = [p for p in cache.data_files(str(out)) if p.endswith((".mdb", ".tar")) or p == str(out)]
+    cache.evict(files)
+    if cache.resident_fraction(files) > 0.2:
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    reader.will_need(0, len(reader))
+    deadline = time.monotonic() + 10
+    while cache.resident_fraction(files) < 0.8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.resident_fraction(files) >= 0.8
+    reader.close()
+
+
+def test_class_entropy_measures_mixing():
+    labels = np.repeat(np.arange(4), 16)  # class-sorted storage, 4 classes of 16
+    assert class_entropy(labels, range(64), 8) == 0.0  # sequential: one class per batch
+    assert class_entropy(labels, np.arange(64).reshape(4, 16).T.ravel(), 4) == pytest.approx(2.0)
+    rng = np.random.default_rng(0)
+    shuffled = np.mean([class_entropy(labels, rng.permutation(64), 16) for _ in range(20)])
+    blocks = BlockShuffleSampler(Sized(64), block_size=4, window=2, seed=0)
+    assert 0 < class_entropy(labels, list(blocks), 16) < shuffled <= 2.0
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        class_entropy(labels, range(3), 4)
+
+
+@pytest.mark.parametrize("order", ["block", "sequential"])
+def test_make_loader_walks_a_packed_dataset_in_blocks(sorted_tree, tmp_path, order):
+    out = tmp_path / "m.h5"
+    pack(str(sorted_tree), "hdf5", str(out), progress=False, workers=1)
+    dataset = readers.HDF5Dataset(out, decode="raw", transform=lambda b: len(b))
+    loader = make_loader(dataset, 8, workers=2, order=order, block_size=5, window=2, train=order == "block")
+    assert isinstance(loader.sampler, BlockShuffleSampler)
+    assert dataset.reader.access == "sequential"
+    seen = [(int(n), int(label)) for sizes, labels in loader for n, label in zip(sizes, labels)]
+    expected = sorted((os.path.getsize(sorted_tree / p), int(lab)) for p, lab in zip(dataset.paths, dataset.targets))
+    assert sorted(seen) == expected
+    if order == "sequential":
+        assert [label for _, label in seen] == sorted(label for _, label in seen)
+
+
+def test_make_loader_order_errors_and_random_advice(sorted_tree, tmp_path):
+    out = tmp_path / "e.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
+    dataset = readers.LMDBDataset(out, decode="raw")
+    with pytest.raises(ValueError, match="order must be one of"):
+        make_loader(dataset, 4, workers=0, order="zigzag")
+    with pytest.raises(ValueError, match="cannot also shuffle"):
+        make_loader(dataset, 4, workers=0, order="sequential", shuffle=True)
+    make_loader(dataset, 4, workers=0, order="block")
+    assert dataset.reader.access == "sequential"
+    make_loader(dataset, 4, workers=0)
+    assert dataset.reader.access == "random"
+    shards = tmp_path / "e.wds"
+    pack(str(sorted_tree), "wds", str(shards), progress=False, workers=1)
+    with pytest.raises(ValueError, match="IterableDataset"):
+        make_loader(readers.WDSDataset(shards), 4, workers=0, order="block")
