@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from . import cache
-from .measures import CEILING, MEASURES, Options
+from .measures import CEILING, DISK, MEASURES, Options
 from .sources import SOURCES
 
 
@@ -27,7 +27,7 @@ def summarise(values: list[float]) -> dict:
 def run_case(case: dict, ctx: dict, opts: Options) -> dict:
     """One (source, measure, cache state) case -> its figures, or the reason it failed."""
     source = SOURCES.get(case["source"]) if case["source"] else None
-    measure = CEILING if case["measure"] == "ceiling" else MEASURES[case["measure"]]
+    measure = {"ceiling": CEILING, "disk": DISK}.get(case["measure"]) or MEASURES[case["measure"]]
     state = case.get("cache")
     try:
         bench = measure.setup(source, ctx, opts)
@@ -41,7 +41,7 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
     except Exception as exc:  # one broken case must not take the run down
         return {**case, "status": "error", "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(limit=-4)}
-    result = {**case, "status": "ok", "unit": "samples/s",
+    result = {**case, "status": "ok", "unit": "MB/s" if measure is DISK else "samples/s",
               **summarise([r["samples"] / r["seconds"] for r in runs]),
               "samples": [r["samples"] for r in runs]}
     if case["measure"] == "augment":

@@ -30,16 +30,20 @@ class Options:
 
 
 class ItemLoop:
-    """One process pulls samples one at a time: raw bytes, decoded uint8 RGB, or augmented."""
+    """One process pulls samples one at a time: raw bytes, decoded uint8 RGB, or augmented.
 
-    def __init__(self, mode: str, description: str):
-        self.mode, self.description = mode, description
+    order "random" is a permutation (shard order for shards); "block" walks a map-style
+    source with readers.BlockShuffleSampler (only sources with `blocks` take it).
+    """
+
+    def __init__(self, mode: str, description: str, order: str = "random"):
+        self.mode, self.description, self.order = mode, description, order
 
     def setup(self, source, ctx: dict, opts: Options):
         return self
 
     def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
-        samples = source.samples(ctx, self.mode, seed)  # untimed: listing, opening metadata
+        samples = source.samples(ctx, self.mode, seed, self.order)  # untimed: listing, opening metadata
         n = nbytes = 0
         try:
             start = time.perf_counter()
@@ -214,11 +218,50 @@ class Ceiling:
         return {"samples": n, "seconds": time.perf_counter() - start}
 
 
+class DiskLimit:
+    """The disk's sequential read rate: the largest packed file read cold, 8 MB at a time (like dd).
+
+    The figure is MB/s; block-order reads are compared with it.
+    """
+
+    description = "sequential read of the largest packed file from a cold cache, 8 MB reads (MB/s)"
+    READ = 8 << 20
+
+    def setup(self, source, ctx: dict, opts: Options):
+        files = [p for fmt in sorted(ctx["packed"]) for p in cache.data_files(ctx["packed"][fmt])]
+        if not files:
+            raise RuntimeError("no packed file to read")
+        import os
+
+        self.path = max(files, key=os.path.getsize)
+        return self
+
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
+        import os
+
+        cache.evict([self.path])
+        nbytes = 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            while time.perf_counter() - start < budget:
+                got = len(os.read(fd, self.READ))
+                if not got:
+                    break
+                nbytes += got
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        return {"samples": nbytes / 1e6, "seconds": seconds}
+
+
 MEASURES = {
     "raw": ItemLoop("raw", "raw read: bytes only (random order for map-style, shard order for shards)"),
+    "block": ItemLoop("raw", "raw read in readers.BlockShuffleSampler order (map-style sources)", order="block"),
     "decode": ItemLoop("decode", "read + decode to uint8 RGB"),
     "augment": ItemLoop("augment", "read + decode + RandomResizedCrop(224) + flip"),
     "e2e": EndToEnd(),
 }
 CEILING = Ceiling()
+DISK = DiskLimit()
 CACHE_STATES = ("cold", "warm")

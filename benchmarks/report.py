@@ -40,6 +40,9 @@ def ratios(results: dict) -> dict:
         for s in CACHE_STATES:
             r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
                                               workers * ceiling if ceiling else None)
+        block = entry.get("measures", {}).get("block", {}).get("cold") or {}
+        if block.get("status") == "ok" and "mb_per_s" in block:
+            r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
         out[name] = r
     return out
 
@@ -83,6 +86,8 @@ def markdown(results: dict) -> str:
         head.append("e2e warm: waiting")
     head += ["pack s", "raw ×folder (cold / warm)", "decode ×folder (cold / warm)", "e2e ×folder (cold / warm)",
              "pack / tar", "e2e warm / (W × ceiling)"]
+    if "block" in measures and "cold" in states:
+        head.append("block cold / disk")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     na = []
     for name, entry in results["sources"].items():
@@ -102,6 +107,8 @@ def markdown(results: dict) -> str:
         r = results["ratios"].get(name, {})
         row += [ratio_pair(r, "raw"), ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")),
                 one(r.get("e2e_warm_vs_ceiling"))]
+        if "block" in measures and "cold" in states:
+            row.append(one(r.get("block_cold_vs_disk")))
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines += notes(results, na, marks)
@@ -119,6 +126,19 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
     if ceiling.get("status") == "ok":
         out.append(f"Ceiling: bare single-core decode {rate(ceiling['median'])} images/s (libjpeg-turbo, "
                    f"in-memory bytes); W = {config['workers']}.")
+    disk = results.get("disk", {})
+    if disk.get("status") == "ok":
+        out.append(f"Disk: sequential read of the largest packed file from a cold cache, 8 MB reads: "
+                   f"{disk['median']:,.0f} MB/s (±{(disk.get('spread') or 0) / 2:.0%}); `block cold / disk` divides "
+                   "a row's block-order MB/s by it.")
+    elif disk.get("status") == "error":
+        out.append(f"Disk: error: {disk['error']}")
+    mix = results.get("mixing")
+    if mix:
+        out.append(f"Batch mixing (mean class entropy per batch of {mix['batch_size']}, bits, on the packed "
+                   f"{'shuffled' if mix['storage_shuffled'] else 'ImageFolder'}-order storage): random order "
+                   f"{mix['random']:.2f}, block order (block {mix['block_size']}, window {mix['window']}) "
+                   f"{mix['block']:.2f}, storage order {mix['storage_order']:.2f}.")
     tar = results["pack"].get("tar", {})
     if tar.get("status") == "ok":
         out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s); "

@@ -16,10 +16,12 @@ import tempfile
 import time
 from dataclasses import asdict
 
+import numpy as np
+
 from packer.pack import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, MEASURES, Options
+from .measures import CACHE_STATES, CEILING, DISK, MEASURES, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
@@ -130,14 +132,46 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
         if reason is not None:
             log(f"{name}: n/a ({reason})")
             continue
-        cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache]
+        cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
+                 if m != "block" or getattr(source, "blocks", False)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:
         groups[0].insert(0, ceiling)  # one process start fewer
     else:
         groups.insert(0, [ceiling])
+    if ctx["packed"] and "cold" in args.cache and "block" in args.measures:
+        groups.insert(1, [{"source": None, "measure": "disk", "cache": None}])
     return groups
+
+
+def mixing(ctx: dict, batch_size: int, seed: int) -> dict | None:
+    """Class entropy per batch (bits) of each read order, on the packed data's storage order."""
+    import readers
+    from readers.sampler import BLOCK_SIZE, WINDOW
+
+    for fmt in ("lmdb", "hdf5"):
+        if fmt in ctx["packed"]:
+            dataset = readers.open_dataset(ctx["packed"][fmt], decode="raw")
+            break
+    else:
+        return None
+    try:
+        labels = dataset.targets
+        if len(labels) < batch_size:
+            return None
+        sampler = readers.BlockShuffleSampler(dataset, seed=seed, prefetch=False)
+        stored = dataset.reader.storage_order()
+        return {
+            "batch_size": batch_size, "block_size": BLOCK_SIZE, "window": WINDOW,
+            "storage_shuffled": stored is not None,
+            "random": readers.class_entropy(labels, np.random.default_rng(seed).permutation(len(labels)), batch_size),
+            "block": readers.class_entropy(labels, np.fromiter(sampler, np.int64), batch_size),
+            "storage_order": readers.class_entropy(labels, np.arange(len(labels)) if stored is None else stored,
+                                                   batch_size),
+        }
+    finally:
+        dataset.close()
 
 
 def run(args) -> dict:
@@ -176,7 +210,7 @@ def run(args) -> dict:
                        "peers": not args.no_peers, "isolation": args.isolation, "workdir": workdir,
                        "corpus": corpus,
                        "descriptions": {**{m: MEASURES[m].description for m in args.measures},
-                                        "ceiling": CEILING.description}},
+                                        "ceiling": CEILING.description, "disk": DISK.description}},
             "notes": notes,
             "sources": {},
         }
@@ -184,10 +218,11 @@ def run(args) -> dict:
                                                opts.workers, args.pack_cache)
         ctx = {"folder": folder, "packed": packed}
         for r in run_children(plan(args, ctx, results["sources"]), ctx, opts, workdir):
-            if r["measure"] == "ceiling":
-                results["ceiling"] = r
+            if r["measure"] in ("ceiling", "disk"):
+                results[r["measure"]] = r
             else:
                 results["sources"][r["source"]]["measures"].setdefault(r["measure"], {})[r["cache"]] = r
+        results["mixing"] = mixing(ctx, opts.batch_size, opts.seed)
         results["ratios"] = report.ratios(results)
         results["seconds"] = time.time() - started
         return results

@@ -81,9 +81,12 @@ def plain_loader(dataset, opts, shuffle: bool):
 
 
 class PackerMap:
-    """A packer map-style dataset (FolderDataset, LMDBDataset, HDF5Dataset), read in random order."""
+    """A packer map-style dataset (FolderDataset, LMDBDataset, HDF5Dataset), read in random
+    order, or in readers.BlockShuffleSampler order. Raw reads skip the CRC check: they
+    measure what reading costs (the check adds about 23 µs per 110 KB record here)."""
 
     peer = False
+    blocks = True
 
     def __init__(self, fmt: str | None, dataset: str):
         self.fmt, self.dataset_name = fmt, dataset
@@ -110,16 +113,22 @@ class PackerMap:
         return cache.data_files(self.path(ctx))
 
     def open(self, ctx: dict, decode: str, transform=None):
-        return getattr(_readers(), self.dataset_name)(self.path(ctx), decode=decode, transform=transform)
+        options = {"check_crc": False} if decode == "raw" and self.fmt is not None else {}
+        return getattr(_readers(), self.dataset_name)(self.path(ctx), decode=decode, transform=transform, **options)
 
-    def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
         dataset = self.open(ctx, *read_setup(mode))
-        order = _order(len(dataset), seed)
+        reader = getattr(dataset, "reader", None)
+        if hasattr(reader, "advise"):
+            reader.advise("sequential" if walk == "block" else "random")
+        # The block sampler is iterated as reading goes, so its read-ahead hints go out in time.
+        order = (_readers().BlockShuffleSampler(dataset, seed=seed) if walk == "block"
+                 else _order(len(dataset), seed).tolist())
 
         def run():
             try:
                 for i in order:
-                    yield dataset[int(i)][0]
+                    yield dataset[i][0]
             finally:
                 # Unmaps LMDB pages and drops HDF5's chunk cache, so the next run starts cold.
                 getattr(dataset, "close", lambda: None)()
@@ -161,7 +170,7 @@ class PackerShards:
         return _readers().WDSDataset(ctx["packed"][self.fmt], decode=decode, transform=transform, shuffle=shuffle,
                                      seed=seed)
 
-    def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
         dataset = self.open(ctx, *read_setup(mode))
         return (sample[0] for sample in dataset)
 
@@ -219,7 +228,7 @@ class WebDatasetPeer:
 
         return webdataset.WebDataset(self.shards(ctx), shardshuffle=False, empty_check=False)
 
-    def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
         if mode == "raw":
             return (wds_image(s) for s in self.pipeline(ctx))
         if mode == "decode":
@@ -271,7 +280,7 @@ class PILListdirPeer:
         return [(os.path.join(root, c, f), label) for label, c in enumerate(classes)
                 for f in sorted(os.listdir(os.path.join(root, c))) if f.lower().endswith(IMAGE_EXTENSIONS)]
 
-    def samples(self, ctx: dict, mode: str, seed: int) -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
         from PIL import Image
 
         items = self.listing(ctx)
