@@ -186,7 +186,7 @@ def progress_line(case: dict) -> str:
         return f"{where} {case['status']}: {case.get('error', '')[:300]}"
     extra = f"  waiting {case['wait_fraction']['median']:.0%}" if "wait_fraction" in case else ""
     note = f"  ({case['note']})" if case.get("note") else ""
-    return f"{where} {case['median']:10,.0f} samples/s{extra}{note}"
+    return f"{where} {case['median']:10,.0f} {case.get('unit', 'samples/s')}{extra}{note}"
 
 
 def pack_line(fmt: str, case: dict) -> str:
