@@ -7,6 +7,7 @@ the warm-up and the repeats. Rates are samples per second.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -219,32 +220,34 @@ class Ceiling:
 
 
 class DiskLimit:
-    """The disk's sequential read rate: the largest packed file read cold, 8 MB at a time (like dd).
+    """The disk's sequential read rate: the largest packed file read cold, front to back.
 
-    The figure is MB/s; block-order reads are compared with it.
+    8 MB reads with the kernel asked (POSIX_FADV_WILLNEED) to fetch 64 MB ahead: the
+    fastest one stream reads here (1.1-1.2 GB/s, against 0.6-1.0 for plain 8 MB reads
+    like dd's), so block-order reads are held to the disk's real limit. Figures are MB/s.
     """
 
-    description = "sequential read of the largest packed file from a cold cache, 8 MB reads (MB/s)"
+    description = "sequential read of the largest packed file from a cold cache, 8 MB reads, 64 MB hinted ahead (MB/s)"
     READ = 8 << 20
+    AHEAD = 64 << 20
 
     def setup(self, source, ctx: dict, opts: Options):
         files = [p for fmt in sorted(ctx["packed"]) for p in cache.data_files(ctx["packed"][fmt])]
         if not files:
             raise RuntimeError("no packed file to read")
-        import os
-
         self.path = max(files, key=os.path.getsize)
         return self
 
     def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
-        import os
-
         cache.evict([self.path])
-        nbytes = 0
+        nbytes = hinted = 0
         fd = os.open(self.path, os.O_RDONLY)
         try:
             start = time.perf_counter()
             while time.perf_counter() - start < budget:
+                if hinted < nbytes + self.AHEAD:
+                    os.posix_fadvise(fd, hinted, self.AHEAD, os.POSIX_FADV_WILLNEED)
+                    hinted += self.AHEAD
                 got = len(os.read(fd, self.READ))
                 if not got:
                     break

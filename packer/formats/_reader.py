@@ -67,8 +67,11 @@ class SplitReader(LazyHandle):
         if not 0 <= index < self.count:
             raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} records")
 
-    def check_data(self, data: bytes, crc: int, where: str) -> None:
-        """Raise if check_crc is on and data does not match the CRC stored with it."""
+    def check_data(self, data: bytes, crc: int, index: int, relpath: str, where: str | None = None) -> None:
+        """Raise if check_crc is on and data does not match the CRC stored with it.
+
+        The message (record, path) is only formatted on a mismatch: reads are hot."""
         if self.check_crc and checksum(data) != crc:
+            where = where or f"{self.where(index)} ({relpath})"
             raise CorruptDataError(f"{where}: checksum mismatch, the stored image is damaged "
                                    "(run packer verify; re-pack from the source)", self.path)

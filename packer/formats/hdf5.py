@@ -248,7 +248,7 @@ class Reader(SplitReader):
         else:
             data = read_extent(self.handle()[2], chunks, start, stop, self.where(index))
         relpath = self.paths[index]
-        self.check_data(data, int(crcs[position]), f"{self.where(index)} ({relpath})")
+        self.check_data(data, int(crcs[position]), index, relpath)
         return data, int(self.labels[index]), relpath
 
     def storage_order(self) -> np.ndarray | None:

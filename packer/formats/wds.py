@@ -281,7 +281,7 @@ class Reader(SplitReader):
         if len(data) != size:
             raise CorruptDataError(f"{where}: shard truncated, {size} bytes expected at byte {offset} "
                                    "(re-pack, or restore the shard from a copy)", self.path)
-        self.check_data(data, crc, where)
+        self.check_data(data, crc, index, relpath, where)
         return data, label, relpath
 
 
