@@ -125,7 +125,9 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
     """The cases to run, grouped by process; fills sources with each row's availability."""
     groups = []
     for name, source in SOURCES.items():
-        if name in PACKER_SOURCES and name not in args.formats or source.peer and args.no_peers:
+        fmt = getattr(source, "fmt", None) if not source.peer else None
+        if name in PACKER_SOURCES and name not in args.formats or fmt and fmt not in args.formats \
+                or source.peer and args.no_peers:
             continue
         reason = source.missing(ctx)
         sources[name] = {"peer": source.peer, "available": reason is None, "reason": reason, "measures": {}}

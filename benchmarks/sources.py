@@ -312,6 +312,7 @@ SOURCES = {
     "lmdb": PackerMap("lmdb", "LMDBDataset"),
     "hdf5": PackerMap("hdf5", "HDF5Dataset"),
     "wds": PackerShards(),
+    "wds (map)": PackerMap("wds", "WDSMapDataset"),  # the same shards, by index through records.bin
     "webdataset (peer)": WebDatasetPeer(),
     "pil+listdir (peer)": PILListdirPeer(),
 }
