@@ -43,11 +43,14 @@ class PathTable:
     in the blob is followed by a NUL, a byte no filename can contain.
     """
 
-    __slots__ = ("blob", "offsets")
+    __slots__ = ("blob", "offsets", "data")
 
     def __init__(self, blob: np.ndarray, offsets: np.ndarray):
         self.blob = blob
         self.offsets = offsets
+        # The same bytes as a bytes object (no copy when blob views one): slicing it is
+        # the cheapest per-read lookup, and refcounting writes only its header page.
+        self.data = blob.base if isinstance(blob.base, bytes) and len(blob.base) == blob.nbytes else blob.tobytes()
 
     @classmethod
     def from_strings(cls, strings: Iterable[str]) -> "PathTable":
@@ -63,16 +66,17 @@ class PathTable:
         return cls(blob, np.concatenate(([0], ends)).astype(np.int64))
 
     def to_nul_separated(self) -> bytes:
-        return self.blob[:-1].tobytes()
+        return self.data[:-1]
 
     def raw(self, i: int) -> bytes:
-        return self.blob[self.offsets[i]:self.offsets[i + 1] - 1].tobytes()
+        return self.data[self.offsets.item(i):self.offsets.item(i + 1) - 1]
 
     def __getitem__(self, i: int) -> str:
+        n = len(self.offsets) - 1
         if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"path index {i} out of range for {len(self)} paths")
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"path index {i} out of range for {n} paths")
         return decode_path(self.raw(i))
 
     def __len__(self) -> int:

@@ -92,3 +92,18 @@ def test_cli_shuffle_seed_turns_shuffling_on_for_map_formats(sorted_tree, tmp_pa
     reader = open_reader(str(default))
     assert reader.storage_order() is None
     reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_shuffled_pack_that_skips_bad_files_still_reads_by_index(bad_tree, tmp_path, fmt):
+    out = tmp_path / f"k.{fmt}"
+    result = pack(str(bad_tree), fmt, str(out), on_error="skip", shuffle=True, shuffle_seed=1, progress=False,
+                  workers=1)
+    reader = open_reader(str(out))
+    assert len(reader) == result.metadata.splits["all"].count == 3
+    assert list(reader.paths) == sorted(reader.paths)  # index order is ImageFolder order among kept files
+    for i in range(len(reader)):
+        data, label, relpath = reader.read(i)
+        assert relpath == reader.paths[i] and data == (bad_tree / relpath).read_bytes()
+    assert sorted(reader.storage_order().tolist()) == [0, 1, 2]
+    reader.close()

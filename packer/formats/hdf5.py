@@ -241,15 +241,18 @@ class Reader(SplitReader):
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
-        start, stop = int(offsets[position]), int(offsets[position + 1])
+        start, stop = offsets.item(position), offsets.item(position + 1)
         chunks = self.chunks()
         if chunks is None:
             data = read_bytes(self.handle()[1], start, stop, self.where(index))
         else:
-            data = read_extent(self.handle()[2], chunks, start, stop, self.where(index))
+            data = read_extent(self.handle()[2], chunks, start, stop)
+            if data is None:
+                raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
+                                       "(re-pack it, or restore it from a copy)", self.path)
         relpath = self.paths[index]
-        self.check_data(data, int(crcs[position]), index, relpath)
-        return data, int(self.labels[index]), relpath
+        self.check_data(data, crcs.item(position), index, relpath)
+        return data, self.labels.item(index), relpath
 
     def storage_order(self) -> np.ndarray | None:
         if self._order is None:
@@ -306,20 +309,21 @@ def chunk_map(images: h5py.Dataset) -> np.ndarray | None:
     return found if n and (found >= 0).all() else None
 
 
-def read_extent(fd: int, chunks: np.ndarray, start: int, stop: int, where: str) -> bytes:
-    """images[start:stop] by pread: one read per run of chunks that lie back to back in the file."""
+def read_extent(fd: int, chunks: np.ndarray, start: int, stop: int) -> bytes | None:
+    """images[start:stop] by pread: one read per run of chunks that lie back to back in the
+    file; None if the file ends first."""
     parts = []
     k = start // CHUNK_BYTES
     while start < stop:
-        run_start = int(chunks[k]) + start - k * CHUNK_BYTES
+        first = chunks.item(k)
+        run_start = first + start - k * CHUNK_BYTES
         end = min(stop, (k + 1) * CHUNK_BYTES)
-        while end < stop and chunks[k + 1] == chunks[k] + CHUNK_BYTES:
+        while end < stop and chunks.item(k + 1) == chunks.item(k) + CHUNK_BYTES:
             k += 1
             end = min(stop, (k + 1) * CHUNK_BYTES)
         part = _io.pread(fd, end - start, run_start)
         if len(part) != end - start:
-            raise CorruptDataError(f"{where}: the file ends inside the record; it was truncated "
-                                   "(re-pack it, or restore it from a copy)", where)
+            return None
         parts.append(part)
         start, k = end, k + 1
     return parts[0] if len(parts) == 1 else b"".join(parts)
