@@ -145,3 +145,48 @@ def test_class_names_that_are_not_utf8_survive(tmp_path):
     assert reader.classes == [name] and reader.read(0)[2] == name + "/x.jpg"
     with h5py.File(reader.path, "r", locking=False) as f:
         assert list(f.attrs["classes"]) == [name]
+
+
+def test_records_are_read_by_pread_through_the_chunk_map(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    reader = open_reader(out)
+    chunks = reader.chunks()
+    with h5py.File(out, "r", locking=False) as f:
+        images = f["all/images"]
+        assert chunks is not None and len(chunks) == -(-images.shape[0] // images.chunks[0])
+        assert [images.id.get_chunk_info(k).byte_offset for k in range(len(chunks))] == chunks.tolist()
+    for i in range(len(reader)):
+        data, _, relpath = reader.read(i)
+        assert data == (image_tree / relpath).read_bytes()
+    reader.close()
+
+
+def test_a_file_cut_short_under_an_open_reader_is_reported(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    reader = open_reader(out)
+    reader.read(0)  # tables and chunk map loaded
+    last = len(reader) - 1
+    offsets, _ = reader.index()
+    cut = int(reader.chunks()[int(offsets[last]) // hdf5_format.CHUNK_BYTES]) + 10
+    os.truncate(out, cut)
+    with pytest.raises(CorruptDataError, match="file ends inside the record.*truncated"):
+        reader.read(last)
+    reader.close()
+
+
+def test_a_file_rewritten_with_compressed_chunks_is_read_through_h5py(image_tree, tmp_path):
+    out = packed(image_tree, tmp_path)
+    rewritten = tmp_path / "gz.h5"
+    with h5py.File(out, "r") as src, h5py.File(rewritten, "w") as dst:
+        for name, value in src.attrs.items():
+            dst.attrs[name] = value
+        for name, obj in src["all"].items():
+            kwargs = {"compression": "gzip", "chunks": (hdf5_format.CHUNK_BYTES,), "maxshape": (None,)} \
+                if name == "images" else {}
+            dst.create_dataset(f"all/{name}", data=obj[()], **kwargs)
+    reader = open_reader(rewritten)
+    assert reader.chunks() is None
+    for i in range(len(reader)):
+        data, _, relpath = reader.read(i)
+        assert data == (image_tree / relpath).read_bytes()
+    reader.close()

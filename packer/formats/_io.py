@@ -38,7 +38,12 @@ def pread(fd: int, size: int, offset: int) -> bytes:
     data = os.pread(fd, size, offset)
     if len(data) == size or not data:
         return data
-    parts = [data]  # a pread may return early (signals, some network file systems)
+    return _pread_rest(fd, size, offset, data)
+
+
+def _pread_rest(fd: int, size: int, offset: int, data: bytes) -> bytes:
+    """Finish a pread that returned early (signals, some network file systems)."""
+    parts = [data]
     got = len(data)
     while got < size:
         more = os.pread(fd, size - got, offset + got)
