@@ -78,8 +78,9 @@ class BlockShuffleSampler(torch.utils.data.Sampler):
 
         return distributed()
 
-    def blocks(self, rank: int, world_size: int) -> list[tuple[int, int]]:
-        """This rank's blocks for the current epoch, as [start, stop) stored positions."""
+    def blocks(self, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
+        """(this rank's blocks as [start, stop) stored positions, the largest rank's record
+        count) for the current epoch."""
         n_blocks = math.ceil(self.count / self.block_size)
         order = np.arange(n_blocks)
         if self.shuffle:
@@ -93,13 +94,12 @@ class BlockShuffleSampler(torch.utils.data.Sampler):
             load[least] += stop - start
             if least == rank:
                 mine.append((start, stop))
-        self._share = max(load)
-        return mine
+        return mine, max(load)
 
     def windows(self) -> Iterator[tuple[list[tuple[int, int]], np.ndarray]]:
         """(blocks, stored positions in the order they are read) per window of this rank."""
         rank, world_size = self.world()
-        blocks = self.blocks(rank, world_size)
+        blocks, share = self.blocks(rank, world_size)
         rng = np.random.default_rng([self.seed, self.epoch, rank])
         for w in range(0, len(blocks), self.window):
             group = blocks[w:w + self.window]
@@ -107,11 +107,10 @@ class BlockShuffleSampler(torch.utils.data.Sampler):
             if self.shuffle:
                 rng.shuffle(positions)
             yield group, positions
-        deficit = self._share - sum(b - a for a, b in blocks)
+        deficit = share - sum(b - a for a, b in blocks)
         if deficit > 0:  # padding: repeat this rank's first records (any rank's, if it has none)
             own = np.concatenate([np.arange(a, b) for a, b in blocks]) if blocks else np.arange(self.count)
-            padding = np.resize(own, deficit)
-            yield [], padding
+            yield [], np.resize(own, deficit)
 
     def positions(self) -> np.ndarray:
         """Every stored position this rank reads in the current epoch, in order."""
@@ -137,10 +136,7 @@ class BlockShuffleSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         rank, world_size = self.world()
-        if world_size == 1:
-            return self.count
-        self.blocks(rank, world_size)
-        return self._share
+        return self.count if world_size == 1 else self.blocks(rank, world_size)[1]
 
 
 def class_entropy(labels: np.ndarray, indexes, batch_size: int) -> float:

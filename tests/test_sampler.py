@@ -61,7 +61,7 @@ def test_ranks_get_disjoint_blocks_and_equal_padded_shares(n, world):
                 for r in range(world)]
     shares = [list(s) for s in samplers]
     assert len({len(s) for s in shares}) == 1 and all(len(s) == len(x) for s, x in zip(samplers, shares))
-    owned = [set(s.positions()[:sum(b - a for a, b in s.blocks(r, world))].tolist())
+    owned = [set(s.positions()[:sum(b - a for a, b in s.blocks(r, world)[0])].tolist())
              for r, s in enumerate(samplers)]
     assert sum(len(o) for o in owned) == n and set().union(*owned) == set(range(n))  # disjoint, complete
     for share, own in zip(shares, owned):
@@ -178,3 +178,42 @@ def test_make_loader_order_errors_and_random_advice(sorted_tree, tmp_path):
     pack(str(sorted_tree), "wds", str(shards), progress=False, workers=1)
     with pytest.raises(ValueError, match="IterableDataset"):
         make_loader(readers.WDSDataset(shards), 4, workers=0, order="block")
+
+
+def block_rank(rank: int, world_size: int, out: str, init_file: str, results: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        dataset = readers.LMDBDataset(out, decode="raw", transform=len)
+        loader = make_loader(dataset, 4, workers=1, order="block", block_size=4, window=2, drop_last=False,
+                             multiprocessing_context="spawn")
+        assert isinstance(loader.sampler, BlockShuffleSampler) and loader.sampler.world() == (rank, world_size)
+        order = [int(i) for i in loader.sampler]  # epoch 0, as the loader's first pass reads it
+        sizes = [int(n) for batch, _ in loader for n in batch]
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (order, sizes))
+        if rank == 0:
+            with open(results, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_make_loader_block_order_under_ddp_with_spawned_workers(sorted_tree, tmp_path):
+    import json
+
+    import torch.multiprocessing
+
+    out = tmp_path / "ddp.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
+    results = tmp_path / "ranks.json"
+    torch.multiprocessing.spawn(block_rank, args=(2, str(out), str(tmp_path / "init"), str(results)), nprocs=2)
+    (order0, sizes0), (order1, sizes1) = json.loads(results.read_text())
+    assert len(order0) == len(order1) == len(sizes0) == len(sizes1) == 20  # 40 records, equal shares
+    assert not set(order0) & set(order1) and sorted(order0 + order1) == list(range(40))
+    dataset = readers.LMDBDataset(out, decode="raw")
+    expected = sorted(os.path.getsize(sorted_tree / p) for p in dataset.paths)
+    assert sorted(sizes0 + sizes1) == expected

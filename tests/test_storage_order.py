@@ -107,3 +107,18 @@ def test_shuffled_pack_that_skips_bad_files_still_reads_by_index(bad_tree, tmp_p
         assert relpath == reader.paths[i] and data == (bad_tree / relpath).read_bytes()
     assert sorted(reader.storage_order().tolist()) == [0, 1, 2]
     reader.close()
+
+
+def test_convert_can_shuffle_into_a_map_format(sorted_tree, tmp_path):
+    plain = tmp_path / "p.lmdb"
+    pack(str(sorted_tree), "lmdb", str(plain), progress=False, workers=1)
+    out = tmp_path / "c.h5"
+    result = CliRunner().invoke(main, ["convert", str(plain), "--to", "hdf5", "-o", str(out), "--shuffle-seed", "4",
+                                       "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    reader = open_reader(str(out))
+    np.testing.assert_array_equal(reader.storage_order(), write_order(21, "all", 4))
+    for i in range(len(reader)):
+        data, _, relpath = reader.read(i)
+        assert relpath == reader.paths[i] and data == (sorted_tree / relpath).read_bytes()
+    reader.close()
