@@ -15,6 +15,8 @@ from ._io import check_access
 class SplitReader(LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and read(i)."""
 
+    _position: np.ndarray | None = None  # index -> stored position, built from storage_order()
+
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata):
         self.path = os.path.abspath(path)
         self.metadata = metadata
@@ -42,7 +44,7 @@ class SplitReader(LazyHandle):
         order = self.storage_order()
         if order is None:
             return index
-        if getattr(self, "_position", None) is None:
+        if self._position is None:
             self._position = np.argsort(order)
         return int(self._position[index])
 
