@@ -39,18 +39,17 @@ class PathTable:
     """An immutable list of strings held as one byte blob plus offsets.
 
     A list of a million Python strings is touched by refcounting on every access, so a
-    forked DataLoader worker ends up copying it; two numpy arrays stay shared. Each path
-    in the blob is followed by a NUL, a byte no filename can contain.
+    forked DataLoader worker ends up copying it; one bytes object and a numpy array stay
+    shared. Each path in the blob is followed by a NUL, a byte no filename can contain.
     """
 
-    __slots__ = ("blob", "offsets", "data")
+    __slots__ = ("data", "offsets")
 
-    def __init__(self, blob: np.ndarray, offsets: np.ndarray):
-        self.blob = blob
+    def __init__(self, data: bytes, offsets: np.ndarray):
+        # One bytes object: slicing it is the cheapest per-read lookup, and refcounting
+        # writes only its header page, so forked workers keep sharing the rest.
+        self.data = data
         self.offsets = offsets
-        # The same bytes as a bytes object (no copy when blob views one): slicing it is
-        # the cheapest per-read lookup, and refcounting writes only its header page.
-        self.data = blob.base if isinstance(blob.base, bytes) and len(blob.base) == blob.nbytes else blob.tobytes()
 
     @classmethod
     def from_strings(cls, strings: Iterable[str]) -> "PathTable":
@@ -59,11 +58,11 @@ class PathTable:
     @classmethod
     def from_nul_separated(cls, raw: bytes) -> "PathTable":
         """Parse the on-disk form: UTF-8 paths joined by NUL."""
-        blob = np.frombuffer(raw + b"\0", dtype=np.uint8)
-        ends = np.flatnonzero(blob == 0) + 1
+        data = raw + b"\0"
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 0) + 1
         if not raw:
             ends = ends[:0]  # an empty table, not one empty path
-        return cls(blob, np.concatenate(([0], ends)).astype(np.int64))
+        return cls(data, np.concatenate(([0], ends)).astype(np.int64))
 
     def to_nul_separated(self) -> bytes:
         return self.data[:-1]

@@ -33,8 +33,6 @@ class ReaderDataset(torch.utils.data.Dataset):
         if index < 0:
             index += len(self)
         data, label, relpath = self.reader.read(index)
-        if self.decode == "raw" and self.transform is None:  # the hot path of byte-only readers
-            return data, label if self.target_transform is None else self.target_transform(label)
         where = f"{self.reader.path}: {relpath}"
         image = decode(data, self.decode, where)
         if self.transform is not None:

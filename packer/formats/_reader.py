@@ -12,9 +12,14 @@ from ._handle import LazyHandle
 from ._io import check_access
 
 
-class SplitReader(LazyHandle):
-    """One split of a packed dataset. Subclasses add the layout: _open/_close and read(i)."""
+_UNREAD = object()
 
+
+class SplitReader(LazyHandle):
+    """One split of a packed dataset. Subclasses add the layout: _open/_close and read(i),
+    and read_order() where records may be stored out of index order."""
+
+    _order = _UNREAD  # storage_order(), read once
     _position: np.ndarray | None = None  # index -> stored position, built from storage_order()
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata):
@@ -37,6 +42,12 @@ class SplitReader(LazyHandle):
 
     def storage_order(self) -> np.ndarray | None:
         """Index of the record stored at each position, or None when that is the index itself."""
+        if self._order is _UNREAD:
+            self._order = self.read_order()
+        return self._order
+
+    def read_order(self) -> np.ndarray | None:
+        """The layout's storage order (see storage_order); None here: index order."""
         return None
 
     def position(self, index: int) -> int:

@@ -186,7 +186,6 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
-        self._order: np.ndarray | None | bool = None
 
     def _open(self):
         f = _handle.acquire(self.path, open_file, close_file)
@@ -254,11 +253,9 @@ class Reader(SplitReader):
         self.check_data(data, crcs.item(position), index, relpath)
         return data, self.labels.item(index), relpath
 
-    def storage_order(self) -> np.ndarray | None:
-        if self._order is None:
-            order = self._array("order", self.count, "<i4", required=False)
-            self._order = False if order is None else self.checked_order(order)
-        return None if self._order is False else self._order
+    def read_order(self) -> np.ndarray | None:
+        order = self._array("order", self.count, "<i4", required=False)
+        return None if order is None else self.checked_order(order)
 
     def will_need(self, start: int, stop: int) -> None:
         chunks = self.chunks()

@@ -258,7 +258,6 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
-        self._order: np.ndarray | None | bool = None
 
     def _open(self):
         env = _handle.acquire(self.path, open_env, close_env)
@@ -338,11 +337,9 @@ class Reader(SplitReader):
                 self._lengths = self._extents["length"].astype(np.int64)
         return None if self._extents is False else self._extents
 
-    def storage_order(self) -> np.ndarray | None:
-        if self._order is None:
-            raw = self._aux(b"order", required=False)
-            self._order = False if raw is None else self.checked_order(np.frombuffer(raw, "<i4"))
-        return None if self._order is False else self._order
+    def read_order(self) -> np.ndarray | None:
+        raw = self._aux(b"order", required=False)
+        return None if raw is None else self.checked_order(np.frombuffer(raw, "<i4"))
 
     def will_need(self, start: int, stop: int) -> None:
         extents = self.extents()

@@ -219,7 +219,6 @@ class Reader(SplitReader):
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
-        self._storage: np.ndarray | None = None
 
     @property
     def records(self) -> np.ndarray:
@@ -258,11 +257,9 @@ class Reader(SplitReader):
             fds[shard] = _io.open_for_reading(os.path.join(self.path, self.shards[shard]), self.access)
         return fds[shard]
 
-    def storage_order(self) -> np.ndarray | None:
+    def read_order(self) -> np.ndarray:
         """Samples by (shard, offset): the order the shards hold them in."""
-        if self._storage is None:
-            self._storage = np.lexsort((self.records["offset"], self.records["shard"]))
-        return self._storage
+        return np.lexsort((self.records["offset"], self.records["shard"]))
 
     def will_need(self, start: int, stop: int) -> None:
         chosen = self.records[self.storage_order()[start:stop]]
