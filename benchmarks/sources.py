@@ -42,13 +42,13 @@ def _uint8_chw(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
 
 
-
 def read_setup(mode: str) -> tuple[str, object]:
     """(decode mode, transform) of a single-process measure: raw, decode or augment."""
     if mode == "augment":
         transform, decode, _ = train_transform()
         return decode, transform
     return {"raw": "raw", "decode": "numpy"}[mode], None
+
 
 class Loader:
     """What a source hands the end-to-end measure: batches, and whether they are on the device yet."""

@@ -1,9 +1,9 @@
 """Packs a source folder into one format: parallel read + check, a single streaming writer.
 
 Reader threads (processes for the decoding --check full) read and check files; the
-parent receives them in write order and hands them to the format's Writer. The number of files in flight is bounded, so memory
-stays flat however large the dataset is, and nothing reaches OUT until the writer has
-finished (packer.output.staged).
+parent receives them in write order and hands them to the format's Writer. The number
+of files in flight is bounded, so memory stays flat however large the dataset is, and
+nothing reaches OUT until the writer has finished (packer.output.staged).
 
 Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
 (write_order). The Writer protocol is unchanged either way: add() per sample in write

@@ -29,6 +29,15 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
+def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:
+    """ROOT/class<c>/<i>.jpg: classes in runs, each 96x80 JPEG large enough (over a page)
+    for LMDB to keep it in overflow pages, so it gets a stored extent."""
+    for c in range(classes):
+        for i in range(per_class):
+            write(root / f"class{c}" / f"{i:02d}.jpg", jpeg_bytes(100 * c + i, size=(96, 80)))
+    return root
+
+
 @pytest.fixture
 def image_tree(tmp_path) -> Path:
     """SRC/<class>/... with the traps ImageFolder users meet: odd class names, nesting,

@@ -12,7 +12,7 @@ from benchmarks import cache
 from packer import pack
 from readers import BlockShuffleSampler, class_entropy, make_loader
 
-from conftest import jpeg_bytes, write
+from conftest import class_sorted_tree
 
 
 class Sized:
@@ -30,11 +30,7 @@ class Sized:
 
 @pytest.fixture
 def sorted_tree(tmp_path):
-    root = tmp_path / "src"
-    for c in range(4):
-        for i in range(10):
-            write(root / f"class{c}" / f"{i:02d}.jpg", jpeg_bytes(50 * c + i, size=(96, 80)))
-    return root
+    return class_sorted_tree(tmp_path / "src", classes=4, per_class=10)
 
 
 def test_one_rank_reads_every_index_once_in_shuffled_blocks():

@@ -15,17 +15,12 @@ from packer.formats import open_reader
 from packer.pack import write_order
 from packer.verify import verify
 
-from conftest import jpeg_bytes, write
+from conftest import class_sorted_tree
 
 
 @pytest.fixture
 def sorted_tree(tmp_path):
-    """Three classes of 7 images each, large enough for LMDB to keep each in overflow pages."""
-    root = tmp_path / "src"
-    for c in range(3):
-        for i in range(7):
-            write(root / f"class{c}" / f"{i:02d}.jpg", jpeg_bytes(100 * c + i, size=(96, 80)))
-    return root
+    return class_sorted_tree(tmp_path / "src", classes=3, per_class=7)
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
