@@ -48,6 +48,8 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         result["how"] = source.augment_description()
     if "mb_per_s" in runs[0]:
         result["mb_per_s"] = summarise([r["mb_per_s"] for r in runs])
+    if "open_s" in runs[0]:
+        result["open_s"] = summarise([r["open_s"] for r in runs])
     if "wait_fraction" in runs[0]:
         result["wait_fraction"] = summarise([r["wait_fraction"] for r in runs])
         startups = [r["startup_s"] for r in runs if r["startup_s"] is not None]

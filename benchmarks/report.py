@@ -140,6 +140,11 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    f"{'shuffled' if mix['storage_shuffled'] else 'ImageFolder'}-order storage): random order "
                    f"{mix['random']:.2f}, block order (block {mix['block_size']}, window {mix['window']}) "
                    f"{mix['block']:.2f}, storage order {mix['storage_order']:.2f}.")
+    opens = [f"{name} {case['open_s']['median'] * 1e3:,.1f} ms" for name, entry in results["sources"].items()
+             if (case := entry.get("measures", {}).get("raw", {}).get("warm", {})).get("open_s")]
+    if opens:
+        out.append("Opening a dataset and its tables, once per process, is timed apart from the rates "
+                   f"(raw, warm, median): {', '.join(opens)}.")
     tar = results["pack"].get("tar", {})
     if tar.get("status") == "ok":
         out.append(f"tar cf + fsync of the folder: {tar['median']:.2f} s; packs use {config['workers']} worker(s); "

@@ -121,6 +121,8 @@ class PackerMap:
         reader = getattr(dataset, "reader", None)
         if hasattr(reader, "advise"):
             reader.advise("sequential" if walk == "block" else "random")
+        if hasattr(dataset, "open"):
+            dataset.open()  # paid once per process, so timed apart (open_s), not in the rate
         # The block sampler is iterated as reading goes, so its read-ahead hints go out in time.
         order = (_readers().BlockShuffleSampler(dataset, seed=seed) if walk == "block"
                  else _order(len(dataset), seed).tolist())

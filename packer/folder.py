@@ -38,5 +38,8 @@ class FolderReader:
             raise BadImageError(relpath, f"cannot read file ({exc.strerror or exc})") from exc
         return data, int(self.labels[index]), relpath
 
+    def open(self) -> "FolderReader":
+        return self  # nothing held open: the listing is made when the reader is built
+
     def close(self) -> None:
         pass

@@ -33,19 +33,26 @@ class ReaderDataset(torch.utils.data.Dataset):
         if index < 0:
             index += len(self)
         data, label, relpath = self.reader.read(index)
-        where = f"{self.reader.path}: {relpath}"
-        image = decode(data, self.decode, where)
-        if self.transform is not None:
-            try:
+        try:
+            image = decode(data, self.decode)
+            if self.transform is not None:
                 image = self.transform(image)
-            except CorruptDataError as exc:
-                if exc.path is not None:
-                    raise
-                # A transform given raw bytes (decode="raw") decodes them and cannot name the file.
-                raise CorruptDataError(f"{where}: {str(exc).removeprefix('image: ')}", where) from exc
+        except CorruptDataError as exc:
+            if exc.path is not None:
+                raise
+            # Decoders and transforms are given bytes and cannot name the file; the name is
+            # built here, on failure only, since reads are hot.
+            where = f"{self.reader.path}: {relpath}"
+            raise CorruptDataError(f"{where}: {str(exc).removeprefix('image: ')}", where) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def open(self) -> "ReaderDataset":
+        """Open the reader in this process now rather than on the first item (see
+        packer's SplitReader.open). Returns self."""
+        self.reader.open()
+        return self
 
     @property
     def split(self) -> str:

@@ -110,6 +110,20 @@ def test_dataset_opens_nothing_until_first_access_and_pickles_either_way(image_t
     assert clone[5] == ds[5]
 
 
+def test_open_prepares_reads_ahead_of_the_first_and_is_dropped_by_pickling(image_tree, tmp_path, fmt, monkeypatch):
+    cls = dataset_class(fmt)
+    ds = cls(packed(image_tree, fmt, tmp_path), decode="raw")
+    assert ds.open() is ds and ds.reader.is_open
+    loaded = vars(ds.reader).copy()
+    # Nothing left to open or load: the reads that follow find everything in place.
+    monkeypatch.setattr(type(ds.reader), "_open", lambda self: pytest.fail("opened again after open()"))
+    assert [ds[i][0] for i in range(len(ds))] == [(image_tree / p).read_bytes() for p in ds.paths]
+    assert {k: v is None for k, v in vars(ds.reader).items()} == {k: v is None for k, v in loaded.items()}
+    monkeypatch.undo()
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone.reader.is_open and clone[2] == ds[2]
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_dataloader_workers_read_everything_under_fork_and_spawn(image_tree, tmp_path, fmt, context, persistent):

@@ -20,7 +20,8 @@ class SplitReader(LazyHandle):
     and read_order() where records may be stored out of index order."""
 
     _order = _UNREAD  # storage_order(), read once
-    _position: np.ndarray | None = None  # index -> stored position, built from storage_order()
+    # index -> stored position, built from storage_order(); False: the index itself
+    _position: np.ndarray | bool | None = None
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata):
         self.path = os.path.abspath(path)
@@ -30,6 +31,19 @@ class SplitReader(LazyHandle):
         self.count = metadata.splits[self.split].count
         self.check_crc = check_crc
         self.access = "random"
+
+    def open(self) -> "SplitReader":
+        """Open this process's handle and load the tables reads use, now rather than on the
+        first read (e.g. ahead of a timed loop). Returns self."""
+        self.handle()
+        self.labels, self.paths
+        if self.count:
+            self.position(0)
+        self.load_tables()
+        return self
+
+    def load_tables(self) -> None:
+        """Load the layout's own per-record tables (extents, offsets, chunk map); none here."""
 
     def advise(self, access: str) -> None:
         """Tell the reader how records will be read: "random" (fetch exactly each record)
@@ -52,12 +66,10 @@ class SplitReader(LazyHandle):
 
     def position(self, index: int) -> int:
         """Where record index is stored."""
-        order = self.storage_order()
-        if order is None:
-            return index
         if self._position is None:
-            self._position = np.argsort(order)
-        return int(self._position[index])
+            order = self.storage_order()
+            self._position = False if order is None else np.argsort(order)
+        return index if self._position is False else self._position.item(index)
 
     def checked_order(self, order: np.ndarray) -> np.ndarray:
         """A stored order table, checked to be a permutation of the records."""
@@ -80,11 +92,10 @@ class SplitReader(LazyHandle):
         if not 0 <= index < self.count:
             raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} records")
 
-    def check_data(self, data: bytes, crc: int, index: int, relpath: str, where: str | None = None) -> None:
+    def check_data(self, data: bytes, crc: int | None, index: int, relpath: str) -> None:
         """Raise if check_crc is on and data does not match the CRC stored with it.
 
         The message (record, path) is only formatted on a mismatch: reads are hot."""
         if self.check_crc and checksum(data) != crc:
-            where = where or f"{self.where(index)} ({relpath})"
-            raise CorruptDataError(f"{where}: checksum mismatch, the stored image is damaged "
+            raise CorruptDataError(f"{self.where(index)} ({relpath}): checksum mismatch, the stored image is damaged "
                                    "(run packer verify; re-pack from the source)", self.path)

@@ -253,6 +253,10 @@ class Reader(SplitReader):
         self.check_data(data, crcs.item(position), index, relpath)
         return data, self.labels.item(index), relpath
 
+    def load_tables(self) -> None:
+        self.index()
+        self.chunks()
+
     def read_order(self) -> np.ndarray | None:
         order = self._array("order", self.count, "<i4", required=False)
         return None if order is None else self.checked_order(order)

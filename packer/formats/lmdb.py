@@ -28,8 +28,11 @@ Readers fetch a record with one pread at its extent instead of through LMDB's me
 looking a record up faults in B-tree and overflow-header pages scattered through the file,
 each a random read of the kernel's whole read-around window, which made cold random reads
 slower than a folder of files (README: "Cold storage"). Extents are taken while packing
-from where writemap puts each value (overflow pages never move once written); a reader
-checks each record's header against its label and path, and uses the map if they differ.
+from where writemap puts each value (overflow pages never move once written). A reader
+checks a few records' headers against their labels and paths when it loads the extents,
+and then, with check_crc on, each record's header as it reads it (the CRC is there); if
+any differ (the database was rewritten, e.g. by mdb_copy -c) it uses the map instead.
+With check_crc off a read is one pread of the image bytes alone.
 """
 from __future__ import annotations
 
@@ -289,33 +292,46 @@ class Reader(SplitReader):
         self.check_data(data, crc, index, relpath)
         return data, label, relpath
 
-    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int, str, int] | None:
+    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int, str, int | None] | None:
         """The record at position by pread of its extent, or None where there is none.
 
-        The image is read first, straight into the bytes returned (one copy; slicing it
-        out of the whole value cost a second copy, a quarter of a warm read), then the
-        header and path, which share the image's first page (a value in overflow pages
-        starts 16 bytes into one), so that read is served from the page cache: one disk
-        read per record. The path's length comes from the path table. A header that does
-        not name record index means the extents are stale: they are dropped.
+        The image is read straight into the bytes returned (slicing it out of the whole
+        value would cost a second copy, a quarter of a warm read). With check_crc on, the
+        header and path follow: they share the image's first page (a value in overflow
+        pages starts 16 bytes into one), so that read is served from the page cache, and a
+        header that does not name record index means the extents are stale: they are
+        dropped. With check_crc off the header is not read (the crc returned is None): the
+        extents were checked when loaded. The path's length comes from the path table.
         """
         if self.extents() is None:
             return None
-        offset, length = self._where_stored.item(position), self._lengths.item(position)
+        length = self._lengths.item(position)
         if not length:
             return None
         relpath = self.paths.raw(index)
         head = HEADER.size + len(relpath)
         fd = self.handle()[2]
         if length > head:
+            offset = self._where_stored.item(position)
             data = _io.pread(fd, length - head, offset + head)
-            header = _io.pread(fd, head, offset)
-            if len(data) == length - head and len(header) == head:
-                crc, label, n = HEADER.unpack_from(header)
-                if n == len(relpath) and label == self.labels.item(index) and header[HEADER.size:] == relpath:
-                    return data, label, decode_path(relpath), crc
+            if len(data) == length - head:
+                if not self.check_crc:
+                    return data, self.labels.item(index), decode_path(relpath), None
+                crc = self._header_crc(fd, offset, index, relpath)
+                if crc is not None:
+                    return data, self.labels.item(index), decode_path(relpath), crc
         self.drop_extents()
         return None
+
+    def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
+        """The CRC in the header at offset if that header names record index, else None."""
+        header = _io.pread(fd, HEADER.size + len(relpath), offset)
+        if len(header) != HEADER.size + len(relpath):
+            return None
+        crc, label, n = HEADER.unpack_from(header)
+        if n != len(relpath) or label != self.labels.item(index) or header[HEADER.size:] != relpath:
+            return None
+        return crc
 
     def drop_extents(self) -> None:
         warnings.warn(f"{self.path}: the stored record extents do not match the records (the database was "
@@ -335,7 +351,26 @@ class Reader(SplitReader):
             if raw is not None:  # plain arrays: .item() on them is the cheapest lookup per read
                 self._where_stored = self._extents["offset"].astype(np.int64)
                 self._lengths = self._extents["length"].astype(np.int64)
+                if not self._spot_check_extents():
+                    self.drop_extents()
         return None if self._extents is False else self._extents
+
+    def _spot_check_extents(self, samples: int = 8) -> bool:
+        """Whether the headers at a few extents, spread over the split, name their records.
+
+        A rewritten database (mdb_copy -c) moves every value, so a few checks catch it
+        before any read relies on extents without reading headers (check_crc off)."""
+        order = self.storage_order()
+        fd = self.handle()[2]
+        for position in np.unique(np.linspace(0, self.count - 1, min(samples, self.count)).astype(int)).tolist():
+            if self._lengths.item(position):
+                index = position if order is None else order.item(position)
+                if self._header_crc(fd, self._where_stored.item(position), index, self.paths.raw(index)) is None:
+                    return False
+        return True
+
+    def load_tables(self) -> None:
+        self.extents()
 
     def read_order(self) -> np.ndarray | None:
         raw = self._aux(b"order", required=False)

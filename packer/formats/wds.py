@@ -257,6 +257,9 @@ class Reader(SplitReader):
             fds[shard] = _io.open_for_reading(os.path.join(self.path, self.shards[shard]), self.access)
         return fds[shard]
 
+    def load_tables(self) -> None:
+        self.records
+
     def read_order(self) -> np.ndarray:
         """Samples by (shard, offset): the order the shards hold them in."""
         return np.lexsort((self.records["offset"], self.records["shard"]))
@@ -274,12 +277,14 @@ class Reader(SplitReader):
         shard, crc, offset, size, label = self.records[index].tolist()
         relpath = self.paths[index]
         data = _io.pread(self.shard_fd(shard), size, offset)
-        where = f"{self.path}/{self.shards[shard]} sample {self.split}/{index} ({relpath})"
         if len(data) != size:
-            raise CorruptDataError(f"{where}: shard truncated, {size} bytes expected at byte {offset} "
-                                   "(re-pack, or restore the shard from a copy)", self.path)
-        self.check_data(data, crc, index, relpath, where)
+            raise CorruptDataError(f"{self.where(index)} ({relpath}): shard truncated, {size} bytes expected at "
+                                   f"byte {offset} (re-pack, or restore the shard from a copy)", self.path)
+        self.check_data(data, crc, index, relpath)
         return data, label, relpath
+
+    def where(self, index: int) -> str:
+        return f"{self.path}/{self.shards[self.records['shard'].item(index)]} sample {self.split}/{index}"
 
 
 def check_files(path: str) -> list[str]:
