@@ -313,6 +313,12 @@ def chunk_map(images: h5py.Dataset) -> np.ndarray | None:
 def read_extent(fd: int, chunks: np.ndarray, start: int, stop: int) -> bytes | None:
     """images[start:stop] by pread: one read per run of chunks that lie back to back in the
     file; None if the file ends first."""
+    first, last = start // CHUNK_BYTES, (stop - 1) // CHUNK_BYTES
+    if last - first <= 1 and chunks.item(last) - chunks.item(first) == (last - first) * CHUNK_BYTES:
+        # Nearly every record: inside one chunk, or across two back to back (records are
+        # smaller than a chunk), so one read without the general walk below.
+        data = _io.pread(fd, stop - start, chunks.item(first) + start - first * CHUNK_BYTES)
+        return data if len(data) == stop - start else None
     parts = []
     k = start // CHUNK_BYTES
     while start < stop:
