@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, encode_path
+from ..records import Metadata, PathTable, decode_path, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
 
@@ -249,7 +249,7 @@ class Reader(SplitReader):
             if data is None:
                 raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
                                        "(re-pack it, or restore it from a copy)", self.path)
-        relpath = self.paths[index]
+        relpath = decode_path(self.paths.raw(index))  # index is checked: no second bounds check
         self.check_data(data, crcs.item(position), index, relpath)
         return data, self.labels.item(index), relpath
 

@@ -34,7 +34,7 @@ import re
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, decode_path
 from . import _io, _tar
 from ._reader import SplitReader
 
@@ -275,7 +275,7 @@ class Reader(SplitReader):
         """(image bytes, label, relative path) of sample index in ImageFolder order."""
         self.check_index(index)
         shard, crc, offset, size, label = self.records[index].tolist()
-        relpath = self.paths[index]
+        relpath = decode_path(self.paths.raw(index))  # index is checked: no second bounds check
         data = _io.pread(self.shard_fd(shard), size, offset)
         if len(data) != size:
             raise CorruptDataError(f"{self.where(index)} ({relpath}): shard truncated, {size} bytes expected at "
