@@ -161,6 +161,34 @@ def test_records_are_read_by_pread_through_the_chunk_map(image_tree, tmp_path):
     reader.close()
 
 
+def test_records_across_chunks_stored_apart_are_read_in_runs(image_tree, tmp_path, monkeypatch):
+    # Rewrite the images with small chunks stored in reverse order (as another tool may):
+    # a record crossing into the next chunk is then two runs apart in the file.
+    out = packed(image_tree, tmp_path)
+    monkeypatch.setattr(hdf5_format, "CHUNK_BYTES", 4096)  # records of a few KB span one or two
+    chunk = hdf5_format.CHUNK_BYTES
+    rewritten = tmp_path / "reversed.h5"
+    with h5py.File(out, "r") as src, h5py.File(rewritten, "w", libver=hdf5_format.LIBVER) as dst:
+        for name, value in src.attrs.items():
+            dst.attrs[name] = value
+        images = src["all/images"][()]
+        for name, obj in src["all"].items():
+            if name != "images":
+                dst.create_dataset(f"all/{name}", data=obj[()])
+        target = dst.create_dataset("all/images", shape=images.shape, dtype=np.uint8, chunks=(chunk,),
+                                    maxshape=(None,))
+        for k in reversed(range(-(-len(images) // chunk))):
+            piece = images[k * chunk:(k + 1) * chunk]
+            target.id.write_direct_chunk((k * chunk,), np.pad(piece, (0, chunk - len(piece))).tobytes())
+    reader = hdf5_format.Reader(str(rewritten))
+    file_offsets = reader.file_offsets()
+    assert file_offsets is not None and (file_offsets < 0).any() and (file_offsets >= 0).any()
+    for i in range(len(reader)):
+        data, _, relpath = reader.read(i)
+        assert data == (image_tree / relpath).read_bytes()
+    reader.close()
+
+
 def test_a_file_cut_short_under_an_open_reader_is_reported(image_tree, tmp_path):
     out = packed(image_tree, tmp_path)
     reader = open_reader(out)

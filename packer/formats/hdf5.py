@@ -186,6 +186,7 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
+        self._file_offsets: np.ndarray | None = None
 
     def _open(self):
         f = _handle.acquire(self.path, open_file, close_file)
@@ -235,18 +236,41 @@ class Reader(SplitReader):
                 self._chunks = False
         return None if self._chunks is False else self._chunks
 
+    def file_offsets(self) -> np.ndarray | None:
+        """Where each record (by position) starts in the file, -1 for the few that cross
+        from one chunk to another stored elsewhere; None to read through h5py.
+
+        Computed once from the chunk map, so that a read is one lookup and one pread."""
+        if self._file_offsets is None:
+            chunks = self.chunks()
+            if chunks is None:
+                return None
+            offsets, _ = self.index()
+            starts, stops = offsets[:-1], offsets[1:]
+            first, last = starts // CHUNK_BYTES, np.maximum(stops - 1, starts) // CHUNK_BYTES
+            last = np.minimum(last, len(chunks) - 1)
+            # Records are smaller than a chunk: a record spans at most two, which is one run
+            # in the file when the second chunk follows the first.
+            one_run = (last - first <= 1) & (chunks[last] - chunks[first] == (last - first) * CHUNK_BYTES)
+            self._file_offsets = np.where(one_run, chunks[first] + starts - first * CHUNK_BYTES, -1)
+        return self._file_offsets
+
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of record index."""
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
         start, stop = offsets.item(position), offsets.item(position + 1)
-        chunks = self.chunks()
-        if chunks is None:
+        file_offsets = self.file_offsets()
+        if file_offsets is None:
             data = read_bytes(self.handle()[1], start, stop, self.where(index))
         else:
-            data = read_extent(self.handle()[2], chunks, start, stop)
-            if data is None:
+            at = file_offsets.item(position)
+            if at >= 0:
+                data = _io.pread(self.handle()[2], stop - start, at)
+            else:
+                data = read_extent(self.handle()[2], self.chunks(), start, stop)
+            if data is None or len(data) != stop - start:
                 raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
                                        "(re-pack it, or restore it from a copy)", self.path)
         relpath = decode_path(self.paths.raw(index))  # index is checked: no second bounds check
@@ -255,7 +279,7 @@ class Reader(SplitReader):
 
     def load_tables(self) -> None:
         self.index()
-        self.chunks()
+        self.file_offsets()
 
     def read_order(self) -> np.ndarray | None:
         order = self._array("order", self.count, "<i4", required=False)
@@ -313,12 +337,6 @@ def chunk_map(images: h5py.Dataset) -> np.ndarray | None:
 def read_extent(fd: int, chunks: np.ndarray, start: int, stop: int) -> bytes | None:
     """images[start:stop] by pread: one read per run of chunks that lie back to back in the
     file; None if the file ends first."""
-    first, last = start // CHUNK_BYTES, (stop - 1) // CHUNK_BYTES
-    if last - first <= 1 and chunks.item(last) - chunks.item(first) == (last - first) * CHUNK_BYTES:
-        # Nearly every record: inside one chunk, or across two back to back (records are
-        # smaller than a chunk), so one read without the general walk below.
-        data = _io.pread(fd, stop - start, chunks.item(first) + start - first * CHUNK_BYTES)
-        return data if len(data) == stop - start else None
     parts = []
     k = start // CHUNK_BYTES
     while start < stop:
