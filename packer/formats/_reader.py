@@ -36,7 +36,7 @@ class SplitReader(LazyHandle):
         """Open this process's handle and load the tables reads use, now rather than on the
         first read (e.g. ahead of a timed loop). Returns self."""
         self.handle()
-        self.labels, self.paths
+        self.labels, self.paths  # properties: read and cached on first access
         if self.count:
             self.position(0)
         self.load_tables()

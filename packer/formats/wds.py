@@ -258,7 +258,7 @@ class Reader(SplitReader):
         return fds[shard]
 
     def load_tables(self) -> None:
-        self.records
+        self.records  # a property: read and cached on first access
 
     def read_order(self) -> np.ndarray:
         """Samples by (shard, offset): the order the shards hold them in."""
