@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from packer.formats._io import will_need
 from packer.scan import IMG_EXTENSIONS
 
 from . import cache
@@ -248,7 +249,7 @@ class DiskLimit:
             start = time.perf_counter()
             while time.perf_counter() - start < budget:
                 if hinted < nbytes + self.AHEAD:
-                    os.posix_fadvise(fd, hinted, self.AHEAD, os.POSIX_FADV_WILLNEED)
+                    will_need(fd, hinted, self.AHEAD)
                     hinted += self.AHEAD
                 got = len(os.read(fd, self.READ))
                 if not got:

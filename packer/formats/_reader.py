@@ -38,7 +38,7 @@ class SplitReader(LazyHandle):
         self.handle()
         self.labels, self.paths  # properties: read and cached on first access
         if self.count:
-            self.position(0)
+            self.position(0)  # builds the index-to-position table
         self.load_tables()
         return self
 
