@@ -30,13 +30,17 @@ class FolderReader:
         return len(self.paths)
 
     def read(self, index: int) -> tuple[bytes, int, str]:
+        data, label = self.read_image(index)
+        return data, label, self.paths[index]
+
+    def read_image(self, index: int) -> tuple[bytes, int]:
         relpath = self.paths[index]
         try:
             with open(os.path.join(self.path, relpath), "rb") as f:
                 data = f.read()
         except OSError as exc:
             raise BadImageError(relpath, f"cannot read file ({exc.strerror or exc})") from exc
-        return data, int(self.labels[index]), relpath
+        return data, int(self.labels[index])
 
     def open(self) -> "FolderReader":
         return self  # nothing held open: the listing is made when the reader is built

@@ -32,7 +32,7 @@ class ReaderDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         if index < 0:
             index += len(self)
-        data, label, relpath = self.reader.read(index)
+        data, label = self.reader.read_image(index)
         try:
             image = decode(data, self.decode)
             if self.transform is not None:
@@ -42,7 +42,7 @@ class ReaderDataset(torch.utils.data.Dataset):
                 raise
             # Decoders and transforms are given bytes and cannot name the file; the name is
             # built here, on failure only, since reads are hot.
-            where = f"{self.reader.path}: {relpath}"
+            where = f"{self.reader.path}: {self.reader.paths[index]}"
             raise CorruptDataError(f"{where}: {str(exc).removeprefix('image: ')}", where) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)

@@ -49,6 +49,7 @@ def test_round_trip_is_byte_exact_with_labels_and_paths(image_tree, tmp_path, fm
         assert relpath == folder.paths[i]
         assert data == (image_tree / relpath).read_bytes()
         assert label == folder.targets[i]
+        assert reader.read_image(i) == (data, label) == folder.reader.read_image(i)
     assert reader.labels.tolist() == folder.targets.tolist()
     assert list(reader.paths) == list(folder.paths)
     assert reader.classes == folder.classes

@@ -161,13 +161,8 @@ def test_records_are_read_by_pread_through_the_chunk_map(image_tree, tmp_path):
     reader.close()
 
 
-def test_records_across_chunks_stored_apart_are_read_in_runs(image_tree, tmp_path, monkeypatch):
-    # Rewrite the images with small chunks stored in reverse order (as another tool may):
-    # a record crossing into the next chunk is then two runs apart in the file.
-    out = packed(image_tree, tmp_path)
-    monkeypatch.setattr(hdf5_format, "CHUNK_BYTES", 4096)  # records of a few KB span one or two
-    chunk = hdf5_format.CHUNK_BYTES
-    rewritten = tmp_path / "reversed.h5"
+def rewrite_chunks(out, rewritten, chunk: int, order) -> None:
+    """Copy a pack with its images in chunks of `chunk` bytes, written (so stored) in `order`."""
     with h5py.File(out, "r") as src, h5py.File(rewritten, "w", libver=hdf5_format.LIBVER) as dst:
         for name, value in src.attrs.items():
             dst.attrs[name] = value
@@ -177,15 +172,50 @@ def test_records_across_chunks_stored_apart_are_read_in_runs(image_tree, tmp_pat
                 dst.create_dataset(f"all/{name}", data=obj[()])
         target = dst.create_dataset("all/images", shape=images.shape, dtype=np.uint8, chunks=(chunk,),
                                     maxshape=(None,))
-        for k in reversed(range(-(-len(images) // chunk))):
+        for k in order(-(-len(images) // chunk)):
             piece = images[k * chunk:(k + 1) * chunk]
             target.id.write_direct_chunk((k * chunk,), np.pad(piece, (0, chunk - len(piece))).tobytes())
+
+
+def test_records_across_chunks_stored_apart_are_read_in_runs(image_tree, tmp_path, monkeypatch):
+    # Chunks stored in reverse order (as another tool may write them): a record crossing
+    # into the next chunk is then two runs apart in the file.
+    out = packed(image_tree, tmp_path)
+    monkeypatch.setattr(hdf5_format, "CHUNK_BYTES", 4096)  # records of a few KB span one or two
+    rewritten = tmp_path / "reversed.h5"
+    rewrite_chunks(out, rewritten, hdf5_format.CHUNK_BYTES, lambda n: reversed(range(n)))
     reader = hdf5_format.Reader(str(rewritten))
     file_offsets = reader.file_offsets()
     assert file_offsets is not None and (file_offsets < 0).any() and (file_offsets >= 0).any()
     for i in range(len(reader)):
         data, _, relpath = reader.read(i)
         assert data == (image_tree / relpath).read_bytes()
+    reader.close()
+
+
+def test_a_record_over_several_adjacent_chunks_is_one_pread(image_tree, tmp_path, monkeypatch):
+    # Chunks of 1 KiB stored in order, except one moved to the end of the file: records
+    # span several chunks, one run in the file unless they touch the moved chunk.
+    out = packed(image_tree, tmp_path)
+    chunk = 1024
+    monkeypatch.setattr(hdf5_format, "CHUNK_BYTES", chunk)
+    rewritten = tmp_path / "small-chunks.h5"
+    moved = 20
+    rewrite_chunks(out, rewritten, chunk, lambda n: [k for k in range(n) if k != moved] + [moved])
+    reader = hdf5_format.Reader(str(rewritten))
+    offsets, _ = reader.index()
+    chunks, file_offsets, fd = reader.chunks().tolist(), reader.file_offsets(), reader.handle()[2]
+    spans = [range(int(a) // chunk, (int(b) - 1) // chunk + 1) for a, b in zip(offsets[:-1], offsets[1:])]
+    one_run = [all(chunks[k + 1] == chunks[k] + chunk for k in span[:-1]) for span in spans]
+    assert ((file_offsets >= 0) == np.array(one_run)).all()
+    assert not all(one_run) and any(moved in span and len(span) > 1 for span in spans)
+    assert sum(len(span) >= 3 and run for span, run in zip(spans, one_run)) > 3
+    for i in range(len(reader)):
+        data, _, relpath = reader.read(i)
+        expected = (image_tree / relpath).read_bytes()
+        assert data == expected
+        if file_offsets[i] >= 0:
+            assert os.pread(fd, len(expected), int(file_offsets[i])) == expected
     reader.close()
 
 

@@ -16,8 +16,8 @@ _UNREAD = object()
 
 
 class SplitReader(LazyHandle):
-    """One split of a packed dataset. Subclasses add the layout: _open/_close and read(i),
-    and read_order() where records may be stored out of index order."""
+    """One split of a packed dataset. Subclasses add the layout: _open/_close and
+    read_image(i), and read_order() where records may be stored out of index order."""
 
     _order = _UNREAD  # storage_order(), read once
     # index -> stored position, built from storage_order(); False: the index itself
@@ -92,10 +92,20 @@ class SplitReader(LazyHandle):
         if not 0 <= index < self.count:
             raise IndexError(f"index {index} out of range for split {self.split!r} of {self.count} records")
 
-    def check_data(self, data: bytes, crc: int | None, index: int, relpath: str) -> None:
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """(image bytes, label, relative path) of record index."""
+        data, label = self.read_image(index)
+        return data, label, self.paths[index]
+
+    def read_image(self, index: int) -> tuple[bytes, int]:
+        """(image bytes, label) of record index: what a Dataset needs for each item. The
+        path is left out (read() adds it): decoding it would cost every read."""
+        raise NotImplementedError
+
+    def check_data(self, data: bytes, crc: int | None, index: int) -> None:
         """Raise if check_crc is on and data does not match the CRC stored with it.
 
         The message (record, path) is only formatted on a mismatch: reads are hot."""
         if self.check_crc and checksum(data) != crc:
-            raise CorruptDataError(f"{self.where(index)} ({relpath}): checksum mismatch, the stored image is damaged "
-                                   "(run packer verify; re-pack from the source)", self.path)
+            raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): checksum mismatch, the stored "
+                                   "image is damaged (run packer verify; re-pack from the source)", self.path)

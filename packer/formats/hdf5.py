@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, decode_path, encode_path
+from ..records import Metadata, PathTable, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
 
@@ -249,14 +249,14 @@ class Reader(SplitReader):
             starts, stops = offsets[:-1], offsets[1:]
             first, last = starts // CHUNK_BYTES, np.maximum(stops - 1, starts) // CHUNK_BYTES
             last = np.minimum(last, len(chunks) - 1)
-            # Records are smaller than a chunk: a record spans at most two, which is one run
-            # in the file when the second chunk follows the first.
-            one_run = (last - first <= 1) & (chunks[last] - chunks[first] == (last - first) * CHUNK_BYTES)
+            # A record is one run in the file when each chunk it spans follows the one before:
+            # breaks[k] counts the chunks up to k that do not (HDF5 puts metadata between a few).
+            breaks = np.concatenate(([0], np.cumsum(np.diff(chunks) != CHUNK_BYTES)))
+            one_run = breaks[last] == breaks[first]
             self._file_offsets = np.where(one_run, chunks[first] + starts - first * CHUNK_BYTES, -1)
         return self._file_offsets
 
-    def read(self, index: int) -> tuple[bytes, int, str]:
-        """(image bytes, label, relative path) of record index."""
+    def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
@@ -273,9 +273,8 @@ class Reader(SplitReader):
             if data is None or len(data) != stop - start:
                 raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
                                        "(re-pack it, or restore it from a copy)", self.path)
-        relpath = decode_path(self.paths.raw(index))  # index is checked: no second bounds check
-        self.check_data(data, crcs.item(position), index, relpath)
-        return data, self.labels.item(index), relpath
+        self.check_data(data, crcs.item(position), index)
+        return data, self.labels.item(index)
 
     def load_tables(self) -> None:
         self.index()

@@ -277,8 +277,7 @@ class Reader(SplitReader):
         os.close(handle[2])
         _handle.release(self.path)
 
-    def read(self, index: int) -> tuple[bytes, int, str]:
-        """(image bytes, label, relative path) of record index."""
+    def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         position = self.position(index)
         found = self.read_at_extent(position, index)
@@ -287,13 +286,15 @@ class Reader(SplitReader):
             if value is None:
                 raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
                                        "re-pack it or restore it from a copy)", self.path)
-            found = decode_record(value, self.where(index))
-        data, label, relpath, crc = found
-        self.check_data(data, crc, index, relpath)
-        return data, label, relpath
+            data, label, _, crc = decode_record(value, self.where(index))
+        else:
+            (data, crc), label = found, self.labels.item(index)
+        self.check_data(data, crc, index)
+        return data, label
 
-    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int, str, int | None] | None:
-        """The record at position by pread of its extent, or None where there is none.
+    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int | None] | None:
+        """(image bytes, stored CRC) of the record at position by pread of its extent, or
+        None where there is none.
 
         The image is read straight into the bytes returned (slicing it out of the whole
         value would cost a second copy, a quarter of a warm read). With check_crc on, the
@@ -316,10 +317,10 @@ class Reader(SplitReader):
             data = _io.pread(fd, length - head, offset + head)
             if len(data) == length - head:
                 if not self.check_crc:
-                    return data, self.labels.item(index), decode_path(relpath), None
+                    return data, None
                 crc = self._header_crc(fd, offset, index, relpath)
                 if crc is not None:
-                    return data, self.labels.item(index), decode_path(relpath), crc
+                    return data, crc
         self.drop_extents()
         return None
 

@@ -34,7 +34,7 @@ import re
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, decode_path
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
 from . import _io, _tar
 from ._reader import SplitReader
 
@@ -271,17 +271,15 @@ class Reader(SplitReader):
             first = int(mine["offset"].min())
             _io.will_need(self.shard_fd(shard), first, int((mine["offset"] + mine["size"]).max()) - first)
 
-    def read(self, index: int) -> tuple[bytes, int, str]:
-        """(image bytes, label, relative path) of sample index in ImageFolder order."""
+    def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         shard, crc, offset, size, label = self.records[index].tolist()
-        relpath = decode_path(self.paths.raw(index))  # index is checked: no second bounds check
         data = _io.pread(self.shard_fd(shard), size, offset)
         if len(data) != size:
-            raise CorruptDataError(f"{self.where(index)} ({relpath}): shard truncated, {size} bytes expected at "
-                                   f"byte {offset} (re-pack, or restore the shard from a copy)", self.path)
-        self.check_data(data, crc, index, relpath)
-        return data, label, relpath
+            raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): shard truncated, {size} bytes "
+                                   f"expected at byte {offset} (re-pack, or restore the shard from a copy)", self.path)
+        self.check_data(data, crc, index)
+        return data, label
 
     def where(self, index: int) -> str:
         return f"{self.path}/{self.shards[self.records['shard'].item(index)]} sample {self.split}/{index}"
