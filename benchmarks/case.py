@@ -3,7 +3,9 @@
 A fresh process per case keeps one case's open maps, allocator state and imported
 caches from leaking into the next. Each case: untimed setup, an untimed warm-up run,
 then `repeat` timed runs, each preceded by making the source's files cold or warm and
-checking the page cache with mincore. Failures are recorded per case, never raised.
+checking the page cache with mincore. A warm raw run is also preceded by the memory-copy
+reference (measures.MemoryCopy), timed in the same state of the machine. Failures are
+recorded per case, never raised.
 """
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import sys
 import traceback
 
 from . import cache
-from .measures import CEILING, DISK, MEASURES, Options
+from .measures import CEILING, DISK, MEASURES, MemoryCopy, Options
 from .sources import SOURCES
+
+
+REFERENCE_S = 1.0  # seconds of memory-copy reference before each warm raw run
 
 
 def summarise(values: list[float]) -> dict:
@@ -32,11 +37,14 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
     try:
         bench = measure.setup(source, ctx, opts)
         files = source.files(ctx) if (source is not None and state) else []
+        reference = MemoryCopy.of_corpus(ctx["folder"]) if (case["measure"], state) == ("raw", "warm") else None
         bench.run(source, ctx, opts, opts.warmup, opts.seed)  # warm-up, excluded
-        runs, resident = [], []
+        runs, resident, copies = [], [], []
         for r in range(opts.repeat):
             if state:
                 resident.append(cache.prepare(files, state))
+            if reference is not None:
+                copies.append(reference.rate(min(REFERENCE_S, opts.budget), opts.seed + 1 + r))
             runs.append(bench.run(source, ctx, opts, opts.budget, opts.seed + 1 + r))
     except Exception as exc:  # one broken case must not take the run down
         return {**case, "status": "error", "error": f"{type(exc).__name__}: {exc}",
@@ -48,6 +56,8 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         result["how"] = source.augment_description()
     if "mb_per_s" in runs[0]:
         result["mb_per_s"] = summarise([r["mb_per_s"] for r in runs])
+    if copies:
+        result["memory_copy"] = summarise(copies)
     if "open_s" in runs[0]:
         result["open_s"] = summarise([r["open_s"] for r in runs])
     if "wait_fraction" in runs[0]:

@@ -261,6 +261,48 @@ class DiskLimit:
         return {"samples": nbytes / 1e6, "seconds": seconds}
 
 
+class MemoryCopy:
+    """The reference for warm raw rows: each record's bytes copied out of RAM into a new
+    bytes object, in random order, on one core, in the same Python loop shape as a read.
+
+    What a warm raw read would cost with no file system and no reader in the way (it is
+    a read's memcpy, malloc and loop, without the syscall and the page-cache lookup).
+    Timed just before each warm raw run, so a row can be read against the machine's
+    memory speed at that moment: on a shared virtual machine it drifts by 20% or more
+    over minutes. Record sizes are the corpus files' sizes; the buffer is far larger than
+    any CPU cache, and fixed, so memory stays flat whatever the corpus size.
+    """
+
+    description = "copy of each record's bytes out of a 256 MiB buffer in RAM, random order, one core"
+    BUFFER = 256 << 20
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = [min(n, self.BUFFER) for n in sizes]
+        self.buffer = b"\x5a" * self.BUFFER  # written, so every page is its own (zeros would share one)
+
+    @classmethod
+    def of_corpus(cls, folder: str) -> "MemoryCopy":
+        files = [p for p in cache.data_files(folder) if p.lower().endswith(IMG_EXTENSIONS)]
+        if not files:
+            raise RuntimeError(f"no images under {folder} to size the memory-copy reference")
+        return cls([os.path.getsize(p) for p in files])
+
+    def rate(self, budget: float, seed: int) -> float:
+        """Records copied per second over about `budget` seconds."""
+        rng = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(self.sizes), generator=rng).tolist()
+        starts = torch.randint(0, self.BUFFER, (len(order),), generator=rng).tolist()
+        copies = [(start % (self.BUFFER - self.sizes[i] + 1), self.sizes[i]) for i, start in zip(order, starts)]
+        buffer, n = self.buffer, 0
+        start = time.perf_counter()
+        while True:
+            for at, size in copies:
+                buffer[at:at + size]
+                n += 1
+                if n % 256 == 0 and time.perf_counter() - start >= budget:
+                    return n / (time.perf_counter() - start)
+
+
 MEASURES = {
     "raw": ItemLoop("raw", "raw read: bytes only (random order for map-style, shard order for shards)"),
     "block": ItemLoop("raw", "raw read in readers.BlockShuffleSampler order (map-style sources)", order="block"),

@@ -40,6 +40,9 @@ def ratios(results: dict) -> dict:
         for s in CACHE_STATES:
             r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
                                               workers * ceiling if ceiling else None)
+        warm = entry.get("measures", {}).get("raw", {}).get("warm") or {}
+        if warm.get("status") == "ok" and "memory_copy" in warm:
+            r["raw_warm_vs_memory"] = divide(warm["median"], warm["memory_copy"]["median"])
         block = entry.get("measures", {}).get("block", {}).get("cold") or {}
         if block.get("status") == "ok" and "mb_per_s" in block:
             r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
@@ -134,6 +137,14 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    "a row's block-order MB/s by it.")
     elif disk.get("status") == "error":
         out.append(f"Disk: error: {disk['error']}")
+    memory = [(name, case["memory_copy"]["median"], results["ratios"].get(name, {}).get("raw_warm_vs_memory"))
+              for name, entry in results["sources"].items()
+              if (case := entry.get("measures", {}).get("raw", {}).get("warm", {})).get("memory_copy")]
+    if memory:
+        out.append("Memory copy, the reference for raw warm rows, timed before each of their runs: each record's "
+                   "bytes copied out of RAM into a new bytes object, random order, one core (records/s, median; "
+                   "raw warm as a share of it): "
+                   + ", ".join(f"{name} {rate(copy)} ({one(share)})" for name, copy, share in memory) + ".")
     mix = results.get("mixing")
     if mix:
         out.append(f"Batch mixing (mean class entropy per batch of {mix['batch_size']}, bits, on the packed "

@@ -81,6 +81,19 @@ def test_ratios_compare_each_packed_source_with_the_folder(smoke):
     assert ratios["folder"]["e2e_warm_vs_ceiling"] > 0
 
 
+def test_warm_raw_rows_carry_the_memory_copy_reference(smoke):
+    results = smoke["results"]
+    for name, entry in results["sources"].items():
+        if not entry["available"]:
+            continue
+        case = entry["measures"]["raw"]["warm"]
+        assert len(case["memory_copy"]["runs"]) == 1 and case["memory_copy"]["median"] > 0
+        assert "memory_copy" not in entry["measures"]["raw"]["cold"]
+        assert results["ratios"][name]["raw_warm_vs_memory"] == pytest.approx(
+            case["median"] / case["memory_copy"]["median"])
+    assert "Memory copy, the reference for raw warm rows" in smoke["stdout"]
+
+
 def test_table_has_a_row_per_source_and_says_why_one_is_missing(smoke):
     stdout, results = smoke["stdout"], smoke["results"]
     rows = [line for line in stdout.splitlines() if line.startswith("| ")]
