@@ -79,15 +79,20 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def resident_pages(path: str) -> tuple[int, int]:
-    """(pages of path in the page cache, pages in path), by mincore on a fresh mapping.
+    """(pages of path in the page cache, pages in path), by mincore on a fresh mapping."""
+    resident = resident_map(path)
+    return int(np.count_nonzero(resident)), len(resident)
 
-    Mapping a file does not read it, so the check itself leaves the cache as it was.
+
+def resident_map(path: str) -> np.ndarray:
+    """Whether each page of path is in the page cache (bool per page), by mincore on a
+    fresh mapping. Mapping a file does not read it, so the check leaves the cache as it was.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return 0, 0
+            return np.zeros(0, dtype=bool)
         addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr is None or addr == _MAP_FAILED:
             err = ctypes.get_errno()
@@ -98,7 +103,7 @@ def resident_pages(path: str) -> tuple[int, int]:
             if _LIBC.mincore(addr, size, vec) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mincore failed: {os.strerror(err)}", path)
-            return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)), n
+            return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
         finally:
             _LIBC.munmap(addr, size)
     finally:

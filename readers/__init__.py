@@ -8,7 +8,7 @@ from .gpu import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
 from .hdf5 import HDF5Dataset
 from .lmdb import LMDBDataset
 from .loader import make_loader
-from .sampler import BlockShuffleSampler, class_entropy
+from .sampler import BlockShuffleSampler, ShuffleSampler, class_entropy
 from .stats import LoaderStats, LoaderWarning
 from .transforms import CenterCrop, RandomResizedCrop
 from .wds import WDSDataset, WDSMapDataset
@@ -27,6 +27,6 @@ def open_dataset(path, split=None, **kwargs):
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop",
     "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
-    "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil", "decode_tensor",
+    "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil", "decode_tensor",
     "image_size", "make_loader", "open_dataset",
 ]

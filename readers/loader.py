@@ -9,7 +9,9 @@ What it sets and why:
 - a worker init that pins OpenMP/MKL/torch to one thread per worker (N workers x N
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
-- DistributedSampler when torch.distributed is initialised (an IterableDataset splits
+- for shuffled packed data a ShuffleSampler (DistributedSampler's permutation and rank
+  shares, with the next records hinted to the kernel so cold random reads overlap), else
+  DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
   an epoch counter that advances by itself so shuffles differ per epoch;
 - the reader told the access pattern (random: read exactly each record; block or
@@ -33,7 +35,7 @@ from packer.pack import available_cores
 
 from .collate import collate
 from .gpu import CUDAPrefetcher
-from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, reader_of
+from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
 from .stats import LoaderStats
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -118,14 +120,14 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         train: shuffle and drop the last partial batch (each can be overridden).
         workers: DataLoader processes; default: the cores available (affinity-aware),
             divided by LOCAL_WORLD_SIZE.
-        seed: DistributedSampler's shuffle seed (the same on every rank).
+        seed: the shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
             RandomResizedCrop(224) / CenterCrop(224) by `train`, or a readers.nvjpeg.GPUDecoder.
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
         order: how a map-style dataset is walked. "random": a permutation per epoch (the
-            default when shuffling); "block": readers.BlockShuffleSampler(block_size,
+            default when shuffling; readers.ShuffleSampler over packed data); "block": readers.BlockShuffleSampler(block_size,
             window), near-sequential reads with mixed batches, for cold or remote storage;
             "sequential": storage order. Default: "random" if shuffling, else index order.
     """
@@ -197,7 +199,11 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     else:
         if shuffle is None:
             shuffle = train or order == "random"
-        if world > 1:
+        if shuffle and reader_of(dataset) is not None:  # packed data: the permutation, read ahead
+            sampler = ShuffleSampler(dataset, seed=seed, rank=rank, world_size=world,
+                                     drop_last=train if drop_last is None else drop_last)
+            shuffle = None
+        elif world > 1:
             sampler = tud.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
                                              drop_last=train if drop_last is None else drop_last)
             shuffle = None
@@ -205,7 +211,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         drop_last = train
     reader = None if iterable else reader_of(dataset)
     if reader is not None:  # read exactly each record, or let the kernel read ahead
-        permuted = shuffle or (isinstance(sampler, tud.DistributedSampler) and sampler.shuffle)
+        permuted = shuffle or (isinstance(sampler, (tud.DistributedSampler, ShuffleSampler)) and sampler.shuffle)
         reader.advise("random" if permuted and not isinstance(sampler, BlockShuffleSampler) else "sequential")
     if collate_fn is None:
         collate_fn = functools.partial(collate, pin_memory=pin_memory and workers == 0)

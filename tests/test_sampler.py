@@ -1,4 +1,5 @@
-"""BlockShuffleSampler: coverage, locality, DDP shares, storage order, read-ahead hints, mixing."""
+"""ShuffleSampler and BlockShuffleSampler: coverage, locality, DDP shares, storage order,
+read-ahead hints, mixing."""
 from __future__ import annotations
 
 import os
@@ -6,11 +7,15 @@ import time
 
 import numpy as np
 import pytest
+import torch.utils.data as tud
 
 import readers
 from benchmarks import cache
 from packer import pack
-from readers import BlockShuffleSampler, class_entropy, make_loader
+from packer.formats import _io
+from readers import BlockShuffleSampler, ShuffleSampler, class_entropy, make_loader
+from readers import loader as loader_module
+from readers import sampler as sampler_module
 
 from conftest import class_sorted_tree
 
@@ -31,6 +36,126 @@ class Sized:
 @pytest.fixture
 def sorted_tree(tmp_path):
     return class_sorted_tree(tmp_path / "src", classes=4, per_class=10)
+
+
+@pytest.mark.parametrize("n", [0, 1, 23, 1000])
+@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shuffle_sampler_deals_what_distributed_sampler_deals(n, world, drop_last):
+    for rank in range(world):
+        for epoch in (0, 5):
+            ours = ShuffleSampler(Sized(n), seed=7, rank=rank, world_size=world, drop_last=drop_last)
+            theirs = tud.DistributedSampler(Sized(n), num_replicas=world, rank=rank, seed=7, drop_last=drop_last)
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+    assert list(ShuffleSampler(Sized(9), shuffle=False)) == list(range(9))
+    with pytest.raises(ValueError, match="rank and world_size together"):
+        ShuffleSampler(Sized(10), world_size=2)
+
+
+def hinted_sampler(tmp_path, tree, fmt: str, monkeypatch):
+    """(dataset, a ShuffleSampler over it, the indexes it hints, its data files); hints are
+    recorded and still sent."""
+    out = tmp_path / f"r.{fmt}"
+    pack(str(tree), fmt, str(out), progress=False, workers=1)
+    dataset = readers.open_dataset(out, decode="raw").open()
+    reader, hinted = dataset.reader, []
+    send = reader.will_need_records
+
+    def record(indexes):
+        hinted.extend(indexes.tolist())
+        return send(indexes)
+
+    monkeypatch.setattr(reader, "will_need_records", record)
+    files = [p for p in cache.data_files(str(out)) if p.endswith((".mdb", ".tar")) or p == str(out)]
+    return dataset, ShuffleSampler(dataset, seed=1), hinted, files
+
+
+needs_page_cache_control = pytest.mark.skipif(
+    not cache.CAN_EVICT or cache.resident_fraction([__file__]) is None or not _io.CAN_PROBE,
+    reason="needs posix_fadvise, mincore and RWF_NOWAIT")
+
+
+def evicted(files) -> None:
+    cache.evict(files)
+    if cache.resident_fraction(files) > 0.5:
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+
+
+@needs_page_cache_control
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_random_order_is_hinted_ahead_of_reading(tmp_path, fmt, monkeypatch):
+    tree = class_sorted_tree(tmp_path / "src", classes=4, per_class=50)
+    dataset, sampler, hinted, files = hinted_sampler(tmp_path, tree, fmt, monkeypatch)
+    evicted(files)
+    indexes, order = sampler.indexes().tolist(), []
+    for i in sampler:
+        order.append(i)
+        # Hints go out in reading order, up to AHEAD records past the one being read.
+        assert hinted == indexes[:len(hinted)]
+        assert len(hinted) >= min(len(order) - 1 + sampler_module.AHEAD, 200)
+    assert sorted(order) == list(range(200)) and order == indexes
+    dataset.close()
+
+
+@needs_page_cache_control
+def test_hints_back_off_while_records_are_cached(tmp_path, monkeypatch):
+    tree = class_sorted_tree(tmp_path / "src", classes=4, per_class=250)
+    dataset, sampler, hinted, files = hinted_sampler(tmp_path, tree, "hdf5", monkeypatch)
+    cache.load(files)  # warm: every record is cached
+    assert sorted(sampler) == list(range(1000))
+    # 63 calls' worth of records: after each call that finds all cached, 1, 2, 4 ... are skipped.
+    assert 3 <= sampler.read_ahead.calls <= 7 and len(hinted) == sampler.read_ahead.calls * 16
+    evicted(files)
+    hinted.clear()
+    assert sorted(sampler) == list(range(1000))
+    assert sampler.read_ahead.calls == 63 and sorted(hinted) == list(range(1000))
+    dataset.close()
+
+
+@needs_page_cache_control
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_hints_bring_the_next_records_into_the_page_cache(sorted_tree, tmp_path, fmt):
+    out = tmp_path / f"c.{fmt}"
+    pack(str(sorted_tree), fmt, str(out), progress=False, workers=1)
+    dataset = readers.open_dataset(out, decode="raw").open()
+    files = [p for p in cache.data_files(str(out)) if p.endswith((".mdb", ".tar")) or p == str(out)]
+    evicted(files)
+    # The pages that hold the records' bytes (the files also hold tables, headers, padding).
+    pages = {(os.readlink(f"/proc/self/fd/{fd}"), page) for fd, offset, length in
+             dataset.reader.record_extents(np.arange(40)) for page in
+             range(offset // cache.PAGE, (offset + length - 1) // cache.PAGE + 1)}
+    assert len(pages) > 40 and {path for path, _ in pages} == set(files)
+    first = next(iter(ShuffleSampler(dataset, seed=0)))  # hints the first AHEAD records: all 40 here
+    assert 0 <= first < 40
+
+    def resident() -> int:
+        maps = {p: cache.resident_map(p) for p in files}
+        return sum(bool(maps[path][page]) for path, page in pages)
+
+    # Nearly all: a record whose middle page came in with a neighbour counts as cached.
+    deadline = time.monotonic() + 10
+    while resident() < 0.9 * len(pages) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident() >= 0.9 * len(pages)
+    dataset.close()
+
+
+def test_make_loader_shuffles_packed_data_with_the_read_ahead_sampler(sorted_tree, tmp_path, monkeypatch):
+    out = tmp_path / "l.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
+    dataset = readers.LMDBDataset(out, decode="raw", transform=len)
+    loader = make_loader(dataset, 4, workers=0, seed=3)
+    assert isinstance(loader.sampler, ShuffleSampler) and dataset.reader.access == "random"
+    first = [int(n) for sizes, _ in loader for n in sizes]
+    assert sorted(first) == sorted(os.path.getsize(sorted_tree / p) for p in dataset.paths)
+    assert [int(n) for sizes, _ in loader for n in sizes] != first  # the next epoch reshuffles
+    assert not isinstance(make_loader(dataset, 4, workers=0, train=False).sampler, ShuffleSampler)
+    monkeypatch.setattr(loader_module, "distributed", lambda: (1, 3))
+    sampler = make_loader(dataset, 4, workers=0, seed=3).sampler
+    assert isinstance(sampler, ShuffleSampler) and sampler.world() == (1, 3) and sampler.drop_last
+    assert len(sampler) == 13 and len(set(sampler)) == 13
 
 
 def test_one_rank_reads_every_index_once_in_shuffled_blocks():

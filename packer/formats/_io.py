@@ -6,7 +6,9 @@ some virtual disks), so random faults on a cold file read far more than they use
 access pattern a reader is told (random or sequential) becomes posix_fadvise advice on its
 descriptors: RANDOM reads exactly what is asked, SEQUENTIAL reads ahead. will_need()
 starts the kernel reading a byte range into the page cache in the background, which is
-how a block sampler fetches the blocks it is about to use in large sequential reads.
+how a block sampler fetches the blocks it is about to use in large sequential reads, and
+how a random-order sampler keeps many record reads in flight; cached() tells whether a
+page is already there, so hints for a warm dataset can stop.
 Where posix_fadvise is missing (macOS, Windows) the advice is skipped; reads still work.
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ ACCESS_PATTERNS = ("random", "sequential")
 CAN_ADVISE = hasattr(os, "posix_fadvise")
 CAN_PREAD = hasattr(os, "pread")  # not on Windows: readers that need it fall back
 _ADVICE = {"random": "POSIX_FADV_RANDOM", "sequential": "POSIX_FADV_SEQUENTIAL"}
+CAN_PROBE = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
+_PROBE = bytearray(1)  # cached()'s landing byte: its content is never used
 
 
 def check_access(access: str) -> str:
@@ -52,6 +56,17 @@ def _pread_rest(fd: int, size: int, offset: int, data: bytes) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+def cached(fd: int, offset: int) -> bool:
+    """Whether the page holding byte offset is in the page cache: a one-byte read that may
+    not wait for the disk (RWF_NOWAIT, Linux >= 4.14). False where that cannot be asked."""
+    if not CAN_PROBE:
+        return False
+    try:
+        return os.preadv(fd, [_PROBE], offset, os.RWF_NOWAIT) == 1
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP: a file system that cannot say
+        return False
 
 
 def will_need(fd: int, offset: int, length: int) -> None:

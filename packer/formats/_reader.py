@@ -9,7 +9,7 @@ import numpy as np
 from ..errors import CorruptDataError
 from ..records import Metadata, checksum, choose_split
 from ._handle import LazyHandle
-from ._io import check_access
+from ._io import cached, check_access, will_need
 
 
 _UNREAD = object()
@@ -81,6 +81,31 @@ class SplitReader(LazyHandle):
 
     def will_need(self, start: int, stop: int) -> None:
         """Hint that the records stored at positions [start, stop) are read soon (no-op here)."""
+
+    def will_need_records(self, indexes) -> int:
+        """Hint that the records `indexes` (any order) are read soon: the kernel starts
+        reading the bytes of each one not in the page cache, in the background, so many
+        reads are in flight at once. Returns how many were hinted (0: all were cached).
+
+        A record counts as cached when the page of its middle byte is: its first and last
+        pages may be shared with its neighbours."""
+        hinted = 0
+        for fd, offset, length in self.record_extents(np.asarray(indexes, dtype=np.int64)):
+            if not cached(fd, offset + length // 2):
+                will_need(fd, offset, length)
+                hinted += 1
+        return hinted
+
+    def record_extents(self, indexes: np.ndarray):
+        """(descriptor, file offset, length) of each record in indexes that is one run in a
+        file; records the layout cannot place that way are left out (their hints are skipped)."""
+        return ()
+
+    def positions_of(self, indexes: np.ndarray) -> np.ndarray:
+        """Where records `indexes` are stored (vectorised position())."""
+        if self.count:
+            self.position(0)  # builds the index-to-position table
+        return indexes if self._position is False else self._position[indexes]
 
     def __len__(self) -> int:
         return self.count

@@ -294,6 +294,17 @@ class Reader(SplitReader):
             lo, hi = int(chunks[first:last + 1].min()), int(chunks[first:last + 1].max()) + CHUNK_BYTES
             _io.will_need(self.handle()[2], lo, hi - lo)
 
+    def record_extents(self, indexes: np.ndarray):
+        file_offsets = self.file_offsets()
+        if file_offsets is None or not len(indexes):
+            return ()
+        offsets, _ = self.index()
+        positions = self.positions_of(indexes)
+        at, size = file_offsets[positions], offsets[positions + 1] - offsets[positions]
+        keep = at >= 0
+        fd = self.handle()[2]
+        return ((fd, a, n) for a, n in zip(at[keep].tolist(), size[keep].tolist()))
+
     @property
     def labels(self) -> np.ndarray:
         if self._labels is None:

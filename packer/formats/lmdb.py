@@ -387,6 +387,15 @@ class Reader(SplitReader):
             first = int(chunk["offset"].min())
             _io.will_need(self.handle()[2], first, int((chunk["offset"] + chunk["length"]).max()) - first)
 
+    def record_extents(self, indexes: np.ndarray):
+        if self.extents() is None or not len(indexes):
+            return ()
+        positions = self.positions_of(indexes)
+        at, length = self._where_stored[positions], self._lengths[positions]
+        keep = length > 0  # values in leaf pages have no extent
+        fd = self.handle()[2]
+        return ((fd, a, n) for a, n in zip(at[keep].tolist(), length[keep].tolist()))
+
     def _aux(self, name: bytes, required: bool = True) -> bytes | None:
         _, txn, _ = self.handle()
         raw = txn.get(self.split.encode() + b"/" + name)

@@ -271,6 +271,14 @@ class Reader(SplitReader):
             first = int(mine["offset"].min())
             _io.will_need(self.shard_fd(shard), first, int((mine["offset"] + mine["size"]).max()) - first)
 
+    def record_extents(self, indexes: np.ndarray):
+        if not len(indexes):
+            return ()
+        chosen = self.records[indexes]
+        return ((self.shard_fd(shard), offset, size)
+                for shard, offset, size in zip(chosen["shard"].tolist(), chosen["offset"].tolist(),
+                                               chosen["size"].tolist()))
+
     def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         shard, crc, offset, size, label = self.records[index].tolist()
