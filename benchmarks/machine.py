@@ -1,6 +1,7 @@
 """Describes the machine a run measured: CPUs, memory, GPU, library versions, disk."""
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import shutil
@@ -49,6 +50,43 @@ def mount_of(path: str) -> dict:
     return best
 
 
+BALLOON_DEVICE = "0x0005"  # virtio device id of a memory balloon
+BALLOON_REPORTING = 5  # feature bit VIRTIO_BALLOON_F_REPORTING: free pages go back to the host
+
+
+def _sysfs(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def memory_reclaim(root: str = "/sys") -> list[str]:
+    """What on this machine takes memory back on its own: running DAMON schemes that page
+    out or deprioritise idle memory, and a virtio balloon (that reports free pages to the
+    host). Either can drop page-cache pages or hand the guest pages behind them back to the
+    host between cases, which moves warm figures."""
+    found = []
+    for state in sorted(glob.glob(f"{root}/kernel/mm/damon/admin/kdamonds/*/state")):
+        if _sysfs(state) != "on":
+            continue
+        for scheme in sorted(glob.glob(f"{os.path.dirname(state)}/contexts/*/schemes/*/")):
+            action = _sysfs(f"{scheme}action")
+            if action not in ("pageout", "lru_deprio"):
+                continue
+            context = os.path.dirname(os.path.dirname(os.path.dirname(scheme)))
+            aggr_us = int(_sysfs(f"{context}/monitoring_attrs/intervals/aggr_us") or 0)
+            age = int(_sysfs(f"{scheme}access_pattern/age/min") or 0)
+            found.append(f"DAMON {action} of memory idle for {age * aggr_us / 1e6:g} s")
+    for device in sorted(glob.glob(f"{root}/bus/virtio/devices/*")):
+        if _sysfs(f"{device}/device") == BALLOON_DEVICE:
+            features = _sysfs(f"{device}/features")
+            reporting = len(features) > BALLOON_REPORTING and features[BALLOON_REPORTING] == "1"
+            found.append("virtio balloon" + (" with free page reporting" if reporting else ""))
+    return found
+
+
 def describe(data_dir: str) -> dict:
     """The facts that make two runs comparable, in one JSON-ready dict."""
     import numpy
@@ -64,6 +102,7 @@ def describe(data_dir: str) -> dict:
         "numpy": numpy.__version__,
         "disk": {**mount_of(data_dir), "free_bytes": shutil.disk_usage(data_dir).free},
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "memory_reclaim": memory_reclaim(),
     }
     for module in ("torch", "lmdb", "h5py", "webdataset", "simplejpeg", "PIL"):
         try:

@@ -36,7 +36,7 @@ def smoke(tmp_path_factory) -> dict:
 def test_smoke_run_records_the_machine_and_config(smoke):
     results = smoke["results"]
     assert results["schema"] == 1
-    for key in ("cpu", "cpus_usable", "ram_bytes", "torch", "cuda", "gpu", "disk"):
+    for key in ("cpu", "cpus_usable", "ram_bytes", "torch", "cuda", "gpu", "disk", "memory_reclaim"):
         assert key in results["machine"]
     assert results["config"]["corpus"]["images"] == 60
     assert results["config"]["repeat"] == 1
@@ -103,6 +103,33 @@ def test_table_has_a_row_per_source_and_says_why_one_is_missing(smoke):
         if not entry["available"]:
             assert f"{name}: n/a ({entry['reason']})" in stdout
     assert "Machine:" in stdout and "Ceiling:" in stdout
+
+
+def write_tree(root, files: dict) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
+def test_memory_reclaim_names_damon_pageout_and_a_reporting_balloon(tmp_path):
+    kdamond = "kernel/mm/damon/admin/kdamonds/0"
+    context = f"{kdamond}/contexts/0"
+    write_tree(tmp_path, {
+        f"{kdamond}/state": "on",
+        f"{context}/monitoring_attrs/intervals/aggr_us": "5000000",
+        f"{context}/schemes/0/action": "pageout",
+        f"{context}/schemes/0/access_pattern/age/min": "6",
+        f"{context}/schemes/1/action": "stat",  # monitoring only: takes nothing
+        "bus/virtio/devices/virtio0/device": "0x0005",
+        "bus/virtio/devices/virtio0/features": "0110010" + "0" * 57,
+        "bus/virtio/devices/virtio1/device": "0x0002",  # a block device
+    })
+    assert machine.memory_reclaim(str(tmp_path)) == ["DAMON pageout of memory idle for 30 s",
+                                                      "virtio balloon with free page reporting"]
+    write_tree(tmp_path, {f"{kdamond}/state": "off", "bus/virtio/devices/virtio0/features": "011" + "0" * 61})
+    assert machine.memory_reclaim(str(tmp_path)) == ["virtio balloon"]
+    assert machine.memory_reclaim(str(tmp_path / "absent")) == []
 
 
 def skip_without_page_cache(folder) -> None:
