@@ -29,6 +29,8 @@ from typing import Iterator
 import numpy as np
 import torch.utils.data
 
+from packer.formats._io import CAN_ADVISE
+
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
 AHEAD = 64  # records hinted ahead of the one being read in random order
@@ -88,7 +90,8 @@ class ShuffleSampler(torch.utils.data.Sampler):
         check_world("ShuffleSampler", rank, world_size)
         self.count = len(dataset)
         reader = reader_of(dataset)
-        self.reader = reader if prefetch and hasattr(reader, "will_need_records") else None
+        # Without posix_fadvise (macOS, Windows) a hint does nothing: none are sent.
+        self.reader = reader if prefetch and CAN_ADVISE and hasattr(reader, "will_need_records") else None
         self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
