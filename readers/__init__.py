@@ -27,6 +27,6 @@ def open_dataset(path, split=None, **kwargs):
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop",
     "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
-    "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil", "decode_tensor",
-    "image_size", "make_loader", "open_dataset",
+    "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
+    "decode_tensor", "image_size", "make_loader", "open_dataset",
 ]

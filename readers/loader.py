@@ -127,8 +127,9 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
         order: how a map-style dataset is walked. "random": a permutation per epoch (the
-            default when shuffling; readers.ShuffleSampler over packed data); "block": readers.BlockShuffleSampler(block_size,
-            window), near-sequential reads with mixed batches, for cold or remote storage;
+            default when shuffling; over packed data readers.ShuffleSampler, which reads
+            ahead); "block": readers.BlockShuffleSampler(block_size, window),
+            near-sequential reads with mixed batches, for cold or remote storage;
             "sequential": storage order. Default: "random" if shuffling, else index order.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
