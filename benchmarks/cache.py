@@ -6,11 +6,12 @@ mincore(2) then confirms how much is still resident. The kernel skips pages that
 process has mapped, so callers close readers (LMDB maps its file) before evicting; the
 check catches any that stayed. Warm means: the files were evicted and then read from
 start to end (again, up to RELOADS times, while mincore finds a page missing), and
-mincore confirms every data page is resident. Evicting first makes warm the same state
-whatever ran before: pages a cold random run brought in one at a time are held as single
-pages, and copying out of those was up to 15% slower than out of the larger blocks a
-sequential read leaves (Linux 6.18, ext4). Only file data is evicted: directory entries
-and inodes stay cached, and a hypervisor's or disk's own cache is out of reach.
+mincore confirms every data page is resident. Evicting first means no case inherits the
+pages an earlier cold random run brought in one at a time. It cannot make the memory
+behind the cache the same: on a VM that reclaims guest memory (DAMON pageout, a balloon
+reporting free pages; see machine.memory_reclaim) the same cached file copies out slower
+in some runs than in others. Only file data is evicted: directory entries and inodes stay
+cached, and a hypervisor's or disk's own cache is out of reach.
 """
 from __future__ import annotations
 
