@@ -222,3 +222,22 @@ def test_compare_rejects_unreadable_results(tmp_path, capsys):
     bad.write_text("{not json")
     assert bench_main(["compare", str(bad), str(bad)]) == 2
     assert "cannot read results" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
+def test_read_ahead_study_reports_every_depth_and_restores_the_default(tmp_path):
+    from benchmarks.suites import read_ahead
+    from packer import pack
+    from packer.synth import make_corpus
+    from readers import sampler as sampler_module
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=15)
+    packed = tmp_path / "d.h5"
+    pack(str(tmp_path / "src"), "hdf5", str(packed), progress=False, workers=1)
+    default = sampler_module.AHEAD
+    out = tmp_path / "runs.json"
+    assert read_ahead.main([str(packed), "--ahead", "0,16", "--records", "20", "--repeats", "2",
+                            "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"0", "16"} and all(len(v) == 2 and min(v) > 0 for v in runs.values())
+    assert sampler_module.AHEAD == default
