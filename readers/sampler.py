@@ -43,10 +43,26 @@ def reader_of(dataset):
     return reader if hasattr(reader, "will_need") else None
 
 
-def check_world(name: str, rank: int | None, world_size: int | None) -> None:
-    if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
-        raise ValueError(f"{name}: pass rank and world_size together, with 0 <= rank < world_size (got "
-                         f"rank={rank}, world_size={world_size})")
+class RankedSampler(torch.utils.data.Sampler):
+    """What the samplers share: this process's rank and world size (given, or
+    torch.distributed's when both are None) and the epoch that reseeds the shuffle."""
+
+    def __init__(self, rank: int | None, world_size: int | None):
+        if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
+            raise ValueError(f"{type(self).__name__}: pass rank and world_size together, with 0 <= rank < "
+                             f"world_size (got rank={rank}, world_size={world_size})")
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def world(self) -> tuple[int, int]:
+        if self.rank is not None:
+            return self.rank, self.world_size
+        from .loader import distributed
+
+        return distributed()
 
 
 class ReadAhead:
@@ -73,7 +89,7 @@ class ReadAhead:
         self.skip = self.backoff
 
 
-class ShuffleSampler(torch.utils.data.Sampler):
+class ShuffleSampler(RankedSampler):
     """A random permutation of `dataset` per epoch, this rank's share, read ahead.
 
     The indexes are exactly torch's DistributedSampler's for the same seed, epoch, ranks
@@ -81,31 +97,22 @@ class ShuffleSampler(torch.utils.data.Sampler):
     data, the AHEAD records after the one being read are hinted to the kernel, HINT_CHUNK
     at a time, from the process that iterates the sampler (the main process, with
     DataLoader workers): up to AHEAD reads in flight instead of one, which on a cold
-    cache reads in random order at near the disk's sequential rate. prefetch=False, or
-    a dataset without a packer reader, gives the plain permutation.
+    cache reads in random order at near the disk's sequential rate. `ahead` sets how
+    many; prefetch=False, or a dataset without a packer reader, gives the plain permutation.
     """
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, drop_last: bool = False, prefetch: bool = True):
-        check_world("ShuffleSampler", rank, world_size)
+                 world_size: int | None = None, drop_last: bool = False, prefetch: bool = True,
+                 ahead: int = AHEAD):
+        super().__init__(rank, world_size)
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ShuffleSampler: ahead must be an int >= 0, got {ahead!r}")
         self.count = len(dataset)
         reader = reader_of(dataset)
         # Without posix_fadvise (macOS, Windows) a hint does nothing: none are sent.
         self.reader = reader if prefetch and CAN_ADVISE and hasattr(reader, "will_need_records") else None
-        self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
-        self.rank, self.world_size = rank, world_size
-        self.epoch = 0
+        self.shuffle, self.seed, self.drop_last, self.ahead = shuffle, int(seed), drop_last, ahead
         self.read_ahead: ReadAhead | None = None  # the last pass's, for inspection
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def world(self) -> tuple[int, int]:
-        if self.rank is not None:
-            return self.rank, self.world_size
-        from .loader import distributed
-
-        return distributed()
 
     def share(self, world_size: int) -> int:
         """Indexes per rank (DistributedSampler's num_samples)."""
@@ -132,18 +139,19 @@ class ShuffleSampler(torch.utils.data.Sampler):
         if self.reader is None:
             yield from indexes.tolist()
             return
-        hint = self.read_ahead = ReadAhead(self.reader)
-        for k in range(0, min(AHEAD, len(indexes)), HINT_CHUNK):
+        hint, ahead = ReadAhead(self.reader), self.ahead
+        self.read_ahead = hint
+        for k in range(0, min(ahead, len(indexes)), HINT_CHUNK):
             hint(indexes[k:k + HINT_CHUNK])
         for k in range(0, len(indexes), HINT_CHUNK):
-            hint(indexes[k + AHEAD:k + AHEAD + HINT_CHUNK])
+            hint(indexes[k + ahead:k + ahead + HINT_CHUNK])
             yield from indexes[k:k + HINT_CHUNK].tolist()
 
     def __len__(self) -> int:
         return self.share(self.world()[1])
 
 
-class BlockShuffleSampler(torch.utils.data.Sampler):
+class BlockShuffleSampler(RankedSampler):
     """Indexes of `dataset` in shuffled blocks of storage order, this rank's share only.
 
     Args:
@@ -167,25 +175,13 @@ class BlockShuffleSampler(torch.utils.data.Sampler):
         for name, value in (("block_size", block_size), ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockShuffleSampler: {name} must be a positive int, got {value!r}")
-        check_world("BlockShuffleSampler", rank, world_size)
+        super().__init__(rank, world_size)
         self.count = len(dataset)
         reader = reader_of(dataset)
         self.reader = reader if prefetch else None
         # The index of the record at each stored position; None: the identity.
         self.stored = reader.storage_order() if reader is not None else None
         self.block_size, self.window, self.shuffle, self.seed = block_size, window, shuffle, int(seed)
-        self.rank, self.world_size = rank, world_size
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def world(self) -> tuple[int, int]:
-        if self.rank is not None:
-            return self.rank, self.world_size
-        from .loader import distributed
-
-        return distributed()
 
     def blocks(self, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
         """(this rank's blocks as [start, stop) stored positions, the largest rank's record

@@ -50,8 +50,10 @@ def test_shuffle_sampler_deals_what_distributed_sampler_deals(n, world, drop_las
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs) and len(ours) == len(theirs)
     assert list(ShuffleSampler(Sized(9), shuffle=False)) == list(range(9))
-    with pytest.raises(ValueError, match="rank and world_size together"):
+    with pytest.raises(ValueError, match="ShuffleSampler: pass rank and world_size together"):
         ShuffleSampler(Sized(10), world_size=2)
+    with pytest.raises(ValueError, match="ahead must be an int >= 0"):
+        ShuffleSampler(Sized(10), ahead=-1)
 
 
 def hinted_sampler(tmp_path, tree, fmt: str, monkeypatch):
@@ -96,6 +98,11 @@ def test_random_order_is_hinted_ahead_of_reading(tmp_path, fmt, monkeypatch):
         assert hinted == indexes[:len(hinted)]
         assert len(hinted) >= min(len(order) - 1 + sampler_module.AHEAD, 200)
     assert sorted(order) == list(range(200)) and order == indexes
+    evicted(files)
+    hinted.clear()
+    shallow = ShuffleSampler(dataset, seed=1, ahead=16)
+    next(iter(shallow))  # hints the first 16, then the 16 after them
+    assert hinted == shallow.indexes()[:32].tolist()
     dataset.close()
 
 

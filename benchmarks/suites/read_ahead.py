@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import readers  # noqa: E402
 from benchmarks import cache  # noqa: E402
-from readers import sampler as sampler_module  # noqa: E402
 
 
 def cold_rate(path: str, ahead: int, records: int, seed: int) -> float:
@@ -33,8 +32,7 @@ def cold_rate(path: str, ahead: int, records: int, seed: int) -> float:
     dataset.reader.advise("random")
     cache.evict(files)
     dataset.open()  # tables only: opening reads no record
-    sampler_module.AHEAD = ahead
-    order = readers.ShuffleSampler(dataset, seed=seed, prefetch=ahead > 0)
+    order = readers.ShuffleSampler(dataset, seed=seed, prefetch=ahead > 0, ahead=ahead)
     n = 0
     start = time.perf_counter()
     for i in order:
@@ -58,14 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cache.CAN_EVICT:
         parser.error("evicting the page cache needs posix_fadvise (Linux)")
     depths = [int(x) for x in args.ahead.split(",")]
-    default = sampler_module.AHEAD
     runs: dict[int, list[float]] = {d: [] for d in depths}
-    try:
-        for r in range(args.repeats):
-            for depth in depths:
-                runs[depth].append(cold_rate(args.packed, depth, args.records, seed=r))
-    finally:
-        sampler_module.AHEAD = default
+    for r in range(args.repeats):
+        for depth in depths:
+            runs[depth].append(cold_rate(args.packed, depth, args.records, seed=r))
     print(f"cold random reads, {args.records} records of {args.packed}, median of {args.repeats}")
     print("| records hinted ahead | records/s | runs |\n|---:|---:|---|")
     for depth, values in runs.items():
