@@ -37,8 +37,7 @@ class SplitReader(LazyHandle):
         first read (e.g. ahead of a timed loop). Returns self."""
         self.handle()
         self.labels, self.paths  # properties: read and cached on first access
-        if self.count:
-            self.position(0)  # builds the index-to-position table
+        self.position_table()
         self.load_tables()
         return self
 
@@ -64,12 +63,17 @@ class SplitReader(LazyHandle):
         """The layout's storage order (see storage_order); None here: index order."""
         return None
 
-    def position(self, index: int) -> int:
-        """Where record index is stored."""
+    def position_table(self) -> np.ndarray | bool:
+        """Index -> stored position, built once from storage_order(); False: the index itself."""
         if self._position is None:
             order = self.storage_order()
             self._position = False if order is None else np.argsort(order)
-        return index if self._position is False else self._position.item(index)
+        return self._position
+
+    def position(self, index: int) -> int:
+        """Where record index is stored."""
+        table = self.position_table() if self._position is None else self._position
+        return index if table is False else table.item(index)
 
     def checked_order(self, order: np.ndarray) -> np.ndarray:
         """A stored order table, checked to be a permutation of the records."""
@@ -103,9 +107,8 @@ class SplitReader(LazyHandle):
 
     def positions_of(self, indexes: np.ndarray) -> np.ndarray:
         """Where records `indexes` are stored (vectorised position())."""
-        if self.count:
-            self.position(0)  # builds the index-to-position table
-        return indexes if self._position is False else self._position[indexes]
+        table = self.position_table()
+        return indexes if table is False else table[indexes]
 
     def __len__(self) -> int:
         return self.count
