@@ -12,9 +12,13 @@ def median(case: dict | None) -> float | None:
     return None
 
 
+def case_of(entry: dict, measure: str, state: str) -> dict:
+    """A source entry's case for (measure, cache state); {} where it did not run."""
+    return entry.get("measures", {}).get(measure, {}).get(state) or {}
+
+
 def figure(results: dict, source: str, measure: str, state: str) -> float | None:
-    entry = results.get("sources", {}).get(source, {})
-    return median(entry.get("measures", {}).get(measure, {}).get(state))
+    return median(case_of(results.get("sources", {}).get(source, {}), measure, state))
 
 
 def divide(a: float | None, b: float | None) -> float | None:
@@ -40,10 +44,10 @@ def ratios(results: dict) -> dict:
         for s in CACHE_STATES:
             r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
                                               workers * ceiling if ceiling else None)
-        warm = entry.get("measures", {}).get("raw", {}).get("warm") or {}
+        warm = case_of(entry, "raw", "warm")
         if warm.get("status") == "ok" and "memory_copy" in warm:
             r["raw_warm_vs_memory"] = divide(warm["median"], warm["memory_copy"]["median"])
-        block = entry.get("measures", {}).get("block", {}).get("cold") or {}
+        block = case_of(entry, "block", "cold")
         if block.get("status") == "ok" and "mb_per_s" in block:
             r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
         out[name] = r
@@ -139,7 +143,7 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
         out.append(f"Disk: error: {disk['error']}")
     memory = [(name, case["memory_copy"]["median"], results["ratios"].get(name, {}).get("raw_warm_vs_memory"))
               for name, entry in results["sources"].items()
-              if (case := entry.get("measures", {}).get("raw", {}).get("warm", {})).get("memory_copy")]
+              if (case := case_of(entry, "raw", "warm")).get("memory_copy")]
     if memory:
         out.append("Memory copy, the reference for raw warm rows, timed before each of their runs: each record's "
                    "bytes copied out of RAM into a new bytes object, random order, one core (records/s, median; "
@@ -152,7 +156,7 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    f"{mix['random']:.2f}, block order (block {mix['block_size']}, window {mix['window']}) "
                    f"{mix['block']:.2f}, storage order {mix['storage_order']:.2f}.")
     opens = [f"{name} {case['open_s']['median'] * 1e3:,.1f} ms" for name, entry in results["sources"].items()
-             if (case := entry.get("measures", {}).get("raw", {}).get("warm", {})).get("open_s")]
+             if (case := case_of(entry, "raw", "warm")).get("open_s")]
     if opens:
         out.append("Opening a dataset and its tables, once per process, is timed apart from the rates "
                    f"(raw, warm, median): {', '.join(opens)}.")
