@@ -142,13 +142,17 @@ def prepare(paths: list[str], state: str) -> float | None:
     return resident_fraction(paths)
 
 
-def verdict(state: str, resident: list[float | None]) -> tuple[bool | None, str]:
-    """(verified, note) for the residency measured before each timed run of a case."""
-    if not resident or any(r is None for r in resident):
+def verdict(state: str, resident: list[float | None], after: list[float | None] = ()) -> tuple[bool | None, str]:
+    """(verified, note) for the residency measured before each timed run of a case and,
+    for warm runs, after it (a warm run lasts its whole budget: something may reclaim
+    the cache meanwhile)."""
+    if not resident or any(r is None for r in [*resident, *after]):
         return None, "page cache state unverified (mincore unavailable)"
     worst = max(resident) if state == "cold" else min(resident)
     if state == "cold" and worst > COLD_MAX:
         return False, f"eviction did not take effect: {worst:.0%} of the data stayed cached"
     if state == "warm" and worst < WARM_MIN:
         return False, f"only {worst:.0%} of the data fit in the page cache"
+    if state == "warm" and after and min(after) < WARM_MIN:
+        return False, f"the page cache lost data during a run: {min(after):.0%} still resident at its end"
     return True, ""

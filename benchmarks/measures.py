@@ -35,7 +35,9 @@ class ItemLoop:
     """One process pulls samples one at a time: raw bytes, decoded uint8 RGB, or augmented.
 
     order "random" is a permutation (shard order for shards); "block" walks a map-style
-    source with readers.BlockShuffleSampler (only sources with `blocks` take it).
+    source with readers.BlockShuffleSampler (only sources with `blocks` take it). A run
+    reads `epochs` passes over the data at most (None: as many as the budget allows, each
+    in its epoch's order) and ends with them or with its budget, whichever comes first.
     """
 
     def __init__(self, mode: str, description: str, order: str = "random"):
@@ -44,9 +46,9 @@ class ItemLoop:
     def setup(self, source, ctx: dict, opts: Options):
         return self
 
-    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int, epochs: int | None = 1) -> dict:
         opening = time.perf_counter()
-        samples = source.samples(ctx, self.mode, seed, self.order)  # listing, opening: reported apart
+        samples = source.samples(ctx, self.mode, seed, self.order, epochs)  # listing, opening: reported apart
         open_s = time.perf_counter() - opening
         n = nbytes = 0
         try:

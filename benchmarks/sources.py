@@ -7,9 +7,10 @@ format or API is missing reports why through missing() and its row reads "n/a".
 """
 from __future__ import annotations
 
+import itertools
 import os
 import random
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -34,8 +35,13 @@ def _readers():
     return readers
 
 
-def _order(n: int, seed: int) -> np.ndarray:
+def _order(n: int, seed) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
+
+
+def _epochs(epochs: int | None) -> Iterable[int]:
+    """0, 1, ... epochs - 1; without end for None (the consumer stops when its time is up)."""
+    return itertools.count() if epochs is None else range(epochs)
 
 
 def _uint8_chw(image) -> torch.Tensor:
@@ -117,7 +123,7 @@ class PackerMap:
         options = {"check_crc": False} if decode == "raw" and self.fmt is not None else {}
         return getattr(_readers(), self.dataset_name)(self.path(ctx), decode=decode, transform=transform, **options)
 
-    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         dataset = self.open(ctx, *read_setup(mode))
         reader = getattr(dataset, "reader", None)
         if hasattr(reader, "advise"):
@@ -132,8 +138,10 @@ class PackerMap:
 
         def run():
             try:
-                for i in order:
-                    yield dataset[i][0]
+                for epoch in _epochs(epochs):
+                    order.set_epoch(epoch)
+                    for i in order:
+                        yield dataset[i][0]
             finally:
                 # Unmaps LMDB pages and drops HDF5's chunk cache, so the next run starts cold.
                 getattr(dataset, "close", lambda: None)()
@@ -175,9 +183,15 @@ class PackerShards:
         return _readers().WDSDataset(ctx["packed"][self.fmt], decode=decode, transform=transform, shuffle=shuffle,
                                      seed=seed)
 
-    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         dataset = self.open(ctx, *read_setup(mode))
-        return (sample[0] for sample in dataset)
+
+        def run():
+            for epoch in _epochs(epochs):
+                dataset.set_epoch(epoch)
+                yield from (sample[0] for sample in dataset)
+
+        return run()
 
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
@@ -233,13 +247,17 @@ class WebDatasetPeer:
 
         return webdataset.WebDataset(self.shards(ctx), shardshuffle=False, empty_check=False)
 
-    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
-        if mode == "raw":
-            return (wds_image(s) for s in self.pipeline(ctx))
-        if mode == "decode":
-            return (wds_image(s) for s in self.pipeline(ctx).decode("rgb8"))
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         rng = random.Random(seed)
-        return (_uint8_chw(augment_pil(wds_image(s), rng)) for s in self.pipeline(ctx).decode("pil"))
+
+        def one_epoch():
+            if mode == "raw":
+                return (wds_image(s) for s in self.pipeline(ctx))
+            if mode == "decode":
+                return (wds_image(s) for s in self.pipeline(ctx).decode("rgb8"))
+            return (_uint8_chw(augment_pil(wds_image(s), rng)) for s in self.pipeline(ctx).decode("pil"))
+
+        return (sample for _ in _epochs(epochs) for sample in one_epoch())
 
     def loader(self, ctx: dict, opts) -> Loader:
         dataset = self.pipeline(ctx).shuffle(PackerShards.TRAIN_SHUFFLE).decode("pil").map(_wds_train_pair)
@@ -285,15 +303,14 @@ class PILListdirPeer:
         return [(os.path.join(root, c, f), label) for label, c in enumerate(classes)
                 for f in sorted(os.listdir(os.path.join(root, c))) if f.lower().endswith(IMAGE_EXTENSIONS)]
 
-    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random") -> Iterator:
+    def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         from PIL import Image
 
         items = self.listing(ctx)
-        order = _order(len(items), seed)
         rng = random.Random(seed)
 
         def run():
-            for i in order:
+            for i in (i for epoch in _epochs(epochs) for i in _order(len(items), (seed, epoch))):
                 path = items[int(i)][0]
                 if mode == "raw":
                     with open(path, "rb") as f:

@@ -74,6 +74,21 @@ def test_every_available_case_produced_a_positive_figure(smoke):
         assert case["status"] == "n/a" or case["median"] > 0
 
 
+def test_warm_runs_read_epoch_after_epoch_and_cold_runs_one_pass(smoke):
+    results = smoke["results"]
+    images = results["config"]["corpus"]["images"]
+    for name in ("folder", "lmdb", "hdf5"):
+        raw = results["sources"][name]["measures"]["raw"]
+        # 60 records take milliseconds: a warm run fills its 0.1 s budget with further epochs.
+        assert raw["warm"]["samples"][0] > 2 * images, name
+        if raw["warm"]["resident"] != [None]:  # mincore available
+            assert raw["warm"]["resident_after"] == [1.0] and raw["warm"]["cache_verified"] is True
+    for name, entry in results["sources"].items():
+        if entry["available"]:
+            assert entry["measures"]["raw"]["cold"]["samples"][0] <= images, name
+            assert "resident_after" not in entry["measures"]["raw"]["cold"]
+
+
 def test_ratios_compare_each_packed_source_with_the_folder(smoke):
     ratios = smoke["results"]["ratios"]
     assert ratios["lmdb"]["raw_warm_vs_folder"] > 0
@@ -147,6 +162,12 @@ def test_eviction_empties_the_page_cache_and_loading_fills_it(tmp_path):
     assert cache.prepare([str(path)], "warm") == 1.0
     assert cache.verdict("cold", [0.5]) == (False, "eviction did not take effect: 50% of the data stayed cached")
     assert cache.verdict("warm", [1.0])[0] is True
+    # A warm run is checked again at its end: data reclaimed mid-run makes it unverified.
+    cache.evict([str(path)])
+    after = cache.resident_fraction([str(path)])
+    assert cache.verdict("warm", [1.0], [after]) == (
+        False, "the page cache lost data during a run: 0% still resident at its end")
+    assert cache.verdict("warm", [1.0], [1.0])[0] is True
 
 
 def test_eviction_of_a_mapped_file_is_detected_not_assumed(tmp_path):
