@@ -192,8 +192,9 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
         out += [f"- {x}" for x in marks]
     out += results.get("notes", [])
     if m.get("memory_reclaim"):
-        out.append(f"Memory reclaim on this machine: {'; '.join(m['memory_reclaim'])}. It can drop cached pages "
-                   "or hand the memory behind them back to the host between cases, which moves warm figures.")
+        out.append(f"Memory reclaim on this machine: {'; '.join(m['memory_reclaim'])}. It can drop cached pages, "
+                   "between cases and during a run (a warm run that reads slowly then ends with pages gone and is "
+                   "marked †), or hand the memory behind them back to the host, which moves warm figures.")
     gpu = m.get("gpu") or "no GPU"
     ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
     disk = m.get("disk", {})
