@@ -89,6 +89,30 @@ def test_records_are_read_at_their_extents_and_stale_extents_fall_back(tmp_path)
     reader.close()
 
 
+@pytest.mark.skipif(not HAS_EXTENTS, reason="extents are taken from the writemap mapping (Linux)")
+@pytest.mark.parametrize("check_crc", [True, False])
+def test_image_bytes_are_placed_past_paths_of_any_length_in_shuffled_storage(tmp_path, check_crc):
+    # Reads go straight to each image's bytes, past a header and path whose length differs
+    # per record; a shuffled pack stores records out of index order, so the lengths must
+    # follow storage order, not index order.
+    src = tmp_path / "src"
+    names = ["a.jpg", "a_much_longer_file_name_than_the_others.jpg", "deep/er/still/x.jpg", "ü名.jpg"]
+    for i in range(12):
+        write(src / f"c{i % 3}" / f"{i:02d}{names[i % 4]}", jpeg_bytes(i, size=(160, 120)))
+    out = tmp_path / "shuffled.lmdb"
+    pack(str(src), "lmdb", str(out), progress=False, shuffle=True, shuffle_seed=3)
+    reader = lmdb_format.Reader(str(out), check_crc=check_crc)
+    assert reader.storage_order() is not None and reader.extents() is not None
+    expected = [(src / reader.paths[i]).read_bytes() for i in range(12)]
+    assert [reader.read_image(i)[0] for i in range(12)] == expected
+    with open(out / "data.mdb", "rb") as f:
+        for i, (_, offset, length) in enumerate(reader.record_extents(np.arange(12))):
+            f.seek(offset)
+            assert f.read(length) == expected[i]
+    assert reader.extents() is not None  # no read fell back to the map
+    reader.close()
+
+
 def pack_with_extents_rewritten(tmp_path, count: int, rewrite) -> tuple:
     """A pack of count page-sized records whose stored extents are then rewritten by rewrite."""
     src = tmp_path / "src"
