@@ -273,7 +273,8 @@ class Reader(SplitReader):
             if data is None or len(data) != stop - start:
                 raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
                                        "(re-pack it, or restore it from a copy)", self.path)
-        self.check_data(data, crcs.item(position), index)
+        # The CRC table is only touched when checking: a random read's every table lookup is a cache miss.
+        self.check_data(data, crcs.item(position) if self.check_crc else None, index)
         return data, self.labels.item(index)
 
     def load_tables(self) -> None:
