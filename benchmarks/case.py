@@ -4,7 +4,9 @@ A fresh process per case keeps one case's open maps, allocator state and importe
 caches from leaking into the next. Each case: untimed setup, an untimed warm-up run,
 then `repeat` timed runs, each preceded by making the source's files cold or warm and
 checking the page cache with mincore. A warm raw run is also preceded by the memory-copy
-reference (measures.MemoryCopy), timed in the same state of the machine. Failures are
+reference (measures.MemoryCopy) and, for packed map-style sources, the bare-read
+reference on the same cached pages (measures.BareRead), timed in the same state of the
+machine. Failures are
 recorded per case, never raised.
 
 A cold run reads the data once: a second pass would find it cached. A warm single-process
@@ -21,7 +23,7 @@ import sys
 import traceback
 
 from . import cache
-from .measures import CEILING, DISK, MEASURES, ItemLoop, MemoryCopy, Options
+from .measures import CEILING, DISK, MEASURES, BareRead, ItemLoop, MemoryCopy, Options
 from .sources import SOURCES
 
 
@@ -46,12 +48,13 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         reference = MemoryCopy.of_corpus(ctx["folder"]) if (case["measure"], state) == ("raw", "warm") else None
         passes = {"epochs": None} if state == "warm" and isinstance(measure, ItemLoop) else {}
         bench.run(source, ctx, opts, opts.warmup, opts.seed)  # warm-up, excluded
-        runs, resident, resident_after, copies = [], [], [], []
+        runs, resident, resident_after, copies, bare = [], [], [], [], []
         for r in range(opts.repeat):
             if state:
                 resident.append(cache.prepare(files, state))
             if reference is not None:
                 copies.append(reference.rate(min(REFERENCE_S, opts.budget), opts.seed + 1 + r))
+                bare.append(BareRead.rate_of(source, ctx, min(REFERENCE_S, opts.budget), opts.seed + 1 + r))
             runs.append(bench.run(source, ctx, opts, opts.budget, opts.seed + 1 + r, **passes))
             if state == "warm":
                 resident_after.append(cache.resident_fraction(files))
@@ -67,6 +70,8 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         result["mb_per_s"] = summarise([r["mb_per_s"] for r in runs])
     if copies:
         result["memory_copy"] = summarise(copies)
+    if bare and None not in bare:
+        result["bare_read"] = summarise(bare)
     if "open_s" in runs[0]:
         result["open_s"] = summarise([r["open_s"] for r in runs])
     if "wait_fraction" in runs[0]:

@@ -1,7 +1,7 @@
 """The columns of the table: what is timed for a source, as small cases in MEASURES.
 
 Every measure follows one shape (ffcv's): setup() does the untimed work once, run()
-is one timed pass of at most `budget` seconds that builds its own readers and closes
+is one timed run of at most `budget` seconds that builds its own readers and closes
 them afterwards (an open LMDB map would keep its pages cached), and the caller adds
 the warm-up and the repeats. Rates are samples per second.
 """
@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from packer.formats._io import will_need
@@ -21,7 +22,7 @@ from . import cache
 
 @dataclass
 class Options:
-    budget: float = 1.0  # seconds per timed run (a run also ends when the data does)
+    budget: float = 1.0  # seconds per timed run (a cold or e2e run also ends when the data does)
     warmup: float = 0.25  # seconds of untimed warm-up per case
     repeat: int = 3
     batch_size: int = 64
@@ -300,6 +301,53 @@ class MemoryCopy:
         while True:
             for at, size in copies:
                 buffer[at:at + size]
+                n += 1
+                if n % 256 == 0 and time.perf_counter() - start >= budget:
+                    return n / (time.perf_counter() - start)
+
+
+class BareRead:
+    """The floor for a packed source's warm raw row: `os.pread` of each record's stored
+    bytes where the format's reader says they lie (Reader.record_extents), with no reader
+    code around it, in random order, on one core.
+
+    Timed just before each warm raw run, on the pages that run will read, so a slow row
+    can be told apart: slow pages make this slow too (the memory-copy reference says how
+    fast RAM is, this one how fast copying out of the page cache is), while the row's
+    share of it is what the reader and sampler themselves cost. A random sample of at
+    most MAX_RECORDS records, so memory stays flat whatever the dataset size.
+    """
+
+    description = ("os.pread of each record's stored bytes at its offset, no reader code, random order, one core "
+                   "(packed map-style rows)")
+    MAX_RECORDS = 1 << 16
+
+    @classmethod
+    def rate_of(cls, source, ctx: dict, budget: float, seed: int) -> float | None:
+        """Records read per second over about `budget` seconds; None for a source whose reader
+        cannot place records in its files (the folder: a file per record)."""
+        if not hasattr(source, "open"):  # the peers: no packer reader
+            return None
+        dataset = source.open(ctx, "raw")
+        try:
+            reader = getattr(dataset, "reader", None)
+            if not hasattr(reader, "record_extents"):  # the folder's: a file per record
+                return None
+            dataset.open()
+            rng = np.random.default_rng(seed)
+            sample = rng.permutation(len(dataset))[:cls.MAX_RECORDS]
+            extents = list(reader.record_extents(sample))
+            return cls.time(extents, budget) if extents else None
+        finally:
+            getattr(dataset, "close", lambda: None)()
+
+    @staticmethod
+    def time(extents: list[tuple[int, int, int]], budget: float) -> float:
+        pread, n = os.pread, 0
+        start = time.perf_counter()
+        while True:
+            for fd, offset, length in extents:
+                pread(fd, length, offset)
                 n += 1
                 if n % 256 == 0 and time.perf_counter() - start >= budget:
                     return n / (time.perf_counter() - start)

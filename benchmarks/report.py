@@ -47,6 +47,8 @@ def ratios(results: dict) -> dict:
         warm = case_of(entry, "raw", "warm")
         if warm.get("status") == "ok" and "memory_copy" in warm:
             r["raw_warm_vs_memory"] = divide(warm["median"], warm["memory_copy"]["median"])
+        if warm.get("status") == "ok" and "bare_read" in warm:
+            r["raw_warm_vs_bare_read"] = divide(warm["median"], warm["bare_read"]["median"])
         block = case_of(entry, "block", "cold")
         if block.get("status") == "ok" and "mb_per_s" in block:
             r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
@@ -149,6 +151,13 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    "bytes copied out of RAM into a new bytes object, random order, one core (records/s, median; "
                    "raw warm as a share of it): "
                    + ", ".join(f"{name} {rate(copy)} ({one(share)})" for name, copy, share in memory) + ".")
+    bare = [(name, case["bare_read"]["median"], results["ratios"].get(name, {}).get("raw_warm_vs_bare_read"))
+            for name, entry in results["sources"].items() if (case := case_of(entry, "raw", "warm")).get("bare_read")]
+    if bare:
+        out.append("Bare read, the floor for packed raw warm rows, timed before each of their runs on the same cached "
+                   "pages: os.pread of each record's stored bytes where the reader places them, no reader code, "
+                   "random order, one core (records/s, median; raw warm as a share of it): "
+                   + ", ".join(f"{name} {rate(floor)} ({one(share)})" for name, floor, share in bare) + ".")
     mix = results.get("mixing")
     if mix:
         out.append(f"Batch mixing (mean class entropy per batch of {mix['batch_size']}, bits, on the packed "

@@ -21,7 +21,7 @@ import numpy as np
 from packer.pack import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, DISK, MEASURES, MemoryCopy, Options
+from .measures import CACHE_STATES, CEILING, DISK, MEASURES, BareRead, MemoryCopy, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
@@ -213,7 +213,8 @@ def run(args) -> dict:
                        "corpus": corpus,
                        "descriptions": {**{m: MEASURES[m].description for m in args.measures},
                                         "ceiling": CEILING.description, "disk": DISK.description,
-                                        "memory_copy": MemoryCopy.description}},
+                                        "memory_copy": MemoryCopy.description,
+                                        "bare_read": BareRead.description}},
             "notes": notes,
             "sources": {},
         }

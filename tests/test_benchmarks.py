@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks import cache, machine
@@ -107,6 +108,47 @@ def test_warm_raw_rows_carry_the_memory_copy_reference(smoke):
         assert results["ratios"][name]["raw_warm_vs_memory"] == pytest.approx(
             case["median"] / case["memory_copy"]["median"])
     assert "Memory copy, the reference for raw warm rows" in smoke["stdout"]
+
+
+def test_packed_warm_raw_rows_carry_the_bare_read_floor(smoke):
+    results = smoke["results"]
+    for name, entry in results["sources"].items():
+        case = entry["measures"]["raw"]["warm"] if entry["available"] else {}
+        if name in ("lmdb", "hdf5", "wds (map)"):
+            assert len(case["bare_read"]["runs"]) == 1 and case["bare_read"]["median"] > 0, name
+            assert results["ratios"][name]["raw_warm_vs_bare_read"] == pytest.approx(
+                case["median"] / case["bare_read"]["median"])
+        else:  # a file per record, shards streamed, or no packer reader: nothing to place
+            assert "bare_read" not in case, name
+    assert "Bare read, the floor for packed raw warm rows" in smoke["stdout"]
+
+
+@pytest.mark.parametrize("name, fmt, suffix", [("lmdb", "lmdb", ".lmdb"), ("hdf5", "hdf5", ".h5"),
+                                               ("wds (map)", "wds", ".wds")])
+def test_bare_read_reads_exactly_each_records_bytes(tmp_path, name, fmt, suffix):
+    from benchmarks.measures import BareRead
+    from benchmarks.sources import SOURCES
+    from conftest import class_sorted_tree
+
+    from packer.pack import pack
+
+    src = class_sorted_tree(tmp_path / "src", classes=2, per_class=3)
+    out = str(tmp_path / f"d{suffix}")
+    pack(str(src), fmt, out, progress=False)
+    ctx = {"folder": str(src), "packed": {fmt: out}}
+    dataset = SOURCES[name].open(ctx, "raw")
+    dataset.open()
+    try:
+        extents = list(dataset.reader.record_extents(np.arange(len(dataset))))
+        # Every record is placed, and the bytes at its extent are the record's image, byte for byte.
+        assert len(extents) == len(dataset) == 6
+        for i, (fd, offset, length) in enumerate(extents):
+            assert os.pread(fd, length, offset) == dataset[i][0]
+    finally:
+        dataset.close()
+    assert BareRead.rate_of(SOURCES[name], ctx, 0.05, 0) > 0
+    assert BareRead.rate_of(SOURCES["folder"], ctx, 0.05, 0) is None  # a file per record: nothing to place
+    assert BareRead.rate_of(SOURCES["webdataset (peer)"], ctx, 0.05, 0) is None
 
 
 def test_table_has_a_row_per_source_and_says_why_one_is_missing(smoke):
