@@ -304,3 +304,25 @@ def test_read_ahead_study_reports_every_depth_and_restores_the_default(tmp_path)
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {"0", "16"} and all(len(v) == 2 and min(v) > 0 for v in runs.values())
     assert sampler_module.AHEAD == default
+
+
+def test_warm_state_study_reports_every_fill(tmp_path, capsys):
+    from benchmarks.suites import warm_state
+    from packer import pack
+    from packer.synth import make_corpus
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=15)
+    packed = tmp_path / "d.lmdb"
+    pack(str(tmp_path / "src"), "lmdb", str(packed), progress=False, workers=1)
+    out = tmp_path / "runs.json"
+    assert warm_state.main([str(packed), "--seconds", "0.05", "--repeats", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == set(warm_state.FILLS)
+    for run in runs.values():
+        assert run["reader"][0] > 0 and run["bare"][0] > 0
+        assert run["resident"][0] in (None, 1.0)  # every fill leaves all of the data cached
+        assert run["large_folios"][0] is None or 0 <= run["large_folios"][0] <= 1
+    table = capsys.readouterr().out
+    assert all(f"| {how} |" in table for how in warm_state.FILLS)
+    with pytest.raises(SystemExit):
+        warm_state.main([str(packed), "--fills", "read-through,sideways"])
