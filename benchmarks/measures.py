@@ -330,16 +330,21 @@ class BareRead:
             return None
         dataset = source.open(ctx, "raw")
         try:
-            reader = getattr(dataset, "reader", None)
-            if not hasattr(reader, "record_extents"):  # the folder's: a file per record
-                return None
-            dataset.open()
-            rng = np.random.default_rng(seed)
-            sample = rng.permutation(len(dataset))[:cls.MAX_RECORDS]
-            extents = list(reader.record_extents(sample))
-            return cls.time(extents, budget) if extents else None
+            return cls.rate_of_dataset(dataset, budget, seed)
         finally:
             getattr(dataset, "close", lambda: None)()
+
+    @classmethod
+    def rate_of_dataset(cls, dataset, budget: float, seed: int) -> float | None:
+        """As rate_of, for a readers Dataset the caller opened and closes."""
+        reader = getattr(dataset, "reader", None)
+        if not hasattr(reader, "record_extents"):  # the folder's: a file per record
+            return None
+        dataset.open()
+        rng = np.random.default_rng(seed)
+        sample = rng.permutation(len(dataset))[:cls.MAX_RECORDS]
+        extents = list(reader.record_extents(sample))
+        return cls.time(extents, budget) if extents else None
 
     @staticmethod
     def time(extents: list[tuple[int, int, int]], budget: float) -> float:

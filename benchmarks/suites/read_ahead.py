@@ -12,7 +12,6 @@ evict (Linux); the CUDA-free single process measures reading alone.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import readers  # noqa: E402
 from benchmarks import cache  # noqa: E402
+from benchmarks.suites import _study  # noqa: E402
 
 
 def cold_rate(path: str, ahead: int, records: int, seed: int) -> float:
@@ -46,15 +46,10 @@ def cold_rate(path: str, ahead: int, records: int, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("packed", help="a packer LMDB, HDF5 or wds dataset")
+    parser = _study.parser(__doc__, repeats=3)
     parser.add_argument("--ahead", default="0,16,64,256", help="depths, comma-separated (0: no hints)")
     parser.add_argument("--records", type=int, default=6000, help="records read per run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", help="write the runs here")
-    args = parser.parse_args(argv)
-    if not cache.CAN_EVICT:
-        parser.error("evicting the page cache needs posix_fadvise (Linux)")
+    args = _study.parse(parser, argv)
     depths = [int(x) for x in args.ahead.split(",")]
     runs: dict[int, list[float]] = {d: [] for d in depths}
     for r in range(args.repeats):

@@ -18,7 +18,6 @@ to evict (Linux).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import readers  # noqa: E402
 from benchmarks import cache  # noqa: E402
 from benchmarks.measures import BareRead  # noqa: E402
+from benchmarks.suites import _study  # noqa: E402
 
 FILLS = ("read-through", "random-epoch", "block-epoch")
 KPF_COMPOUND_HEAD, KPF_COMPOUND_TAIL = 15, 16  # /proc/kpageflags bits: page belongs to a large folio
@@ -116,24 +116,18 @@ def large_folio_share(files: list[str]) -> float | None:
 
 
 def bare_rate(path: str, seconds: float, seed: int) -> float | None:
-    class Packed:  # the shape BareRead.rate_of expects of a source
-        @staticmethod
-        def open(ctx, decode):
-            return open_raw(path)
-
-    return BareRead.rate_of(Packed, {}, seconds, seed)
+    dataset = open_raw(path)
+    try:
+        return BareRead.rate_of_dataset(dataset, seconds, seed)
+    finally:
+        dataset.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("packed", help="a packer LMDB, HDF5 or wds dataset")
+    parser = _study.parser(__doc__, repeats=2)
     parser.add_argument("--fills", default=",".join(FILLS), help=f"comma-separated, from {','.join(FILLS)}")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per timed rate")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", help="write the runs here")
-    args = parser.parse_args(argv)
-    if not cache.CAN_EVICT:
-        parser.error("evicting the page cache needs posix_fadvise (Linux)")
+    args = _study.parse(parser, argv)
     fills = [x.strip() for x in args.fills.split(",") if x.strip()]
     unknown = sorted(set(fills) - set(FILLS))
     if unknown:
