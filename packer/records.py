@@ -3,23 +3,56 @@
 Writers and readers of all formats share these definitions, so a dataset's metadata
 means the same thing whichever container holds it. Nothing here is ever pickled: the
 metadata is UTF-8 JSON, paths are NUL-separated UTF-8, arrays are little-endian.
+
+Everything read from a dataset is untrusted, and checked here once, as it is loaded:
+  - the path table: every path is relative, with no empty, "." or ".." component, so
+    joining it to a folder (verify --against) or making it a tar member name (wds) never
+    leaves that folder;
+  - the metadata: every field's type and range (Metadata.from_json), split names that are
+    one plain folder name (check_split_name), and its checksum.
+
+The metadata checksum, "crc32", lets any tool detect a damaged class list or count. It
+is the CRC-32 (zlib) of
+    json.dumps(rest, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+encoded as UTF-8 with surrogateescape, where rest is the metadata JSON object without
+its "crc32" key and without the keys its container owns: in a WDS index.json, which is
+the metadata object plus "wds" (the shard list), that is "wds"; shards have their own
+SHA-256s and sizes there. Metadata without "crc32" (written before it existed) is
+accepted, provided it holds only the keys those versions wrote.
 """
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import CorruptDataError, FormatError
 
 # Bumped when a layout changes incompatibly; readers refuse newer versions by name.
 FORMAT_VERSION = 1
 UNLABELED = -1
 # Filenames that are not valid UTF-8 (possible on Linux) survive as surrogate escapes.
 PATH_ENCODING_ERRORS = "surrogateescape"
+# The keys of packer.formats.FORMATS (records cannot import formats, which import it).
+FORMAT_NAMES = ("lmdb", "hdf5", "wds")
+# Read limits on metadata: far above any real dataset's, low enough that parsing a hostile
+# one cannot exhaust memory or, for nesting, the stack of whoever serialises it next.
+MAX_METADATA_BYTES = 64 << 20
+MAX_WRITTEN_METADATA_BYTES = MAX_METADATA_BYTES // 2  # leaves room for the indented form
+MAX_NESTING = 100
+MAX_RECORDS = 2**31 - 1  # per split: labels and storage orders are int32 tables
+MAX_BYTES = 2**63 - 1  # per split: image offsets are int64
+MAX_NAME_BYTES = 255  # a file name's limit on common file systems
+# The keys metadata without a "crc32" may hold: all that packer wrote before it had one.
+UNCHECKED_KEYS = frozenset({"format", "format_version", "count", "bytes", "classes", "splits", "skipped",
+                            "source", "created", "packer_version", "params"})
+# In a path table with each "/" turned into NUL: an empty, "." or ".." component or path.
+_UNSAFE_COMPONENT = re.compile(rb"\x00\.{0,2}\x00")
+_SLASH_TO_NUL = bytes.maketrans(b"/", b"\x00")
 
 
 def checksum(data: bytes) -> int:
@@ -56,13 +89,34 @@ class PathTable:
         return cls.from_nul_separated(b"\0".join(encode_path(s) for s in strings))
 
     @classmethod
-    def from_nul_separated(cls, raw: bytes) -> "PathTable":
-        """Parse the on-disk form: UTF-8 paths joined by NUL."""
+    def from_nul_separated(cls, raw: bytes, where: str = "path table") -> "PathTable":
+        """Parse the on-disk form: UTF-8 paths joined by NUL.
+
+        Raises CorruptDataError naming `where` if a path is not a safe relative path."""
         data = raw + b"\0"
         ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 0) + 1
         if not raw:
             ends = ends[:0]  # an empty table, not one empty path
-        return cls(data, np.concatenate(([0], ends)).astype(np.int64))
+        table = cls(data, np.concatenate(([0], ends)).astype(np.int64))
+        if raw:
+            table.check_relative(where)
+        return table
+
+    def check_relative(self, where: str) -> None:
+        """Refuse absolute paths and empty, "." or ".." components: one regex pass over
+        the whole blob (a copy with "/" as NUL), not a Python loop per path."""
+        flat = self.data.translate(_SLASH_TO_NUL)
+        found = _UNSAFE_COMPONENT.search(flat)
+        if _UNSAFE_COMPONENT.match(b"\0" + flat[:3]):
+            bad = 0
+        elif found:
+            # The match starts at the separator before the bad component (or empty path).
+            bad = int(np.searchsorted(self.offsets, found.start() + 1, side="right")) - 1
+        else:
+            return
+        raise CorruptDataError(f"{where}: path {bad} ({self[bad]!r}) is not a safe relative path (it is empty "
+                               "or absolute, or has an empty, '.' or '..' component); the dataset is damaged "
+                               "or was crafted: re-pack it from its source", where)
 
     def to_nul_separated(self) -> bytes:
         return self.data[:-1]
@@ -83,6 +137,156 @@ class PathTable:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+class _Invalid(Exception):
+    """One thing wrong with a metadata object; Metadata turns it into a FormatError."""
+
+
+def split_name_problem(name) -> str | None:
+    """Why name cannot be a split name, or None: it must be one plain folder name."""
+    if not isinstance(name, str):
+        return "is not a string"
+    if not name:
+        return "is empty"
+    if name.startswith("."):
+        return 'starts with "." (a hidden name, "." or "..")'
+    if "/" in name or "\\" in name:
+        return 'holds a "/" or "\\"'
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "holds a control character"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode text"
+    if size > MAX_NAME_BYTES:
+        return f"is {size} bytes long, over {MAX_NAME_BYTES}"
+    return None
+
+
+def check_split_name(name, where: str = "split to write") -> None:
+    """Refuse a split name that is not one plain folder name: splits become folders and keys."""
+    problem = split_name_problem(name)
+    if problem is not None:
+        raise FormatError(f"{where}: split name {name!r} {problem}; a split name must be one plain "
+                          "folder name (like train, val, test)", where)
+
+
+def metadata_crc(obj: dict, container_keys: Sequence[str] = ()) -> int:
+    """The "crc32" of a metadata object (the module docstring gives the recipe)."""
+    rest = {k: v for k, v in obj.items() if k != "crc32" and k not in container_keys}
+    text = json.dumps(rest, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return checksum(text.encode("utf-8", PATH_ENCODING_ERRORS))
+
+
+def nesting(value) -> int:
+    """How deeply lists and dicts nest in value, counted without recursion, stopping past MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_NESTING:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _count(value, what: str, limit: int) -> int:
+    if type(value) is not int or not 0 <= value <= limit:  # bool is an int subclass: not a count
+        raise _Invalid(f"{what} is {_show(value)}, not a whole number from 0 to {limit}")
+    return value
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise _Invalid(f"{what} is {_show(value)}, not a string")
+    return value
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_crc(d: dict, container_keys: Sequence[str]) -> None:
+    if "crc32" not in d:
+        unknown = sorted(set(d) - UNCHECKED_KEYS - set(container_keys))
+        if unknown:  # a damaged "crc32" key, or a newer packer's fields without their checksum
+            raise _Invalid(f"unknown key(s) {_show(unknown)} and no crc32")
+        return
+    stored = _count(d["crc32"], "crc32", 0xFFFFFFFF)
+    try:
+        actual = metadata_crc(d, container_keys)
+    except UnicodeEncodeError as exc:  # a lone surrogate that no file name decodes to
+        raise _Invalid(f"text that is not valid Unicode ({exc.reason})") from exc
+    if stored != actual:
+        raise _Invalid(f"checksum mismatch (crc32 says {stored:08x}, the content gives {actual:08x})")
+
+
+def _classes(value) -> list[str]:
+    if not isinstance(value, list):
+        raise _Invalid(f"classes is {_show(value)}, not a list")
+    for name in value:
+        if not isinstance(name, str) or not name or "\0" in name or "/" in name:
+            raise _Invalid(f"class name {_show(name)} is not a folder name (a non-empty string without "
+                           '"/" or NUL)')
+    if len(set(value)) != len(value):
+        raise _Invalid("classes holds a name twice")
+    return list(value)
+
+
+def _split(name: str, s, n_classes: int) -> "SplitInfo":
+    what = f"split {name!r}"
+    if not isinstance(s, dict):
+        raise _Invalid(f"{what} is {_show(s)}, not an object")
+    for key in ("count", "bytes", "class_counts"):
+        if key not in s:
+            raise _Invalid(f"{what} has no {key!r}")
+    count = _count(s["count"], f"{what} count", MAX_RECORDS)
+    size = _count(s["bytes"], f"{what} bytes", MAX_BYTES)
+    labeled = s.get("labeled", True)
+    if not isinstance(labeled, bool):
+        raise _Invalid(f"{what} labeled is {_show(labeled)}, not true or false")
+    counts = s["class_counts"]
+    if not isinstance(counts, list):
+        raise _Invalid(f"{what} class_counts is {_show(counts)}, not a list")
+    counts = [_count(c, f"{what} class count", MAX_RECORDS) for c in counts]
+    if labeled and (len(counts) != n_classes or sum(counts) != count):
+        raise _Invalid(f"{what} class_counts ({len(counts)} counts summing to {sum(counts)}) does not give "
+                       f"one count per class ({n_classes}) summing to the split's {count} records")
+    if not labeled and counts:
+        raise _Invalid(f"{what} is unlabeled but has class counts")
+    return SplitInfo(count, size, counts, labeled)
+
+
+def _splits(value, n_classes: int) -> dict[str, "SplitInfo"]:
+    if not isinstance(value, dict) or not value:
+        raise _Invalid(f"splits is {_show(value)}, not an object naming at least one split")
+    for name in value:
+        problem = split_name_problem(name)
+        if problem is not None:
+            raise _Invalid(f"split name {name!r} {problem}; a split name must be one plain folder name")
+    return {name: _split(name, s, n_classes) for name, s in value.items()}
+
+
+def _skipped(value) -> list[dict]:
+    if not isinstance(value, list):
+        raise _Invalid(f"skipped is {_show(value)}, not a list")
+    for entry in value:
+        if (not isinstance(entry, dict) or not {"path", "reason"} <= entry.keys()
+                or not all(isinstance(v, str) for v in entry.values())):
+            raise _Invalid(f"skipped entry {_show(entry)} is not an object of strings with a path and a reason")
+    return value
+
+
+def _params(value) -> dict:
+    if not isinstance(value, dict):
+        raise _Invalid(f"params is {_show(value)}, not an object")
+    origin = value.get("converted_from")
+    if origin is not None and not (isinstance(origin, dict) and isinstance(origin.get("path"), str)
+                                   and isinstance(origin.get("format"), str)):
+        raise _Invalid(f"params.converted_from is {_show(origin)}, not an object with a path and a format")
+    return value
 
 
 @dataclass
@@ -116,7 +320,8 @@ class Metadata:
         return sum(s.bytes for s in self.splits.values())
 
     def to_dict(self) -> dict:
-        return {
+        """The metadata object, with its crc32; refused if from_dict would refuse it."""
+        d = {
             "format": self.format,
             "format_version": self.format_version,
             "count": self.count,
@@ -133,29 +338,80 @@ class Metadata:
             "packer_version": self.packer_version,
             "params": dict(self.params),
         }
+        try:
+            d["crc32"] = metadata_crc(d)
+            self._parse(d, ())
+            size = len(json.dumps(d, ensure_ascii=False))
+            if size > MAX_WRITTEN_METADATA_BYTES:
+                raise _Invalid(f"it would be {size} bytes, over the {MAX_WRITTEN_METADATA_BYTES} a dataset's "
+                               "metadata may hold")
+        except (_Invalid, ValueError, RecursionError) as exc:
+            raise FormatError(f"cannot write this dataset's metadata: {exc}") from exc
+        return d
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS)
 
     @classmethod
-    def from_json(cls, raw: bytes | str, where: str) -> "Metadata":
+    def from_json(cls, raw, where: str) -> "Metadata":
+        """Parse and check a metadata object stored as JSON text (bytes are UTF-8)."""
+        if not isinstance(raw, (bytes, str)):
+            raise FormatError(f"{where}: the packer metadata is a {type(raw).__name__}, not JSON text; "
+                              "the dataset is damaged, re-pack it from its source", where)
+        return cls.from_dict(parse_json(raw, where, "packer metadata"), where)
+
+    @classmethod
+    def from_dict(cls, d, where: str, container_keys: Sequence[str] = ()) -> "Metadata":
+        """Check a parsed metadata object field by field and build it.
+
+        container_keys: keys the container keeps beside the metadata in the same object
+        (WDS: "wds"), left out of the checksum.
+        """
         try:
-            d = json.loads(raw.decode("utf-8", PATH_ENCODING_ERRORS) if isinstance(raw, bytes) else raw)
-            version = int(d["format_version"])
-            if version > FORMAT_VERSION:
-                raise FormatError(
-                    f"{where}: written with format version {version}, this packer reads up to "
-                    f"{FORMAT_VERSION} (upgrade packer to read it)", where)
-            splits = {name: SplitInfo(int(s["count"]), int(s["bytes"]),
-                                      [int(c) for c in s["class_counts"]], bool(s.get("labeled", True)))
-                      for name, s in d["splits"].items()}
-            return cls(format=d["format"], classes=list(d["classes"]), splits=splits,
-                       source=d.get("source", ""), created=d.get("created", ""),
-                       packer_version=d.get("packer_version", ""), params=d.get("params", {}),
-                       skipped=d.get("skipped", []), format_version=version)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise FormatError(f"{where}: unreadable packer metadata ({exc}); the dataset is damaged, "
-                              "re-pack it from its source", where) from exc
+            return cls._parse(d, container_keys, where)
+        except _Invalid as exc:
+            raise FormatError(f"{where}: bad packer metadata: {exc}; the dataset is damaged or was not written by "
+                              "packer, re-pack it from its source", where) from exc
+
+    @classmethod
+    def _parse(cls, d, container_keys: Sequence[str], where: str = "") -> "Metadata":
+        if not isinstance(d, dict):
+            raise _Invalid(f"it is {_show(d)}, not a JSON object")
+        if nesting(d) > MAX_NESTING:
+            raise _Invalid(f"lists or objects nested over {MAX_NESTING} deep")
+        version = _count(d.get("format_version"), "format_version", 2**31)
+        if version > FORMAT_VERSION:
+            raise FormatError(f"{where}: written with format version {version}, this packer reads up to "
+                              f"{FORMAT_VERSION} (upgrade packer to read it)", where)
+        if version < 1:
+            raise _Invalid("format_version is 0")
+        _check_crc(d, container_keys)
+        if d.get("format") not in FORMAT_NAMES:
+            raise _Invalid(f"format is {_show(d.get('format'))}, not one of {', '.join(FORMAT_NAMES)}")
+        classes = _classes(d.get("classes"))
+        splits = _splits(d.get("splits"), len(classes))
+        for key, total in (("count", sum(s.count for s in splits.values())),
+                           ("bytes", sum(s.bytes for s in splits.values()))):
+            if key in d and d[key] != total:
+                raise _Invalid(f"{key} is {_show(d[key])}, but the splits add up to {total}")
+        return cls(format=d["format"], classes=classes, splits=splits,
+                   source=_text(d.get("source", ""), "source"), created=_text(d.get("created", ""), "created"),
+                   packer_version=_text(d.get("packer_version", ""), "packer_version"),
+                   params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
+                   format_version=version)
+
+
+def parse_json(raw: bytes | str, where: str, what: str):
+    """json.loads of at most MAX_METADATA_BYTES of text, any failure a FormatError naming where."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise FormatError(f"{where}: the {what} is {len(raw)} bytes, over the {MAX_METADATA_BYTES} packer reads; "
+                          "the dataset is damaged or was not written by packer", where)
+    try:
+        return json.loads(raw.decode("utf-8", PATH_ENCODING_ERRORS) if isinstance(raw, bytes) else raw)
+    except (ValueError, RecursionError) as exc:  # deep nesting: RecursionError, not a ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise FormatError(f"{where}: the {what} is not valid JSON ({reason}); the dataset is damaged, "
+                          "re-pack it from its source", where) from exc
 
 
 def choose_split(splits: Sequence[str], split: str | None, where: str) -> str:

@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, encode_path
+from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
 
@@ -84,6 +84,7 @@ class Writer:
         self.size = 0  # bytes of the current split, written or buffered
 
     def begin_split(self, split: str) -> None:
+        check_split_name(split)
         g = self.group = self.file.create_group(split)
         g.create_dataset("images", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(CHUNK_BYTES,))
         g.create_dataset("offsets", data=np.zeros(1, "<i8"), maxshape=(None,), chunks=(INDEX_CHUNK,))
@@ -315,7 +316,8 @@ class Reader(SplitReader):
     @property
     def paths(self) -> PathTable:
         if self._paths is None:
-            table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes())
+            table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes(),
+                                                 f"{self.path} ({self.split}/paths)")
             if len(table) != self.count:
                 raise CorruptDataError(f"{self.path}: {self.split}/paths holds {len(table)} paths, "
                                        f"the metadata says {self.count}; the file is damaged, re-pack it",

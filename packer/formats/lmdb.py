@@ -46,7 +46,7 @@ import lmdb
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import Metadata, PathTable, decode_path, encode_path
+from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
 
@@ -127,6 +127,7 @@ class Writer:
         self.offsets, self.lengths = array("Q"), array("I")
 
     def begin_split(self, split: str) -> None:
+        check_split_name(split)
         self.split, self.index = split, 0
         self.offsets, self.lengths = array("Q"), array("I")
 
@@ -435,5 +436,5 @@ class Reader(SplitReader):
     @property
     def paths(self) -> PathTable:
         if self._paths is None:
-            self._paths = PathTable.from_nul_separated(self._aux(b"paths"))
+            self._paths = PathTable.from_nul_separated(self._aux(b"paths"), f"{self.path} ({self.split}/paths)")
         return self._paths

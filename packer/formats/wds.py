@@ -34,7 +34,8 @@ import re
 import numpy as np
 
 from ..errors import CorruptDataError, FormatError
-from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable
+from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
+                       parse_json, split_name_problem)
 from . import _io, _tar
 from ._reader import SplitReader
 
@@ -87,21 +88,82 @@ def detect(path: str) -> bool:
 
 
 def load_index(path: str) -> dict:
+    """The parsed index.json of the dataset at path, checked (see open_index)."""
+    return open_index(path)[0]
+
+
+def open_index(path: str) -> tuple[dict, Metadata]:
+    """The parsed index.json and its Metadata, checked: the metadata field by field, and
+    every file the "wds" section names is where the writer puts it, inside path."""
     where = os.path.join(path, INDEX)
     try:
         with open(where, "rb") as f:
-            index = json.loads(f.read().decode("utf-8", PATH_ENCODING_ERRORS))
-        index["wds"]["splits"]
+            raw = f.read(MAX_METADATA_BYTES + 1)
     except FileNotFoundError as exc:
         raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX}); for shards written by "
                           "other tools use readers.WDSDataset, which counts samples by scanning", path) from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{where}: not a packer WebDataset index ({exc}); re-pack the dataset", path) from exc
-    return index
+    except OSError as exc:
+        raise FormatError(f"{where}: cannot read the index ({exc.strerror or exc})", path) from exc
+    index = parse_json(raw, where, INDEX)
+    meta = Metadata.from_dict(index, where, container_keys=("wds",))
+    problem = shard_index_problem(index["wds"] if "wds" in index else None, meta, path)
+    if problem:
+        raise FormatError(f"{where}: {problem}; the index is damaged or was crafted, re-pack the dataset", path)
+    return index, meta
+
+
+def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
+    """What is wrong with the index's "wds" section, or None."""
+    if not isinstance(section, dict) or not isinstance(section.get("splits"), dict):
+        return 'no "wds" object with the splits\' shards'
+    version = section.get("layout_version")
+    if type(version) is not int or not 1 <= version <= LAYOUT_VERSION:
+        return f"layout_version {version!r} is not one this packer reads (1 to {LAYOUT_VERSION}; upgrade packer?)"
+    splits = section["splits"]
+    if sorted(splits) != sorted(meta.splits):
+        return f"the shard index lists splits {sorted(splits)}, the metadata {sorted(meta.splits)}"
+    files = []
+    for split, entry in splits.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+            return f"split {split!r} has no list of shards"
+        if entry.get("records") != f"{split}/records.bin" or entry.get("paths") != f"{split}/paths.bin":
+            return (f"split {split!r} names its tables {entry.get('records')!r} and {entry.get('paths')!r}, "
+                    f"not {split}/records.bin and {split}/paths.bin")
+        for shard in entry["shards"]:
+            problem = shard_entry_problem(shard, split)
+            if problem:
+                return problem
+        files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
+    return outside_problem(path, files)
+
+
+def shard_entry_problem(shard, split: str) -> str | None:
+    if not isinstance(shard, dict):
+        return f"split {split!r}: shard entry {shard!r:.60} is not an object"
+    name = shard.get("name")
+    folder, _, file = name.partition("/") if isinstance(name, str) else ("", "", "")
+    if folder != split or split_name_problem(file) or not file.endswith(".tar"):
+        return f"split {split!r}: shard name {name!r:.80} is not {split}/<name>.tar"
+    for key in ("count", "bytes"):
+        if type(shard.get(key)) is not int or shard[key] < 0:
+            return f"shard {name}: {key} {shard.get(key)!r:.40} is not a whole number"
+    if not isinstance(shard.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", shard["sha256"]):
+        return f"shard {name}: sha256 {shard.get('sha256')!r:.80} is not 64 hex digits"
+    return None
+
+
+def outside_problem(path: str, names: list[str]) -> str | None:
+    """A named file that resolves outside the dataset folder (through a symlink), or None."""
+    root = os.path.realpath(path)
+    for name in names:
+        real = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, real]) != root:
+            return f"{name} leads outside the dataset folder (to {real}); a dataset only reads its own files"
+    return None
 
 
 def read_metadata(path: str) -> Metadata:
-    return Metadata.from_json(json.dumps(load_index(path)), os.path.join(path, INDEX))
+    return open_index(path)[1]
 
 
 def shard_digest(path: str) -> str:
@@ -123,6 +185,7 @@ class Writer:
         self.file = None
 
     def begin_split(self, split: str) -> None:
+        check_split_name(split)
         self.split = split
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
@@ -210,8 +273,7 @@ class Reader(SplitReader):
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} inside)", path)
-        index = load_index(os.path.abspath(path))
-        metadata = Metadata.from_json(json.dumps(index), os.path.join(os.path.abspath(path), INDEX))
+        index, metadata = open_index(os.path.abspath(path))
         super().__init__(path, split, check_crc, metadata)
         entry = index["wds"]["splits"][self.split]
         self.shards = [s["name"] for s in entry["shards"]]
@@ -241,7 +303,7 @@ class Reader(SplitReader):
     def paths(self) -> PathTable:
         if self._paths is None:
             with open(os.path.join(self.path, self.tables[1]), "rb") as f:
-                self._paths = PathTable.from_nul_separated(f.read())
+                self._paths = PathTable.from_nul_separated(f.read(), f.name)
         return self._paths
 
     def _open(self) -> dict:
@@ -296,21 +358,28 @@ class Reader(SplitReader):
 def check_files(path: str) -> list[str]:
     """Shard-level problems verify adds to the per-sample ones: size, SHA-256, tar structure."""
     problems = []
-    for split, entry in load_index(path)["wds"]["splits"].items():
+    for entry in load_index(path)["wds"]["splits"].values():
         for shard in entry["shards"]:
-            where = os.path.join(path, shard["name"])
-            if not os.path.isfile(where):
-                problems.append(f"{shard['name']}: shard missing")
-                continue
-            if os.path.getsize(where) != shard["bytes"]:
-                problems.append(f"{shard['name']}: {os.path.getsize(where)} bytes, the index says {shard['bytes']}")
-            elif shard_digest(where) != shard["sha256"]:
-                problems.append(f"{shard['name']}: SHA-256 differs from the index (the shard changed or is damaged)")
             try:
-                found = _tar.count_samples(where)
-            except CorruptDataError as exc:
-                problems.append(str(exc))
-                continue
-            if found != shard["count"]:
-                problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
+                problems += shard_problems(path, shard)
+            except OSError as exc:
+                problems.append(f"{shard['name']}: cannot read the shard ({exc.strerror or exc})")
+    return problems
+
+
+def shard_problems(path: str, shard: dict) -> list[str]:
+    where = os.path.join(path, shard["name"])
+    if not os.path.isfile(where):
+        return [f"{shard['name']}: shard missing"]
+    problems = []
+    if os.path.getsize(where) != shard["bytes"]:
+        problems.append(f"{shard['name']}: {os.path.getsize(where)} bytes, the index says {shard['bytes']}")
+    elif shard_digest(where) != shard["sha256"]:
+        problems.append(f"{shard['name']}: SHA-256 differs from the index (the shard changed or is damaged)")
+    try:
+        found = _tar.count_samples(where)
+    except CorruptDataError as exc:
+        return problems + [str(exc)]
+    if found != shard["count"]:
+        problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
     return problems
