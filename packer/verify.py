@@ -5,19 +5,30 @@ import os
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 
+import numpy as np
+
 from .check import problem
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .pack import available_cores
-from .scan import scan_source
+from .records import UNLABELED, Metadata, PathTable
+from .scan import Source, scan_source
 
 BLOCK = 256  # records per verification task
 
 
 def disk_bytes(path: str) -> int:
+    """Bytes the dataset's own files take; symlinks count as links (they may lead anywhere)."""
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    return sum(own_size(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def own_size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:  # removed while we walked
+        return 0
 
 
 def info(path: str) -> dict:
@@ -97,13 +108,14 @@ def verify(path: str, against: str | None = None, check: str = "full",
     check_files = getattr(FORMATS[fmt], "check_files", None)
     if check_files is not None:
         report.problems += check_files(path)
+    tables = split_tables(path, meta, report)
     root = None
     if against is not None:
         source = scan_source(against)
         root = source.root
-        compare_listings(path, meta, source, report)
-    tasks = [(split, start, min(start + BLOCK, s.count), check, root)
-             for split, s in meta.splits.items() for start in range(0, s.count, BLOCK)]
+        compare_listings(meta, tables, source, report)
+    tasks = [(split, start, min(start + BLOCK, meta.splits[split].count), check, root)
+             for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
     workers = min(workers or available_cores(), max(len(tasks), 1))
     if workers <= 1:
         use_readers(os.path.abspath(path))
@@ -116,19 +128,63 @@ def verify(path: str, against: str | None = None, check: str = "full",
         with Pool(workers, initializer=use_readers, initargs=(os.path.abspath(path),)) as pool:
             for found in pool.imap(star_verify_block, tasks):
                 report.problems += found
-    report.checked = meta.count
+    report.checked = sum(meta.splits[split].count for split in tables)
     return report
 
 
-def compare_listings(path: str, meta, source, report: VerifyReport) -> None:
+def split_tables(path: str, meta: Metadata, report: VerifyReport) -> dict[str, tuple[PathTable, np.ndarray]]:
+    """Each split's paths and labels, read and checked once. A split whose tables are
+    unreadable or do not fit its metadata is reported once here, and its records are not
+    read (each read would fail the same way)."""
+    tables = {}
+    for split, info in meta.splits.items():
+        reader = None
+        try:
+            reader = open_reader(path, split)
+            paths, labels = reader.paths, reader.labels
+        except PackError as exc:
+            report.problems.append(f"split {split}: {exc} (its records were not read)")
+            continue
+        finally:
+            if reader is not None:
+                reader.close()
+        if len(paths) != info.count or len(labels) != info.count:
+            report.problems.append(f"split {split}: {len(paths)} paths and {len(labels)} labels for the "
+                                   f"{info.count} records the metadata lists (its records were not read); "
+                                   "the dataset is damaged, re-pack it")
+            continue
+        report.problems += label_problems(split, labels, len(meta.classes), info.labeled)
+        tables[split] = (paths, labels)
+    return tables
+
+
+def label_problems(split: str, labels: np.ndarray, n_classes: int, labeled: bool) -> list[str]:
+    """Labels that name no class (or, in an unlabeled split, any label but -1)."""
+    wrong = (labels < 0) | (labels >= n_classes) if labeled else labels != UNLABELED
+    if not wrong.any():
+        return []
+    first = int(np.flatnonzero(wrong)[0])
+    allowed = f"0 to {n_classes - 1}" if labeled else "-1 (unlabeled)"
+    return [f"split {split}: {int(wrong.sum())} label(s) outside {allowed}, first record {first} with label "
+            f"{int(labels[first])}; the label table is damaged, re-pack the dataset"]
+
+
+def class_of(label: int, classes: list[str]) -> str | None:
+    """The class name a label stands for, None for unlabeled; a label naming no class gets a
+    placeholder (label_problems reports it) so a comparison shows it instead of failing."""
+    if label == UNLABELED:
+        return None
+    return classes[label] if 0 <= label < len(classes) else f"<label {label}: no such class>"
+
+
+def compare_listings(meta: Metadata, tables: dict, source: Source, report: VerifyReport) -> None:
     """Files added to or removed from SRC since packing, and label changes."""
     if sorted(meta.splits) != sorted(source.splits):
         report.problems.append(f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}")
     skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
-    for split in sorted(set(meta.splits) & set(source.splits)):
-        reader = open_reader(path, split)
-        packed = {p: meta.classes[l] if l >= 0 else None for p, l in zip(reader.paths, reader.labels)}
-        reader.close()
+    for split in sorted(set(tables) & set(source.splits)):
+        paths, labels = tables[split]
+        packed = {p: class_of(l, meta.classes) for p, l in zip(paths, labels.tolist())}
         listing = source.splits[split]
         current = {p: source.classes[l] if l >= 0 else None for p, l in zip(listing.paths, listing.labels)}
         for relpath in sorted(current.keys() - packed.keys()):
