@@ -316,8 +316,19 @@ class Reader(SplitReader):
     def shard_fd(self, shard: int) -> int:
         fds = self.handle()
         if shard not in fds:
-            fds[shard] = _io.open_for_reading(os.path.join(self.path, self.shards[shard]), self.access)
+            fds[shard] = self.open_shard(shard)
         return fds[shard]
+
+    def open_shard(self, shard: int) -> int:
+        if not 0 <= shard < len(self.shards):
+            raise CorruptDataError(f"{self.path}: {self.tables[0]} names shard {shard}, the index lists "
+                                   f"{len(self.shards)}; the dataset is damaged, re-pack it", self.path)
+        where = os.path.join(self.path, self.shards[shard])
+        try:
+            return _io.open_for_reading(where, self.access)
+        except OSError as exc:
+            raise CorruptDataError(f"{where}: cannot open the shard ({exc.strerror or exc}); restore it from a "
+                                   "copy, or re-pack the dataset", self.path) from exc
 
     def load_tables(self) -> None:
         self.records  # a property: read and cached on first access
