@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -70,3 +71,56 @@ def test_info_reports_disk_size(image_tree, tmp_path):
     pack(str(image_tree), "lmdb", str(out), progress=False)
     facts = json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)
     assert facts["disk_bytes"] >= facts["bytes"] > 0
+
+
+def set_first_label(fmt: str, packed, label: int) -> None:
+    """Write label into record 0's entry of the split's label table, as damage would."""
+    import h5py
+    import lmdb
+    import numpy as np
+
+    from packer.formats.wds import RECORD
+    if fmt == "lmdb":
+        env = lmdb.open(str(packed), subdir=True, lock=False, map_size=1 << 30)
+        with env.begin(write=True) as txn:
+            labels = np.frombuffer(txn.get(b"all/labels"), "<i4").copy()
+            labels[0] = label
+            txn.put(b"all/labels", labels.tobytes())
+        env.close()
+    elif fmt == "hdf5":
+        with h5py.File(packed, "r+") as f:
+            f["all/labels"][0] = label
+    else:
+        records = np.fromfile(packed / "all" / "records.bin", RECORD)
+        records["label"][0] = label
+        records.tofile(packed / "all" / "records.bin")
+
+
+@pytest.mark.parametrize("label", [99, -7])
+def test_labels_naming_no_class_are_reported_not_raised(packed_tree, label):
+    src, out = packed_tree
+    fmt = {".lmdb": "lmdb", ".h5": "hdf5", ".wds": "wds"}[out.suffix]
+    set_first_label(fmt, out, label)
+    report = verify(str(out), str(src), workers=1)
+    assert not report.ok
+    assert any("label" in p and str(label) in p for p in report.problems), report.problems
+
+
+def test_split_count_disagreeing_with_the_tables_is_reported(packed_tree):
+    import sys
+    src, out = packed_tree
+    fmt = {".lmdb": "lmdb", ".h5": "hdf5", ".wds": "wds"}[out.suffix]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_fuzz_metadata import rewrite_metadata
+
+    def drop_one(obj):
+        split = obj["splits"]["all"]
+        split["count"] -= 1
+        split["class_counts"][0] -= 1
+        obj["count"] -= 1
+    rewrite_metadata(fmt, out, drop_one)
+    report = verify(str(out), workers=1)
+    # Reported once (by verify, or by the reader's own table check), and no record is read.
+    assert len(report.problems) == 1 and report.problems[0].startswith("split all: "), report.problems
+    assert "18" in report.problems[0] and "19" in report.problems[0]
+    assert report.checked == 0
