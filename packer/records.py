@@ -379,13 +379,20 @@ class Metadata:
             raise _Invalid(f"it is {_show(d)}, not a JSON object")
         if nesting(d) > MAX_NESTING:
             raise _Invalid(f"lists or objects nested over {MAX_NESTING} deep")
-        version = _count(d.get("format_version"), "format_version", 2**31)
-        if version > FORMAT_VERSION:
+        version = d.get("format_version")
+        newer = type(version) is int and version > FORMAT_VERSION
+        try:
+            _check_crc(d, container_keys)  # first: a flipped bit in the version is damage, not a newer pack
+        except _Invalid as exc:
+            if not newer:
+                raise
+            raise FormatError(f"{where}: written with format version {version}, this packer reads up to "
+                              f"{FORMAT_VERSION} (upgrade packer to read it), or damaged ({exc})", where) from exc
+        if newer:
             raise FormatError(f"{where}: written with format version {version}, this packer reads up to "
                               f"{FORMAT_VERSION} (upgrade packer to read it)", where)
-        if version < 1:
+        if _count(version, "format_version", FORMAT_VERSION) < 1:
             raise _Invalid("format_version is 0")
-        _check_crc(d, container_keys)
         if d.get("format") not in FORMAT_NAMES:
             raise _Invalid(f"format is {_show(d.get('format'))}, not one of {', '.join(FORMAT_NAMES)}")
         classes = _classes(d.get("classes"))

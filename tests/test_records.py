@@ -220,9 +220,21 @@ def test_deeply_nested_metadata_is_a_format_error(fmt, copy_of):
 
 def test_format_version_too_large_for_a_float_is_a_format_error(fmt, copy_of):
     packed = copy_of(fmt)
+    rewrite_metadata(fmt, packed, lambda obj: obj.pop("crc32", None))  # else the checksum speaks first
     raw = read_raw(fmt, str(packed))
     write_raw(fmt, str(packed), raw.replace(b'"format_version": 1', b'"format_version": 1e400'))
     with pytest.raises(FormatError, match="format_version is inf"):
+        read_metadata(packed)
+
+
+def test_newer_format_version_asks_for_an_upgrade_unless_the_checksum_says_damage(copy_of):
+    packed = copy_of("lmdb")
+    rewrite_metadata("lmdb", packed, lambda obj: obj.update(format_version=2))
+    with pytest.raises(FormatError, match=r"format version 2, this packer reads up to 1 \(upgrade packer to read it\)$"):
+        read_metadata(packed)
+    raw = read_raw("lmdb", str(packed)).replace(b'"format_version": 2', b'"format_version": 3')  # one bit
+    write_raw("lmdb", str(packed), raw)
+    with pytest.raises(FormatError, match=r"\(upgrade packer to read it\), or damaged \(checksum mismatch"):
         read_metadata(packed)
 
 
