@@ -7,6 +7,11 @@
                                      uint64 data size, int32 label
   OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
 
+The index names only files of its own dataset: load_index refuses any name but
+<split>/<name>.tar, <split>/records.bin and <split>/paths.bin, and any that resolves
+(through a symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records)
+leaves out "wds": each shard has its SHA-256 and size there, which verify checks.
+
 A sample is three consecutive members (see _tar for the header rules):
   <key>.<ext>    the original file bytes; ext is the file's extension, lowercased
   <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
