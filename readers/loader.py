@@ -25,6 +25,7 @@ import functools
 import math
 import os
 import random
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,13 +38,15 @@ from .collate import collate
 from .gpu import CUDAPrefetcher, resolve_device
 from .ranks import local_world_size, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
-from .stats import LoaderStats
+from .stats import LoaderStats, LoaderWarning
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 # Aim for this many batches ready or in flight across all workers: enough to absorb a
 # slow batch, without each worker holding many batches of shared memory.
 BATCHES_IN_FLIGHT = 8
 ORDERS = ("random", "block", "sequential")
+# drop_last dropping at least this share of an epoch is worth a warning.
+DROP_WARN_SHARE = 0.1
 
 
 def default_workers() -> int:
@@ -147,6 +150,22 @@ def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
     return GPUDecoder(RandomResizedCrop(224) if train else CenterCrop(224), device)
 
 
+def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: bool) -> None:
+    """Warn when drop_last (the training default) drops a large share of each epoch, or all of it:
+    125 images in batches of 32 read 96 per epoch, and fewer than 32 read none, silently."""
+    try:
+        per_epoch = len(sampler if sampler is not None else dataset)
+    except TypeError:  # an IterableDataset without a length
+        return
+    dropped = per_epoch % batch_size
+    if not drop_last or not dropped or (per_epoch >= batch_size and dropped < DROP_WARN_SHARE * per_epoch):
+        return
+    what = ("every sample: there is no full batch, so each epoch is empty" if per_epoch < batch_size
+            else f"{dropped} of {per_epoch} samples ({dropped / per_epoch:.0%}) from every epoch")
+    warnings.warn(f"make_loader: drop_last (the training default) drops {what}; use a smaller batch_size, "
+                  f"or pass drop_last=False", LoaderWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class Order:
     """How a dataset is walked: the DataLoader's sampler and shuffle arguments, and the
@@ -235,6 +254,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
         reader_of(dataset).advise(walk.access)
 
+    warn_if_drop_last_drops_much(dataset, walk.sampler, batch_size, drop_last)
     loader = EpochLoader(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
         collate_fn=collate_fn or functools.partial(collate, pin_memory=pin and policy.workers == 0),

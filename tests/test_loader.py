@@ -11,7 +11,7 @@ import readers.loader as L
 import readers.ranks as ranks
 from packer.pack import pack
 from packer.synth import make_corpus
-from readers import CenterCrop, CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, make_loader
+from readers import CenterCrop, CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, LoaderWarning, make_loader
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +213,18 @@ def test_worker_policy_alone():
     assert L.worker_policy(0, None, None) == L.WorkerPolicy(0, False, None, None)
     assert L.worker_policy(2, None, None) == L.WorkerPolicy(2, True, 4, None)  # 8 batches in flight
     assert L.worker_policy(16, False, None).prefetch_factor == 2
+
+
+def test_drop_last_warns_when_it_drops_a_large_share_or_everything():
+    with pytest.warns(LoaderWarning, match="drops 29 of 125 samples .23%. from every epoch"):
+        make_loader(Numbers(125), 32, workers=0)
+    with pytest.warns(LoaderWarning, match="no full batch, so each epoch is empty"):
+        loader = make_loader(Numbers(20), 32, workers=0)
+    assert list(loader) == []
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_loader(Numbers(125), 32, workers=0, drop_last=False)  # asked for every sample
+        make_loader(Numbers(130), 32, workers=0)  # 2 of 130 dropped: a small share
+        make_loader(Numbers(20), 32, workers=0, train=False)
