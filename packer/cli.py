@@ -224,9 +224,13 @@ def run_demo(folder: str, images: int, fmt: str) -> None:
     if not report.ok:
         raise PackError("demo verification failed:\n" + "\n".join(report.problems))
     say(f"    ok: {report.checked} records byte-identical to the source")
-    say("4/4 reading back through readers (random order, decode to uint8 tensors, 1 process)")
-    for name, rate in read_rates(src, out):
-        click.echo(f"    {name:<14} {rate:8.0f} samples/s")
+    say("4/4 reading back through readers (random order, 1 process)")
+    for comparison in read_rates(src, out):
+        (folder, folder_rate), (packed, packed_rate) = comparison.rates
+        click.echo(f"    {comparison.what:<22} {folder:<14} {folder_rate:7.0f} {comparison.unit}   "
+                   f"{packed:<14} {packed_rate:7.0f} {comparison.unit}   {packed_rate / folder_rate:.1f}x")
+    say("    Cold reads are where packing wins: one file read at known offsets instead of a file per image. "
+        "Decoding costs the same from any source: spread it over workers with readers.make_loader.")
 
 
 if __name__ == "__main__":
