@@ -26,7 +26,7 @@ def run(*args):
 
 
 def leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    return [p.name for p in folder.iterdir() if any(s in p.name for s in (".partial-", ".complete-", ".old-"))]
 
 
 def test_pack_writes_default_output_and_summary(image_tree):
