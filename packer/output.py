@@ -12,8 +12,8 @@ a complete dataset sits beside it.
 
 Only leftovers whose owner is provably gone are touched: same host, pid not alive. On a
 shared file system a leftover of another host is left alone, with a warning. Names from
-older versions (`OUT.partial-<pid>`, `OUT.old-<pid>`) carry no host and are taken to be
-this host's, as those versions did.
+older versions (`OUT.partial-<pid>`, and `OUT.old-<pid>` beside one) carry no host and
+are taken to be this host's, as those versions did.
 
 Before any of that, check_target refuses an OUT that is a source, inside one or holding
 one (compared by device and inode, so symlinks and bind mounts cannot hide it), and
@@ -179,10 +179,18 @@ def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
     return None
 
 
+def ours(leftover: Leftover, found: list[Leftover]) -> bool:
+    """Whether packer surely made this path. `OUT.old-<pid>` could be a user's own backup
+    name: only one beside an `OUT.partial-<pid>` of the same pid is an older version's."""
+    if leftover.host is not None or leftover.stage == PARTIAL:
+        return True
+    return any(other.host is None and other.stage == PARTIAL and other.pid == leftover.pid for other in found)
+
+
 def tidy(out: str) -> Tidied:
     """Settle what interrupted writes to OUT left beside it (see the module docstring)."""
     found = leftovers(out)
-    gone = [leftover for leftover in found if leftover.owner_gone()]
+    gone = [leftover for leftover in found if ours(leftover, found) and leftover.owner_gone()]
     tidied = Tidied(notes=[f"left {leftover.path} alone: it belongs to a pack on host {leftover.host} "
                            f"(pid {leftover.pid}); if no pack to {out} is running there, remove it "
                            f"(rm -rf '{leftover.path}')" for leftover in found if not leftover.here])
@@ -303,7 +311,8 @@ def publish(stage: str, out: str, force: bool, owner: Owner) -> None:
     try:
         os.replace(complete, out)
     except BaseException:
-        os.replace(old, out)
+        if not os.path.lexists(out):
+            os.replace(old, out)
         raise
     discard(old)
 

@@ -196,4 +196,5 @@ def test_disk_full_fails_cleanly_naming_the_output(tmp_path, fmt):
                           cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=tiny_disk)
     assert proc.returncode == 1, proc.stderr
     assert f"{out}: writing the {fmt} dataset failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert "File too large" in proc.stderr and "free some space" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing at OUT, no staging left

@@ -20,7 +20,6 @@ from click.testing import CliRunner
 
 from packer import FORMATS, pack
 from packer.cli import main
-from packer.convert import convert
 from packer.errors import OutputExistsError, PackError
 from packer.output import HOST, check_target, staged
 from packer.pack import write_dataset
@@ -224,6 +223,14 @@ def test_older_versions_swap_leftovers_are_finished(tmp_path):
     assert result.exit_code == 1 and "already exists" in result.stderr, result.output
     assert count(out) == 5
     assert not (tmp_path / f"out.lmdb.old-{pid}").exists() and leftovers(tmp_path) == []
+
+
+def test_a_users_own_old_folder_beside_out_is_not_a_leftover(tmp_path):
+    backup = make_dataset(tmp_path / f"out.lmdb.old-{dead_pid()}", 3, 0)  # a name older packers also used
+    before = snapshot(backup)
+    result = run("pack", tree(tmp_path / "src", 4), "--to", "lmdb", "-o", tmp_path / "out.lmdb")
+    assert result.exit_code == 0, result.output
+    assert snapshot(backup) == before and count(tmp_path / "out.lmdb") == 4
 
 
 def test_missing_out_is_restored_from_a_dead_writers_old_dataset(tmp_path):
