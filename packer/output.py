@@ -100,7 +100,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def discard(path: str) -> bool:
+def remove_path(path: str) -> bool:
     """Remove a file, link or folder if it is there; False if it could not be removed."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -157,8 +157,12 @@ def finished(leftover: Leftover, gone: list[Leftover]) -> bool:
         return True
     # Older versions moved OUT aside only once the new one was whole, so their partial
     # beside an old of the same pid is complete.
-    return leftover.host is None and leftover.stage == PARTIAL and any(
-        other.host is None and other.stage == OLD and other.pid == leftover.pid for other in gone)
+    return leftover.host is None and leftover.stage == PARTIAL and legacy_beside(gone, OLD, leftover.pid)
+
+
+def legacy_beside(found: list[Leftover], stage: str, pid: int) -> bool:
+    """Whether found holds an older version's `OUT.<stage>-<pid>`."""
+    return any(other.host is None and other.stage == stage and other.pid == pid for other in found)
 
 
 def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
@@ -173,8 +177,8 @@ def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
         except OSError:
             continue
         if leftover in complete:
-            return leftover, f"finished replacing {out}: moved in the complete dataset {leftover.path}, " \
-                             "left by an interrupted pack"
+            return leftover, (f"finished replacing {out}: moved in the complete dataset {leftover.path}, "
+                              "left by an interrupted pack")
         return leftover, f"restored {out} from {leftover.path}, left by an interrupted pack"
     return None
 
@@ -182,9 +186,7 @@ def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
 def ours(leftover: Leftover, found: list[Leftover]) -> bool:
     """Whether packer surely made this path. `OUT.old-<pid>` could be a user's own backup
     name: only one beside an `OUT.partial-<pid>` of the same pid is an older version's."""
-    if leftover.host is not None or leftover.stage == PARTIAL:
-        return True
-    return any(other.host is None and other.stage == PARTIAL and other.pid == leftover.pid for other in found)
+    return leftover.host is not None or leftover.stage == PARTIAL or legacy_beside(found, PARTIAL, leftover.pid)
 
 
 def tidy(out: str) -> Tidied:
@@ -200,7 +202,7 @@ def tidy(out: str) -> Tidied:
             gone.remove(restored[0])
             tidied.notes.append(restored[1])
     for leftover in gone:
-        if discard(leftover.path):
+        if remove_path(leftover.path):
             tidied.removed.append(leftover.path)
         else:
             tidied.notes.append(f"could not remove {leftover.path}, left by an interrupted pack; remove it "
@@ -291,8 +293,8 @@ def staged(out: str, force: bool, directory: bool) -> Iterator[str]:
         yield stage
         publish(stage, out, force, owner)
     except BaseException:  # KeyboardInterrupt too: never leave a partial dataset behind
-        discard(stage)
-        discard(owner.path(out, COMPLETE))
+        remove_path(stage)
+        remove_path(owner.path(out, COMPLETE))
         raise
 
 
@@ -314,7 +316,7 @@ def publish(stage: str, out: str, force: bool, owner: Owner) -> None:
         if not os.path.lexists(out):
             os.replace(old, out)
         raise
-    discard(old)
+    remove_path(old)
 
 
 def error_code(exc: BaseException) -> int | None:
