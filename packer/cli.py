@@ -27,8 +27,19 @@ def library_errors(fn):
             return fn(*args, **kwargs)
         except PackError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # a path the library could not use; bugs (TypeError...) stay tracebacks
+            raise click.ClickException(os_error_message(exc)) from exc
 
     return wrapper
+
+
+def os_error_message(exc: OSError) -> str:
+    """`PATH: what went wrong`, as the system reports it."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return what
+    paths = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else f"{exc.filename}"
+    return f"{paths}: {what}"
 
 
 class ByteSize(click.ParamType):

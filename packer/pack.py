@@ -13,6 +13,7 @@ formats that declare SHUFFLE accept.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -29,7 +30,7 @@ from . import __version__
 from .check import CHECKS, problem
 from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output
-from .output import remove_stale, staged
+from .output import IO_ERRORS, check_target, staged, write_error
 from .records import Metadata, PathTable, SplitInfo, checksum
 from .scan import Source, SplitListing, scan_source
 
@@ -286,7 +287,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or available_cores()
-    removed = remove_stale(out)
+    tidied = check_target(out, sources=[src], force=force)
     source = scan_source(src)
     params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
     if hasattr(FORMATS[fmt], "SHUFFLE"):
@@ -298,7 +299,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
 
     meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
         writer, source, check, on_error, workers, progress, seed, metadata))
-    return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
 
 
 def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
@@ -306,23 +307,29 @@ def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
     """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
 
     On any error the writer is aborted and nothing appears at out (packer.output.staged).
+    An I/O error becomes a PackError that says what failed; anything else (a bug) is
+    raised as it is.
     """
     module = FORMATS[fmt]
-    with staged(out, force, directory=module.DIRECTORY) as stage:
-        writer = None
-        try:
-            writer = module.Writer(stage, options or {})
-            meta = fill(writer)
-            writer.finish(meta)
-        except BaseException as exc:
-            if writer is not None:
+    try:
+        with staged(out, force, directory=module.DIRECTORY) as stage:
+            return fill_writer(module.Writer, stage, options, fill)
+    except IO_ERRORS as exc:
+        raise write_error(exc, out, fmt) from exc
+
+
+def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: dict | None,
+                fill: Callable[[Any], Metadata]) -> Metadata:
+    writer = None
+    try:
+        writer = make_writer(stage, options or {})
+        meta = fill(writer)
+        writer.finish(meta)
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(*IO_ERRORS):  # the error that stopped the write is the one to report
                 writer.abort()
-            if isinstance(exc, Exception) and not isinstance(exc, PackError):
-                # Disk full, quota, I/O error: say where, and that OUT was left untouched.
-                raise PackError(f"{out}: writing the {fmt} dataset failed ({type(exc).__name__}: {exc}); "
-                                "nothing was written at OUT (free some space or choose -o elsewhere)",
-                                out) from exc
-            raise
+        raise
     return meta
 
 

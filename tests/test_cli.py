@@ -26,7 +26,7 @@ def run(*args):
 
 
 def leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    return [p.name for p in folder.iterdir() if any(s in p.name for s in (".partial-", ".complete-", ".old-"))]
 
 
 def test_pack_writes_default_output_and_summary(image_tree):
@@ -196,4 +196,5 @@ def test_disk_full_fails_cleanly_naming_the_output(tmp_path, fmt):
                           cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=tiny_disk)
     assert proc.returncode == 1, proc.stderr
     assert f"{out}: writing the {fmt} dataset failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert "File too large" in proc.stderr and "free some space" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing at OUT, no staging left
