@@ -170,7 +170,7 @@ class TarStream:
     def check_room(self, n: int, what: str) -> None:
         if self.end is not None and self.offset + n > self.end:
             raise CorruptDataError(f"{self.where}: truncated at byte {self.end}: the file ends inside the {what} "
-                                   f"that starts at byte {self.offset} and declares {n} bytes (re-create the "
+                                   f"that starts at byte {self.offset} and needs {n} bytes (re-create the "
                                    "shard, or read with on_error='skip')", self.where)
 
     def check_length(self, got: int, n: int, what: str) -> None:
