@@ -12,7 +12,16 @@ holds a garbage header: a shard cut short would be a short epoch nobody notices.
 a shard must end with a zero block, or reading raises CorruptDataError naming the
 shard and the byte offset. Accepted from other tools: gzip-compressed shards (any name;
 detected by magic bytes), `./` prefixes, directory and other non-file entries
-(skipped), PAX and GNU long names.
+(skipped; as in tarfile, links, directories, devices and FIFOs carry no data whatever
+their size field says), PAX and GNU long names.
+
+Every number in a header is untrusted. A size must be non-negative and below 2^63, a
+PAX `size` ASCII digits, a PAX record's length must cover its own `<len> ` prefix,
+stay within the record block and end at a newline, and an extended header (PAX
+records, GNU long name) is at most 1 MiB. For a plain file every read and seek is
+checked against the file's length before it happens; a gzip stream is read in 1 MiB
+chunks. Each header moves the offset forward by at least one block, so no input can
+make reading loop, and any violation is a CorruptDataError naming the shard and offset.
 """
 from __future__ import annotations
 
