@@ -7,9 +7,9 @@ shard samples, the buffer, the conversion to (image, label).
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.context
-import json
 import os
 import random
 import warnings
