@@ -106,7 +106,7 @@ def open_shard(path: str) -> tuple[IO[bytes], bool]:
         raw = open(path, "rb")
     except OSError as exc:
         raise CorruptDataError(f"{path}: cannot open the shard ({exc.strerror}); check that it exists and is "
-                               f"readable, or read with on_error='skip'", path) from exc
+                               "readable, or read with on_error='skip'", path) from exc
     if raw.read(2) == GZIP_MAGIC:
         raw.seek(0)
         return gzip.GzipFile(fileobj=raw, mode="rb"), True
@@ -248,9 +248,10 @@ def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Itera
         if block == ZERO_BLOCK:
             return
         info = parse_header(block, where, header_at)
-        size = member_size(info, pax, where, header_at)
+        extended = info.type in EXTENDED_TYPES
+        size = member_size(info, {} if extended else pax, where, header_at)  # PAX records describe the member
         padded = size + (-size % BLOCK)
-        if info.type in EXTENDED_TYPES:
+        if extended:
             if size > MAX_EXTENDED:
                 raise damaged(where, f"extended header at byte {header_at} declares {size} bytes, more than "
                                      f"{MAX_EXTENDED} (no name or record set needs that much)")
