@@ -1,16 +1,16 @@
 """readers.decode: always-RGB uint8 decode, DCT-scaled decode, header sizes, error naming."""
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import SHARED_DATA
 from packer.errors import CorruptDataError
 from readers.decode import (DECODE_MODES, dct_factor, decode, decode_array, decode_pil, decode_tensor,
                             image_size, turbo_decodable)
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
+SAMPLE = SHARED_DATA / "imagenet-sample"
 
 
 def encode(height, width, mode="RGB", fmt="JPEG", seed=0, **save):
@@ -24,7 +24,7 @@ def encode(height, width, mode="RGB", fmt="JPEG", seed=0, **save):
 
 def sample_files():
     if not SAMPLE.is_dir():
-        pytest.skip(f"real sample data not found at {SAMPLE}")
+        pytest.skip(f"real sample data not found at {SAMPLE} (set PACKER_SHARED_DATA)")
     return sorted(SAMPLE.rglob("*.JPEG"))
 
 

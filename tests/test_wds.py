@@ -228,7 +228,7 @@ def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp
 def test_reads_the_real_gzip_shard_as_it_is():
     shard = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
     if not shard.is_file():
-        pytest.skip("../shared/data/webdataset-testdata/sample.tgz is not present")
+        pytest.skip(f"{shard} is not present (set PACKER_SHARED_DATA)")
     ds = WDSDataset(shard)
     assert len(ds) == 90
     samples = list(ds)
