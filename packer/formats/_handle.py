@@ -6,7 +6,7 @@ is not ours was inherited through fork and is closed and reopened, and pickling 
 DDP) drops it. lmdb >= 2.0 refuses a second open of one file in a process, so handles
 are shared per (pid, real path, file identity) and reference-counted.
 
-The identity (device, inode, size, mtime of the dataset's main file; see
+The identity (inode, size, mtime of the dataset's main file; see
 _tables.file_identity) is part of the key because a dataset can be replaced at its path
 (pack --force) while in use: a reader opened before keeps the old file's handle and reads
 the old dataset consistently, and a reader opened after gets a handle of the new file.

@@ -86,16 +86,22 @@ def check_within(offset: np.ndarray, length: np.ndarray, size, where: str, what:
                                f"past the end of its {int(size[first])}-byte file; {DAMAGED}", where)
 
 
-def file_identity(path: str) -> tuple[int, int, int, int]:
-    """What tells one file from the one that replaced it at the same path (pack --force):
-    device, inode, size and modification time."""
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def file_identity(path: str) -> tuple[int, int, int]:
+    """What tells one file from the one that replaced it at the same path (pack --force
+    writes a new file and renames it into place): inode, size and modification time.
+
+    Not the device: an NFS client numbers devices itself, so the same file can show
+    another st_dev on another machine (a Dataset pickled to a remote worker). A file
+    rewritten in place, or merely touched, also counts as replaced."""
+    return _identity(os.stat(path))
 
 
-def fd_identity(fd: int) -> tuple[int, int, int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+def fd_identity(fd: int) -> tuple[int, int, int]:
+    return _identity(os.fstat(fd))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def replaced_error(what: str) -> CorruptDataError:

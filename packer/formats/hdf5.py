@@ -45,7 +45,7 @@ Every table is checked once, when it loads: its CRC-32, its length against the m
 count, offsets rising from 0 to the size of images, labels against the class list; and
 images must have storage for all its bytes (a sparse dataset, whose unwritten bytes HDF5
 would make up as zeros, is damage) within the file. Readers are tied to the file they
-read the metadata of (device, inode, size, mtime: _tables.file_identity): a file replaced
+read the metadata of (inode, size, mtime: _tables.file_identity): a file replaced
 at its path while in use (pack --force) is refused by a reader created before, in any
 process that opens it afresh, rather than mixed with the old one.
 """

@@ -44,7 +44,7 @@ count, labels against the class list, extents against the size of data.mdb. Befo
 maps data.mdb, its two meta pages are read with pread and the file's size checked against
 the pages they say are in use: touching a mapped page past the end of a truncated file
 would kill the process with SIGBUS. Readers are tied to the data.mdb they read the
-metadata of (device, inode, size, mtime: _tables.file_identity): a dataset replaced at
+metadata of (inode, size, mtime: _tables.file_identity): a dataset replaced at
 its path while in use (pack --force) is refused by a reader created before, in any
 process that opens it afresh, rather than mixed with the old one.
 """
@@ -281,6 +281,10 @@ def open_env(path: str, identity: tuple) -> lmdb.Environment:
         env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=True,
                         max_readers=MAX_READERS, meminit=False)
     except lmdb.Error as exc:
+        if "already open" in str(exc):  # this inode is open here, under an identity it no longer has
+            raise CorruptDataError(f"{where} was changed in place while a reader in this process has it open; "
+                                   "close that reader first (packed data is never rewritten in place)",
+                                   where) from exc
         raise CorruptDataError(f"{where}: LMDB cannot open it ({exc}); {DAMAGED}", where) from exc
     if data_identity(path) != identity:  # replaced between the check and the open
         env.close()

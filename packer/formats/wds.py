@@ -30,7 +30,7 @@ and convert see the same order as every other format; read(i) is one pread.
 The Reader checks each table once, when it loads: its CRC-32, its length against the
 metadata's count, every record's shard among the split's shards and its bytes within that
 shard's file, labels against the class list. A Reader is tied to the index.json it read
-(device, inode, size, mtime: _tables.file_identity): each table and shard it opens later,
+(inode, size, mtime: _tables.file_identity): each table and shard it opens later,
 in any process, is checked to belong to it, so a dataset replaced at its path while in
 use (pack --force) is refused rather than mixed with the old one.
 """
