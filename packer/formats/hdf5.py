@@ -307,11 +307,15 @@ class Reader(SplitReader):
         for the bytes of a dataset that were never written (a sparse dataset)."""
         images, where = self.handle()[1], self.table_where("images")
         try:
-            size, stored, filtered = images.shape[0], images.id.get_storage_size(), bool(images.id.get_create_plist().get_nfilters())
+            size, stored = images.shape[0], images.id.get_storage_size()
+            filtered = bool(images.id.get_create_plist().get_nfilters())
             chunks = images.chunks
             allocated = images.id.get_num_chunks() if chunks else None
         except (OSError, ValueError, TypeError, IndexError) as exc:
             raise CorruptDataError(f"{where}: cannot read its layout ({exc}); {DAMAGED}", self.path) from exc
+        if size != self.metadata.splits[self.split].bytes:
+            raise CorruptDataError(f"{where}: {size} bytes, the metadata says the split's images take "
+                                   f"{self.metadata.splits[self.split].bytes}; {DAMAGED}", self.path)
         whole = (-(-size // chunks[0]) == allocated) if chunks else stored >= size
         if not whole or (not filtered and stored < size):
             raise CorruptDataError(f"{where}: {size} bytes, of which the file stores only part ({stored} bytes "
@@ -324,6 +328,7 @@ class Reader(SplitReader):
     def chunks(self) -> np.ndarray | None:
         """File offset of each CHUNK_BYTES chunk of images, or None to read through h5py."""
         if self._chunks is None:
+            self.index()  # images checked first: its size sizes the map
             self._chunks = chunk_map(self.handle()[1]) if _io.CAN_PREAD else None
             if self._chunks is None:
                 self._chunks = False

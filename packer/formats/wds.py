@@ -281,6 +281,10 @@ class Reader(SplitReader):
         sizes = np.array([self.shard_size(k) for k in range(len(self.shards))], np.uint64)
         if len(records):
             check_within(records["offset"], records["size"], sizes[records["shard"]], where, "record")
+        if int(records["size"].sum(dtype=np.uint64)) != self.metadata.splits[self.split].bytes:
+            raise CorruptDataError(f"{where}: the records' sizes add up to {int(records['size'].sum())} bytes, "
+                                   f"the metadata says {self.metadata.splits[self.split].bytes}; {DAMAGED}",
+                                   self.path)
         self.checked_labels(records["label"], where)
         return records
 
@@ -315,6 +319,7 @@ class Reader(SplitReader):
         return self._paths
 
     def _open(self) -> dict:
+        self.check_identity()  # a worker opening afresh fails here, before any read
         return {}
 
     def _close(self, fds: dict) -> None:
