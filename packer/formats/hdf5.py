@@ -259,7 +259,7 @@ class Reader(SplitReader):
         def load():
             try:
                 raw = self.handle()[0][self.split].attrs.get(CHECKSUMS_ATTR)
-            except (OSError, ValueError, TypeError) as exc:
+            except (KeyError, OSError, ValueError, TypeError) as exc:
                 raise CorruptDataError(f"{self.table_where('')}: unreadable attributes ({exc}); {DAMAGED}",
                                        self.path) from exc
             return decode_checksums(raw, f"{self.table_where('')} attribute {CHECKSUMS_ATTR}")
@@ -272,9 +272,9 @@ class Reader(SplitReader):
         """Table split/name as dtype, checked: its CRC-32 where the pack has checksums, and
         length entries (length < 0: any number)."""
         f, crcs, where = self.handle()[0], self.table_checksums(), self.table_where(name)
-        if not required and name not in f[self.split] and (crcs is None or name not in crcs):
-            return None
         try:
+            if not required and name not in f[self.split] and (crcs is None or name not in crcs):
+                return None
             dataset = f[self.split][name]
             if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
                 raise KeyError("not a one-dimensional dataset")

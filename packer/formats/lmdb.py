@@ -309,7 +309,11 @@ def check_size(fd: int, where: str) -> None:
 
 def read_meta_page(fd: int, offset: int, size: int, where: str) -> tuple[int, int, int]:
     """(page size, last page in use, txnid) of the meta page at offset."""
-    raw = _io.pread(fd, META_PAGE.size, offset)
+    if _io.CAN_PREAD:
+        raw = _io.pread(fd, META_PAGE.size, offset)
+    else:
+        os.lseek(fd, offset, os.SEEK_SET)
+        raw = os.read(fd, META_PAGE.size)
     if len(raw) < META_PAGE.size:
         raise CorruptDataError(f"{where}: truncated: {size} bytes, too short to hold LMDB's meta pages; "
                                "restore it from a copy or re-pack", where)
