@@ -9,8 +9,8 @@ import numpy as np
 from ..errors import CorruptDataError, PackError
 from ..records import Metadata, checksum, choose_split
 from ._handle import LazyHandle
-from ._io import cached, check_access, will_need
-from ._tables import check_labels, file_identity, replaced_error
+from ._io import cached, check_access, open_for_reading, will_need
+from ._tables import check_labels, fd_identity, file_identity, replaced_error
 
 
 _UNREAD = object()
@@ -48,6 +48,21 @@ class SplitReader(LazyHandle):
             now = None
         if now != self.identity:
             raise replaced_error(self.identity_file)
+
+    def open_identified(self) -> int:
+        """A descriptor of identity_file, checked to be the file this reader read the metadata of."""
+        try:
+            fd = open_for_reading(self.identity_file, self.access)
+        except OSError as exc:
+            self.check_identity()  # gone or replaced: say that
+            raise CorruptDataError(f"{self.identity_file}: cannot open it ({exc.strerror or exc})",
+                                   self.identity_file) from exc
+        try:
+            self.check_identity(fd_identity(fd))
+        except CorruptDataError:
+            os.close(fd)
+            raise
+        return fd
 
     def loaded(self, name: str, load):
         """Table name as load() returns it, loaded once: a damaged table's error is kept too,

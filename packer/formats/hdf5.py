@@ -63,7 +63,7 @@ from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
-from ._tables import (DAMAGED, check_count, check_crc, decode_checksums, encode_checksums, expected_crc, fd_identity,
+from ._tables import (DAMAGED, check_count, check_crc, decode_checksums, encode_checksums, expected_crc,
                       file_identity, replaced_error, table_crc)
 
 EXTENSION = ".h5"
@@ -229,12 +229,8 @@ class Reader(SplitReader):
         self._file_offsets: np.ndarray | None = None
 
     def _open(self):
+        fd = self.open_identified()
         try:
-            fd = _io.open_for_reading(self.path, self.access)
-        except OSError as exc:
-            raise replaced_error(self.path) from exc
-        try:
-            self.check_identity(fd_identity(fd))
             f = _handle.acquire(self.path, functools.partial(open_file, identity=self.identity), close_file,
                                 self.identity)
         except BaseException:

@@ -355,12 +355,8 @@ class Reader(SplitReader):
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
 
     def _open(self):
+        fd = self.open_identified()
         try:
-            fd = _io.open_for_reading(self.identity_file, self.access)
-        except OSError as exc:
-            raise replaced_error(self.identity_file) from exc
-        try:
-            self.check_identity(fd_identity(fd))
             env = _handle.acquire(self.path, functools.partial(open_env, identity=self.identity), close_env,
                                   self.identity)
         except BaseException:
