@@ -1,5 +1,6 @@
 """The common ground of every format's Reader: split choice, count, CRC policy, record names,
-access pattern and storage order."""
+access pattern and storage order, tables loaded (and checked) once, and the identity of the
+dataset file a reader belongs to."""
 from __future__ import annotations
 
 import os
@@ -72,9 +73,10 @@ class SplitReader(LazyHandle):
                 self._loaded[name] = (load(), None)
             except PackError as exc:
                 self._loaded[name] = (None, exc)
+                raise
         value, error = self._loaded[name]
         if error is not None:
-            raise error.with_traceback(None)
+            raise error.with_traceback(None)  # not a traceback that grows with every read
         return value
 
     @property
