@@ -23,7 +23,7 @@ from packer.formats import _tar, wds
 from packer.records import choose_split
 
 from ._dataset import ReaderDataset
-from .decode import DECODE_MODES, decode
+from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 
 ON_ERROR = ("raise", "skip")
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
@@ -61,11 +61,14 @@ class WDSDataset(torch.utils.data.IterableDataset):
     on_error: "raise" (default) stops at a damaged or truncated shard with a
     CorruptDataError naming the shard and byte offset; "skip" warns and moves on to
     the next shard, so that epoch is shorter (the warning says by how much).
+
+    max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
+    pixels, before allocating them; the default is Pillow's own limit (readers.decode).
     """
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
                  decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, on_error: str = "raise"):
+                 world_size: int | None = None, on_error: str = "raise", max_pixels: int = MAX_PIXELS):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         if on_error not in ON_ERROR:
@@ -77,6 +80,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error = int(shuffle), int(seed), on_error
         self.rank, self.world_size = rank, world_size
+        self.max_pixels = checked_max_pixels(max_pixels)
         # Shared with the DataLoader workers this process starts (fork or spawn), so a
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
@@ -182,7 +186,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                               RuntimeWarning, stacklevel=2)
 
     def convert(self, where: str, parts: dict):
-        image = decode(parts[_tar.image_suffix(parts)], self.decode, where)
+        image = decode(parts[_tar.image_suffix(parts)], self.decode, where, self.max_pixels)
         label = -1
         if parts.get("cls") is not None:
             try:
@@ -266,5 +270,7 @@ def expand_braces(pattern: str) -> list[str]:
 class WDSMapDataset(ReaderDataset):
     """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index."""
 
-    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True):
-        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode)
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
+                 max_pixels=MAX_PIXELS):
+        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode,
+                         max_pixels)
