@@ -188,17 +188,17 @@ def pillow_problem(data: bytes, decode: bool, max_pixels: int = MAX_PIXELS) -> s
 def open_lazily(data: bytes, max_pixels: int):
     """PIL.Image.open(data): the header is parsed, no pixel is decoded.
 
-    Pillow enforces its own limit, 2 x Image.MAX_IMAGE_PIXELS, when it opens an image and
-    again when it loads TIFF tiles or GIF frames. A max_pixels raised above the default and
-    above Pillow's limit raises Pillow's for the process to match (never lowers it): the
-    caller asked for such images, and Pillow's limit is a process-wide setting with no
-    per-call form.
+    Pillow enforces its own limit when it opens an image, and again when it loads TIFF
+    tiles or GIF frames: it warns above Image.MAX_IMAGE_PIXELS and refuses above twice
+    that. A max_pixels raised above the default raises Image.MAX_IMAGE_PIXELS to it
+    (never lowers it), for the process: the caller asked for such images, and Pillow's
+    limit is a process-wide setting with no per-call form.
     """
     from PIL import Image
 
     limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and max_pixels > max(2 * limit, MAX_PIXELS):
-        Image.MAX_IMAGE_PIXELS = -(-max_pixels // 2)
+    if max_pixels > MAX_PIXELS and limit is not None and limit < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
     return Image.open(io.BytesIO(data))
 
 

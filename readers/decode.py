@@ -20,6 +20,8 @@ every block.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from PIL import Image
 
@@ -28,6 +30,7 @@ from packer.errors import CorruptDataError
 
 DECODE_MODES = ("pil", "tensor", "numpy", "raw")
 JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DCT_FACTORS = (8, 4, 2)
 
 try:
@@ -49,6 +52,9 @@ def decode_pil(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
 
 def open_pil(data: bytes, where: str | None, max_pixels: int) -> Image.Image:
     """Pillow's lazy open (header only), refused before decoding when the image is too large."""
+    size = _native_size(data)
+    if size is not None:
+        check_size(*size, where, max_pixels)
     try:
         im = open_lazily(data, max_pixels)
     except Image.DecompressionBombError as exc:
@@ -58,6 +64,23 @@ def open_pil(data: bytes, where: str | None, max_pixels: int) -> Image.Image:
         im.close()
         raise too_large(where, reason)
     return im
+
+
+def _native_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from a JPEG frame header or PNG IHDR, or None for other formats.
+
+    Read before Pillow opens the image: Pillow refuses a bomb with its own message, which
+    gives the pixel count but not the width and height.
+    """
+    if data.startswith(JPEG_MAGIC) and simplejpeg is not None:
+        try:
+            return simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:
+            return None
+    if data.startswith(PNG_MAGIC) and len(data) >= 24 and data[12:16] == b"IHDR":
+        width, height = struct.unpack_from(">II", data, 16)
+        return height, width
+    return None
 
 
 def too_large(where: str | None, reason: str) -> CorruptDataError:
