@@ -276,3 +276,40 @@ def test_readers_take_a_max_pixels_argument(packed_bombs, fmt):
     for bad in (0, -5, None, 1.5, True):
         with pytest.raises(ValueError, match="max_pixels must be a positive integer"):
             DATASETS[fmt](packed_bombs[fmt], max_pixels=bad)
+
+
+def test_gpu_decoder_refuses_a_bomb_before_nvjpeg_or_the_cpu_fallback_sees_it(monkeypatch):
+    """With a stand-in for torchvision's decode_jpeg (no CUDA here) that fails the test if a
+    bomb reaches it: nvJPEG would allocate the claimed size in GPU memory."""
+    import types
+
+    import torch
+
+    from readers.decode import decode_tensor
+    from readers.nvjpeg import GPUDecoder
+
+    bombs = {BOMBS[kind]() for kind in BOMBS}
+    seen = []
+
+    def decode_jpeg(data, mode=None, device=None):
+        items = data if isinstance(data, list) else [data]
+        assert not any(bytes(t.numpy()) in bombs for t in items), "a bomb reached the GPU decoder"
+        seen.extend(items)
+        out = [decode_tensor(bytes(t.numpy())) for t in items]
+        return out if isinstance(data, list) else out[0]
+
+    fake = types.ModuleType("torchvision.io")
+    fake.decode_jpeg, fake.ImageReadMode = decode_jpeg, types.SimpleNamespace(RGB="RGB")
+    monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
+    monkeypatch.setitem(sys.modules, "torchvision.io", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    gpu = GPUDecoder(CenterCrop(32, 40), device="cpu")
+    good = jpeg_bytes(20)
+    assert tuple(gpu([good, good]).shape) == (2, 3, 32, 32) and len(seen) == 2
+    for kind in BOMBS:  # JPEG: the nvJPEG path; the others: the CPU fallback
+        with pytest.raises(CorruptDataError, match="^image 1 of the batch: image too large") as info:
+            gpu([good, BOMBS[kind]()])
+        assert_names_the_bomb(str(info.value), kind)
+    with pytest.raises(CorruptDataError, match="over the limit of 3,071"):
+        GPUDecoder(CenterCrop(32, 40), device="cpu", max_pixels=64 * 48 - 1)([good])
