@@ -11,7 +11,7 @@ import time
 import click
 
 from . import __version__
-from .check import CHECKS
+from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS
 from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
@@ -104,13 +104,16 @@ def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict
               help="fail: stop at the first bad file; skip: leave bad files out and record them.")
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
               help="header: format, header and end marker; full: decode every image; none.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=MAX_PIXELS, show_default=True,
+              help="header, full: refuse an image whose header claims more pixels (a decompression "
+                   "bomb guard; the default is Pillow's limit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @shard_options
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, force, **shards):
+def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
     result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
-                  **writer_options(fmt, **shards))
+                  max_pixels=max_pixels, **writer_options(fmt, **shards))
     report_pack(result)
 
 

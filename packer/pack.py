@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import __version__
-from .check import CHECKS, problem
+from .check import CHECKS, MAX_PIXELS, problem
 from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output
 from .output import IO_ERRORS, check_target, staged, write_error
@@ -76,14 +76,14 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_file(path: str, level: str) -> Loaded:
+def load_file(path: str, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
     """Read and check one file; errors become a reason, so the parent decides the policy."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         return Loaded(None, 0, f"cannot read file ({exc.strerror or exc})")
-    reason = problem(data, level)
+    reason = problem(data, level, max_pixels)
     if reason is not None:
         return Loaded(None, 0, reason)
     return Loaded(data, checksum(data), None)
@@ -273,23 +273,28 @@ def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int |
 def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
          on_error: str = "fail", check: str = "header", force: bool = False,
          progress: bool | None = None, options: dict | None = None,
-         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+         shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
-    None means the format's default (on for wds, off for lmdb and hdf5).
+    None means the format's default (on for wds, off for lmdb and hdf5). The header and
+    full checks refuse an image whose header claims more than max_pixels pixels
+    (packer.check.MAX_PIXELS).
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+        raise PackError(f"max_pixels must be a positive integer (default {MAX_PIXELS}), not {max_pixels!r}")
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or available_cores()
     tidied = check_target(out, sources=[src], force=force)
     source = scan_source(src)
-    params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
+    params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
+              **(options or {})}
     if hasattr(FORMATS[fmt], "SHUFFLE"):
         params["shuffle_seed"] = seed
 
@@ -298,7 +303,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                         created=now_utc(), packer_version=__version__, params=params, skipped=skipped)
 
     meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
-        writer, source, check, on_error, workers, progress, seed, metadata))
+        writer, source, check, on_error, workers, progress, seed, metadata, max_pixels))
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
 
 
@@ -335,13 +340,13 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None,
-                 make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
+                 make_metadata: Callable[[list, dict], Metadata], max_pixels: int = MAX_PIXELS) -> Metadata:
     """Stream every split of the source folder through writer; return the metadata to store."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
     all_paths = [os.path.join(source.root, listing.paths[i])
                  for name, listing in listings.items() for i in split_order(len(listing), orders[name])]
-    load = functools.partial(load_file, level=check)
+    load = functools.partial(load_file, level=check, max_pixels=max_pixels)
     # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
     # I/O-bound: threads, which skip the pipe that processes send every file through.
     loaded = (load_in_processes if check == "full" else load_in_threads)(all_paths, load, workers)

@@ -24,7 +24,7 @@ from packer.formats import _tar, wds
 from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
 
 from ._dataset import ReaderDataset
-from .decode import DECODE_MODES, decode
+from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 
 ON_ERROR = ("raise", "skip")
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
@@ -70,11 +70,15 @@ class WDSDataset(torch.utils.data.IterableDataset):
     the next shard (or, for a sample failing its check, the next sample), so that
     epoch is shorter (the warning says by how much). A shard found damaged while its
     samples are counted is left out of every epoch, with a warning.
+
+    max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
+    pixels, before allocating them; the default is Pillow's own limit (readers.decode).
     """
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
                  decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, on_error: str = "raise", check_crc: bool = True):
+                 world_size: int | None = None, on_error: str = "raise", check_crc: bool = True,
+                 max_pixels: int = MAX_PIXELS):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         if on_error not in ON_ERROR:
@@ -86,6 +90,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
         self.rank, self.world_size = rank, world_size
+        self.max_pixels = checked_max_pixels(max_pixels)
         # Shared with the DataLoader workers this process starts (fork or spawn), so a
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
@@ -211,7 +216,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                               RuntimeWarning, stacklevel=2)
 
     def convert(self, where: str, data: bytes, label: int):
-        image = decode(data, self.decode, where)
+        image = decode(data, self.decode, where, self.max_pixels)
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
@@ -325,5 +330,7 @@ def expand_braces(pattern: str) -> list[str]:
 class WDSMapDataset(ReaderDataset):
     """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index."""
 
-    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True):
-        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode)
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
+                 max_pixels=MAX_PIXELS):
+        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode,
+                         max_pixels)
