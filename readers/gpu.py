@@ -81,21 +81,18 @@ def is_image_batch(t: torch.Tensor) -> bool:
 
 
 def resolve_device(device, who: str) -> torch.device:
-    """device as a torch.device: "cpu", or "cuda"/"cuda:N" (with its index filled in) when CUDA
-    is available; the one check every GPU entry point makes, with one message."""
+    """device as a torch.device: "cpu", or "cuda"/"cuda:N" when CUDA is available; the one
+    check every GPU entry point makes, with one message."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
         resolved = None
     if resolved is None or resolved.type not in ("cuda", "cpu"):
         raise ValueError(f"{who}: device must be 'cuda', 'cuda:N' or 'cpu', not {str(device)!r}")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"{who}: device={str(device)!r} but CUDA is not available (torch "
-                               f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); pass "
-                               f"device='cpu' to convert and normalise on the CPU, or None for uint8 batches")
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: device={str(device)!r} but CUDA is not available (torch "
+                           f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); pass "
+                           f"device='cpu' to convert and normalise on the CPU, or None for uint8 batches")
     return resolved
 
 
@@ -118,7 +115,11 @@ class CUDAPrefetcher:
                  dtype=torch.float32, gpu_decode: Callable | None = None):
         self.loader = loader
         self.device = resolve_device(device, "CUDAPrefetcher")
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = None
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self._stream = torch.cuda.Stream(self.device)
         if not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else False):
             raise ValueError(f"CUDAPrefetcher: dtype must be a floating-point torch.dtype, not {dtype!r}")
         self.mean, self.std = mean, std

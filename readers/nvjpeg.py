@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .decode import MAX_PIXELS, checked_max_pixels, decode_tensor, image_size, turbo_decodable
+from .gpu import resolve_device
 
 
 class GPUDecoder:
@@ -31,11 +32,9 @@ class GPUDecoder:
             raise ImportError("gpu_decode needs torchvision (the build matching your torch, with CUDA); "
                               "without it, decode on the CPU in the workers (decode='raw' with "
                               "readers.RandomResizedCrop)") from exc
-        if not torch.cuda.is_available():
-            raise RuntimeError("gpu_decode needs CUDA, and torch.cuda.is_available() is False")
+        self.device = resolve_device(device, "GPUDecoder")
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.transform = transform
-        self.device = torch.device(device)
         self.max_pixels = checked_max_pixels(max_pixels)
 
     def __call__(self, encoded: list) -> torch.Tensor:
