@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import random
 
-import numpy as np
 from PIL import Image
 
 SIZE = 224
@@ -49,26 +48,12 @@ def augment_pil(image: Image.Image, rng: random.Random = random) -> Image.Image:
     return out.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else out
 
 
-class FallbackAugment:
-    """HxWx3 uint8 array -> 3x224x224 uint8 tensor; the stand-in for readers.transforms."""
-
-    name = "fallback: Pillow RandomResizedCrop(224) + flip (readers.transforms not available)"
-
-    def __call__(self, array: np.ndarray):
-        import torch
-
-        out = np.array(augment_pil(Image.fromarray(array)))  # writable, as torch wants
-        return torch.from_numpy(np.ascontiguousarray(out)).permute(2, 0, 1)
-
-
 def train_transform():
-    """(transform, decode mode to build the dataset with, description): readers' own when installed.
+    """(transform, decode mode to build the dataset with, description): readers' own.
 
     readers.transforms.RandomResizedCrop takes the raw JPEG bytes, so it can decode at a
     reduced DCT scale; that saving is part of what packer offers, so the suite uses it.
     """
-    try:
-        from readers.transforms import RandomResizedCrop
-    except ImportError:
-        return FallbackAugment(), "numpy", FallbackAugment.name
+    from readers.transforms import RandomResizedCrop
+
     return RandomResizedCrop(SIZE), "raw", "readers.transforms.RandomResizedCrop(224) (flip 0.5) on raw bytes"

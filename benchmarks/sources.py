@@ -16,23 +16,15 @@ import numpy as np
 import torch
 import torch.utils.data
 
+import readers
+
 from . import cache
 from .augment import augment_pil, train_transform
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
-FALLBACK_LOADER = ("fallback: torch DataLoader + synchronous .to(device) + normalise "
-                   "(readers.make_loader not available)")
 PEER_LOADER = "peer: torch DataLoader + synchronous .to(device) + normalise"
 PILLOW_AUGMENT = "Pillow RandomResizedCrop(224) + flip (torchvision's path) -> uint8 tensor"
-
-
-def _readers():
-    try:
-        import readers
-    except ImportError:
-        return None
-    return readers
 
 
 def _order(n: int, seed) -> np.ndarray:
@@ -68,16 +60,13 @@ class Loader:
             close()
 
 
-def packer_loader(dataset, opts, shuffle: bool, how_augment: str) -> Loader:
-    """readers.make_loader when installed (CUDAPrefetcher on CUDA); else a plain DataLoader."""
-    make_loader = getattr(_readers(), "make_loader", None)
-    if make_loader is not None:
-        # Fresh workers for every timed run: a persistent worker would keep LMDB's map, and so its
-        # pages, alive across the eviction that makes the next run cold.
-        batches = make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers,
-                              persistent_workers=False)
-        return Loader(batches, f"readers.make_loader(device={opts.device!r}); {how_augment}", True, dataset)
-    return Loader(plain_loader(dataset, opts, shuffle), f"{FALLBACK_LOADER}; {how_augment}", False, dataset)
+def packer_loader(dataset, opts, how_augment: str) -> Loader:
+    """readers.make_loader (a CUDAPrefetcher on CUDA) over dataset, as packer users feed a GPU."""
+    # Fresh workers for every timed run: a persistent worker would keep LMDB's map, and so its
+    # pages, alive across the eviction that makes the next run cold.
+    batches = readers.make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers,
+                                  persistent_workers=False)
+    return Loader(batches, f"readers.make_loader(device={opts.device!r}); {how_augment}", True, dataset)
 
 
 def plain_loader(dataset, opts, shuffle: bool):
@@ -106,8 +95,6 @@ class PackerMap:
                 return f"format {self.fmt!r} not in packer.formats.FORMATS"
             if self.fmt not in ctx["packed"]:
                 return f"no {self.fmt} data (packing failed or was skipped)"
-        if getattr(_readers(), self.dataset_name, None) is None:
-            return f"readers.{self.dataset_name} not available"
         return None
 
     def augment_description(self) -> str:
@@ -121,7 +108,7 @@ class PackerMap:
 
     def open(self, ctx: dict, decode: str, transform=None):
         options = {"check_crc": False} if decode == "raw" and self.fmt is not None else {}
-        return getattr(_readers(), self.dataset_name)(self.path(ctx), decode=decode, transform=transform, **options)
+        return getattr(readers, self.dataset_name)(self.path(ctx), decode=decode, transform=transform, **options)
 
     def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         dataset = self.open(ctx, *read_setup(mode))
@@ -133,8 +120,8 @@ class PackerMap:
         # Both samplers are iterated as reading goes, so their read-ahead hints go out in time:
         # random order is make_loader's, a permutation with the next records hinted (none for
         # the folder, whose reader takes no hints).
-        order = (_readers().BlockShuffleSampler(dataset, seed=seed) if walk == "block"
-                 else _readers().ShuffleSampler(dataset, seed=seed))
+        order = (readers.BlockShuffleSampler(dataset, seed=seed) if walk == "block"
+                 else readers.ShuffleSampler(dataset, seed=seed))
 
         def run():
             try:
@@ -150,7 +137,7 @@ class PackerMap:
 
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
-        return packer_loader(self.open(ctx, decode, transform), opts, True, how)
+        return packer_loader(self.open(ctx, decode, transform), opts, how)
 
 
 class PackerShards:
@@ -169,8 +156,6 @@ class PackerShards:
             return f"format {self.fmt!r} not in packer.formats.FORMATS"
         if self.fmt not in ctx["packed"]:
             return f"no {self.fmt} data (packing failed or was skipped)"
-        if getattr(_readers(), "WDSDataset", None) is None:
-            return "readers.WDSDataset not available"
         return None
 
     def augment_description(self) -> str:
@@ -180,7 +165,7 @@ class PackerShards:
         return cache.data_files(ctx["packed"][self.fmt])
 
     def open(self, ctx: dict, decode: str, transform=None, shuffle: int = 0, seed: int = 0):
-        return _readers().WDSDataset(ctx["packed"][self.fmt], decode=decode, transform=transform, shuffle=shuffle,
+        return readers.WDSDataset(ctx["packed"][self.fmt], decode=decode, transform=transform, shuffle=shuffle,
                                      seed=seed)
 
     def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
@@ -196,7 +181,7 @@ class PackerShards:
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
         dataset = self.open(ctx, decode, transform, shuffle=self.TRAIN_SHUFFLE, seed=opts.seed)
-        return packer_loader(dataset, opts, False, f"{how}; shuffle buffer {self.TRAIN_SHUFFLE}")
+        return packer_loader(dataset, opts, f"{how}; shuffle buffer {self.TRAIN_SHUFFLE}")
 
 
 def wds_image(sample: dict):

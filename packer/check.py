@@ -5,6 +5,12 @@ format from the magic bytes, parses the header (JPEG markers up to the first sca
 IHDR, or Pillow's lazy header parse for the rest) and, for JPEG and PNG, looks for the
 end marker, which is what a truncated copy loses. "full" decodes every pixel, JPEGs with
 libjpeg-turbo in strict mode, which reports corrupt scan data that Pillow greys over.
+
+Both levels refuse an image whose header claims more than max_pixels pixels, before any
+pixel is decoded: a few KB of JPEG can claim 60000x60000, which takes gigabytes and tens
+of seconds to decode (a decompression bomb). The default, MAX_PIXELS, is the limit above
+which Pillow itself refuses to open an image, so packer accepts exactly what Pillow and
+torchvision's loader open by default; readers.decode applies the same limit.
 """
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ import struct
 import warnings
 
 CHECKS = ("header", "full", "none")
+# Pillow's default DecompressionBombError threshold: 2 x PIL.Image.MAX_IMAGE_PIXELS, which is
+# 1 GiB // 4 // 3 = 89,478,485. A constant, not read from Pillow: the header check of a JPEG or
+# PNG never imports Pillow, and a caller may have changed Pillow's setting for its own reasons.
+MAX_PIXELS = 178_956_970
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,8 +48,12 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def problem(data: bytes, level: str = "header") -> str | None:
-    """Why data is not a usable image, or None when it is."""
+def problem(data: bytes, level: str = "header", max_pixels: int = MAX_PIXELS) -> str | None:
+    """Why data is not a usable image, or None when it is.
+
+    Args:
+        max_pixels: refuse an image whose header claims more pixels than this.
+    """
     if level == "none":
         return None
     if not data:
@@ -48,19 +62,35 @@ def problem(data: bytes, level: str = "header") -> str | None:
     if kind is None:
         return f"not an image (starts with {data[:8]!r}; expected JPEG, PNG, BMP, TIFF, WebP or PNM)"
     if kind == "jpeg":
-        reason = jpeg_problem(data)
+        reason = jpeg_problem(data, max_pixels)
     elif kind == "png":
-        reason = png_problem(data)
+        reason = png_problem(data, max_pixels)
     else:
         reason = None
     if reason is None and level == "full" and kind == "jpeg":
-        reason = strict_jpeg_problem(data)
+        reason = strict_jpeg_problem(data, max_pixels)
     elif reason is None and (level == "full" or kind not in ("jpeg", "png")):
-        reason = pillow_problem(data, decode=level == "full")
+        reason = pillow_problem(data, level == "full", max_pixels)
     return reason
 
 
-def jpeg_problem(data: bytes) -> str | None:
+def size_problem(width: int, height: int, max_pixels: int) -> str | None:
+    """Why an image of this claimed size is refused before decoding, or None.
+
+    The reason ends where the caller adds how to raise the limit (--max-pixels when
+    packing, max_pixels= when reading).
+    """
+    if width * height <= max_pixels:
+        return None
+    return (f"image too large: its header claims {width}x{height} = {width * height:,} pixels, over the "
+            f"limit of {max_pixels:,} (a guard against decompression bombs)")
+
+
+def too_large(reason: str) -> str:
+    return f"{reason}; if the image is genuine, raise the limit with --max-pixels"
+
+
+def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     pos, size_seen = 2, False
     n = len(data)
     while pos < n:
@@ -84,6 +114,8 @@ def jpeg_problem(data: bytes) -> str | None:
             height, width = struct.unpack_from(">HH", data, pos + 5)
             if width == 0:
                 return "corrupt JPEG (zero width in frame header)"
+            if (reason := size_problem(width, height, max_pixels)) is not None:
+                return too_large(reason)
             size_seen = True
         if marker == 0xDA:  # start of scan: entropy data follows; EOI must come after it
             if not size_seen:
@@ -97,42 +129,83 @@ def jpeg_problem(data: bytes) -> str | None:
     return "truncated JPEG (ends inside the header)"
 
 
-def png_problem(data: bytes) -> str | None:
+def png_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     if len(data) < 33 or data[12:16] != b"IHDR":
         return "truncated PNG (no IHDR header)"
     width, height = struct.unpack_from(">II", data, 16)
     if width == 0 or height == 0:
         return "corrupt PNG (zero size in IHDR)"
+    if (reason := size_problem(width, height, max_pixels)) is not None:
+        return too_large(reason)
     if data.rfind(b"IEND", max(0, len(data) - 64)) == -1:
         return "truncated PNG (no IEND chunk)"
     return None
 
 
-def strict_jpeg_problem(data: bytes) -> str | None:
+def strict_jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     """Decode with libjpeg-turbo in strict mode: unlike Pillow, it reports corrupt scan
-    data (which libjpeg otherwise papers over with grey) instead of warning."""
+    data (which libjpeg otherwise papers over with grey) instead of warning.
+
+    The caller has checked the size in the frame header (jpeg_problem).
+    """
     import simplejpeg
 
     try:
         colorspace = simplejpeg.decode_jpeg_header(data)[2]
         if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK/YCCK: Pillow's converter
-            return pillow_problem(data, decode=True)
+            return pillow_problem(data, True, max_pixels)
         simplejpeg.decode_jpeg(data, strict=True)
     except ValueError as exc:
         return f"corrupt JPEG ({exc})"
     return None
 
 
-def pillow_problem(data: bytes, decode: bool) -> str | None:
+def pillow_problem(data: bytes, decode: bool, max_pixels: int = MAX_PIXELS) -> str | None:
+    """Open with Pillow (header only), refuse an oversized image, then decode if asked."""
     from PIL import Image
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DecompressionBombWarning is the caller's policy
-            with Image.open(io.BytesIO(data)) as im:
+            # The size is checked against max_pixels below, before decoding: that is the policy,
+            # and Pillow's DecompressionBombWarning (at half its own limit) would only repeat it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # Pillow's other warnings (odd EXIF, unknown TIFF tags) do not make an image unusable.
+            warnings.simplefilter("ignore", UserWarning)
+            with open_lazily(data, max_pixels) as im:
+                reason = size_problem(im.width, im.height, max_pixels)
+                if reason is not None:
+                    return too_large(reason)
                 if decode:
                     im.load()
                     im.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        return too_large(pillow_refusal(exc, max_pixels))
     except Exception as exc:  # Pillow raises many types for bad data; all mean the same here
         return f"cannot decode image ({type(exc).__name__}: {exc})"
     return None
+
+
+def open_lazily(data: bytes, max_pixels: int):
+    """PIL.Image.open(data): the header is parsed, no pixel is decoded.
+
+    Pillow enforces its own limit when it opens an image, and again when it loads TIFF
+    tiles or GIF frames: it warns above Image.MAX_IMAGE_PIXELS and refuses above twice
+    that. A max_pixels raised above the default raises Image.MAX_IMAGE_PIXELS to it
+    (never lowers it), for the process: the caller asked for such images, and Pillow's
+    limit is a process-wide setting with no per-call form.
+    """
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if max_pixels > MAX_PIXELS and limit is not None and limit < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+    return Image.open(io.BytesIO(data))
+
+
+def pillow_refusal(exc: Exception, max_pixels: int) -> str:
+    """The reason for an image Pillow refused to open as too large (its message gives the size).
+
+    Unless Pillow's limit was lowered by the caller, the image is over max_pixels too,
+    since open_lazily keeps Pillow's limit at or above it.
+    """
+    return f"image too large: Pillow refuses it ({exc}); packer's limit is {max_pixels:,} pixels"

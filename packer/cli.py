@@ -11,7 +11,7 @@ import time
 import click
 
 from . import __version__
-from .check import CHECKS
+from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS
 from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
@@ -27,8 +27,19 @@ def library_errors(fn):
             return fn(*args, **kwargs)
         except PackError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # a path the library could not use; bugs (TypeError...) stay tracebacks
+            raise click.ClickException(os_error_message(exc)) from exc
 
     return wrapper
+
+
+def os_error_message(exc: OSError) -> str:
+    """`PATH: what went wrong`, as the system reports it."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return what
+    paths = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else f"{exc.filename}"
+    return f"{paths}: {what}"
 
 
 class ByteSize(click.ParamType):
@@ -93,13 +104,16 @@ def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict
               help="fail: stop at the first bad file; skip: leave bad files out and record them.")
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
               help="header: format, header and end marker; full: decode every image; none.")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=MAX_PIXELS, show_default=True,
+              help="header, full: refuse an image whose header claims more pixels (a decompression "
+                   "bomb guard; the default is Pillow's limit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @shard_options
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, force, **shards):
+def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
     result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
-                  **writer_options(fmt, **shards))
+                  max_pixels=max_pixels, **writer_options(fmt, **shards))
     report_pack(result)
 
 
@@ -224,9 +238,13 @@ def run_demo(folder: str, images: int, fmt: str) -> None:
     if not report.ok:
         raise PackError("demo verification failed:\n" + "\n".join(report.problems))
     say(f"    ok: {report.checked} records byte-identical to the source")
-    say("4/4 reading back through readers (random order, decode to uint8 tensors, 1 process)")
-    for name, rate in read_rates(src, out):
-        click.echo(f"    {name:<14} {rate:8.0f} samples/s")
+    say("4/4 reading back through readers (random order, 1 process)")
+    for comparison in read_rates(src, out):
+        (folder, folder_rate), (packed, packed_rate) = comparison.rates
+        click.echo(f"    {comparison.what:<22} {folder:<14} {folder_rate:7.0f} {comparison.unit}   "
+                   f"{packed:<14} {packed_rate:7.0f} {comparison.unit}   {packed_rate / folder_rate:.1f}x")
+    say("    Cold reads are where packing wins: one file read at known offsets instead of a file per image. "
+        "Decoding costs the same from any source: spread it over workers with readers.make_loader.")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import time
 from . import __version__
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
-from .output import remove_stale
+from .output import check_target
 from .pack import (Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for, split_order,
                    write_dataset, write_listings, write_order)
 from .records import Metadata, checksum
@@ -61,11 +61,8 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     src_fmt = detect_format(packed)
     src_meta = read_metadata(packed)
     out = os.path.abspath(out or converted_output(packed, src_fmt, fmt))
-    if os.path.realpath(out) == os.path.realpath(packed):
-        raise PackError(f"{packed}: converting it to {fmt} would write over it; pass -o OUT to write "
-                        "elsewhere", packed)
+    tidied = check_target(out, sources=[packed], force=force)
     workers = workers or available_cores()
-    removed = remove_stale(out)
     listings = {}
     for split, info in src_meta.splits.items():
         reader = open_reader(packed, split)
@@ -96,4 +93,4 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
             load.close()
 
     meta = write_dataset(fmt, out, force, options, fill)
-    return PackResult(out, meta, time.perf_counter() - start, [], removed)
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes, tidied.removed)

@@ -1,24 +1,91 @@
-"""Owns the output path: a staging sibling while packing, an atomic rename when complete.
+"""Owns the output path: the checks on OUT, a staging sibling while writing, a recoverable swap.
 
-Nothing ever appears at OUT until the dataset is whole. A pack writes into
-`OUT.partial-<pid>` and renames it into place with os.replace; on any error the staging
-path is removed. A process killed with SIGKILL cannot clean up, so every run first
-removes the staging paths of processes that no longer exist.
+A write goes to `OUT.partial-<owner>` beside OUT, owner being `<host>-<pid>-<token>`. Once
+the dataset is whole it is renamed `OUT.complete-<owner>`, the mark that it is finished,
+and swapped in: an existing OUT is renamed `OUT.old-<owner>`, the complete one renamed to
+OUT, and the old one removed (a file replacing a file is one atomic rename). On an error
+the staging is removed. A process killed outright cannot clean up, so every run first
+settles what dead writers left beside its OUT (tidy): if OUT is missing, a complete
+staging is moved in (the swap is finished) or else an old dataset is moved back (rolled
+back); every other leftover of a dead owner is removed. OUT is never left missing while
+a complete dataset sits beside it.
+
+Only leftovers whose owner is provably gone are touched: same host, pid not alive. On a
+shared file system a leftover of another host is left alone, with a warning. Names from
+older versions (`OUT.partial-<pid>`, and `OUT.old-<pid>` beside one) carry no host and
+are taken to be this host's, as those versions did.
+
+Before any of that, check_target refuses an OUT that is a source, inside one or holding
+one (compared by device and inode, so symlinks and bind mounts cannot hide it), and
+--force replaces only a packer dataset, never other files or folders.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
+import secrets
 import shutil
+import socket
+from dataclasses import dataclass, field
 from typing import Iterator
 
-from .errors import OutputExistsError
+import lmdb
 
-PARTIAL = ".partial-"
+from .errors import FormatError, OutputExistsError, PackError
+
+PARTIAL, COMPLETE, OLD = "partial", "complete", "old"
+HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
+OWNED = re.compile(r"\.(?P<stage>partial|complete|old)-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[0-9a-f]{16}")
+LEGACY = re.compile(r"\.(?P<stage>partial|old)-(?P<pid>\d+)")
+
+# Errors of a failed write. py-lmdb reports a failed system call as lmdb.Error("<path>:
+# <strerror>"), without an errno.
+IO_ERRORS = (OSError, lmdb.Error)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def staging_path(out: str) -> str:
-    return f"{out}{PARTIAL}{os.getpid()}"
+@dataclass(frozen=True)
+class Owner:
+    """Who writes a staging path: this host, this process, and a token for this one write."""
+
+    host: str
+    pid: int
+    token: str
+
+    def path(self, out: str, stage: str) -> str:
+        return f"{out}.{stage}-{self.host}-{self.pid}-{self.token}"
+
+
+def new_owner() -> Owner:
+    return Owner(HOST, os.getpid(), secrets.token_hex(8))
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staging, complete or old path found beside OUT."""
+
+    path: str
+    stage: str
+    host: str | None  # None: a name from an older version, which had no host in it
+    pid: int
+
+    @property
+    def here(self) -> bool:
+        return self.host in (None, HOST)
+
+    def owner_gone(self) -> bool:
+        return self.here and not pid_alive(self.pid)
+
+
+@dataclass
+class Tidied:
+    """What settling OUT's leftovers did: paths removed, and notes for the user."""
+
+    removed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def pid_alive(pid: int) -> bool:
@@ -28,62 +95,249 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by someone else
         return True
+    except OverflowError:  # no such pid can exist
+        return False
     return True
 
 
-def remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
+def remove_path(path: str) -> bool:
+    """Remove a file, link or folder if it is there; False if it could not be removed."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):  # checked first: removing a missing path on a read-only mount is EROFS
             os.remove(path)
+    except OSError:
+        return False
+    return True
 
 
-def remove_stale(out: str) -> list[str]:
-    """Remove staging paths beside OUT left by dead processes; return what was removed."""
-    folder, name = os.path.split(os.path.abspath(out))
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.listdir(folder):
-            if not entry.startswith(name + PARTIAL):
-                continue
-            pid = entry[len(name + PARTIAL):]
-            if pid.isdigit() and not pid_alive(int(pid)):
-                remove_path(os.path.join(folder, entry))
-                removed.append(os.path.join(folder, entry))
-    return removed
+def leftovers(out: str) -> list[Leftover]:
+    """The staging, complete and old paths beside OUT, by whatever process they were left."""
+    folder, name = os.path.split(out)
+    try:
+        entries = os.listdir(folder)
+    except OSError:  # nothing to settle; writing there reports the real problem
+        return []
+    found = []
+    for entry in entries:
+        if not entry.startswith(name + "."):
+            continue
+        rest = entry[len(name):]
+        match = OWNED.fullmatch(rest) or LEGACY.fullmatch(rest)
+        if match:
+            found.append(Leftover(os.path.join(folder, entry), match["stage"],
+                                  match.groupdict().get("host"), int(match["pid"])))
+    return found
 
 
-def refuse_existing(out: str, force: bool) -> None:
-    if os.path.lexists(out) and not force:
-        raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)",
-                                out)
+def is_dataset(path: str) -> bool:
+    from .formats import detect_format  # formats import nothing from here; keep it that way
+
+    try:
+        detect_format(path)
+    except (FormatError, OSError):
+        return False
+    return True
+
+
+def newest_first(found: list[Leftover]) -> list[Leftover]:
+    def mtime(leftover: Leftover) -> int:
+        try:
+            return os.lstat(leftover.path).st_mtime_ns
+        except OSError:
+            return 0
+
+    return sorted(found, key=mtime, reverse=True)
+
+
+def finished(leftover: Leftover, gone: list[Leftover]) -> bool:
+    """Whether a dead writer's leftover is a complete new dataset."""
+    if leftover.stage == COMPLETE:
+        return True
+    # Older versions moved OUT aside only once the new one was whole, so their partial
+    # beside an old of the same pid is complete.
+    return leftover.host is None and leftover.stage == PARTIAL and legacy_beside(gone, OLD, leftover.pid)
+
+
+def legacy_beside(found: list[Leftover], stage: str, pid: int) -> bool:
+    """Whether found holds an older version's `OUT.<stage>-<pid>`."""
+    return any(other.host is None and other.stage == stage and other.pid == pid for other in found)
+
+
+def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
+    """With OUT missing: move in a dead writer's complete dataset, else move its old one back."""
+    complete = [leftover for leftover in gone if finished(leftover, gone)]
+    old = [leftover for leftover in gone if leftover.stage == OLD]
+    for leftover in newest_first(complete) + newest_first(old):
+        if not is_dataset(leftover.path):
+            continue
+        try:
+            os.replace(leftover.path, out)
+        except OSError:
+            continue
+        if leftover in complete:
+            return leftover, (f"finished replacing {out}: moved in the complete dataset {leftover.path}, "
+                              "left by an interrupted pack")
+        return leftover, f"restored {out} from {leftover.path}, left by an interrupted pack"
+    return None
+
+
+def ours(leftover: Leftover, found: list[Leftover]) -> bool:
+    """Whether packer surely made this path. `OUT.old-<pid>` could be a user's own backup
+    name: only one beside an `OUT.partial-<pid>` of the same pid is an older version's."""
+    return leftover.host is not None or leftover.stage == PARTIAL or legacy_beside(found, PARTIAL, leftover.pid)
+
+
+def tidy(out: str) -> Tidied:
+    """Settle what interrupted writes to OUT left beside it (see the module docstring)."""
+    found = leftovers(out)
+    gone = [leftover for leftover in found if ours(leftover, found) and leftover.owner_gone()]
+    tidied = Tidied(notes=[f"left {leftover.path} alone: it belongs to a pack on host {leftover.host} "
+                           f"(pid {leftover.pid}); if no pack to {out} is running there, remove it "
+                           f"(rm -rf '{leftover.path}')" for leftover in found if not leftover.here])
+    if not os.path.lexists(out):
+        restored = restore(out, gone)
+        if restored:
+            gone.remove(restored[0])
+            tidied.notes.append(restored[1])
+    for leftover in gone:
+        if remove_path(leftover.path):
+            tidied.removed.append(leftover.path)
+        else:
+            tidied.notes.append(f"could not remove {leftover.path}, left by an interrupted pack; remove it "
+                                f"(rm -rf '{leftover.path}')")
+    return tidied
+
+
+def lineage(path: str) -> Iterator[str]:
+    """path, then each folder above it up to the root."""
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def depth_of(folder: str, path: str) -> int | None:
+    """How many levels above path folder is (0: the same), or None if not above it.
+
+    Compared by device and inode, so symlinks, bind mounts and `..` cannot hide a match.
+    """
+    try:
+        wanted = os.stat(folder)
+    except OSError:
+        return None
+    for depth, above in enumerate(lineage(os.path.realpath(path))):
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(above), wanted):
+                return depth
+    return None
+
+
+def refuse_overlap(out: str, source: str) -> None:
+    """Refuse an OUT that is source, lies inside it or holds it: writing there destroys it."""
+    depth = depth_of(source, out)
+    if depth == 0:
+        raise PackError(f"{source}: writing OUT at {out} would write over it; pass -o OUT to write elsewhere", out)
+    if depth is not None:
+        raise PackError(f"{out}: OUT lies inside {source}, which it is made from; pass -o with a path outside "
+                        "it", out)
+    if depth_of(out, source) is not None:
+        raise PackError(f"{out}: OUT holds {source}, which it is made from, and replacing OUT would delete it; "
+                        "pass -o with a path outside it", out)
+
+
+def refuse_missing_folder(out: str) -> None:
+    folder = os.path.dirname(out)
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        raise PackError(f"{folder}: the folder to write OUT {out} in {what}; create it (mkdir -p) or choose "
+                        "-o elsewhere", out)
+
+
+def refuse_existing(out: str, force: bool, notes: list[str] = ()) -> None:
+    """Refuse an existing OUT without force, and with force anything but a packer dataset."""
+    if not os.path.lexists(out):
+        return
+    if not force:
+        settled = "".join(f"; {note}" for note in notes)
+        raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)"
+                                f"{settled}", out)
+    if not is_dataset(out):
+        raise OutputExistsError(f"{out} exists and is not a packer dataset: --force replaces only a dataset, "
+                                "never other files or folders; remove it yourself if it is not needed, or "
+                                "choose -o elsewhere", out)
+
+
+def check_target(out: str, sources: list[str], force: bool) -> Tidied:
+    """Check that OUT (absolute) may be written from sources, after settling its leftovers."""
+    for source in sources:
+        refuse_overlap(out, os.fspath(source))
+    refuse_missing_folder(out)
+    tidied = tidy(out)
+    refuse_existing(out, force, tidied.notes)
+    return tidied
 
 
 @contextlib.contextmanager
 def staged(out: str, force: bool, directory: bool) -> Iterator[str]:
     """Yield a staging path; publish it at OUT only if the block completes."""
     refuse_existing(out, force)
-    stage = staging_path(out)
-    remove_path(stage)
+    owner = new_owner()
+    stage = owner.path(out, PARTIAL)
     try:
         if directory:  # inside the try: an interrupt that lands just after mkdir still cleans up
-            os.makedirs(stage)
+            os.mkdir(stage)
         yield stage
-        publish(stage, out, force)
+        publish(stage, out, force, owner)
     except BaseException:  # KeyboardInterrupt too: never leave a partial dataset behind
         remove_path(stage)
+        remove_path(owner.path(out, COMPLETE))
         raise
 
 
-def publish(stage: str, out: str, force: bool) -> None:
-    refuse_existing(out, force)  # it may have appeared while we were packing
-    if os.path.lexists(out):
-        # os.replace cannot replace a non-empty folder: move the old one aside first, so
-        # that OUT is never missing a dataset for longer than two renames.
-        old = f"{out}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(stage, out)
-        remove_path(old)
+def publish(stage: str, out: str, force: bool, owner: Owner) -> None:
+    refuse_existing(out, force)  # it may have appeared while we were writing
+    complete = owner.path(out, COMPLETE)
+    os.replace(stage, complete)  # from here on, a later run finishes the swap if this one dies
+    if not os.path.lexists(out) or not (os.path.isdir(complete) or os.path.isdir(out)):
+        os.replace(complete, out)
+        return
+    # os.replace cannot put a folder over a folder (or a file over one): move the old one
+    # aside first. A kill between the two renames leaves OUT missing beside the complete
+    # dataset, which the next run moves in (tidy).
+    old = owner.path(out, OLD)
+    os.replace(out, old)
+    try:
+        os.replace(complete, out)
+    except BaseException:
+        if not os.path.lexists(out):
+            os.replace(old, out)
+        raise
+    remove_path(old)
+
+
+def error_code(exc: BaseException) -> int | None:
+    """The errno of a failed write, from an OSError or from the strerror text of a library's error."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    text = str(exc)
+    return next((code for code in NO_SPACE + NOT_WRITABLE if os.strerror(code) in text), None)
+
+
+def write_error(exc: BaseException, out: str, fmt: str) -> PackError:
+    """The PackError for an I/O error met while writing OUT: what failed, and what to do."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        reason = f"{exc.strerror}: {exc.filename}"
     else:
-        os.replace(stage, out)
+        reason = str(exc) or type(exc).__name__
+    code = error_code(exc)
+    if code in NO_SPACE:
+        return PackError(f"{out}: writing the {fmt} dataset failed ({reason}); nothing was written at OUT "
+                         "(free some space or choose -o elsewhere)", out)
+    if code in NOT_WRITABLE:
+        return PackError(f"{out}: OUT is not writable ({reason}); nothing was written there (make "
+                         f"{os.path.dirname(out)} writable or choose -o elsewhere)", out)
+    return PackError(f"{out}: writing the {fmt} dataset failed ({reason}); nothing was written at OUT", out)

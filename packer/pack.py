@@ -13,6 +13,7 @@ formats that declare SHUFFLE accept.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -26,10 +27,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import __version__
-from .check import CHECKS, problem
+from .check import CHECKS, MAX_PIXELS, problem
 from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output
-from .output import remove_stale, staged
+from .output import IO_ERRORS, check_target, staged, write_error
 from .records import Metadata, PathTable, SplitInfo, checksum
 from .scan import Source, SplitListing, scan_source
 
@@ -75,14 +76,14 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_file(path: str, level: str) -> Loaded:
+def load_file(path: str, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
     """Read and check one file; errors become a reason, so the parent decides the policy."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         return Loaded(None, 0, f"cannot read file ({exc.strerror or exc})")
-    reason = problem(data, level)
+    reason = problem(data, level, max_pixels)
     if reason is not None:
         return Loaded(None, 0, reason)
     return Loaded(data, checksum(data), None)
@@ -272,23 +273,28 @@ def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int |
 def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
          on_error: str = "fail", check: str = "header", force: bool = False,
          progress: bool | None = None, options: dict | None = None,
-         shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+         shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
-    None means the format's default (on for wds, off for lmdb and hdf5).
+    None means the format's default (on for wds, off for lmdb and hdf5). The header and
+    full checks refuse an image whose header claims more than max_pixels pixels
+    (packer.check.MAX_PIXELS).
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+        raise PackError(f"max_pixels must be a positive integer (default {MAX_PIXELS}), not {max_pixels!r}")
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or available_cores()
-    removed = remove_stale(out)
+    tidied = check_target(out, sources=[src], force=force)
     source = scan_source(src)
-    params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
+    params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
+              **(options or {})}
     if hasattr(FORMATS[fmt], "SHUFFLE"):
         params["shuffle_seed"] = seed
 
@@ -297,8 +303,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                         created=now_utc(), packer_version=__version__, params=params, skipped=skipped)
 
     meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
-        writer, source, check, on_error, workers, progress, seed, metadata))
-    return PackResult(out, meta, time.perf_counter() - start, source.warnings, removed)
+        writer, source, check, on_error, workers, progress, seed, metadata, max_pixels))
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
 
 
 def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
@@ -306,35 +312,41 @@ def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
     """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
 
     On any error the writer is aborted and nothing appears at out (packer.output.staged).
+    An I/O error becomes a PackError that says what failed; anything else (a bug) is
+    raised as it is.
     """
     module = FORMATS[fmt]
-    with staged(out, force, directory=module.DIRECTORY) as stage:
-        writer = None
-        try:
-            writer = module.Writer(stage, options or {})
-            meta = fill(writer)
-            writer.finish(meta)
-        except BaseException as exc:
-            if writer is not None:
+    try:
+        with staged(out, force, directory=module.DIRECTORY) as stage:
+            return fill_writer(module.Writer, stage, options, fill)
+    except IO_ERRORS as exc:
+        raise write_error(exc, out, fmt) from exc
+
+
+def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: dict | None,
+                fill: Callable[[Any], Metadata]) -> Metadata:
+    writer = None
+    try:
+        writer = make_writer(stage, options or {})
+        meta = fill(writer)
+        writer.finish(meta)
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(*IO_ERRORS):  # the error that stopped the write is the one to report
                 writer.abort()
-            if isinstance(exc, Exception) and not isinstance(exc, PackError):
-                # Disk full, quota, I/O error: say where, and that OUT was left untouched.
-                raise PackError(f"{out}: writing the {fmt} dataset failed ({type(exc).__name__}: {exc}); "
-                                "nothing was written at OUT (free some space or choose -o elsewhere)",
-                                out) from exc
-            raise
+        raise
     return meta
 
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None,
-                 make_metadata: Callable[[list, dict], Metadata]) -> Metadata:
+                 make_metadata: Callable[[list, dict], Metadata], max_pixels: int = MAX_PIXELS) -> Metadata:
     """Stream every split of the source folder through writer; return the metadata to store."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
     all_paths = [os.path.join(source.root, listing.paths[i])
                  for name, listing in listings.items() for i in split_order(len(listing), orders[name])]
-    load = functools.partial(load_file, level=check)
+    load = functools.partial(load_file, level=check, max_pixels=max_pixels)
     # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
     # I/O-bound: threads, which skip the pipe that processes send every file through.
     loaded = (load_in_processes if check == "full" else load_in_threads)(all_paths, load, workers)

@@ -1,6 +1,13 @@
 """What training code imports: Datasets over packed data and raw folders, and the loader that feeds a GPU."""
 from __future__ import annotations
 
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # the packer CLI installs without torch; readers needs it
+    raise ImportError("readers needs PyTorch, which `pip install packer` leaves out so packing machines stay "
+                      "light: install it with `pip install 'packer[readers]'` (or your own torch build, "
+                      "then `pip install braceexpand`)") from exc
+
 from .collate import collate
 from .decode import decode_array, decode_pil, decode_tensor, image_size
 from .folder import FolderDataset

@@ -6,7 +6,7 @@ import torch.utils.data
 
 from packer.errors import CorruptDataError
 
-from .decode import DECODE_MODES, decode
+from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 
 
 class ReaderDataset(torch.utils.data.Dataset):
@@ -14,15 +14,20 @@ class ReaderDataset(torch.utils.data.Dataset):
 
     The wrapped Reader holds plain data until first access and opens its own handle in
     each process, so the dataset pickles (spawn, DDP) and survives fork.
+
+    max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
+    pixels, before allocating them; the default is Pillow's own limit (readers.decode).
     """
 
-    def __init__(self, reader, transform=None, target_transform=None, decode: str = "pil"):
+    def __init__(self, reader, transform=None, target_transform=None, decode: str = "pil",
+                 max_pixels: int = MAX_PIXELS):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.reader = reader
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
+        self.max_pixels = checked_max_pixels(max_pixels)
         self.classes: list[str] = list(reader.classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
@@ -34,7 +39,7 @@ class ReaderDataset(torch.utils.data.Dataset):
             index += len(self)
         data, label = self.reader.read_image(index)
         try:
-            image = decode(data, self.decode)
+            image = decode(data, self.decode, max_pixels=self.max_pixels)
             if self.transform is not None:
                 image = self.transform(image)
         except CorruptDataError as exc:

@@ -10,18 +10,27 @@ torchvision's ImageFolder loader does not apply it.
 scale by running a smaller inverse DCT per 8x8 block, which skips most of the IDCT and
 colour-conversion work. Only power-of-two scales are used: libjpeg-turbo's other n/8
 scales have no SIMD code and measured slower than a full decode (README, "Decode").
+
+Every decode first reads the size from the header and refuses, with CorruptDataError,
+an image claiming more than `max_pixels` pixels (default packer.check.MAX_PIXELS, the
+limit above which Pillow refuses to open an image), so a few KB of crafted header
+cannot make a worker allocate gigabytes. The limit applies to the stored size, also
+when a DCT-scaled decode would produce fewer pixels: the entropy decoding still walks
+every block.
 """
 from __future__ import annotations
 
-import io
+import struct
 
 import numpy as np
 from PIL import Image
 
+from packer.check import MAX_PIXELS, open_lazily, pillow_refusal, size_problem
 from packer.errors import CorruptDataError
 
 DECODE_MODES = ("pil", "tensor", "numpy", "raw")
 JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DCT_FACTORS = (8, 4, 2)
 
 try:
@@ -30,13 +39,66 @@ except ImportError:  # optional at import time so a broken wheel degrades to Pil
     simplejpeg = None
 
 
-def decode_pil(data: bytes, where: str | None = None) -> Image.Image:
+def decode_pil(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXELS) -> Image.Image:
     """An RGB PIL image, decoded as torchvision's pil_loader decodes it."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with open_pil(data, where, max_pixels) as im:
             return im.convert("RGB")
+    except CorruptDataError:
+        raise
     except Exception as exc:  # Pillow raises many types for bad data
         raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+
+
+def open_pil(data: bytes, where: str | None, max_pixels: int) -> Image.Image:
+    """Pillow's lazy open (header only), refused before decoding when the image is too large."""
+    size = _native_size(data)
+    if size is not None:
+        check_size(*size, where, max_pixels)
+    try:
+        im = open_lazily(data, max_pixels)
+    except Image.DecompressionBombError as exc:
+        raise too_large(where, pillow_refusal(exc, max_pixels)) from exc
+    reason = size_problem(im.width, im.height, max_pixels)
+    if reason is not None:
+        im.close()
+        raise too_large(where, reason)
+    return im
+
+
+def _native_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from a JPEG frame header or PNG IHDR, or None for other formats.
+
+    Read before Pillow opens the image: Pillow refuses a bomb with its own message, which
+    gives the pixel count but not the width and height.
+    """
+    if data.startswith(JPEG_MAGIC) and simplejpeg is not None:
+        try:
+            return simplejpeg.decode_jpeg_header(data)[:2]
+        except ValueError:
+            return None
+    if data.startswith(PNG_MAGIC) and len(data) >= 24 and data[12:16] == b"IHDR":
+        width, height = struct.unpack_from(">II", data, 16)
+        return height, width
+    return None
+
+
+def too_large(where: str | None, reason: str) -> CorruptDataError:
+    return CorruptDataError(f"{where or 'image'}: {reason}; if the image is genuine, pass a larger "
+                            "max_pixels= to the dataset (or transform)", where)
+
+
+def check_size(height: int, width: int, where: str | None, max_pixels: int) -> None:
+    """Raise CorruptDataError when a header's size exceeds max_pixels."""
+    if height * width > max_pixels:
+        raise too_large(where, size_problem(width, height, max_pixels))
+
+
+def checked_max_pixels(max_pixels) -> int:
+    """max_pixels as an int >= 1; there is deliberately no value meaning "no limit"."""
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, (int, np.integer)) or max_pixels < 1:
+        raise ValueError(f"max_pixels must be a positive integer (default {MAX_PIXELS}), not {max_pixels!r}")
+    return int(max_pixels)
 
 
 def _turbo_header(data: bytes):
@@ -56,14 +118,20 @@ def turbo_decodable(data: bytes) -> bool:
     return _turbo_header(data) is not None
 
 
-def image_size(data: bytes, where: str | None = None) -> tuple[int, int]:
-    """(height, width) of the stored image, read from its header without decoding pixels."""
+def image_size(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) of the stored image, read from its header without decoding pixels.
+
+    Refuses, as decoding would, an image of more than max_pixels pixels.
+    """
     header = _turbo_header(data)
     if header is not None:
+        check_size(*header, where, max_pixels)
         return header
     try:
-        with Image.open(io.BytesIO(data)) as im:  # lazy: reads the header only
+        with open_pil(data, where, max_pixels) as im:
             return im.height, im.width
+    except CorruptDataError:
+        raise
     except Exception as exc:
         raise CorruptDataError(f"{where or 'image'}: cannot read image header ({type(exc).__name__}: {exc})",
                                where) from exc
@@ -83,7 +151,8 @@ def dct_factor(height: int, width: int, min_size: tuple[int, int] | None) -> int
     return 1
 
 
-def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None) -> np.ndarray:
+def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None,
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """An HxWx3 uint8 RGB array; libjpeg-turbo for JPEG, Pillow for the rest.
 
     Args:
@@ -93,6 +162,7 @@ def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int
     """
     header = _turbo_header(data)
     if header is not None:
+        check_size(*header, where, max_pixels)
         k = dct_factor(*header, min_size)
         try:
             if k == 1:
@@ -104,37 +174,41 @@ def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int
             raise CorruptDataError(f"{where or 'image'}: cannot decode JPEG ({exc})", where) from exc
     # np.array, not asarray: Pillow's buffer is read-only and torch warns on such arrays.
     if min_size:
-        return np.array(_decode_pil_draft(data, where, min_size))
-    return np.array(decode_pil(data, where))
+        return np.array(_decode_pil_draft(data, where, min_size, max_pixels))
+    return np.array(decode_pil(data, where, max_pixels))
 
 
-def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int]) -> Image.Image:
+def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int], max_pixels: int) -> Image.Image:
     """Pillow's DCT scaling (draft) for the JPEGs simplejpeg leaves to Pillow, e.g. CMYK."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with open_pil(data, where, max_pixels) as im:
             k = dct_factor(im.height, im.width, min_size)
             if k > 1 and im.format == "JPEG":
                 # Pillow picks the largest power-of-two scale s with width // s >= requested.
                 im.draft(None, (max(1, im.width // k), max(1, im.height // k)))
             return im.convert("RGB")
+    except CorruptDataError:
+        raise
     except Exception as exc:
         raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
 
 
-def decode_tensor(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None):
+def decode_tensor(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None,
+                  max_pixels: int = MAX_PIXELS):
     """A 3xHxW uint8 torch tensor (a view of the decoded HxWx3 array; no copy)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(decode_array(data, where, min_size))).permute(2, 0, 1)
+    array = decode_array(data, where, min_size, max_pixels)
+    return torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
 
 
-def decode(data: bytes, mode: str, where: str | None = None):
+def decode(data: bytes, mode: str, where: str | None = None, max_pixels: int = MAX_PIXELS):
     if mode == "pil":
-        return decode_pil(data, where)
+        return decode_pil(data, where, max_pixels)
     if mode == "tensor":
-        return decode_tensor(data, where)
+        return decode_tensor(data, where, max_pixels=max_pixels)
     if mode == "numpy":
-        return decode_array(data, where)
+        return decode_array(data, where, max_pixels=max_pixels)
     if mode == "raw":
         return data
     raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")

@@ -80,6 +80,22 @@ def is_image_batch(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 and t.ndim == 4
 
 
+def resolve_device(device, who: str) -> torch.device:
+    """device as a torch.device: "cpu", or "cuda"/"cuda:N" when CUDA is available; the one
+    check every GPU entry point makes, with one message."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cuda", "cpu"):
+        raise ValueError(f"{who}: device must be 'cuda', 'cuda:N' or 'cpu', not {str(device)!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: device={str(device)!r} but CUDA is not available (torch "
+                           f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); pass "
+                           f"device='cpu' to convert and normalise on the CPU, or None for uint8 batches")
+    return resolved
+
+
 class CUDAPrefetcher:
     """Iterates `loader`, yielding each batch on `device` with uint8 images as normalised floats.
 
@@ -98,20 +114,12 @@ class CUDAPrefetcher:
     def __init__(self, loader, device="cuda", mean=None, std=None, channels_last: bool = False,
                  dtype=torch.float32, gpu_decode: Callable | None = None):
         self.loader = loader
-        self.device = torch.device(device)
+        self.device = resolve_device(device, "CUDAPrefetcher")
+        self._stream = None
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    f"CUDAPrefetcher: device={str(device)!r} but CUDA is not available (torch "
-                    f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); pass device='cpu' "
-                    f"to convert and normalise on the CPU instead")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(self.device)
-        elif self.device.type == "cpu":
-            self._stream = None
-        else:
-            raise ValueError(f"CUDAPrefetcher: device must be 'cuda', 'cuda:N' or 'cpu', not {str(device)!r}")
         if not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else False):
             raise ValueError(f"CUDAPrefetcher: dtype must be a floating-point torch.dtype, not {dtype!r}")
         self.mean, self.std = mean, std

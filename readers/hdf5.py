@@ -4,6 +4,7 @@ from __future__ import annotations
 from packer.formats import hdf5
 
 from ._dataset import ReaderDataset
+from .decode import MAX_PIXELS
 
 
 class HDF5Dataset(ReaderDataset):
@@ -15,6 +16,6 @@ class HDF5Dataset(ReaderDataset):
     """
 
     def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil",
-                 check_crc=True):
+                 check_crc=True, max_pixels=MAX_PIXELS):
         super().__init__(hdf5.Reader(str(path), split, check_crc=check_crc), transform, target_transform,
-                         decode)
+                         decode, max_pixels)

@@ -25,37 +25,33 @@ import functools
 import math
 import os
 import random
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.utils.data as tud
 
 from packer.pack import available_cores
 
 from .collate import collate
-from .gpu import CUDAPrefetcher
+from .gpu import CUDAPrefetcher, resolve_device
+from .ranks import local_world_size, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
-from .stats import LoaderStats
+from .stats import LoaderStats, LoaderWarning
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 # Aim for this many batches ready or in flight across all workers: enough to absorb a
 # slow batch, without each worker holding many batches of shared memory.
 BATCHES_IN_FLIGHT = 8
 ORDERS = ("random", "block", "sequential")
-
-
-def distributed() -> tuple[int, int]:
-    """(rank, world size) of torch.distributed, or (0, 1) when it is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+# drop_last dropping at least this share of an epoch is worth a warning.
+DROP_WARN_SHARE = 0.1
 
 
 def default_workers() -> int:
     """Cores available to this process, divided among the ranks on this machine."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, available_cores() // max(1, local_ranks))
+    return max(1, available_cores() // local_world_size())
 
 
 def worker_init(worker_id: int, rank: int = 0, user_init=None) -> None:
@@ -73,7 +69,7 @@ def worker_init(worker_id: int, rank: int = 0, user_init=None) -> None:
         user_init(worker_id)
 
 
-class Loader(tud.DataLoader):
+class EpochLoader(tud.DataLoader):
     """A DataLoader whose epoch advances on each pass (for its sampler and dataset).
 
     set_epoch(n) makes the next pass epoch n; without calls, passes are epochs 0, 1, 2...
@@ -92,16 +88,126 @@ class Loader(tud.DataLoader):
         return super().__iter__()
 
 
-def _device_type(device) -> str | None:
-    if device is None:
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """How many DataLoader workers, and how they are kept and fed."""
+
+    workers: int
+    persistent: bool
+    prefetch_factor: int | None
+    context: object = None
+
+
+def worker_policy(workers: int | None, persistent_workers: bool | None, prefetch_factor: int | None,
+                  multiprocessing_context=None) -> WorkerPolicy:
+    """The worker settings make_loader uses: defaults filled in, contradictions refused."""
+    if workers is None:
+        workers = default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"make_loader: workers must be an int >= 0, got {workers!r}")
+    if persistent_workers is None:
+        persistent_workers = workers > 0
+    elif persistent_workers and workers == 0:
+        raise ValueError("make_loader: persistent_workers=True needs workers > 0 (with workers=0 the main "
+                         "process loads the data and there is no worker to keep); drop persistent_workers "
+                         "or set workers")
+    if prefetch_factor is None:
+        prefetch_factor = max(2, math.ceil(BATCHES_IN_FLIGHT / workers)) if workers else None
+    elif workers == 0:
+        raise ValueError("make_loader: prefetch_factor applies to worker processes; with workers=0 there are "
+                         "none, so drop prefetch_factor or set workers")
+    elif prefetch_factor < 1:
+        raise ValueError(f"make_loader: prefetch_factor must be >= 1, got {prefetch_factor}")
+    if multiprocessing_context is not None and workers == 0:
+        raise ValueError("make_loader: multiprocessing_context applies to worker processes; set workers > 0")
+    return WorkerPolicy(workers, persistent_workers, prefetch_factor, multiprocessing_context)
+
+
+def pin_policy(pin_memory: bool | None, cuda: bool) -> bool:
+    """Pin batches for a CUDA target only: for a CPU target pinning only costs a copy."""
+    if pin_memory is None:
+        return cuda
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError("make_loader: pin_memory=True needs CUDA (pinned memory only speeds up copies to a "
+                         "GPU, and there is none here); drop pin_memory")
+    return bool(pin_memory)
+
+
+def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
+    """The batch decoder for gpu_decode (None, False, True or a decoder), or None."""
+    if gpu_decode is None or gpu_decode is False:
         return None
+    if not cuda:
+        raise ValueError("make_loader: gpu_decode decodes on the GPU and needs device='cuda'")
+    if getattr(dataset, "decode", "raw") != "raw" or getattr(dataset, "transform", None) is not None:
+        raise ValueError("make_loader: with gpu_decode the workers only read bytes and the GPU decodes and "
+                         "transforms them; build the dataset with decode='raw' and no transform")
+    if gpu_decode is not True:
+        return gpu_decode
+    from .nvjpeg import GPUDecoder
+    from .transforms import CenterCrop, RandomResizedCrop
+
+    return GPUDecoder(RandomResizedCrop(224) if train else CenterCrop(224), device)
+
+
+def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: bool) -> None:
+    """Warn when drop_last (the training default) drops a large share of each epoch, or all of it:
+    125 images in batches of 32 read 96 per epoch, and fewer than 32 read none, silently."""
     try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cuda", "cpu"):
-        raise ValueError(f"make_loader: device must be None, 'cpu', 'cuda' or 'cuda:N', not {str(device)!r}")
-    return kind
+        per_epoch = len(sampler if sampler is not None else dataset)
+    except TypeError:  # an IterableDataset without a length
+        return
+    dropped = per_epoch % batch_size
+    if not drop_last or not dropped or (per_epoch >= batch_size and dropped < DROP_WARN_SHARE * per_epoch):
+        return
+    what = ("every sample: there is no full batch, so each epoch is empty" if per_epoch < batch_size
+            else f"{dropped} of {per_epoch} samples ({dropped / per_epoch:.0%}) from every epoch")
+    warnings.warn(f"make_loader: drop_last (the training default) drops {what}; use a smaller batch_size, "
+                  f"or pass drop_last=False", LoaderWarning, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class Order:
+    """How a dataset is walked: the DataLoader's sampler and shuffle arguments, and the
+    access pattern to tell its packer reader (None: it has none)."""
+
+    sampler: tud.Sampler | None
+    shuffle: bool | None
+    access: str | None
+
+
+def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, drop_last: bool, seed: int,
+                 rank: int, world_size: int, block_size: int = BLOCK_SIZE, window: int = WINDOW) -> Order:
+    """The walk make_loader sets up for `order` and `shuffle` (None: by `train`) on this rank."""
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"make_loader: order must be one of {', '.join(ORDERS)}, not {order!r}")
+    if isinstance(dataset, tud.IterableDataset):
+        if shuffle or order is not None:
+            raise ValueError(f"make_loader: {type(dataset).__name__} is an IterableDataset: it shuffles (and "
+                             f"splits shards among ranks and workers) itself; drop shuffle/order and configure "
+                             f"the dataset")
+        return Order(None, None, None)
+    packed = reader_of(dataset) is not None
+
+    def walk(sampler, dataloader_shuffle, random_access: bool) -> Order:
+        return Order(sampler, dataloader_shuffle, ("random" if random_access else "sequential") if packed else None)
+
+    if order in ("block", "sequential"):
+        if order == "sequential" and shuffle:
+            raise ValueError("make_loader: order='sequential' reads in storage order; it cannot also shuffle "
+                             "(use order='block' for near-sequential reads with shuffled batches)")
+        block_shuffle = order == "block" and (train if shuffle is None else shuffle)
+        return walk(BlockShuffleSampler(dataset, block_size, window, shuffle=block_shuffle, seed=seed, rank=rank,
+                                        world_size=world_size), None, False)
+    if shuffle is None:
+        shuffle = train or order == "random"
+    if shuffle and packed:  # packed data: the permutation, read ahead
+        return walk(ShuffleSampler(dataset, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last),
+                    None, True)
+    if world_size > 1:
+        return walk(tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                           drop_last=drop_last), None, shuffle)
+    return walk(None, shuffle, shuffle)
 
 
 def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, workers: int | None = None,
@@ -131,102 +237,35 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             ahead); "block": readers.BlockShuffleSampler(block_size, window),
             near-sequential reads with mixed batches, for cold or remote storage;
             "sequential": storage order. Default: "random" if shuffling, else index order.
+
+    Returns an EpochLoader; wrapped in a CUDAPrefetcher when device is given, and in
+    LoaderStats when stats is; all three iterate the same batches.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
-    if workers is None:
-        workers = default_workers()
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"make_loader: workers must be an int >= 0, got {workers!r}")
-    cuda = _device_type(device) == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise RuntimeError(f"make_loader: device={str(device)!r} but CUDA is not available (torch "
-                           f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
-                           f"pass device=None or 'cpu'")
-    if gpu_decode is not None and gpu_decode is not False and not cuda:
-        raise ValueError("make_loader: gpu_decode decodes on the GPU and needs device='cuda'")
-    if gpu_decode not in (None, False) and (getattr(dataset, "decode", "raw") != "raw"
-                                            or getattr(dataset, "transform", None) is not None):
-        raise ValueError("make_loader: with gpu_decode the workers only read bytes and the GPU decodes and "
-                         "transforms them; build the dataset with decode='raw' and no transform")
-    if gpu_decode is True:
-        from .nvjpeg import GPUDecoder
-        from .transforms import CenterCrop, RandomResizedCrop
+    policy = worker_policy(workers, persistent_workers, prefetch_factor, multiprocessing_context)
+    target = None if device is None else resolve_device(device, "make_loader")
+    cuda = target is not None and target.type == "cuda"
+    decoder = gpu_decoder(gpu_decode, dataset, target, cuda, train)
+    pin = pin_policy(pin_memory, cuda)
+    drop_last = train if drop_last is None else drop_last
+    rank, world_size = world()
+    walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window)
+    if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
+        reader_of(dataset).advise(walk.access)
 
-        gpu_decode = GPUDecoder(RandomResizedCrop(224) if train else CenterCrop(224), device)
-    elif gpu_decode is False:
-        gpu_decode = None
-
-    if persistent_workers is None:
-        persistent_workers = workers > 0
-    elif persistent_workers and workers == 0:
-        raise ValueError("make_loader: persistent_workers=True needs workers > 0 (with workers=0 the main "
-                         "process loads the data and there is no worker to keep); drop persistent_workers "
-                         "or set workers")
-    if prefetch_factor is None:
-        prefetch_factor = max(2, math.ceil(BATCHES_IN_FLIGHT / workers)) if workers else None
-    elif workers == 0:
-        raise ValueError("make_loader: prefetch_factor applies to worker processes; with workers=0 there are "
-                         "none, so drop prefetch_factor or set workers")
-    elif prefetch_factor < 1:
-        raise ValueError(f"make_loader: prefetch_factor must be >= 1, got {prefetch_factor}")
-    if multiprocessing_context is not None and workers == 0:
-        raise ValueError("make_loader: multiprocessing_context applies to worker processes; set workers > 0")
-    if pin_memory is None:
-        pin_memory = cuda
-    elif pin_memory and not torch.cuda.is_available():
-        raise ValueError("make_loader: pin_memory=True needs CUDA (pinned memory only speeds up copies to a "
-                         "GPU, and there is none here); drop pin_memory")
-
-    rank, world = distributed()
-    iterable = isinstance(dataset, tud.IterableDataset)
-    sampler = None
-    if order is not None and order not in ORDERS:
-        raise ValueError(f"make_loader: order must be one of {', '.join(ORDERS)}, not {order!r}")
-    if iterable:
-        if shuffle or order is not None:
-            raise ValueError(f"make_loader: {type(dataset).__name__} is an IterableDataset: it shuffles (and "
-                             f"splits shards among ranks and workers) itself; drop shuffle/order and configure "
-                             f"the dataset")
-        shuffle = None
-    elif order in ("block", "sequential"):
-        if order == "sequential" and shuffle:
-            raise ValueError("make_loader: order='sequential' reads in storage order; it cannot also shuffle "
-                             "(use order='block' for near-sequential reads with shuffled batches)")
-        block_shuffle = order == "block" and (train if shuffle is None else shuffle)
-        sampler = BlockShuffleSampler(dataset, block_size, window, shuffle=block_shuffle, seed=seed, rank=rank,
-                                      world_size=world)
-        shuffle = None
-    else:
-        if shuffle is None:
-            shuffle = train or order == "random"
-        if shuffle and reader_of(dataset) is not None:  # packed data: the permutation, read ahead
-            sampler = ShuffleSampler(dataset, seed=seed, rank=rank, world_size=world,
-                                     drop_last=train if drop_last is None else drop_last)
-            shuffle = None
-        elif world > 1:
-            sampler = tud.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                             drop_last=train if drop_last is None else drop_last)
-            shuffle = None
-    if drop_last is None:
-        drop_last = train
-    reader = None if iterable else reader_of(dataset)
-    if reader is not None:  # read exactly each record, or let the kernel read ahead
-        permuted = shuffle or (isinstance(sampler, (tud.DistributedSampler, ShuffleSampler)) and sampler.shuffle)
-        reader.advise("random" if permuted and not isinstance(sampler, BlockShuffleSampler) else "sequential")
-    if collate_fn is None:
-        collate_fn = functools.partial(collate, pin_memory=pin_memory and workers == 0)
-
-    loader = Loader(
-        dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, num_workers=workers,
-        collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
-        worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if workers else None,
-        multiprocessing_context=multiprocessing_context, persistent_workers=persistent_workers,
-        prefetch_factor=prefetch_factor)
+    warn_if_drop_last_drops_much(dataset, walk.sampler, batch_size, drop_last)
+    loader = EpochLoader(
+        dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
+        collate_fn=collate_fn or functools.partial(collate, pin_memory=pin and policy.workers == 0),
+        pin_memory=pin, drop_last=drop_last,
+        worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if policy.workers else None,
+        multiprocessing_context=policy.context, persistent_workers=policy.persistent,
+        prefetch_factor=policy.prefetch_factor)
     result = loader
-    if device is not None:
-        result = CUDAPrefetcher(loader, device, mean=mean, std=std, channels_last=channels_last, dtype=dtype,
-                                gpu_decode=gpu_decode)
+    if target is not None:
+        result = CUDAPrefetcher(loader, target, mean=mean, std=std, channels_last=channels_last, dtype=dtype,
+                                gpu_decode=decoder)
     if stats:
         result = LoaderStats(result, **(stats if isinstance(stats, dict) else {}))
     return result

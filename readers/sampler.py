@@ -19,7 +19,7 @@ dataset. FFCV's QUASI_RANDOM order is the same idea; this one also splits across
 How well batches are mixed depends on how the data is stored: on a dataset packed in
 ImageFolder order (classes in runs) a batch sees about `window` blocks' worth of
 classes; packed with --shuffle-seed, storage order is already random and any order mixes
-fully. class_entropy() measures it (README: "Cold storage" has the figures).
+fully. class_entropy() measures it (docs/cold-storage.md has the figures).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ import numpy as np
 import torch.utils.data
 
 from packer.formats._io import CAN_ADVISE
+
+from .ranks import check_rank, deal, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
@@ -45,12 +47,10 @@ def reader_of(dataset):
 
 class RankedSampler(torch.utils.data.Sampler):
     """What the samplers share: this process's rank and world size (given, or
-    torch.distributed's when both are None) and the epoch that reseeds the shuffle."""
+    readers.ranks.world()'s when both are None) and the epoch that reseeds the shuffle."""
 
     def __init__(self, rank: int | None, world_size: int | None):
-        if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
-            raise ValueError(f"{type(self).__name__}: pass rank and world_size together, with 0 <= rank < "
-                             f"world_size (got rank={rank}, world_size={world_size})")
+        check_rank(rank, world_size, type(self).__name__)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
 
@@ -58,11 +58,7 @@ class RankedSampler(torch.utils.data.Sampler):
         self.epoch = int(epoch)
 
     def world(self) -> tuple[int, int]:
-        if self.rank is not None:
-            return self.rank, self.world_size
-        from .loader import distributed
-
-        return distributed()
+        return world(self.rank, self.world_size)
 
 
 class ReadAhead:
@@ -161,7 +157,7 @@ class BlockShuffleSampler(RankedSampler):
         window: blocks whose records are shuffled together.
         shuffle: False yields this rank's blocks in storage order, unshuffled.
         seed: the shuffle seed, the same on every rank; set_epoch(n) reshuffles.
-        rank, world_size: this process's share; default torch.distributed's, else one rank.
+        rank, world_size: this process's share; default readers.ranks.world().
         prefetch: start reading each window's blocks one window before they are used.
 
     Every rank yields len(self) indexes, the largest rank's share, so DDP never hangs: a
@@ -190,16 +186,10 @@ class BlockShuffleSampler(RankedSampler):
         order = np.arange(n_blocks)
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(n_blocks)
-        load = [0] * world_size
-        mine = []
-        for block in order.tolist():
-            start = block * self.block_size
-            stop = min(start + self.block_size, self.count)
-            least = load.index(min(load))
-            load[least] += stop - start
-            if least == rank:
-                mine.append((start, stop))
-        return mine, max(load)
+        starts = order * self.block_size
+        stops = np.minimum(starts + self.block_size, self.count)
+        owned, load = deal((((a, b), b - a) for a, b in zip(starts.tolist(), stops.tolist())), world_size)
+        return owned[rank], max(load)
 
     def windows(self) -> Iterator[tuple[list[tuple[int, int]], np.ndarray]]:
         """(blocks, stored positions in the order they are read) per window of this rank."""

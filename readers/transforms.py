@@ -6,7 +6,9 @@ size in the JPEG header, the image is decoded at the smallest DCT scale (1, 1/2,
 window is resized, with torch's antialiased bilinear kernel on uint8 (the same filter
 as Pillow's and torchvision's antialiased resize). Arrays and tensors are accepted too,
 without the decode saving. Output is a contiguous 3xHxW uint8 tensor; converting to
-float and normalising is left to the GPU (readers.CUDAPrefetcher).
+float and normalising is left to the GPU (readers.CUDAPrefetcher). Bytes whose header
+claims more than `max_pixels` pixels are refused with CorruptDataError before anything
+is decoded, as readers.decode does.
 
 Random draws use torch's generator in torchvision's order (crop, then flip), so a
 DataLoader's per-worker seeding applies and a seeded run draws what
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .decode import decode_array, image_size
+from .decode import MAX_PIXELS, checked_max_pixels, decode_array, image_size
 
 BYTES_TYPES = (bytes, bytearray, memoryview)
 
@@ -126,10 +128,11 @@ class RandomResizedCrop:
     Args:
         dct: on bytes input, decode at a reduced DCT scale when the window allows it.
             Off, the result equals the crop-then-resize of the full decode.
+        max_pixels: on bytes input, refuse an image whose header claims more pixels.
     """
 
     def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-                 dct: bool = True):
+                 dct: bool = True, max_pixels: int = MAX_PIXELS):
         if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
             raise ValueError(f"scale and ratio must be increasing positive pairs, got scale={scale}, ratio={ratio}")
         self.size = _pair(size)
@@ -137,16 +140,17 @@ class RandomResizedCrop:
         self.ratio = tuple(ratio)
         self.flip = flip
         self.dct = dct
+        self.max_pixels = checked_max_pixels(max_pixels)
 
     def __call__(self, image) -> torch.Tensor:
         out_h, out_w = self.size
         if isinstance(image, BYTES_TYPES):
             data = bytes(image)
-            full_h, full_w = image_size(data)
+            full_h, full_w = image_size(data, max_pixels=self.max_pixels)
             top, left, h, w = random_resized_crop_params(full_h, full_w, self.scale, self.ratio)
             flip = self._draw_flip()
             need = (math.ceil(out_h * full_h / h), math.ceil(out_w * full_w / w)) if self.dct else None
-            decoded = as_chw(decode_array(data, min_size=need))
+            decoded = as_chw(decode_array(data, min_size=need, max_pixels=self.max_pixels))
             top, left, h, w = _scaled_window(top, left, h, w, full_h, full_w, *decoded.shape[-2:])
         else:
             decoded = as_chw(image)
@@ -176,19 +180,21 @@ class CenterCrop:
 
     On bytes input the JPEG is decoded at the smallest DCT scale whose short side still
     reaches `resize`; the resized size is computed from the full size, as torchvision does.
+    Bytes of an image of more than max_pixels pixels are refused before decoding.
     """
 
-    def __init__(self, size=224, resize: int = 256, dct: bool = True):
+    def __init__(self, size=224, resize: int = 256, dct: bool = True, max_pixels: int = MAX_PIXELS):
         self.size = _pair(size)
         self.resize = int(resize)
         self.dct = dct
+        self.max_pixels = checked_max_pixels(max_pixels)
 
     def __call__(self, image) -> torch.Tensor:
         if isinstance(image, BYTES_TYPES):
             data = bytes(image)
-            full_h, full_w = image_size(data)
+            full_h, full_w = image_size(data, max_pixels=self.max_pixels)
             need = (self.resize, self.resize) if self.dct else None
-            decoded = as_chw(decode_array(data, min_size=need))
+            decoded = as_chw(decode_array(data, min_size=need, max_pixels=self.max_pixels))
         else:
             decoded = as_chw(image)
             full_h, full_w = decoded.shape[-2:]

@@ -7,6 +7,7 @@ shard samples, the buffer, the conversion to (image, label).
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.context
 import os
@@ -20,10 +21,10 @@ import torch.utils.data
 
 from packer.errors import CorruptDataError, FormatError
 from packer.formats import _tar, wds
-from packer.records import choose_split
+from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
 
 from ._dataset import ReaderDataset
-from .decode import DECODE_MODES, decode
+from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 
 ON_ERROR = ("raise", "skip")
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
@@ -58,14 +59,26 @@ class WDSDataset(torch.utils.data.IterableDataset):
     a DataLoader (readers.make_loader does it for you); the epoch lives in shared memory,
     so persistent DataLoader workers see it too.
 
+    check_crc: packer's shards carry a `<key>.json` member with the image's CRC-32 (and,
+    in newer packs, its label); each sample is checked against it, as the map readers
+    check theirs, and a mismatch is a CorruptDataError naming the shard, key and path.
+    Samples without that member (shards from other tools) are read unchecked.
+    check_crc=False reads without these checks.
+
     on_error: "raise" (default) stops at a damaged or truncated shard with a
     CorruptDataError naming the shard and byte offset; "skip" warns and moves on to
-    the next shard, so that epoch is shorter (the warning says by how much).
+    the next shard (or, for a sample failing its check, the next sample), so that
+    epoch is shorter (the warning says by how much). A shard found damaged while its
+    samples are counted is left out of every epoch, with a warning.
+
+    max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
+    pixels, before allocating them; the default is Pillow's own limit (readers.decode).
     """
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
                  decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, on_error: str = "raise"):
+                 world_size: int | None = None, on_error: str = "raise", check_crc: bool = True,
+                 max_pixels: int = MAX_PIXELS):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         if on_error not in ON_ERROR:
@@ -75,8 +88,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
                              f"(got rank={rank}, world_size={world_size})")
         self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split)
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
-        self.shuffle, self.seed, self.on_error = int(shuffle), int(seed), on_error
+        self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
         self.rank, self.world_size = rank, world_size
+        self.max_pixels = checked_max_pixels(max_pixels)
         # Shared with the DataLoader workers this process starts (fork or spawn), so a
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
@@ -105,8 +119,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def shard_counts(self) -> list[int]:
         if self.counts is None:
-            self.counts = [count_samples(path) for path in self.shards]
+            self.counts = [self.count_or_skip(path) for path in self.shards]
         return self.counts
+
+    def count_or_skip(self, path: str) -> int:
+        try:
+            return count_samples(path)
+        except CorruptDataError as exc:
+            if self.on_error == "raise":
+                raise
+            warnings.warn(f"{exc}; skipped this shard, its samples are left out of every epoch", RuntimeWarning,
+                          stacklevel=3)
+            return 0
 
     def plan(self, rank: int, world_size: int) -> list[Task]:
         """This rank's tasks for the current epoch: its own shards, then its padding."""
@@ -154,21 +178,31 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if self.shuffle > 1:
             seed = np.random.SeedSequence([self.seed, self.epoch, rank, worker_id]).generate_state(1)[0]
             samples = shuffled(samples, self.shuffle, random.Random(int(seed)))
-        for where, parts in samples:
-            yield self.convert(where, parts)
+        for where, image, label in samples:
+            yield self.convert(where, image, label)
 
-    def read_tasks(self, tasks: Iterable[Task]) -> Iterator[tuple[str, dict]]:
-        """(where, members) of every image sample of the tasks' shards, in order."""
+    def read_tasks(self, tasks: Iterable[Task]) -> Iterator[tuple[str, bytes, int]]:
+        """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked."""
         for task in tasks:
             path, expected = self.shards[task.shard], self.shard_counts()[task.shard]
             wanted = expected if task.limit is None else task.limit
             got = 0
             try:
                 for sample in _tar.iter_samples(path):
-                    if _tar.image_suffix(sample.parts) is None:
+                    suffix = _tar.image_suffix(sample.parts)
+                    if suffix is None:
                         continue
-                    yield f"{path}: {sample.key}", sample.parts
                     got += 1
+                    where = f"{path}: {sample.key}"
+                    try:
+                        label = sample_label(where, sample.parts, suffix, self.check_crc)
+                    except CorruptDataError as exc:
+                        if self.on_error == "raise":
+                            raise
+                        warnings.warn(f"{exc}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
+                                      stacklevel=2)
+                    else:
+                        yield where, sample.parts[suffix], label
                     if got == wanted:
                         break
                 if got < wanted:
@@ -181,15 +215,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
                               RuntimeWarning, stacklevel=2)
 
-    def convert(self, where: str, parts: dict):
-        image = decode(parts[_tar.image_suffix(parts)], self.decode, where)
-        label = -1
-        if parts.get("cls") is not None:
-            try:
-                label = int(parts["cls"])
-            except ValueError as exc:
-                raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label",
-                                       where) from exc
+    def convert(self, where: str, data: bytes, label: int):
+        image = decode(data, self.decode, where, self.max_pixels)
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
@@ -209,6 +236,43 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
+
+
+def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool) -> int:
+    """The sample's label (-1 without a .cls member), checked against packer's .json member."""
+    label = -1
+    if parts.get("cls") is not None:
+        try:
+            label = int(parts["cls"])
+        except ValueError as exc:
+            raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label; the "
+                                   "shard is damaged (re-create it, or read with on_error='skip')", where) from exc
+    meta = parts.get("json")
+    # Other tools' .json members hold their own fields: only packer's (with "crc32") are checked.
+    if check_crc and meta is not None and b'"crc32"' in meta:
+        check_stored(where, parts[image_suffix], label, meta)
+    return label
+
+
+def check_stored(where: str, image: bytes, label: int, meta: bytes) -> None:
+    """Raise unless the image's CRC-32, and the label when the json has one, match packer's json.
+
+    A json whose crc32 (or label) is not an integer is another tool's, and is not checked."""
+    try:
+        stored = json.loads(meta.decode("utf-8", PATH_ENCODING_ERRORS))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptDataError(f"{where}: the .json member is damaged ({exc}; {meta[:60]!r}), so the image "
+                               "cannot be checked (re-create the shard, or read with on_error='skip')", where) from exc
+    if not isinstance(stored, dict) or type(stored.get("crc32")) is not int:
+        return
+    path = stored.get("path")
+    if checksum(image) != stored["crc32"]:
+        raise CorruptDataError(f"{where} ({path}): checksum mismatch, the stored image is damaged (run packer verify; "
+                               "re-pack from the source, or read with on_error='skip')", where)
+    if type(stored.get("label")) is int and stored["label"] != label:
+        raise CorruptDataError(f"{where} ({path}): label {label} from the .cls member, {stored['label']} in the "
+                               ".json member; the shard is damaged (re-pack from the source, or read with "
+                               "on_error='skip')", where)
 
 
 def shuffled(items: Iterable, size: int, rng: random.Random) -> Iterator:
@@ -266,5 +330,7 @@ def expand_braces(pattern: str) -> list[str]:
 class WDSMapDataset(ReaderDataset):
     """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index."""
 
-    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True):
-        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode)
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
+                 max_pixels=MAX_PIXELS):
+        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode,
+                         max_pixels)

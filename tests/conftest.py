@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Real data shared beside the checkout (../shared/data), or wherever PACKER_SHARED_DATA points.
+SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not SHARED_DATA.is_dir():
+        terminalreporter.write_line(f"shared data: {SHARED_DATA} is absent, so the tests on real images and shards "
+                                    "skipped (set PACKER_SHARED_DATA to the folder holding imagenet-sample/ and "
+                                    "webdataset-testdata/)")
 
 
 def jpeg_bytes(seed: int, size=(64, 48), mode: str = "RGB", fmt: str = "JPEG", quality: int = 90) -> bytes:
@@ -109,7 +117,7 @@ def bad_tree(tmp_path) -> Path:
 def imagenet_sample() -> Path:
     path = SHARED_DATA / "imagenet-sample"
     if not path.is_dir():
-        pytest.skip("../shared/data/imagenet-sample is not present")
+        pytest.skip(f"{path} is not present (set PACKER_SHARED_DATA)")
     return path
 
 

@@ -71,3 +71,25 @@ def test_header_check_of_a_jpeg_never_opens_pillow(monkeypatch):
     monkeypatch.setattr(packer.check, "strict_jpeg_problem", fail)
     assert problem(jpeg_bytes(8), "header") is None
     assert "truncated" in problem(jpeg_bytes(8)[:200], "header")
+
+
+@pytest.mark.parametrize("level", ["header", "full"])
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP", "TIFF"])
+def test_the_pixel_limit_is_inclusive_and_names_the_size(fmt, level):
+    data = jpeg_bytes(9, size=(64, 48), fmt=fmt)
+    assert problem(data, level, max_pixels=64 * 48) is None
+    reason = problem(data, level, max_pixels=64 * 48 - 1)
+    assert "image too large: its header claims 64x48 = 3,072 pixels, over the limit of 3,071" in reason
+    assert "--max-pixels" in reason
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_full_check_refuses_an_oversized_image_before_decoding_it(monkeypatch, fmt):
+    import packer.check
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the image was decoded: the size must be refused from the header first")
+
+    monkeypatch.setattr(packer.check, "pillow_problem", fail)
+    monkeypatch.setattr(packer.check, "strict_jpeg_problem", fail)
+    assert "image too large" in problem(jpeg_bytes(10, size=(64, 48), fmt=fmt), "full", max_pixels=100)

@@ -1,16 +1,16 @@
 """readers.decode: always-RGB uint8 decode, DCT-scaled decode, header sizes, error naming."""
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import SHARED_DATA
 from packer.errors import CorruptDataError
 from readers.decode import (DECODE_MODES, dct_factor, decode, decode_array, decode_pil, decode_tensor,
                             image_size, turbo_decodable)
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
+SAMPLE = SHARED_DATA / "imagenet-sample"
 
 
 def encode(height, width, mode="RGB", fmt="JPEG", seed=0, **save):
@@ -24,7 +24,7 @@ def encode(height, width, mode="RGB", fmt="JPEG", seed=0, **save):
 
 def sample_files():
     if not SAMPLE.is_dir():
-        pytest.skip(f"real sample data not found at {SAMPLE}")
+        pytest.skip(f"real sample data not found at {SAMPLE} (set PACKER_SHARED_DATA)")
     return sorted(SAMPLE.rglob("*.JPEG"))
 
 
@@ -114,3 +114,36 @@ def test_decode_modes_keep_their_contract():
     assert tuple(decode(data, "tensor").shape) == (3, 10, 12)
     with pytest.raises(ValueError, match="pil, tensor, numpy, raw"):
         decode(data, "jpeg")
+
+
+@pytest.mark.parametrize("mode,fmt", [("RGB", "JPEG"), ("CMYK", "JPEG"), ("RGB", "PNG"), ("RGB", "BMP")])
+def test_every_decode_path_refuses_an_image_over_max_pixels_from_its_header(mode, fmt):
+    data = encode(40, 60, mode, fmt)
+    calls = {"decode_pil": lambda limit: decode_pil(data, "cat/x", limit),
+             "decode_array": lambda limit: decode_array(data, "cat/x", max_pixels=limit),
+             "scaled decode_array": lambda limit: decode_array(data, "cat/x", (10, 10), limit),
+             "decode_tensor": lambda limit: decode_tensor(data, "cat/x", max_pixels=limit),
+             "image_size": lambda limit: image_size(data, "cat/x", limit),
+             "decode": lambda limit: decode(data, "numpy", "cat/x", limit)}
+    for name, call in calls.items():
+        with pytest.raises(CorruptDataError, match="^cat/x: image too large: its header claims 60x40 = 2,400 "
+                                                   "pixels, over the limit of 2,399.*max_pixels=") as info:
+            call(2399)
+        assert info.value.path == "cat/x", name
+        call(2400)  # the limit itself is allowed
+
+
+def test_a_max_pixels_above_pillows_limit_raises_pillows(monkeypatch):
+    """Pillow refuses above its own process-wide limit whatever packer allows: a raised
+    max_pixels raises Pillow's to match, so such an image is read, not refused."""
+    from test_bomb import bmp_bomb
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after the test
+    claims = bmp_bomb(20000, 10000)  # 2e8 pixels: over Pillow's default limit
+    with pytest.raises(CorruptDataError, match=r"Pillow refuses it \(Image size \(200000000 pixels\)"):
+        image_size(claims)
+    assert Image.MAX_IMAGE_PIXELS == 178_956_970 // 2  # the default left alone
+    assert image_size(claims, max_pixels=250_000_000) == (10000, 20000)
+    assert Image.MAX_IMAGE_PIXELS == 250_000_000
+    with pytest.raises(CorruptDataError, match="over the limit of 199,999,999"):
+        image_size(claims, max_pixels=199_999_999)

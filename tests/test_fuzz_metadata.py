@@ -98,6 +98,35 @@ def rewrite_metadata(fmt: str, path, edit) -> None:
     write_raw(fmt, str(path), json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8", "surrogateescape"))
 
 
+def restamp_table_crc(fmt: str, path, split: str, table: str, raw: bytes) -> None:
+    """Store raw's CRC-32 as table's checksum where the pack keeps table checksums, as an
+    attacker editing that table would (so the edit, not the checksum, is what is caught)."""
+    crc = zlib.crc32(raw) & 0xFFFFFFFF
+    if fmt == "lmdb":
+        env = lmdb.open(str(path), subdir=True, lock=False,
+                        map_size=os.path.getsize(Path(path, "data.mdb")) + (64 << 20))
+        with env.begin(write=True) as txn:
+            stored = txn.get(f"{split}/checksums".encode())
+            if stored is not None:
+                crcs = json.loads(stored)
+                crcs[table] = crc
+                txn.put(f"{split}/checksums".encode(), json.dumps(crcs, sort_keys=True, separators=(",", ":")).encode())
+        env.close()
+    elif fmt == "hdf5":
+        with h5py.File(path, "r+") as f:
+            stored = f[split].attrs.get("checksums")
+            if stored is not None:
+                crcs = json.loads(stored)
+                crcs[table] = crc
+                f[split].attrs["checksums"] = json.dumps(crcs, sort_keys=True, separators=(",", ":"))
+    else:
+        def restamp(obj):
+            entry = obj["wds"]["splits"][split]
+            if f"{table}_crc32" in entry:
+                entry[f"{table}_crc32"] = crc
+        rewrite_metadata(fmt, path, restamp)
+
+
 # ---- the dataset -----------------------------------------------------------------------------
 
 def tiny_jpeg(seed: int) -> bytes:

@@ -31,8 +31,12 @@ def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path):
             labels = np.frombuffer(txn.get(f"{split}/labels".encode()), "<i4")
             paths = txn.get(f"{split}/paths".encode()).decode().split("\0")
             extents = np.frombuffer(txn.get(f"{split}/extents".encode()), [("offset", "<u8"), ("length", "<u4")])
-            accounted += 3
+            checksums = json.loads(txn.get(f"{split}/checksums".encode()))
+            accounted += 4
             assert len(labels) == len(paths) == len(extents) == info["count"]
+            assert sorted(checksums) == ["extents", "labels", "paths"]
+            for table, crc in checksums.items():
+                assert zlib.crc32(txn.get(f"{split}/{table}".encode())) == crc
             for i in range(info["count"]):
                 value = txn.get(b"%s/%010d" % (split.encode(), i))
                 crc, label, n = struct.unpack_from("<IiH", value)
@@ -76,10 +80,7 @@ def test_records_are_read_at_their_extents_and_stale_extents_fall_back(tmp_path)
     reader.close()
     # Extents that point at the wrong record (a database rewritten by another tool) are
     # caught by the header check: a warning, and the records still come back right.
-    env = lmdb.open(str(out), map_size=os.path.getsize(out / "data.mdb") + (1 << 20), lock=False)
-    with env.begin(write=True) as txn:
-        txn.put(b"all/extents", extents[[1, 0, 2, 3, 4, 5]].tobytes())
-    env.close()
+    put_table(out, "extents", extents[[1, 0, 2, 3, 4, 5]].tobytes())
     reader = lmdb_format.Reader(str(out))
     with pytest.warns(RuntimeWarning, match="extents do not match"):
         data, _, relpath = reader.read(0)
@@ -123,11 +124,20 @@ def pack_with_extents_rewritten(tmp_path, count: int, rewrite) -> tuple:
     reader = lmdb_format.Reader(str(out))
     extents = reader.extents().copy()
     reader.close()
+    put_table(out, "extents", rewrite(extents).tobytes())
+    return src, out
+
+
+def put_table(out, table: str, raw: bytes, split: str = "all") -> None:
+    """Rewrite one table of a packed LMDB, with its checksum: what another tool that moves
+    records (mdb_copy -c) leaves is consistent tables over moved values."""
     env = lmdb.open(str(out), map_size=os.path.getsize(out / "data.mdb") + (1 << 20), lock=False)
     with env.begin(write=True) as txn:
-        txn.put(b"all/extents", rewrite(extents).tobytes())
+        txn.put(f"{split}/{table}".encode(), raw)
+        checksums = json.loads(txn.get(f"{split}/checksums".encode()))
+        checksums[table] = zlib.crc32(raw)
+        txn.put(f"{split}/checksums".encode(), json.dumps(checksums).encode())
     env.close()
-    return src, out
 
 
 @pytest.mark.skipif(not HAS_EXTENTS, reason="extents are taken from the writemap mapping (Linux)")

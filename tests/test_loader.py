@@ -8,9 +8,10 @@ import torch
 import torch.utils.data as tud
 
 import readers.loader as L
+import readers.ranks as ranks
 from packer.pack import pack
 from packer.synth import make_corpus
-from readers import CenterCrop, CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, make_loader
+from readers import CenterCrop, CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, LoaderWarning, make_loader
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_few_workers_get_a_deeper_prefetch():
     (dict(workers=0, multiprocessing_context="spawn"), "multiprocessing_context applies"),
     (dict(workers=-1), "workers must be an int >= 0"),
     (dict(workers=2, prefetch_factor=0), "prefetch_factor must be >= 1"),
-    (dict(device="tpu"), "device must be None, 'cpu', 'cuda'"),
+    (dict(device="tpu"), "device must be 'cuda', 'cuda:N' or 'cpu'"),
     (dict(gpu_decode=lambda batch: batch), "gpu_decode .* needs device='cuda'"),
 ])
 def test_misconfigurations_raise_clear_errors(kwargs, message):
@@ -106,7 +107,7 @@ def test_batch_size_must_be_a_positive_int():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA errors")
 def test_cuda_options_without_cuda_say_so():
-    with pytest.raises(RuntimeError, match="CUDA is not available.*device=None or 'cpu'"):
+    with pytest.raises(RuntimeError, match="CUDA is not available.*device='cpu'.*or None"):
         make_loader(Numbers(), 4, device="cuda")
     with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
         make_loader(Numbers(), 4, pin_memory=True)
@@ -121,7 +122,8 @@ def test_iterable_datasets_get_no_sampler_and_refuse_shuffle():
 
 
 def test_distributed_runs_get_a_sampler_whose_epoch_advances(monkeypatch):
-    monkeypatch.setattr(L, "distributed", lambda: (1, 2))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     loader = make_loader(Numbers(12), 2, workers=0, seed=7)
     sampler = loader.sampler
     assert isinstance(sampler, tud.DistributedSampler)
@@ -187,8 +189,42 @@ def test_an_initialised_process_group_is_detected(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        assert L.distributed() == (0, 1)
+        assert ranks.world() == (0, 1)
         assert isinstance(make_loader(Numbers(), 2, workers=0).sampler, tud.RandomSampler)  # one rank: no split
     finally:
         dist.destroy_process_group()
-    assert L.distributed() == (0, 1)
+    assert ranks.world() == (0, 1)
+
+
+def test_choose_order_alone():
+    walk = L.choose_order(Numbers(10), None, None, train=True, drop_last=True, seed=0, rank=0, world_size=1)
+    assert walk.sampler is None and walk.shuffle is True and walk.access is None  # no packer reader
+    walk = L.choose_order(Numbers(10), None, None, train=False, drop_last=False, seed=0, rank=0, world_size=1)
+    assert walk.sampler is None and walk.shuffle is False
+    walk = L.choose_order(Numbers(10), "block", None, train=True, drop_last=True, seed=0, rank=1, world_size=2)
+    assert walk.shuffle is None and walk.sampler.world() == (1, 2) and walk.sampler.shuffle
+    walk = L.choose_order(Numbers(10), None, False, train=True, drop_last=True, seed=5, rank=1, world_size=2)
+    assert isinstance(walk.sampler, tud.DistributedSampler) and not walk.sampler.shuffle and walk.sampler.drop_last
+    with pytest.raises(ValueError, match="order must be one of"):
+        L.choose_order(Numbers(10), "zigzag", None, True, True, 0, 0, 1)
+
+
+def test_worker_policy_alone():
+    assert L.worker_policy(0, None, None) == L.WorkerPolicy(0, False, None, None)
+    assert L.worker_policy(2, None, None) == L.WorkerPolicy(2, True, 4, None)  # 8 batches in flight
+    assert L.worker_policy(16, False, None).prefetch_factor == 2
+
+
+def test_drop_last_warns_when_it_drops_a_large_share_or_everything():
+    with pytest.warns(LoaderWarning, match="drops 29 of 125 samples .23%. from every epoch"):
+        make_loader(Numbers(125), 32, workers=0)
+    with pytest.warns(LoaderWarning, match="no full batch, so each epoch is empty"):
+        loader = make_loader(Numbers(20), 32, workers=0)
+    assert list(loader) == []
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_loader(Numbers(125), 32, workers=0, drop_last=False)  # asked for every sample
+        make_loader(Numbers(130), 32, workers=0)  # 2 of 130 dropped: a small share
+        make_loader(Numbers(20), 32, workers=0, train=False)

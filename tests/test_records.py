@@ -21,8 +21,8 @@ from packer.errors import CorruptDataError, FormatError, PackError
 from packer.formats import open_reader, read_metadata
 from packer.verify import info, verify
 
-from test_fuzz_metadata import (CONTAINER_KEYS, build_source, documented_crc, pack_all, read_raw, rewrite_metadata,
-                                write_raw)
+from test_fuzz_metadata import (CONTAINER_KEYS, build_source, documented_crc, pack_all, read_raw, restamp_table_crc,
+                                rewrite_metadata, write_raw)
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +185,7 @@ def rewrite_paths(fmt: str, packed: Path, split: str, paths: list[str]) -> None:
             f[f"{split}/paths"] = np.frombuffer(blob, np.uint8)
     else:
         (packed / split / "paths.bin").write_bytes(blob)
+    restamp_table_crc(fmt, packed, split, "paths", blob)
 
 
 def test_path_table_climbing_out_is_refused_by_readers_verify_and_convert(fmt, copy_of, pristine, tmp_path):

@@ -14,7 +14,6 @@ from benchmarks import cache
 from packer import pack
 from packer.formats import _io
 from readers import BlockShuffleSampler, ShuffleSampler, class_entropy, make_loader
-from readers import loader as loader_module
 from readers import sampler as sampler_module
 
 from conftest import class_sorted_tree
@@ -159,7 +158,8 @@ def test_make_loader_shuffles_packed_data_with_the_read_ahead_sampler(sorted_tre
     assert sorted(first) == sorted(os.path.getsize(sorted_tree / p) for p in dataset.paths)
     assert [int(n) for sizes, _ in loader for n in sizes] != first  # the next epoch reshuffles
     assert not isinstance(make_loader(dataset, 4, workers=0, train=False).sampler, ShuffleSampler)
-    monkeypatch.setattr(loader_module, "distributed", lambda: (1, 3))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
     sampler = make_loader(dataset, 4, workers=0, seed=3).sampler
     assert isinstance(sampler, ShuffleSampler) and sampler.world() == (1, 3) and sampler.drop_last
     assert len(sampler) == 13 and len(set(sampler)) == 13

@@ -164,8 +164,8 @@ def test_flip_follows_the_crop_draw_like_torchvision():
 def test_dct_decode_scales_only_as_far_as_the_window_allows(monkeypatch):
     seen = []
 
-    def spy(data, where=None, min_size=None):
-        out = decode_array(data, where, min_size)
+    def spy(data, where=None, min_size=None, **limits):
+        out = decode_array(data, where, min_size, **limits)
         seen.append(out.shape[:2])
         return out
 

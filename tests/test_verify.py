@@ -80,6 +80,7 @@ def set_first_label(fmt: str, packed, label: int) -> None:
     import numpy as np
 
     from packer.formats.wds import RECORD
+    from test_fuzz_metadata import restamp_table_crc
     if fmt == "lmdb":
         env = lmdb.open(str(packed), subdir=True, lock=False, map_size=1 << 30)
         with env.begin(write=True) as txn:
@@ -87,13 +88,17 @@ def set_first_label(fmt: str, packed, label: int) -> None:
             labels[0] = label
             txn.put(b"all/labels", labels.tobytes())
         env.close()
+        restamp_table_crc(fmt, packed, "all", "labels", labels.tobytes())
     elif fmt == "hdf5":
         with h5py.File(packed, "r+") as f:
             f["all/labels"][0] = label
+            raw = f["all/labels"][:].astype("<i4").tobytes()
+        restamp_table_crc(fmt, packed, "all", "labels", raw)
     else:
         records = np.fromfile(packed / "all" / "records.bin", RECORD)
         records["label"][0] = label
         records.tofile(packed / "all" / "records.bin")
+        restamp_table_crc(fmt, packed, "all", "records", records.tobytes())
 
 
 @pytest.mark.parametrize("label", [99, -7])

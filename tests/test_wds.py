@@ -228,7 +228,7 @@ def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp
 def test_reads_the_real_gzip_shard_as_it_is():
     shard = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
     if not shard.is_file():
-        pytest.skip("../shared/data/webdataset-testdata/sample.tgz is not present")
+        pytest.skip(f"{shard} is not present (set PACKER_SHARED_DATA)")
     ds = WDSDataset(shard)
     assert len(ds) == 90
     samples = list(ds)
@@ -468,3 +468,74 @@ def test_a_worker_left_without_a_shard_says_how_to_fix_it(even_tree, tmp_path, m
     monkeypatch.setattr("torch.utils.data.get_worker_info", lambda: second_of_two)
     with pytest.warns(RuntimeWarning, match="worker 1 of 2 on rank 0 has no shard .* smaller --shard-size"):
         assert list(ds) == []
+
+
+# --- stored checksums and labels --------------------------------------------------------
+
+def image_extents(out: Path) -> list[tuple[Path, int, int, str]]:
+    """(shard, data offset, size, relative path) of every packed image, from the index."""
+    reader = wds.Reader(str(out))
+    return [(out / reader.shards[r["shard"]], int(r["offset"]), int(r["size"]), reader.paths[i])
+            for i, r in enumerate(reader.records)]
+
+
+def test_stream_reader_checks_the_stored_crc_of_every_image(even_tree, tmp_path):
+    out = pack_wds(even_tree, tmp_path / "crc.wds")
+    extents = image_extents(out)
+    shard = extents[0][0]
+    clean = shard.read_bytes()
+    rng = __import__("random").Random(7)
+    for _ in range(40):  # one flipped byte anywhere in any image: never a silent wrong image
+        where, offset, size, relpath = rng.choice(extents)
+        at = offset + rng.randrange(size)
+        blob = bytearray(clean)
+        blob[at] ^= 1 << rng.randrange(8)
+        shard.write_bytes(bytes(blob))
+        key = wds.sample_key(relpath)
+        with pytest.raises(CorruptDataError, match=rf"shard-000000\.tar: {key} \({relpath}\): checksum mismatch"):
+            list(WDSDataset(out, decode="raw"))
+    with pytest.warns(RuntimeWarning, match=rf"{key} \({relpath}\): checksum mismatch.*skipped this sample"):
+        assert len(list(WDSDataset(out, decode="raw", on_error="skip"))) == 23
+    assert len(list(WDSDataset(out, decode="raw", check_crc=False))) == 24
+
+
+def test_shards_without_packer_json_are_read_unchecked(tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    images = [jpeg_bytes(7000 + i, size=(8, 8)) for i in range(4)]
+    with webdataset.TarWriter(str(tmp_path / "other.tar")) as sink:
+        for i, data in enumerate(images):
+            sink.write({"__key__": f"s{i}", "jpg": data, "cls": i, "json": {"caption": "a cat", "crc": "x"}})
+    assert list(WDSDataset(tmp_path / "other.tar", decode="raw")) == [(d, i) for i, d in enumerate(images)]
+
+
+def hand_made_shard(path: Path, samples: list[tuple[str, bytes, bytes, dict]]) -> Path:
+    """A shard written member by member: (key, image, .cls bytes, json fields) per sample."""
+    blob = b"".join(_tar.member(f"{key}.jpg", image)[0] + _tar.member(f"{key}.cls", cls)[0]
+                    + _tar.member(f"{key}.json", json.dumps(meta, sort_keys=True).encode())[0]
+                    for key, image, cls, meta in samples)
+    path.write_bytes(blob + _tar.END_OF_ARCHIVE)
+    return path
+
+
+def test_label_in_the_json_must_agree_with_the_cls_member(tmp_path):
+    a, b = jpeg_bytes(1, size=(8, 8)), jpeg_bytes(2, size=(8, 8))
+    meta = lambda data, **extra: {"crc32": zlib.crc32(data), "path": "c/x.jpg", **extra}  # noqa: E731
+    good = hand_made_shard(tmp_path / "good.tar", [("k0", a, b"3", meta(a, label=3)), ("k1", b, b"1", meta(b))])
+    assert list(WDSDataset(good, decode="raw")) == [(a, 3), (b, 1)]  # no label in the json: accepted as before
+    flipped = hand_made_shard(tmp_path / "flip.tar", [("k0", a, b"7", meta(a, label=3)), ("k1", b, b"1", meta(b))])
+    with pytest.raises(CorruptDataError, match=r"flip\.tar: k0 \(c/x\.jpg\): label 7 from the \.cls member, 3 in"):
+        list(WDSDataset(flipped, decode="raw"))
+    with pytest.warns(RuntimeWarning, match=r"flip\.tar: k0 .* skipped this sample"):
+        assert list(WDSDataset(flipped, decode="raw", on_error="skip")) == [(b, 1)]
+    lost = hand_made_shard(tmp_path / "lost.tar", [("k0", a, b"x", meta(a, label=3))])
+    with pytest.raises(CorruptDataError, match=r"lost\.tar: k0: \.cls member b'x' is not an integer"):
+        list(WDSDataset(lost, decode="raw"))
+
+
+def test_a_damaged_packer_json_is_reported(tmp_path):
+    a = jpeg_bytes(1, size=(8, 8))
+    shard = hand_made_shard(tmp_path / "j.tar", [("k0", a, b"0", {"crc32": zlib.crc32(a), "path": "x.jpg"})])
+    blob = shard.read_bytes()
+    shard.write_bytes(blob.replace(b'"crc32": ', b'"crc32":{'))  # same length: the tar stays whole
+    with pytest.raises(CorruptDataError, match=r"j\.tar: k0: the \.json member is damaged"):
+        list(WDSDataset(shard, decode="raw"))

@@ -3,8 +3,13 @@
 A reader stores plain data only (path, split, small metadata). Its handle is opened the
 first time a process needs it and remembered with that process's pid; a handle whose pid
 is not ours was inherited through fork and is closed and reopened, and pickling (spawn,
-DDP) drops it. lmdb >= 2.0 refuses a second open of one path in a process, so handles
-are shared per (pid, real path) and reference-counted.
+DDP) drops it. lmdb >= 2.0 refuses a second open of one file in a process, so handles
+are shared per (pid, real path, file identity) and reference-counted.
+
+The identity (inode, size, mtime of the dataset's main file; see
+_tables.file_identity) is part of the key because a dataset can be replaced at its path
+(pack --force) while in use: a reader opened before keeps the old file's handle and reads
+the old dataset consistently, and a reader opened after gets a handle of the new file.
 """
 from __future__ import annotations
 
@@ -14,21 +19,18 @@ import threading
 from typing import Any, Callable, Iterator
 
 _lock = threading.Lock()
-# real path -> [pid, handle, refcount, closer]
-_shared: dict[str, list] = {}
+# (real path, identity) -> [pid, handle, refcount, closer]
+_shared: dict[tuple, list] = {}
 
 
-def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None]) -> Any:
-    """This process's shared handle for path, opened with opener(path) when needed."""
-    key = os.path.realpath(path)
+def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None], identity: tuple) -> Any:
+    """This process's shared handle for the file with this identity at path, opened with
+    opener(path) when needed (the caller checks the file opened is the one it meant)."""
+    key = (os.path.realpath(path), identity)
     pid = os.getpid()
     with _lock:
+        _close_inherited(key[0], pid)
         entry = _shared.get(key)
-        if entry is not None and entry[0] != pid:
-            # Inherited through fork: the parent's handle must be closed in this process
-            # before the path can be opened again here (lmdb's rule).
-            _close_quietly(entry[3], entry[1])
-            entry = None
         if entry is None:
             entry = [pid, opener(path), 0, closer]
             _shared[key] = entry
@@ -36,8 +38,16 @@ def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], Non
         return entry[1]
 
 
-def release(path: str) -> None:
-    key = os.path.realpath(path)
+def _close_inherited(real: str, pid: int) -> None:
+    """Close the handles of real path inherited through fork: the parent's handle must be
+    closed in this process before the file can be opened again here (lmdb's rule)."""
+    for key in [k for k, entry in _shared.items() if k[0] == real and entry[0] != pid]:
+        entry = _shared.pop(key)
+        _close_quietly(entry[3], entry[1])
+
+
+def release(path: str, identity: tuple) -> None:
+    key = (os.path.realpath(path), identity)
     with _lock:
         entry = _shared.get(key)
         if entry is None or entry[0] != os.getpid():
@@ -49,13 +59,14 @@ def release(path: str) -> None:
 
 
 @contextlib.contextmanager
-def borrowed(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None]) -> Iterator[Any]:
+def borrowed(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None],
+             identity: tuple) -> Iterator[Any]:
     """This process's shared handle for path for the length of a with block."""
-    handle = acquire(path, opener, closer)
+    handle = acquire(path, opener, closer, identity)
     try:
         yield handle
     finally:
-        release(path)
+        release(path, identity)
 
 
 def _close_quietly(closer: Callable[[Any], None], handle: Any) -> None:

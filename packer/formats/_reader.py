@@ -1,15 +1,17 @@
 """The common ground of every format's Reader: split choice, count, CRC policy, record names,
-access pattern and storage order."""
+access pattern and storage order, tables loaded (and checked) once, and the identity of the
+dataset file a reader belongs to."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, PackError
 from ..records import Metadata, checksum, choose_split
 from ._handle import LazyHandle
-from ._io import cached, check_access, will_need
+from ._io import cached, check_access, open_for_reading, will_need
+from ._tables import check_labels, fd_identity, file_identity, replaced_error
 
 
 _UNREAD = object()
@@ -23,7 +25,8 @@ class SplitReader(LazyHandle):
     # index -> stored position, built from storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
 
-    def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata):
+    def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata,
+                 identity_file: str | None = None, identity: tuple | None = None):
         self.path = os.path.abspath(path)
         self.metadata = metadata
         self.split = choose_split(list(metadata.splits), split, self.path)
@@ -31,6 +34,65 @@ class SplitReader(LazyHandle):
         self.count = metadata.splits[self.split].count
         self.check_crc = check_crc
         self.access = "random"
+        # The file whose identity (_tables.file_identity) ties this reader to the dataset it
+        # read the metadata of: every handle opened later, in any process, must be of it.
+        self.identity_file = identity_file
+        self.identity = identity
+        self._loaded: dict = {}
+
+    def check_identity(self, identity: tuple | None = None) -> None:
+        """Raise if the dataset was replaced at its path since this reader read its metadata
+        (identity: of a file just opened; else the file now at the path)."""
+        try:
+            now = file_identity(self.identity_file) if identity is None else identity
+        except OSError:
+            now = None
+        if now != self.identity:
+            raise replaced_error(self.identity_file)
+
+    def open_identified(self) -> int:
+        """A descriptor of identity_file, checked to be the file this reader read the metadata of."""
+        try:
+            fd = open_for_reading(self.identity_file, self.access)
+        except OSError as exc:
+            self.check_identity()  # gone or replaced: say that
+            raise CorruptDataError(f"{self.identity_file}: cannot open it ({exc.strerror or exc})",
+                                   self.identity_file) from exc
+        try:
+            self.check_identity(fd_identity(fd))
+        except CorruptDataError:
+            os.close(fd)
+            raise
+        return fd
+
+    def loaded(self, name: str, load):
+        """Table name as load() returns it, loaded once: a damaged table's error is kept too,
+        so every later read reports it without reading the table again."""
+        if name not in self._loaded:
+            try:
+                self._loaded[name] = (load(), None)
+            except PackError as exc:
+                self._loaded[name] = (None, exc)
+                raise
+        value, error = self._loaded[name]
+        if error is not None:
+            raise error.with_traceback(None)  # not a traceback that grows with every read
+        return value
+
+    @property
+    def tables_checked(self) -> bool:
+        """Whether this split's per-record tables carry checksums, checked as they load (packs
+        written before table checksums carry none: their tables are only range-checked)."""
+        return self.table_checksums() is not None
+
+    def table_checksums(self) -> dict | None:
+        """{table: CRC-32} stored for this split, None in an older pack."""
+        return None
+
+    def checked_labels(self, labels: np.ndarray, where: str) -> np.ndarray:
+        """A label table, checked against the class list (-1 only in unlabeled splits)."""
+        check_labels(labels, len(self.classes), self.metadata.splits[self.split].labeled, where)
+        return labels
 
     def open(self) -> "SplitReader":
         """Open this process's handle and load the tables reads use, now rather than on the

@@ -12,11 +12,24 @@ holds a garbage header: a shard cut short would be a short epoch nobody notices.
 a shard must end with a zero block, or reading raises CorruptDataError naming the
 shard and the byte offset. Accepted from other tools: gzip-compressed shards (any name;
 detected by magic bytes), `./` prefixes, directory and other non-file entries
-(skipped), PAX and GNU long names.
+(skipped; as in tarfile, links, directories, devices and FIFOs carry no data whatever
+their size field says), PAX and GNU long names.
+
+Every number in a header is untrusted. A size must be non-negative and below 2^63, a
+PAX `size` ASCII digits, a PAX record's length must cover its own `<len> ` prefix,
+stay within the record block and end at a newline, and an extended header (PAX
+records, GNU long name) is at most 1 MiB. For a plain file every read and seek is
+checked against the file's length before it happens; a gzip stream is read in 1 MiB
+chunks. Each header moves the offset forward by at least one block, so no input can
+make reading loop, and any violation is a CorruptDataError naming the shard and offset.
 """
 from __future__ import annotations
 
 import gzip
+import io
+import os
+import re
+import stat
 import tarfile
 import zlib
 from typing import IO, Iterator, NamedTuple
@@ -29,6 +42,14 @@ END_OF_ARCHIVE = bytes(2 * BLOCK)
 GZIP_MAGIC = b"\x1f\x8b"
 # 2000-01-01T00:00:00Z: any constant makes shards reproducible; 0 makes some tools warn.
 MTIME = 946684800
+# Bounds on what a header may declare: sizes fit a signed 64-bit offset, and an extended
+# header (PAX records, a GNU long name) is small; larger is damage, not data.
+MAX_SIZE = 2**63 - 1
+MAX_EXTENDED = 1 << 20
+CHUNK = 1 << 20  # gzip streams are read at most this much at a time
+EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_PAX_HEAD = re.compile(rb"([0-9]{1,9}) ")
+_PAX_SIZE = re.compile(r"[0-9]{1,19}")
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
 
@@ -81,7 +102,11 @@ class Sample(NamedTuple):
 
 def open_shard(path: str) -> tuple[IO[bytes], bool]:
     """A binary stream of the tar inside path, and whether it was gzip-compressed."""
-    raw = open(path, "rb")
+    try:
+        raw = open(path, "rb")
+    except OSError as exc:
+        raise CorruptDataError(f"{path}: cannot open the shard ({exc.strerror}); check that it exists and is "
+                               "readable, or read with on_error='skip'", path) from exc
     if raw.read(2) == GZIP_MAGIC:
         raw.seek(0)
         return gzip.GzipFile(fileobj=raw, mode="rb"), True
@@ -104,78 +129,150 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (f"{folder}/{stem}" if folder else stem), suffix.lower()
 
 
-def pax_records(raw: bytes) -> dict[str, str]:
-    """Parse PAX extended-header records: b"<len> <key>=<value>\\n"."""
+def damaged(where: str, what: str) -> CorruptDataError:
+    return CorruptDataError(f"{where}: {what}; the shard is damaged (re-create it, or read with on_error='skip')",
+                            where)
+
+
+class TarStream:
+    """A tar stream that knows its offset and, for a plain file, its length.
+
+    Every size in a header is untrusted, so each read and seek is checked against the
+    length first (a crafted size fails before anything is allocated); a gzip stream,
+    whose length is unknown until it ends, is read in bounded chunks.
+    """
+
+    def __init__(self, stream: IO[bytes], where: str):
+        self.stream, self.where, self.offset = stream, where, 0
+        self.end = None
+        if not isinstance(stream, gzip.GzipFile) and stream.seekable():
+            try:
+                status = os.fstat(stream.fileno())
+                if stat.S_ISREG(status.st_mode):
+                    self.end = status.st_size - stream.tell()
+            except (OSError, AttributeError, io.UnsupportedOperation):  # not a file (a BytesIO)
+                pass
+
+    def read(self, n: int, what: str) -> bytes:
+        self.check_room(n, what)
+        data = self.raw_read(n, what) if self.end is not None else b"".join(self.chunks(n, what))
+        self.check_length(len(data), n, what)
+        self.offset += n
+        return data
+
+    def skip(self, n: int, what: str) -> None:
+        if self.end is None:
+            self.check_length(sum(len(chunk) for chunk in self.chunks(n, what)), n, what)
+        else:
+            self.check_room(n, what)
+            self.stream.seek(n, 1)
+        self.offset += n
+
+    def chunks(self, n: int, what: str) -> Iterator[bytes]:
+        while n:
+            chunk = self.raw_read(min(n, CHUNK), what)
+            if not chunk:
+                return
+            yield chunk
+            n -= len(chunk)
+
+    def check_room(self, n: int, what: str) -> None:
+        if self.end is not None and self.offset + n > self.end:
+            raise CorruptDataError(f"{self.where}: truncated at byte {self.end}: the file ends inside the {what} "
+                                   f"that starts at byte {self.offset} and needs {n} bytes (re-create the "
+                                   "shard, or read with on_error='skip')", self.where)
+
+    def check_length(self, got: int, n: int, what: str) -> None:
+        if got < n:
+            raise CorruptDataError(f"{self.where}: truncated at byte {self.offset + got}: the file ends inside "
+                                   f"the {what} that starts at byte {self.offset} (re-create the shard, or read "
+                                   "with on_error='skip')", self.where)
+
+    def raw_read(self, n: int, what: str) -> bytes:
+        try:
+            return self.stream.read(n)
+        except (EOFError, OSError, zlib.error) as exc:  # gzip: cut short, or bad compressed data
+            raise CorruptDataError(f"{self.where}: cannot decompress at byte {self.offset} of the tar ({exc}); the "
+                                   "shard is damaged or truncated (re-create it, or read with on_error='skip')",
+                                   self.where) from exc
+
+
+def pax_records(raw: bytes, where: str = "<pax>", offset: int = 0) -> dict[str, str]:
+    """Parse PAX extended-header records: b"<len> <key>=<value>\\n", <len> counting the whole record."""
     records, pos = {}, 0
+    raw = raw.rstrip(b"\0")  # some writers pad the record block with NULs
     while pos < len(raw):
-        space = raw.index(b" ", pos)
-        length = int(raw[pos:space])
-        key, _, value = raw[space + 1:pos + length - 1].partition(b"=")
+        match = _PAX_HEAD.match(raw, pos)
+        length = int(match.group(1)) if match else 0
+        stop = pos + length
+        if match is None or length <= match.end() - pos or stop > len(raw) or raw[stop - 1] != 0x0A:
+            raise damaged(where, f"bad PAX record at byte {pos} of the extended header at byte {offset} "
+                                 f"({raw[pos:pos + 40]!r})")
+        key, eq, value = raw[match.end():stop - 1].partition(b"=")
+        if not eq or not key:
+            raise damaged(where, f"PAX record without a key at byte {pos} of the extended header at byte {offset}")
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
-        pos += length
+        pos = stop
     return records
 
 
+def parse_header(block: bytes, where: str, offset: int) -> tarfile.TarInfo:
+    try:
+        return tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.HeaderError as exc:
+        raise damaged(where, f"no valid tar header at byte {offset} ({exc})") from exc
+
+
+def member_size(info: tarfile.TarInfo, pax: dict[str, str], where: str, offset: int) -> int:
+    """The member's data size (a PAX `size` record overrides the header's), validated."""
+    size = info.size
+    if "size" in pax:
+        if not _PAX_SIZE.fullmatch(pax["size"]):
+            raise damaged(where, f"PAX size {pax['size'][:40]!r} for the header at byte {offset} is not a byte count")
+        size = int(pax["size"])
+    if not 0 <= size <= MAX_SIZE:
+        raise damaged(where, f"the tar header at byte {offset} declares size {size}")
+    return size
+
+
 def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Iterator[Member]:
-    """Regular-file members of a tar stream, in order; raises CorruptDataError on damage."""
-    offset = 0
+    """Regular-file members of a tar stream, in order; raises CorruptDataError on damage.
+
+    Every header moves the offset forward by at least one block, so no input loops."""
+    tar = TarStream(stream, where)
     long_name = None
     pax: dict[str, str] = {}
     while True:
-        block = read_exact(stream, BLOCK, where, offset, "header")
+        header_at = tar.offset
+        block = tar.read(BLOCK, "header")
         if block == ZERO_BLOCK:
             return
-        header_at = offset
-        try:
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except tarfile.HeaderError as exc:
-            raise CorruptDataError(f"{where}: no valid tar header at byte {offset} ({exc}); the shard is "
-                                   "damaged (re-create it, or read with on_error='skip')", where) from exc
-        offset += BLOCK
-        size = int(pax.get("size", info.size))
+        info = parse_header(block, where, header_at)
+        extended = info.type in EXTENDED_TYPES
+        size = member_size(info, {} if extended else pax, where, header_at)  # PAX records describe the member
         padded = size + (-size % BLOCK)
-        if info.type in (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME):
-            raw = read_exact(stream, padded, where, offset, "extended header")[:size]
-            if info.type == tarfile.XHDTYPE:
-                pax = pax_records(raw)
-            else:
+        if extended:
+            if size > MAX_EXTENDED:
+                raise damaged(where, f"extended header at byte {header_at} declares {size} bytes, more than "
+                                     f"{MAX_EXTENDED} (no name or record set needs that much)")
+            raw = tar.read(padded, "extended header")[:size]
+            if info.type == tarfile.GNUTYPE_LONGNAME:
                 long_name = raw.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            offset += padded
+            elif info.type != tarfile.GNUTYPE_LONGLINK:  # a link target: no member name
+                pax = pax_records(raw, where, header_at)
             continue
         name = pax.get("path") or long_name or info.name
         long_name, pax = None, {}
+        # As tarfile: links, directories, devices and FIFOs have no data whatever their size says.
+        if not (info.isreg() or info.type not in tarfile.SUPPORTED_TYPES):
+            padded = 0
         if info.isreg() and read_data:
-            data = read_exact(stream, padded, where, offset, f"member {name!r}")[:size]
+            data = tar.read(padded, f"member {name!r}")[:size]
         else:
-            skip(stream, padded, where, offset, name)
+            tar.skip(padded, f"member {name!r}")
             data = None
-        offset += padded
         if info.isreg():
             yield Member(name, data, header_at)
-
-
-def read_exact(stream: IO[bytes], n: int, where: str, offset: int, what: str) -> bytes:
-    try:
-        data = stream.read(n)
-    except (EOFError, OSError, zlib.error) as exc:  # gzip: cut short, or bad compressed data
-        raise CorruptDataError(f"{where}: cannot decompress at byte {offset} of the tar ({exc}); the shard "
-                               "is damaged or truncated (re-create it, or read with on_error='skip')",
-                               where) from exc
-    if len(data) < n:
-        raise CorruptDataError(f"{where}: truncated at byte {offset + len(data)}: the file ends inside the "
-                               f"{what} that starts at byte {offset} (re-create the shard, or read with "
-                               "on_error='skip')", where)
-    return data
-
-
-def skip(stream: IO[bytes], n: int, where: str, offset: int, name: str) -> None:
-    if n and stream.seekable() and not isinstance(stream, gzip.GzipFile):  # gzip can only read through
-        # Land on the member's last byte: reading it proves the file is long enough (a seek
-        # past the end succeeds silently).
-        stream.seek(n - 1, 1)
-        n = 1
-    while n:
-        n -= len(read_exact(stream, min(n, 1 << 20), where, offset, f"member {name!r}"))
 
 
 def iter_samples(path: str, read_data: bool = True) -> Iterator[Sample]:

@@ -9,6 +9,11 @@
   /<split>/paths         uint8[n]             relative paths of records 0..count-1, UTF-8,
                                               "/"-separated, joined by NUL
   /<split>/order         int32[count]         only in shuffled packs: the record stored at position j
+  /<split>               attrs: checksums     UTF-8 JSON {table: CRC-32 (zlib)} of the little-endian
+                                              bytes of each table above but images ("offsets",
+                                              "crc32", "labels", "paths", "order" where stored);
+                                              missing in packs written before table checksums,
+                                              whose tables are then only range-checked
 
 A record's index i is its ImageFolder rank; its position j is where it is stored. They are
 the same (and there is no order dataset) unless the pack was shuffled (--shuffle-seed).
@@ -33,13 +38,23 @@ with libver ("v110", "v110"): the newer chunk indexes, readable by any HDF5 >= 1
 packer's own Reader goes one step further: it asks HDF5 once where each chunk of `images`
 lies in the file and then reads a record with one pread per run of adjacent chunks (one
 or two), skipping h5py's per-call overhead (40 µs, most of a warm read) and reading
-exactly the record's bytes. A file whose chunks are filtered or missing (rewritten by
-another tool) is read through h5py instead.
+exactly the record's bytes. A file whose chunks are filtered (rewritten by another tool)
+is read through h5py instead.
+
+Every table is checked once, when it loads: its CRC-32, its length against the metadata's
+count, offsets rising from 0 to the size of images, labels against the class list; and
+images must have storage for all its bytes (a sparse dataset, whose unwritten bytes HDF5
+would make up as zeros, is damage) within the file. Readers are tied to the file they
+read the metadata of (inode, size, mtime: _tables.file_identity): a file replaced
+at its path while in use (pack --force) is refused by a reader created before, in any
+process that opens it afresh, rather than mixed with the old one.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import zlib
 
 import h5py
 import numpy as np
@@ -48,10 +63,13 @@ from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
+from ._tables import (DAMAGED, check_count, check_crc, decode_checksums, encode_checksums, expected_crc,
+                      file_identity, replaced_error, table_crc)
 
 EXTENSION = ".h5"
 DIRECTORY = False
 META_ATTR = "packer_metadata"
+CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
 INDEX_CHUNK = 4096  # entries per chunk of the per-record arrays, which readers read whole
 FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
@@ -82,6 +100,7 @@ class Writer:
         self.ends: list[int] = []
         self.crcs: list[int] = []
         self.size = 0  # bytes of the current split, written or buffered
+        self.table_crcs: dict[str, int] = {}  # running CRC-32s of the tables written in pieces
 
     def begin_split(self, split: str) -> None:
         check_split_name(split)
@@ -90,6 +109,7 @@ class Writer:
         g.create_dataset("offsets", data=np.zeros(1, "<i8"), maxshape=(None,), chunks=(INDEX_CHUNK,))
         g.create_dataset("crc32", shape=(0,), maxshape=(None,), dtype="<u4", chunks=(INDEX_CHUNK,))
         self.size = 0
+        self.table_crcs = {"offsets": table_crc(np.zeros(1, "<i8").tobytes()), "crc32": 0}
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         self.buffer.append(data)
@@ -103,10 +123,14 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         self.flush()
-        self.group.create_dataset("labels", data=labels.astype("<i4"))
-        self.group.create_dataset("paths", data=np.frombuffer(paths.to_nul_separated(), np.uint8))
+        tables = {"labels": labels.astype("<i4"), "paths": np.frombuffer(paths.to_nul_separated(), np.uint8)}
         if order is not None:
-            self.group.create_dataset("order", data=np.asarray(order, "<i4"))
+            tables["order"] = np.asarray(order, "<i4")
+        for name, values in tables.items():
+            self.group.create_dataset(name, data=values)
+            self.table_crcs[name] = table_crc(values.tobytes())
+        self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(self.table_crcs).decode(),
+                                dtype=h5py.string_dtype("utf-8"))
         self.group = None
 
     def finish(self, meta: Metadata) -> None:
@@ -131,8 +155,9 @@ class Writer:
             return
         g = self.group
         append(g["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
-        append(g["offsets"], np.asarray(self.ends, "<i8"))
-        append(g["crc32"], np.asarray(self.crcs, "<u4"))
+        for name, values in (("offsets", np.asarray(self.ends, "<i8")), ("crc32", np.asarray(self.crcs, "<u4"))):
+            append(g[name], values)
+            self.table_crcs[name] = zlib.crc32(values.tobytes(), self.table_crcs[name])
         self.buffer, self.buffered, self.ends, self.crcs = [], 0, [], []
 
 
@@ -142,22 +167,35 @@ def append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     dataset[n:] = values
 
 
-def open_file(path: str) -> h5py.File:
+def open_file(path: str, identity: tuple) -> h5py.File:
+    """The HDF5 file at path, checked to be the file with this identity."""
     # locking=False: HDF5's file locks fail on NFS and other network filesystems, and the
     # file is immutable. rdcc_nbytes=0: read exactly the requested bytes (module docstring).
     try:
-        return h5py.File(path, "r", locking=False, rdcc_nbytes=0)
+        f = h5py.File(path, "r", locking=False, rdcc_nbytes=0)
     except OSError as exc:
         raise CorruptDataError(f"{path}: cannot open the HDF5 file ({exc}); it is damaged or was not "
                                "fully copied (re-pack it, or restore it from a copy)", path) from exc
+    if identity_of(path) != identity:  # replaced between reading its identity and opening it
+        f.close()
+        raise replaced_error(path)
+    return f
+
+
+def identity_of(path: str) -> tuple:
+    try:
+        return file_identity(path)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read it ({exc.strerror or exc})", path) from exc
 
 
 def close_file(f: h5py.File) -> None:
     f.close()
 
 
-def read_metadata(path: str) -> Metadata:
-    with _handle.borrowed(path, open_file, close_file) as f:
+def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
+    identity = identity or identity_of(path)
+    with _handle.borrowed(path, functools.partial(open_file, identity=identity), close_file, identity) as f:
         try:
             raw = f.attrs.get(META_ATTR)
         except OSError as exc:
@@ -181,7 +219,9 @@ class Reader(SplitReader):
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not an HDF5 file", path)
-        super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
+        path = os.path.abspath(path)
+        identity = identity_of(path)
+        super().__init__(path, split, check_crc, read_metadata(path, identity), path, identity)
         self._offsets: np.ndarray | None = None
         self._crcs: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -190,48 +230,102 @@ class Reader(SplitReader):
         self._file_offsets: np.ndarray | None = None
 
     def _open(self):
-        f = _handle.acquire(self.path, open_file, close_file)
+        fd = self.open_identified()
+        try:
+            f = _handle.acquire(self.path, functools.partial(open_file, identity=self.identity), close_file,
+                                self.identity)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             images = f[self.split]["images"]
-        except (KeyError, OSError) as exc:
-            _handle.release(self.path)
+            if not isinstance(images, h5py.Dataset):
+                raise KeyError("not a dataset")
+        except (KeyError, OSError, ValueError) as exc:
+            os.close(fd)
+            _handle.release(self.path, self.identity)
             raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
                                    "the file is damaged, re-pack it", self.path) from exc
-        return f, images, _io.open_for_reading(self.path, self.access)
+        return f, images, fd
 
     def _close(self, handle) -> None:
         os.close(handle[2])
-        _handle.release(self.path)
+        _handle.release(self.path, self.identity)
+
+    def table_checksums(self) -> dict | None:
+        def load():
+            try:
+                raw = self.handle()[0][self.split].attrs.get(CHECKSUMS_ATTR)
+            except (KeyError, OSError, ValueError, TypeError) as exc:
+                raise CorruptDataError(f"{self.table_where('')}: unreadable attributes ({exc}); {DAMAGED}",
+                                       self.path) from exc
+            return decode_checksums(raw, f"{self.table_where('')} attribute {CHECKSUMS_ATTR}")
+        return self.loaded(CHECKSUMS_ATTR, load)
+
+    def table_where(self, name: str) -> str:
+        return f"{self.path} dataset {self.split}/{name}"
 
     def _array(self, name: str, length: int, dtype: str, required: bool = True) -> np.ndarray | None:
-        f = self.handle()[0]
-        if not required and name not in f[self.split]:
-            return None
+        """Table split/name as dtype, checked: its CRC-32 where the pack has checksums, and
+        length entries (length < 0: any number)."""
+        f, crcs, where = self.handle()[0], self.table_checksums(), self.table_where(name)
         try:
-            values = np.asarray(f[self.split][name][()], dtype=dtype)
-        except (KeyError, OSError) as exc:
-            raise CorruptDataError(f"{self.path}: cannot read dataset {self.split}/{name} ({exc}); "
-                                   "the file is damaged, re-pack it", self.path) from exc
-        if length >= 0 and values.shape != (length,):
-            raise CorruptDataError(f"{self.path}: {self.split}/{name} holds {values.size} entries, "
-                                   f"the metadata says {length}; the file is damaged, re-pack it", self.path)
+            if not required and name not in f[self.split] and (crcs is None or name not in crcs):
+                return None
+            dataset = f[self.split][name]
+            if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
+                raise KeyError("not a one-dimensional dataset")
+            values = np.asarray(dataset[()], dtype=dtype)
+        except (KeyError, OSError, ValueError, TypeError) as exc:
+            raise CorruptDataError(f"{where}: cannot read it ({exc}); {DAMAGED}", self.path) from exc
+        check_crc(values.tobytes(), expected_crc(crcs, name, where), where)
+        if length >= 0:
+            check_count(values.size, length, where)
         return values
 
     def index(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, crcs) of this split by position, read once."""
         if self._offsets is None:
-            offsets = self._array("offsets", self.count + 1, "<i8")
-            size = self.handle()[1].shape[0]
-            if offsets[0] != 0 or offsets[-1] != size or np.any(np.diff(offsets) < 0):
-                raise CorruptDataError(f"{self.path}: {self.split}/offsets does not describe the "
-                                       f"{size}-byte images dataset; the file is damaged, re-pack it", self.path)
-            self._crcs = self._array("crc32", self.count, "<u4")
-            self._offsets = offsets
+            self._crcs, self._offsets = self.loaded("index", self.load_index)
         return self._offsets, self._crcs
+
+    def load_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(crcs, offsets), checked: offsets rise from 0 to the size of images, whose bytes
+        are all stored, in the file."""
+        offsets = self._array("offsets", self.count + 1, "<i8")
+        size = self.check_images()
+        if offsets[0] != 0 or offsets[-1] != size or np.any(np.diff(offsets) < 0):
+            raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the {size}-byte images "
+                                   f"dataset; {DAMAGED}", self.path)
+        return self._array("crc32", self.count, "<u4"), offsets
+
+    def check_images(self) -> int:
+        """The size of images, checked to be stored whole in the file: HDF5 makes up zeros
+        for the bytes of a dataset that were never written (a sparse dataset)."""
+        images, where = self.handle()[1], self.table_where("images")
+        try:
+            size, stored = images.shape[0], images.id.get_storage_size()
+            filtered = bool(images.id.get_create_plist().get_nfilters())
+            chunks = images.chunks
+            allocated = images.id.get_num_chunks() if chunks else None
+        except (OSError, ValueError, TypeError, IndexError) as exc:
+            raise CorruptDataError(f"{where}: cannot read its layout ({exc}); {DAMAGED}", self.path) from exc
+        if size != self.metadata.splits[self.split].bytes:
+            raise CorruptDataError(f"{where}: {size} bytes, the metadata says the split's images take "
+                                   f"{self.metadata.splits[self.split].bytes}; {DAMAGED}", self.path)
+        whole = (-(-size // chunks[0]) == allocated) if chunks else stored >= size
+        if not whole or (not filtered and stored < size):
+            raise CorruptDataError(f"{where}: {size} bytes, of which the file stores only part ({stored} bytes "
+                                   f"allocated); {DAMAGED}", self.path)
+        if not filtered and stored > os.fstat(self.handle()[2]).st_size:
+            raise CorruptDataError(f"{where}: larger than the file that holds it (truncated?); {DAMAGED}",
+                                   self.path)
+        return size
 
     def chunks(self) -> np.ndarray | None:
         """File offset of each CHUNK_BYTES chunk of images, or None to read through h5py."""
         if self._chunks is None:
+            self.index()  # images checked first: its size sizes the map
             self._chunks = chunk_map(self.handle()[1]) if _io.CAN_PREAD else None
             if self._chunks is None:
                 self._chunks = False
@@ -283,7 +377,7 @@ class Reader(SplitReader):
         self.file_offsets()
 
     def read_order(self) -> np.ndarray | None:
-        order = self._array("order", self.count, "<i4", required=False)
+        order = self.loaded("order", lambda: self._array("order", self.count, "<i4", required=False))
         return None if order is None else self.checked_order(order)
 
     def will_need(self, start: int, stop: int) -> None:
@@ -307,22 +401,25 @@ class Reader(SplitReader):
         fd = self.handle()[2]
         return ((fd, a, n) for a, n in zip(at[keep].tolist(), size[keep].tolist()))
 
+    def load_labels(self) -> np.ndarray:
+        labels = self._array("labels", self.count, "<i4").astype(np.int32)
+        return self.checked_labels(labels, self.table_where("labels"))
+
+    def load_paths(self) -> PathTable:
+        table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes(), self.table_where("paths"))
+        check_count(len(table), self.count, self.table_where("paths"), "paths")
+        return table
+
     @property
     def labels(self) -> np.ndarray:
         if self._labels is None:
-            self._labels = self._array("labels", self.count, "<i4").astype(np.int32)
+            self._labels = self.loaded("labels", self.load_labels)
         return self._labels
 
     @property
     def paths(self) -> PathTable:
         if self._paths is None:
-            table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes(),
-                                                 f"{self.path} ({self.split}/paths)")
-            if len(table) != self.count:
-                raise CorruptDataError(f"{self.path}: {self.split}/paths holds {len(table)} paths, "
-                                       f"the metadata says {self.count}; the file is damaged, re-pack it",
-                                       self.path)
-            self._paths = table
+            self._paths = self.loaded("paths", self.load_paths)
         return self._paths
 
 

@@ -16,6 +16,10 @@ Keys are ASCII; all integers are little-endian.
                               small enough to live inside B-tree pages, which move)
   b"<split>/order"            int32[count], only in shuffled packs: the index of the record
                               stored at each position
+  b"<split>/checksums"        UTF-8 JSON {table: CRC-32 (zlib) of its value}, for each of the
+                              tables above the split holds ("labels", "paths", "extents",
+                              "order"); missing in packs written before table checksums,
+                              whose tables are then only range-checked
 
 A record's index is its ImageFolder rank. Storage order is ImageFolder order (position =
 index, no order key) unless the pack was shuffled (--shuffle-seed), when order says which
@@ -32,13 +36,23 @@ from where writemap puts each value (overflow pages never move once written). A 
 checks a few records' headers against their labels and paths when it loads the extents,
 and then, with check_crc on, each record's header as it reads it (the CRC is there); if
 any differ (the database was rewritten, e.g. by mdb_copy -c) it uses the map instead.
-With check_crc off a read is one pread of the image bytes alone.
+With check_crc off a read is one pread of the image bytes alone. A record read through
+the map (no extent) has its header's label and path checked against the tables.
+
+Every table is checked once, when it loads: its CRC-32, its length against the metadata's
+count, labels against the class list, extents against the size of data.mdb. Before LMDB
+maps data.mdb, its two meta pages are read with pread and the file's size checked against
+the pages they say are in use: touching a mapped page past the end of a truncated file
+would kill the process with SIGBUS. Readers are tied to the data.mdb they read the
+metadata of (inode, size, mtime: _tables.file_identity): a dataset replaced at
+its path while in use (pack --force) is refused by a reader created before, in any
+process that opens it afresh, rather than mixed with the old one.
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
-
 import warnings
 from array import array
 
@@ -49,6 +63,8 @@ from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from . import _handle, _io
 from ._reader import SplitReader
+from ._tables import (DAMAGED, check_count, check_crc, check_within, decode_checksums, encode_checksums,
+                      expected_crc, fd_identity, file_identity, replaced_error, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -68,6 +84,11 @@ SHUFFLE = False  # ImageFolder order unless pack() is asked to shuffle; Writer t
 EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
 # Values at least a page long always live in overflow pages, which never move once written.
 EXTENT_MIN = 4096
+# LMDB 0.9's meta page (lmdb/mdb.c): a 16-byte page header (uint16 flags at byte 10), then
+# MDB_meta at byte 16: uint32 magic, uint32 version, ..., the page size in the free DB's md_pad
+# (byte 24 of MDB_meta), uint64 last page in use (byte 120) and txnid (byte 128).
+META_PAGE = struct.Struct("<10xH4x II 16x I 92x Q Q")
+P_META, MDB_MAGIC, MDB_VERSION = 0x08, 0xBEEFC0DE, 1
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -145,13 +166,16 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         prefix = self.split.encode()
-        self.put(prefix + b"/labels", labels.astype("<i4").tobytes(), append=False)
-        self.put(prefix + b"/paths", paths.to_nul_separated(), append=False)
         extents = np.empty(len(self.offsets), EXTENT)
         extents["offset"], extents["length"] = self.offsets, self.lengths
-        self.put(prefix + b"/extents", extents.tobytes(), append=False)
+        tables = {"labels": labels.astype("<i4").tobytes(), "paths": paths.to_nul_separated(),
+                  "extents": extents.tobytes()}
         if order is not None:
-            self.put(prefix + b"/order", np.asarray(order, "<i4").tobytes(), append=False)
+            tables["order"] = np.asarray(order, "<i4").tobytes()
+        for name, raw in tables.items():
+            self.put(prefix + b"/" + name.encode(), raw, append=False)
+        crcs = {name: table_crc(raw) for name, raw in tables.items()}
+        self.put(prefix + b"/checksums", encode_checksums(crcs), append=False)
 
     def finish(self, meta: Metadata) -> None:
         self.put(META_KEY, meta.to_json(), append=False)
@@ -232,19 +256,84 @@ def room(txn_bytes: int) -> int:
     return 2 * txn_bytes + (4 << 20)
 
 
-def open_env(path: str) -> lmdb.Environment:
-    # readahead stays on: turning it off (common advice for random access) made cold
-    # random reads several times slower here, since each record spans several pages.
-    return lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=True,
-                     max_readers=MAX_READERS, meminit=False)
+def data_identity(path: str) -> tuple:
+    """file_identity of path's data.mdb."""
+    where = os.path.join(path, DATA_FILE)
+    try:
+        return file_identity(where)
+    except OSError as exc:
+        raise FormatError(f"{where}: cannot read it ({exc.strerror or exc})", where) from exc
+
+
+def open_env(path: str, identity: tuple) -> lmdb.Environment:
+    """LMDB's read-only environment of path, once data.mdb is known to be the file with this
+    identity and to hold every page LMDB may map."""
+    where = os.path.join(path, DATA_FILE)
+    fd = _io.open_for_reading(where, "random")
+    try:
+        if fd_identity(fd) != identity:
+            raise replaced_error(where)
+        check_size(fd, where)
+    finally:
+        os.close(fd)
+    try:
+        # readahead stays on: turning it off (common advice for random access) made cold
+        # random reads several times slower here, since each record spans several pages.
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=True,
+                        max_readers=MAX_READERS, meminit=False)
+    except lmdb.Error as exc:
+        if "already open" in str(exc):  # this inode is open here, under an identity it no longer has
+            raise CorruptDataError(f"{where} was changed in place while a reader in this process has it open; "
+                                   "close that reader first (packed data is never rewritten in place)",
+                                   where) from exc
+        raise CorruptDataError(f"{where}: LMDB cannot open it ({exc}); {DAMAGED}", where) from exc
+    if data_identity(path) != identity:  # replaced between the check and the open
+        env.close()
+        raise replaced_error(where)
+    return env
+
+
+def check_size(fd: int, where: str) -> None:
+    """Raise unless the file holds every page its newest meta page says is in use.
+
+    Read with pread, never through LMDB's map: a mapped page past the end of a truncated
+    file kills the process with SIGBUS when touched."""
+    size = os.fstat(fd).st_size
+    first = read_meta_page(fd, 0, size, where)
+    second = read_meta_page(fd, first[0], size, where)
+    psize, last_page, _ = max(first, second, key=lambda meta: meta[2])
+    needed = (last_page + 1) * psize
+    if size < needed:
+        raise CorruptDataError(f"{where}: truncated: {size} bytes, the database needs {needed}; "
+                               "restore it from a copy or re-pack", where)
+
+
+def read_meta_page(fd: int, offset: int, size: int, where: str) -> tuple[int, int, int]:
+    """(page size, last page in use, txnid) of the meta page at offset."""
+    if _io.CAN_PREAD:
+        raw = _io.pread(fd, META_PAGE.size, offset)
+    else:
+        os.lseek(fd, offset, os.SEEK_SET)
+        raw = os.read(fd, META_PAGE.size)
+    if len(raw) < META_PAGE.size:
+        raise CorruptDataError(f"{where}: truncated: {size} bytes, too short to hold LMDB's meta pages; "
+                               "restore it from a copy or re-pack", where)
+    flags, magic, version, psize, last_page, txnid = META_PAGE.unpack(raw)
+    if not flags & P_META or magic != MDB_MAGIC or version != MDB_VERSION or not 512 <= psize <= 65536 \
+            or psize & (psize - 1) or last_page < 1:
+        raise CorruptDataError(f"{where}: not a readable LMDB database (damaged meta page at byte {offset}); "
+                               "restore it from a copy or re-pack", where)
+    return psize, last_page, txnid
 
 
 def close_env(env: lmdb.Environment) -> None:
     env.close()
 
 
-def read_metadata(path: str) -> Metadata:
-    with _handle.borrowed(path, open_env, close_env) as env, env.begin() as txn:
+def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
+    identity = identity or data_identity(path)
+    opener = functools.partial(open_env, identity=identity)
+    with _handle.borrowed(path, opener, close_env, identity) as env, env.begin() as txn:
         raw = txn.get(META_KEY)
     if raw is None:
         raise FormatError(f"{path}: LMDB without packer metadata (no {META_KEY.decode()} key); "
@@ -258,17 +347,21 @@ class Reader(SplitReader):
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not an LMDB dataset (no {DATA_FILE} inside)", path)
-        super().__init__(path, split, check_crc, read_metadata(os.path.abspath(path)))
+        path = os.path.abspath(path)
+        identity = data_identity(path)
+        super().__init__(path, split, check_crc, read_metadata(path, identity), os.path.join(path, DATA_FILE),
+                         identity)
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
 
     def _open(self):
-        env = _handle.acquire(self.path, open_env, close_env)
+        fd = self.open_identified()
         try:
-            fd = _io.open_for_reading(os.path.join(self.path, DATA_FILE), self.access)
-        except OSError:
-            _handle.release(self.path)
+            env = _handle.acquire(self.path, functools.partial(open_env, identity=self.identity), close_env,
+                                  self.identity)
+        except BaseException:
+            os.close(fd)
             raise
         # One long-lived read transaction per process: the data never changes.
         return env, env.begin(buffers=True), fd
@@ -276,7 +369,7 @@ class Reader(SplitReader):
     def _close(self, handle) -> None:
         handle[1].abort()
         os.close(handle[2])
-        _handle.release(self.path)
+        _handle.release(self.path, self.identity)
 
     def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
@@ -287,7 +380,11 @@ class Reader(SplitReader):
             if value is None:
                 raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
                                        "re-pack it or restore it from a copy)", self.path)
-            data, label, _, crc = decode_record(value, self.where(index))
+            data, label, relpath, crc = decode_record(value, self.where(index))
+            if label != self.labels.item(index) or relpath != self.paths[index]:
+                raise CorruptDataError(f"{self.where(index)}: the record's header says label {label}, path "
+                                       f"{relpath!r}; the tables say {self.labels.item(index)}, "
+                                       f"{self.paths[index]!r}; {DAMAGED}", self.path)
         else:
             (data, crc), label = found, self.labels.item(index)
         self.check_data(data, crc, index)
@@ -345,17 +442,25 @@ class Reader(SplitReader):
 
     def extents(self) -> np.ndarray | None:
         if self._extents is None:
-            raw = self._aux(b"extents", required=False) if _io.CAN_PREAD else None
-            self._extents = False if raw is None else np.frombuffer(raw, EXTENT)
-            if raw is not None and len(self._extents) != self.count:
-                raise CorruptDataError(f"{self.path}: {self.split}/extents holds {len(self._extents)} entries, "
-                                       f"the metadata says {self.count}; the database is damaged, re-pack it",
-                                       self.path)
-            if raw is not None:
-                self._image = self.image_table(self._extents)
+            extents = self.loaded("extents", self.load_extents) if _io.CAN_PREAD else None
+            if extents is None:
+                self._extents = False
+            else:
+                self._image = self.image_table(extents)
+                self._extents = extents
                 if not self._spot_check_extents():
                     self.drop_extents()
         return None if self._extents is False else self._extents
+
+    def load_extents(self) -> np.ndarray | None:
+        """The extents table, checked: one entry per record, each within data.mdb."""
+        raw = self.table(b"extents", required=False)
+        if raw is None:
+            return None
+        extents = self.records_of(raw, EXTENT, "extents")
+        size = os.fstat(self.handle()[2]).st_size
+        check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
+        return extents
 
     def image_table(self, extents: np.ndarray) -> np.ndarray:
         """Where each stored record's image bytes lie: int64 (offset, length) pairs by position,
@@ -396,8 +501,8 @@ class Reader(SplitReader):
         self.extents()
 
     def read_order(self) -> np.ndarray | None:
-        raw = self._aux(b"order", required=False)
-        return None if raw is None else self.checked_order(np.frombuffer(raw, "<i4"))
+        raw = self.loaded("order", lambda: self.table(b"order", required=False))
+        return None if raw is None else self.checked_order(self.records_of(raw, "<i4", "order"))
 
     def will_need(self, start: int, stop: int) -> None:
         extents = self.extents()
@@ -424,17 +529,53 @@ class Reader(SplitReader):
         if raw is None:
             if not required:
                 return None
-            raise CorruptDataError(f"{self.path}: missing key {self.split}/{name.decode()}", self.path)
+            raise CorruptDataError(f"{self.table_where(name)}: key missing; {DAMAGED}", self.path)
         return bytes(raw)
+
+    def table_where(self, name: bytes) -> str:
+        return f"{self.identity_file} key {self.split}/{name.decode()}"
+
+    def table_checksums(self) -> dict | None:
+        return self.loaded("checksums", lambda: decode_checksums(self._aux(b"checksums", required=False),
+                                                                 self.table_where(b"checksums")))
+
+    def table(self, name: bytes, required: bool = True) -> bytes | None:
+        """The value of table `<split>/<name>`, checked against its stored CRC-32 if it has one."""
+        crcs, where = self.table_checksums(), self.table_where(name)
+        raw = self._aux(name, required=required and crcs is None)
+        if raw is None and crcs is not None and (required or name.decode() in crcs):
+            raise CorruptDataError(f"{where}: key missing; {DAMAGED}", self.path)
+        if raw is not None:
+            check_crc(raw, expected_crc(crcs, name.decode(), where), where)
+        return raw
+
+    def records_of(self, raw: bytes, dtype, name: str) -> np.ndarray:
+        """raw as one dtype entry per record, checked to hold exactly count of them."""
+        dtype = np.dtype(dtype)
+        where = self.table_where(name.encode())
+        if len(raw) % dtype.itemsize:
+            raise CorruptDataError(f"{where}: {len(raw)} bytes, not a whole number of "
+                                   f"{dtype.itemsize}-byte entries; {DAMAGED}", self.path)
+        check_count(len(raw) // dtype.itemsize, self.count, where)
+        return np.frombuffer(raw, dtype)
+
+    def load_labels(self) -> np.ndarray:
+        labels = self.records_of(self.table(b"labels"), "<i4", "labels").astype(np.int32)
+        return self.checked_labels(labels, self.table_where(b"labels"))
+
+    def load_paths(self) -> PathTable:
+        paths = PathTable.from_nul_separated(self.table(b"paths"), self.table_where(b"paths"))
+        check_count(len(paths), self.count, self.table_where(b"paths"), "paths")
+        return paths
 
     @property
     def labels(self) -> np.ndarray:
         if self._labels is None:
-            self._labels = np.frombuffer(self._aux(b"labels"), dtype="<i4").astype(np.int32)
+            self._labels = self.loaded("labels", self.load_labels)
         return self._labels
 
     @property
     def paths(self) -> PathTable:
         if self._paths is None:
-            self._paths = PathTable.from_nul_separated(self._aux(b"paths"), f"{self.path} ({self.split}/paths)")
+            self._paths = self.loaded("paths", self.load_paths)
         return self._paths

@@ -1,6 +1,9 @@
 """WebDataset: per split a folder of standard tar shards plus a JSON index; writer and reader.
 
-  OUT.wds/index.json                 packer.records.Metadata, plus "wds": the shard index
+  OUT.wds/index.json                 packer.records.Metadata, plus "wds": the shard index; each
+                                     split's entry holds "records_crc32" and "paths_crc32", the
+                                     CRC-32 (zlib) of its two tables below (missing in packs
+                                     written before table checksums: tables only range-checked)
   OUT.wds/<split>/shard-000000.tar   standard tar, readable by webdataset and by `tar`
   OUT.wds/<split>/records.bin        28 bytes per sample, little-endian, in ImageFolder order:
                                      uint32 shard, uint32 CRC-32, uint64 data offset,
@@ -15,7 +18,8 @@ leaves out "wds": each shard has its SHA-256 and size there, which verify checks
 A sample is three consecutive members (see _tar for the header rules):
   <key>.<ext>    the original file bytes; ext is the file's extension, lowercased
   <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
-  <key>.json     {"crc32": <int>, "path": "<relative path>"}, keys sorted, no spaces
+  <key>.json     {"crc32": <int>, "label": <int>, "path": "<relative path>"}, keys sorted, no
+                 spaces (label -1 = unlabeled; packs written before it have no "label")
 
 webdataset keys end at the first dot of the last path component, so a key keeps the
 relative path's folders and turns the file name into <stem>_<ext> with "%" and "." in
@@ -27,6 +31,13 @@ Shards are written in the order pack() hands samples over (a seeded permutation 
 ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
 records and paths tables stay in ImageFolder order, so the map-style Reader, verify
 and convert see the same order as every other format; read(i) is one pread.
+
+The Reader checks each table once, when it loads: its CRC-32, its length against the
+metadata's count, every record's shard among the split's shards and its bytes within that
+shard's file, labels against the class list. A Reader is tied to the index.json it read
+(inode, size, mtime: _tables.file_identity): each table and shard it opens later,
+in any process, is checked to belong to it, so a dataset replaced at its path while in
+use (pack --force) is refused rather than mixed with the old one.
 """
 from __future__ import annotations
 
@@ -43,6 +54,7 @@ from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathT
                        parse_json, split_name_problem)
 from . import _io, _tar
 from ._reader import SplitReader
+from ._tables import DAMAGED, check_count, check_crc, check_within, expected_crc, file_identity, table_crc
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -203,7 +215,8 @@ class Writer:
         parts = [image]
         if label >= 0:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
-        meta = json.dumps({"crc32": crc, "path": relpath}, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        meta = json.dumps({"crc32": crc, "label": label, "path": relpath}, ensure_ascii=False, sort_keys=True,
+                          separators=(",", ":"))
         parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
@@ -252,7 +265,9 @@ class Writer:
         with open(os.path.join(folder, "paths.bin"), "wb") as f:
             f.write(paths.to_nul_separated())
         self.splits[self.split] = {"count": len(records), "shards": self.shards,
-                                   "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin"}
+                                   "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
+                                   "records_crc32": table_crc(records.tobytes()),
+                                   "paths_crc32": table_crc(paths.to_nul_separated())}
 
     def finish(self, meta: Metadata) -> None:
         index = {**meta.to_dict(), "wds": {"layout_version": LAYOUT_VERSION, "shard_size": self.shard_size,
@@ -286,16 +301,77 @@ class Reader(SplitReader):
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
+        self.bind(entry)
+
+    def bind(self, entry: dict) -> None:
+        """Tie this reader to the index.json it read, and note the table checksums its split's entry holds."""
+        self.identity_file = os.path.join(self.path, INDEX)
+        try:
+            self.identity = file_identity(self.identity_file)
+        except OSError as exc:
+            raise FormatError(f"{self.identity_file}: cannot read it ({exc.strerror or exc})", self.path) from exc
+        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths")}
+        self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
+
+    def table_checksums(self) -> dict | None:
+        crcs = self._table_crcs
+        if crcs is not None and not all(type(crc) is int and 0 <= crc <= 0xFFFFFFFF for crc in crcs.values()):
+            raise CorruptDataError(f"{self.identity_file}: split {self.split}: the table checksums are "
+                                   f"unreadable; {DAMAGED}", self.path)
+        return crcs
+
+    def read_table(self, name: str, size: int | None = None) -> bytes:
+        """The bytes of table name (records or paths), checked against its CRC-32 where the
+        index has one, and to be size bytes long where size is given."""
+        where = os.path.join(self.path, self.tables[0 if name == "records" else 1])
+        try:
+            with open(where, "rb") as f:
+                self.check_identity()  # opened before the check: f is of the dataset this reader read
+                found = os.fstat(f.fileno()).st_size
+                if size is not None and found != size:
+                    raise CorruptDataError(f"{where}: {found} bytes, {size // RECORD.itemsize} records of "
+                                           f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
+                raw = f.read()
+        except OSError as exc:
+            raise CorruptDataError(f"{where}: cannot read it ({exc.strerror or exc}); {DAMAGED}", self.path) from exc
+        check_crc(raw, expected_crc(self.table_checksums(), name, where), where)
+        return raw
+
+    def load_records(self) -> np.ndarray:
+        """records.bin, checked: one record per sample, each in one of the split's shards and
+        within that shard's file, labels in range."""
+        records = np.frombuffer(self.read_table("records", self.count * RECORD.itemsize), RECORD)
+        where = os.path.join(self.path, self.tables[0])
+        if len(records) and int(records["shard"].max()) >= len(self.shards):
+            raise CorruptDataError(f"{where}: a record names shard {int(records['shard'].max())}, the split has "
+                                   f"{len(self.shards)}; {DAMAGED}", self.path)
+        sizes = np.array([self.shard_size(k) for k in range(len(self.shards))], np.uint64)
+        if len(records):
+            check_within(records["offset"], records["size"], sizes[records["shard"]], where, "record")
+        if int(records["size"].sum(dtype=np.uint64)) != self.metadata.splits[self.split].bytes:
+            raise CorruptDataError(f"{where}: the records' sizes add up to {int(records['size'].sum())} bytes, "
+                                   f"the metadata says {self.metadata.splits[self.split].bytes}; {DAMAGED}",
+                                   self.path)
+        self.checked_labels(records["label"], where)
+        return records
+
+    def shard_size(self, shard: int) -> int:
+        """The size of a shard's file; for a missing one, no bound (reading it says it is missing)."""
+        try:
+            return os.stat(os.path.join(self.path, self.shards[shard])).st_size
+        except OSError:
+            return np.iinfo(np.uint64).max
+
+    def load_paths(self) -> PathTable:
+        where = os.path.join(self.path, self.tables[1])
+        paths = PathTable.from_nul_separated(self.read_table("paths"), where)
+        check_count(len(paths), self.count, where, "paths")
+        return paths
 
     @property
     def records(self) -> np.ndarray:
         if self._records is None:
-            where = os.path.join(self.path, self.tables[0])
-            records = np.fromfile(where, dtype=RECORD)
-            if len(records) != self.count:
-                raise CorruptDataError(f"{where}: {len(records)} records for {self.count} samples; the index "
-                                       "is damaged (re-pack the dataset)", self.path)
-            self._records = records
+            self._records = self.loaded("records", self.load_records)
         return self._records
 
     @property
@@ -307,11 +383,11 @@ class Reader(SplitReader):
     @property
     def paths(self) -> PathTable:
         if self._paths is None:
-            with open(os.path.join(self.path, self.tables[1]), "rb") as f:
-                self._paths = PathTable.from_nul_separated(f.read(), f.name)
+            self._paths = self.loaded("paths", self.load_paths)
         return self._paths
 
     def _open(self) -> dict:
+        self.check_identity()  # a worker opening afresh fails here, before any read
         return {}
 
     def _close(self, fds: dict) -> None:
@@ -321,19 +397,20 @@ class Reader(SplitReader):
     def shard_fd(self, shard: int) -> int:
         fds = self.handle()
         if shard not in fds:
-            fds[shard] = self.open_shard(shard)
+            where = os.path.join(self.path, self.shards[shard])
+            try:
+                fd = _io.open_for_reading(where, self.access)
+            except OSError as exc:
+                self.check_identity()
+                raise CorruptDataError(f"{where}: cannot open the shard ({exc.strerror or exc}); restore it from "
+                                       "a copy or re-pack the dataset", self.path) from exc
+            try:
+                self.check_identity()  # after the open: the shard opened is of the dataset this reader read
+            except CorruptDataError:
+                os.close(fd)
+                raise
+            fds[shard] = fd
         return fds[shard]
-
-    def open_shard(self, shard: int) -> int:
-        if not 0 <= shard < len(self.shards):
-            raise CorruptDataError(f"{self.path}: {self.tables[0]} names shard {shard}, the index lists "
-                                   f"{len(self.shards)}; the dataset is damaged, re-pack it", self.path)
-        where = os.path.join(self.path, self.shards[shard])
-        try:
-            return _io.open_for_reading(where, self.access)
-        except OSError as exc:
-            raise CorruptDataError(f"{where}: cannot open the shard ({exc.strerror or exc}); restore it from a "
-                                   "copy, or re-pack the dataset", self.path) from exc
 
     def load_tables(self) -> None:
         self.records  # a property: read and cached on first access

@@ -1,0 +1,72 @@
+"""Refreshes the generated blocks of docs/*.md: byte layouts from the format modules'
+docstrings (their one owner) and benchmark tables from benchmarks/results/*.json.
+
+    python docs/sync.py           rewrite the blocks in place
+    python docs/sync.py --check   exit 1 if any block is stale (tests/test_docs.py runs this)
+
+A block is the text between `<!-- generated: SOURCE -->` and `<!-- /generated -->`, where
+SOURCE is a module (`packer/formats/lmdb.py`: its docstring, fenced) or a results file
+(`benchmarks/results/NAME.json`: benchmarks.report.markdown of it).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+BLOCK = re.compile(r"(<!-- generated: (?P<source>\S+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+
+
+def render(source: str) -> str:
+    path = os.path.join(ROOT, source)
+    if source.endswith(".py"):
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read()), clean=True)
+        return f"```text\n{doc}\n```\n"
+    if source.endswith(".json"):
+        sys.path.insert(0, ROOT)
+        from benchmarks.report import markdown
+
+        with open(path, encoding="utf-8") as f:
+            return markdown(json.load(f)).rstrip("\n") + "\n"
+    raise ValueError(f"{source}: a generated block's source must be a .py module or a results .json")
+
+
+def refreshed(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group("source")) + m.group(4), text)
+
+
+def stale_pages() -> list[str]:
+    """The docs pages whose generated blocks differ from what their sources give now."""
+    stale = []
+    for name in sorted(os.listdir(DOCS)):
+        if name.endswith(".md"):
+            with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+                text = f.read()
+            if refreshed(text) != text:
+                stale.append(name)
+    return stale
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        stale = stale_pages()
+        for name in stale:
+            print(f"docs/{name}: generated blocks are stale; run `python docs/sync.py`", file=sys.stderr)
+        return 1 if stale else 0
+    for name in stale_pages():
+        path = os.path.join(DOCS, name)
+        with open(path, encoding="utf-8") as f:
+            text = refreshed(f.read())
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"updated docs/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
