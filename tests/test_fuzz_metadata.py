@@ -337,6 +337,7 @@ def run_case(fmt: str, pristine: Path, work: Path, raw: bytes, kind: str) -> lis
     out = work / "case" / "d" / "out" / f"converted{EXTENSIONS[{'wds': 'lmdb'}.get(fmt, 'wds')]}"
     shutil.rmtree(work / "case", ignore_errors=True)
     dataset.parent.mkdir(parents=True)
+    out.parent.mkdir()  # convert writes into an existing folder
     (shutil.copytree if pristine.is_dir() else shutil.copyfile)(pristine, dataset)
     write_raw(fmt, str(dataset), raw, kind)
     before = listing(work)
@@ -397,8 +398,7 @@ def test_damaged_metadata_gives_packer_errors_only():
     summary = json.loads(child.stdout.strip().splitlines()[-1])
     assert not summary["failures"], json.dumps(summary["failures"][:10], indent=1, ensure_ascii=False)
     for fmt, counts in summary["formats"].items():  # the mutants reached both outcomes
-        assert counts.get("refused", 0) > 0 and counts.get("accepted", 0) + counts.get("partly refused", 0) > 0, \
-            (fmt, counts)
+        assert counts.get("refused", 0) > 0 and counts.get("accepted", 0) > 0, (fmt, counts)
 
 
 if __name__ == "__main__":
