@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -112,11 +111,9 @@ def test_labels_naming_no_class_are_reported_not_raised(packed_tree, label):
 
 
 def test_split_count_disagreeing_with_the_tables_is_reported(packed_tree):
-    import sys
+    from test_fuzz_metadata import rewrite_metadata
     src, out = packed_tree
     fmt = {".lmdb": "lmdb", ".h5": "hdf5", ".wds": "wds"}[out.suffix]
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_fuzz_metadata import rewrite_metadata
 
     def drop_one(obj):
         split = obj["splits"]["all"]
