@@ -181,8 +181,9 @@ def test_max_pixels_at_the_claimed_size_lets_the_header_check_accept_it(tmp_path
     assert code == 0, stderr
     assert "packed 3 images" in stderr
     assert rss_mb < MAX_RSS_MB
-    from packer.verify import info
+    from packer.verify import info, verify
     assert info(str(out))["params"]["max_pixels"] == CLAIMED
+    assert verify(str(out), check="header", workers=1).ok  # verify holds the pack to its own limit
 
 
 def test_max_pixels_must_be_a_positive_number(tmp_path):

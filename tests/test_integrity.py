@@ -312,7 +312,10 @@ def test_packs_without_table_checksums_still_read(tmp_path, fmt):
     reader.close()
     assert read_everything(out) == expected
     assert [(src / path).read_bytes() for _, _, path in expected] == [record[0][0] for record in expected]
-    assert verify(str(out), workers=1).ok
+    report = verify(str(out), workers=1)
+    assert report.ok and any("tables not covered by checksums" in note for note in report.notes)
+    (tmp_path / "new").mkdir()
+    assert not any("checksums" in note for note in verify(str(packed(tmp_path / "new", fmt, src)), workers=1).notes)
 
 
 def test_wds_sample_json_carries_the_label(tmp_path):
