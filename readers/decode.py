@@ -9,7 +9,7 @@ torchvision's ImageFolder loader does not apply it.
 `min_size` turns on DCT-domain downscaling: libjpeg-turbo decodes at 1/2, 1/4 or 1/8
 scale by running a smaller inverse DCT per 8x8 block, which skips most of the IDCT and
 colour-conversion work. Only power-of-two scales are used: libjpeg-turbo's other n/8
-scales have no SIMD code and measured slower than a full decode (README, "Decode").
+scales have no SIMD code and measured slower than a full decode (docs/readers.md, "Decode").
 
 Every decode first reads the size from the header and refuses, with CorruptDataError,
 an image claiming more than `max_pixels` pixels (default packer.check.MAX_PIXELS, the

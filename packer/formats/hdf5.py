@@ -21,23 +21,23 @@ All numbers are little-endian.
 
 Why a blob and not a variable-length dataset: h5py refuses variable-length byte strings
 that contain NUL (JPEGs are full of them), and a vlen uint8 dataset goes through a heap
-pointer per record on every read (3-5x slower random reads here; README has the figures),
+pointer per record on every read (several times slower random reads: docs/formats.md),
 while a record of the blob is one slice. Paths are a NUL-joined blob for the same reason,
 the same encoding as LMDB's.
 
 Why chunks of 256 KiB: `images` grows while packing, and HDF5 can only resize a chunked
 dataset. Readers open the file with the chunk cache off (rdcc_nbytes=0): chunks that are
-neither cached nor filtered are read directly, exactly the selected bytes (measured: bytes
-read / bytes wanted = 1.00 at every chunk size), with one read per chunk an image touches.
+neither cached nor filtered are read directly, exactly the selected bytes, with one read
+per chunk an image touches.
 256 KiB keeps that to one or two reads for typical ~110 KB JPEGs and the chunk index at 4
 entries per MB, while a reader that keeps h5py's default chunk cache (8 MiB in HDF5 2.0)
-reads whole chunks, so at most about 4x the bytes it needs (13x with 1 MiB chunks). No
+reads whole chunks, several times the bytes it needs (more with larger chunks). No
 compression: JPEG does not compress, and a filter would force whole-chunk reads. Written
 with libver ("v110", "v110"): the newer chunk indexes, readable by any HDF5 >= 1.10.
 
 packer's own Reader goes one step further: it asks HDF5 once where each chunk of `images`
 lies in the file and then reads a record with one pread per run of adjacent chunks (one
-or two), skipping h5py's per-call overhead (40 µs, most of a warm read) and reading
+or two), skipping h5py's per-call overhead (most of a warm read) and reading
 exactly the record's bytes. A file whose chunks are filtered (rewritten by another tool)
 is read through h5py instead.
 

@@ -31,7 +31,7 @@ is immutable and opened read-only with lock=False.
 Readers fetch a record with one pread at its extent instead of through LMDB's memory map:
 looking a record up faults in B-tree and overflow-header pages scattered through the file,
 each a random read of the kernel's whole read-around window, which made cold random reads
-slower than a folder of files (README: "Cold storage"). Extents are taken while packing
+slower than a folder of files (docs/cold-storage.md). Extents are taken while packing
 from where writemap puts each value (overflow pages never move once written). A reader
 checks a few records' headers against their labels and paths when it loads the extents,
 and then, with check_crc on, each record's header as it reads it (the CRC is there); if
@@ -123,7 +123,8 @@ class Writer:
     Records go in one at a time rather than in a batch at commit, so each record's
     buffers are freed right away and reused for the next: holding a transaction's worth
     and freeing it at once let the allocator hand the memory back to the kernel, and
-    faulting it in again took more time than the copies (README: "How fast packing is").
+    faulting it in again took more time than the copies (docs/benchmarks.md, "How fast
+    packing is").
 
     That leaves no batch to replay if the map fills mid-transaction, so the map is grown
     before a transaction starts to hold the largest one possible (room). A mapped write
@@ -468,9 +469,9 @@ class Reader(SplitReader):
 
         The image starts past the header and path, whose lengths the path table gives, so
         a read needs neither: one lookup in one table (one cache line) instead of the
-        extents, the path table and two subtractions, 1.3-1.8 µs of a 19 µs warm random read
-        here. A stored length too short to hold the header counts as no extent (the map
-        read then reports the damage)."""
+        extents, the path table and two subtractions (docs/benchmarks.md has what it saved).
+        A stored length too short to hold the header counts as no extent (the map read then
+        reports the damage)."""
         order = self.storage_order()
         path_lengths = np.diff(self.paths.offsets) - 1  # each path is followed by its NUL
         head = HEADER.size + (path_lengths if order is None else path_lengths[order])
