@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from packer.formats._io import will_need
-from packer.scan import IMG_EXTENSIONS
+from packer.check import IMAGE_EXTENSIONS
 
 from . import cache
 
@@ -206,7 +206,7 @@ class Ceiling:
         from readers import decode_array
 
         self.decode = decode_array
-        files = [p for p in cache.data_files(ctx["folder"]) if p.lower().endswith(IMG_EXTENSIONS)]
+        files = [p for p in cache.data_files(ctx["folder"]) if p.lower().endswith(IMAGE_EXTENSIONS)]
         stride = max(1, len(files) // self.MAX_FILES)
         self.blobs = []
         for path in files[::stride][: self.MAX_FILES]:
@@ -285,7 +285,7 @@ class MemoryCopy:
 
     @classmethod
     def of_corpus(cls, folder: str) -> "MemoryCopy":
-        files = [p for p in cache.data_files(folder) if p.lower().endswith(IMG_EXTENSIONS)]
+        files = [p for p in cache.data_files(folder) if p.lower().endswith(IMAGE_EXTENSIONS)]
         if not files:
             raise RuntimeError(f"no images under {folder} to size the memory-copy reference")
         return cls([os.path.getsize(p) for p in files])

@@ -17,12 +17,11 @@ import torch
 import torch.utils.data
 
 import readers
+from packer.check import IMAGE_EXTENSIONS, IMAGE_SUFFIXES
 
 from . import cache
 from .augment import augment_pil, train_transform
 
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
-IMAGE_EXTENSIONS = tuple("." + s for s in IMAGE_SUFFIXES)
 PEER_LOADER = "peer: torch DataLoader + synchronous .to(device) + normalise"
 PILLOW_AUGMENT = "Pillow RandomResizedCrop(224) + flip (torchvision's path) -> uint8 tensor"
 

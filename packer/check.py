@@ -24,8 +24,15 @@ CHECKS = ("header", "full", "none")
 # PNG never imports Pillow, and a caller may have changed Pillow's setting for its own reasons.
 MAX_PIXELS = 178_956_970
 
+# The image file suffixes torchvision's ImageFolder takes (scan.py lists files by them; a
+# WebDataset member is an image by them).
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
+IMAGE_EXTENSIONS = tuple("." + suffix for suffix in IMAGE_SUFFIXES)
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# JPEG colour spaces libjpeg-turbo (simplejpeg) decodes to RGB as Pillow does; CMYK and
+# YCCK go through Pillow's converter.
+TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 # Markers that carry no length field: TEM, RST0-7, SOI, EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xD8), 0xD8, 0xD9}
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -152,7 +159,7 @@ def strict_jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None
 
     try:
         colorspace = simplejpeg.decode_jpeg_header(data)[2]
-        if colorspace not in ("YCbCr", "Gray", "RGB"):  # CMYK/YCCK: Pillow's converter
+        if colorspace not in TURBO_COLORSPACES:
             return pillow_problem(data, True, max_pixels)
         simplejpeg.decode_jpeg(data, strict=True)
     except ValueError as exc:

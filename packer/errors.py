@@ -27,7 +27,15 @@ class OutputExistsError(PackError):
 
 
 class CorruptDataError(PackError):
-    """A packed dataset is damaged: bad checksum, bad header, missing record."""
+    """A packed dataset is damaged: bad checksum, bad header, missing record.
+
+    reason, where given, is the message without the leading name of what failed, so a
+    caller that knows a better name (a Dataset knows the record's path; a decoder given
+    bytes does not) can say it again with that name."""
+
+    def __init__(self, message: str, path: str | None = None, reason: str | None = None):
+        super().__init__(message, path)
+        self.reason = reason
 
 
 class FormatError(PackError):

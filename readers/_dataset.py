@@ -48,7 +48,7 @@ class ReaderDataset(torch.utils.data.Dataset):
             # Decoders and transforms are given bytes and cannot name the file; the name is
             # built here, on failure only, since reads are hot.
             where = f"{self.reader.path}: {self.reader.paths[index]}"
-            raise CorruptDataError(f"{where}: {str(exc).removeprefix('image: ')}", where) from exc
+            raise CorruptDataError(f"{where}: {exc.reason or exc}", where, exc.reason) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label

@@ -25,12 +25,11 @@ import struct
 import numpy as np
 from PIL import Image
 
-from packer.check import MAX_PIXELS, open_lazily, pillow_refusal, size_problem
+from packer.check import (JPEG_MAGIC, MAX_PIXELS, PNG_MAGIC, TURBO_COLORSPACES, open_lazily, pillow_refusal,
+                          size_problem)
 from packer.errors import CorruptDataError
 
 DECODE_MODES = ("pil", "tensor", "numpy", "raw")
-JPEG_MAGIC = b"\xff\xd8\xff"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DCT_FACTORS = (8, 4, 2)
 
 try:
@@ -47,7 +46,7 @@ def decode_pil(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
     except CorruptDataError:
         raise
     except Exception as exc:  # Pillow raises many types for bad data
-        raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+        raise image_error(where, f"cannot decode image ({type(exc).__name__}: {exc})") from exc
 
 
 def open_pil(data: bytes, where: str | None, max_pixels: int) -> Image.Image:
@@ -83,9 +82,15 @@ def _native_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def image_error(where: str | None, reason: str) -> CorruptDataError:
+    """The error for an image that cannot be used, named by where (or "image" when the
+    caller only has its bytes), with the bare reason kept for callers that rename it."""
+    return CorruptDataError(f"{where or 'image'}: {reason}", where, reason)
+
+
 def too_large(where: str | None, reason: str) -> CorruptDataError:
-    return CorruptDataError(f"{where or 'image'}: {reason}; if the image is genuine, pass a larger "
-                            "max_pixels= to the dataset (or transform)", where)
+    return image_error(where, f"{reason}; if the image is genuine, pass a larger max_pixels= to the dataset "
+                              "(or transform)")
 
 
 def check_size(height: int, width: int, where: str | None, max_pixels: int) -> None:
@@ -108,7 +113,7 @@ def _turbo_header(data: bytes):
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
-    if colorspace not in ("YCbCr", "Gray", "RGB"):
+    if colorspace not in TURBO_COLORSPACES:
         return None
     return height, width
 
@@ -133,8 +138,7 @@ def image_size(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
     except CorruptDataError:
         raise
     except Exception as exc:
-        raise CorruptDataError(f"{where or 'image'}: cannot read image header ({type(exc).__name__}: {exc})",
-                               where) from exc
+        raise image_error(where, f"cannot read image header ({type(exc).__name__}: {exc})") from exc
 
 
 def dct_factor(height: int, width: int, min_size: tuple[int, int] | None) -> int:
@@ -171,7 +175,7 @@ def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-header[0] // k),
                                           min_width=-(-header[1] // k))
         except ValueError as exc:
-            raise CorruptDataError(f"{where or 'image'}: cannot decode JPEG ({exc})", where) from exc
+            raise image_error(where, f"cannot decode JPEG ({exc})") from exc
     # np.array, not asarray: Pillow's buffer is read-only and torch warns on such arrays.
     if min_size:
         return np.array(_decode_pil_draft(data, where, min_size, max_pixels))
@@ -190,7 +194,7 @@ def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int], max_pi
     except CorruptDataError:
         raise
     except Exception as exc:
-        raise CorruptDataError(f"{where or 'image'}: cannot decode image ({type(exc).__name__}: {exc})", where) from exc
+        raise image_error(where, f"cannot decode image ({type(exc).__name__}: {exc})") from exc
 
 
 def decode_tensor(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None,

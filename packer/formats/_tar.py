@@ -34,6 +34,7 @@ import tarfile
 import zlib
 from typing import IO, Iterator, NamedTuple
 
+from ..check import IMAGE_SUFFIXES
 from ..errors import CorruptDataError
 
 BLOCK = 512
@@ -50,7 +51,6 @@ CHUNK = 1 << 20  # gzip streams are read at most this much at a time
 EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 _PAX_HEAD = re.compile(rb"([0-9]{1,9}) ")
 _PAX_SIZE = re.compile(r"[0-9]{1,19}")
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp")
 
 
 def tar_header(name: str, size: int) -> bytes:
