@@ -3,12 +3,14 @@ access pattern and storage order, tables loaded (and checked) once, and the iden
 dataset file a reader belongs to."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
 from ..errors import CorruptDataError, PackError
 from ..records import Metadata, checksum, choose_split
+from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
 from ._tables import check_labels, fd_identity, file_identity, replaced_error
@@ -64,6 +66,18 @@ class SplitReader(LazyHandle):
             os.close(fd)
             raise
         return fd
+
+    def open_shared(self, opener, closer) -> tuple:
+        """(this process's shared handle of the dataset file, opened by opener(path,
+        identity=...) and closed by closer, and a descriptor of it for preads), both
+        checked to be the file this reader read the metadata of."""
+        fd = self.open_identified()
+        try:
+            return _handle.acquire(self.path, functools.partial(opener, identity=self.identity), closer,
+                                   self.identity), fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     def loaded(self, name: str, load):
         """Table name as load() returns it, loaded once: a damaged table's error is kept too,

@@ -230,13 +230,7 @@ class Reader(SplitReader):
         self._file_offsets: np.ndarray | None = None
 
     def _open(self):
-        fd = self.open_identified()
-        try:
-            f = _handle.acquire(self.path, functools.partial(open_file, identity=self.identity), close_file,
-                                self.identity)
-        except BaseException:
-            os.close(fd)
-            raise
+        f, fd = self.open_shared(open_file, close_file)
         try:
             images = f[self.split]["images"]
             if not isinstance(images, h5py.Dataset):

@@ -357,13 +357,7 @@ class Reader(SplitReader):
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
 
     def _open(self):
-        fd = self.open_identified()
-        try:
-            env = _handle.acquire(self.path, functools.partial(open_env, identity=self.identity), close_env,
-                                  self.identity)
-        except BaseException:
-            os.close(fd)
-            raise
+        env, fd = self.open_shared(open_env, close_env)
         # One long-lived read transaction per process: the data never changes.
         return env, env.begin(buffers=True), fd
 
