@@ -55,8 +55,8 @@ def staging(out: Path) -> list[Path]:
     return sorted(out.parent.glob(out.name + ".partial-*"))
 
 
-def interrupt(args: list, out: Path) -> tuple[int, float, str, list[int]]:
-    """Run the CLI, Ctrl-C it once its staging exists.
+def interrupt(args: list, out: Path, workers: int) -> tuple[int, float, str, list[int]]:
+    """Run the CLI, Ctrl-C it once its staging exists and its `workers` worker processes run.
 
     Returns its exit code, the seconds it took to stop, its stderr, and the processes of its
     group still there after it exited (its workers, had it left any).
@@ -65,9 +65,9 @@ def interrupt(args: list, out: Path) -> tuple[int, float, str, list[int]]:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not staging(out):
+        while not staging(out) or len(processes_in_group(proc.pid)) < 1 + workers:
             assert proc.poll() is None, f"finished before it could be interrupted: {proc.stderr.read()}"
-            assert time.monotonic() < deadline, "no staging path appeared"
+            assert time.monotonic() < deadline, "no staging path (or no workers) appeared"
             time.sleep(0.005)
         time.sleep(0.05)  # into the reading and writing
         os.killpg(proc.pid, signal.SIGINT)
@@ -84,8 +84,8 @@ def interrupt(args: list, out: Path) -> tuple[int, float, str, list[int]]:
             proc.wait()
 
 
-def assert_stopped_cleanly(args: list, out: Path) -> None:
-    code, seconds, stderr, left = interrupt(args, out)
+def assert_stopped_cleanly(args: list, out: Path, workers: int = 0) -> None:
+    code, seconds, stderr, left = interrupt(args, out, workers)
     state = f"exit {code} after {seconds:.1f} s, processes left {left}, stderr:\n{stderr}"
     assert code == 130, state
     assert seconds < STOP_WITHIN_S, state
@@ -96,18 +96,19 @@ def assert_stopped_cleanly(args: list, out: Path) -> None:
 
 def test_ctrl_c_stops_a_pack_that_decodes_in_worker_processes(big_tree, tmp_path):
     assert_stopped_cleanly(["pack", big_tree, "--to", "lmdb", "--check", "full", "--workers", "2"],
-                           tmp_path / "out.lmdb")
+                           tmp_path / "out.lmdb", workers=2)
 
 
 def test_ctrl_c_stops_an_hdf5_pack(big_tree, tmp_path):
-    assert_stopped_cleanly(["pack", big_tree, "--to", "hdf5", "--workers", "2"], tmp_path / "out.h5")
+    assert_stopped_cleanly(["pack", big_tree, "--to", "hdf5", "--workers", "2"], tmp_path / "out.h5")  # threads
 
 
 def test_ctrl_c_stops_a_convert(big_tree, tmp_path):
     packed = tmp_path / "packed.lmdb"
     subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(big_tree), "--to", "lmdb", "-o", str(packed)],
                    cwd=ROOT, check=True, capture_output=True)
-    assert_stopped_cleanly(["convert", packed, "--to", "hdf5", "--workers", "2"], tmp_path / "converted.h5")
+    assert_stopped_cleanly(["convert", packed, "--to", "hdf5", "--workers", "2"], tmp_path / "converted.h5",
+                           workers=2)
 
 
 class InterruptsWhenCollected:
