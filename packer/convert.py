@@ -14,7 +14,7 @@ from . import __version__
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .output import remove_stale
-from .pack import (Loaded, PackResult, available_cores, interruptible, load_in_processes, now_utc, shuffle_seed_for,
+from .pack import (InterruptGuard, Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for,
                    split_order, write_dataset, write_listings, write_order)
 from .records import Metadata, checksum
 from .scan import SplitListing
@@ -95,6 +95,6 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
         finally:
             load.close()
 
-    with interruptible(out) as guard:
+    with InterruptGuard(out) as guard:
         meta = write_dataset(fmt, out, force, options, lambda writer: fill(writer, guard))
     return PackResult(out, meta, time.perf_counter() - start, [], removed)

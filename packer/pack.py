@@ -135,10 +135,7 @@ def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
 
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in this thread; processes and threads started meanwhile inherit the mask.
-
-    A Ctrl-C that arrives meanwhile is delivered when the block ends.
-    """
+    """Block SIGINT in this thread (delivered at the end); what it starts meanwhile inherits the mask."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX
         yield
         return
@@ -264,18 +261,17 @@ class Interrupted(KeyboardInterrupt):
 
 
 class InterruptGuard:
-    """Makes sure a Ctrl-C stops a pack, even one that Python drops.
+    """Makes Ctrl-C stop a pack or convert that writes to out, even a Ctrl-C that Python drops.
 
-    Python raises KeyboardInterrupt wherever the main thread is; raised inside a finalizer
-    or a weakref callback (h5py runs those while it writes), it is printed and dropped,
-    and the pack would run on and publish. While the guard is active (main thread only,
-    and only over Python's default handler), SIGINT also sets `pending`, which the writing
-    loop checks at every record and before the dataset is finished.
+    Python raises KeyboardInterrupt wherever the main thread is; inside a finalizer or a
+    weakref callback (h5py runs those while it writes) it is printed and dropped, and the
+    pack would run on and publish. While the guard is active (main thread only, over
+    Python's default handler), SIGINT also sets `pending`, which the writing loop checks at
+    every record and before the dataset is finished; the interrupt leaves as Interrupted(out).
     """
 
-    def __init__(self):
-        self.pending = False
-        self._previous = None
+    def __init__(self, out: str | None = None):
+        self.out, self.pending, self._previous = out, False, None
 
     def __enter__(self) -> "InterruptGuard":
         if (threading.current_thread() is threading.main_thread()
@@ -283,10 +279,12 @@ class InterruptGuard:
             self._previous = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+        if self.out is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted(self.out) from None
 
     def _interrupt(self, signum, frame) -> None:
         self.pending = True
@@ -296,18 +294,6 @@ class InterruptGuard:
         """Raise the KeyboardInterrupt of a Ctrl-C that was dropped on its way."""
         if self.pending:
             raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interruptible(out: str) -> Iterator[InterruptGuard]:
-    """An active InterruptGuard; a Ctrl-C inside leaves as Interrupted(out)."""
-    with InterruptGuard() as guard:
-        try:
-            yield guard
-        except Interrupted:
-            raise
-        except KeyboardInterrupt:
-            raise Interrupted(out) from None
 
 
 class Progress:
@@ -379,7 +365,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or available_cores()
-    with interruptible(out) as guard:
+    with InterruptGuard(out) as guard:
         removed = remove_stale(out)
         source = scan_source(src, on_error)
         params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, **(options or {})}
@@ -458,8 +444,7 @@ def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, lo
                    guard: InterruptGuard | None = None) -> Metadata:
     """Write each split's records, taking their bytes from loaded in write order.
 
-    guard, when given, is checked at every record and once more before returning, so
-    that a Ctrl-C that Python dropped still stops the pack before the dataset is finished.
+    guard (see InterruptGuard) is checked at every record and once more at the end.
     """
     orders = orders or {}
     guard = guard or InterruptGuard()

@@ -8,6 +8,7 @@ then read up to the size fstat reported plus one byte, which reveals a file stil
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -35,7 +36,11 @@ def read_regular_file(path: str) -> bytes:
         BadImageError: it is not a regular file, it changed size while being read, or it
             is too large to hold in memory; .reason says which.
     """
-    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        describe_failed_open(path, exc)
+        raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -43,6 +48,19 @@ def read_regular_file(path: str) -> bytes:
         return read_size(fd, info.st_size, path)
     finally:
         os.close(fd)
+
+
+def describe_failed_open(path: str, exc: OSError) -> None:
+    """Raise BadImageError when the open failed because path is not a regular file (a socket
+    cannot be opened at all: ENXIO), so that it is named like the other kinds."""
+    if exc.errno != errno.ENXIO:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise BadImageError(path, not_regular_reason(mode)) from exc
 
 
 def read_size(fd: int, size: int, path: str) -> bytes:

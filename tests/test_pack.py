@@ -192,13 +192,22 @@ def test_with_skip_fifos_sockets_and_devices_are_skipped_with_their_kind(tmp_pat
 
 
 def within(seconds: float, fn, *args):
-    """fn(*args), failing the test if it does not return in time (the thread is left blocked)."""
-    box = []
-    thread = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True)
+    """fn(*args), failing the test if it neither returns nor raises in time (the thread is left blocked)."""
+    box = {}
+
+    def call():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
     thread.start()
     thread.join(seconds)
     assert box, f"{fn.__name__}{args} did not return within {seconds} s"
-    return box[0]
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def test_the_open_itself_refuses_a_fifo_or_a_device(tmp_path):
