@@ -96,28 +96,37 @@ def refusal(entry: os.DirEntry) -> str | None:
         return None
 
 
-def visible_dirs(entries: list[os.DirEntry]) -> list[str]:
-    return sorted(e.name for e in entries if not is_hidden(e.name) and is_folder(e))
+def list_folder(folder: str) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """folder's sub-folder names and its (image file name, refusal) pairs, each sorted by name.
 
-
-def visible_images(entries: list[os.DirEntry]) -> list[tuple[str, str | None]]:
-    """(name, refusal) of the image files among entries, sorted by name."""
-    return sorted((e.name, refusal(e)) for e in entries if is_image_name(e.name) and not is_folder(e))
+    Hidden names are left out. Raises OSError when folder cannot be read.
+    """
+    dirs, images = [], []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if is_hidden(entry.name):
+                continue
+            if is_folder(entry):
+                dirs.append(entry.name)
+            elif is_image_name(entry.name):
+                images.append((entry.name, refusal(entry)))
+    dirs.sort()
+    images.sort()
+    return dirs, images
 
 
 class Scanner:
-    """Lists folders of one SRC, applying the on_error policy to folders it cannot read."""
+    """Lists the folders of one SRC, applying the on_error policy to those it cannot read."""
 
     def __init__(self, root: str, on_error: str):
         self.root, self.on_error = root, on_error
         self.warnings: list[str] = []
         self.skipped: list[dict] = []
 
-    def entries(self, folder: str, split: str) -> list[os.DirEntry] | None:
-        """folder's entries, or None when it cannot be read and on_error is skip."""
+    def list_or_skip(self, folder: str, split: str) -> tuple[list[str], list[tuple[str, str | None]]] | None:
+        """list_folder(folder), or None when it cannot be read and on_error is skip."""
         try:
-            with os.scandir(folder) as found:
-                return list(found)
+            return list_folder(folder)
         except OSError as exc:
             reason = f"cannot read folder ({exc.strerror or exc})"
             rel = relative(self.root, folder)
@@ -134,11 +143,12 @@ class Scanner:
         stack = [folder]
         while stack:
             top = stack.pop()
-            entries = self.entries(top, split)
-            if entries is None:
+            listed = self.list_or_skip(top, split)
+            if listed is None:
                 continue
+            dirs, images = listed
             children = []
-            for name in visible_dirs(entries):
+            for name in dirs:
                 path = os.path.join(top, name)
                 real = os.path.realpath(path)
                 if real in seen:  # a symlink cycle would make the walk recurse forever
@@ -147,9 +157,9 @@ class Scanner:
                 seen.add(real)
                 children.append(path)
             stack += reversed(children)  # depth first, in name order, as os.walk visits them
-            found.append((top, visible_images(entries)))
+            found.append((top, images))
         found.sort(key=lambda rf: rf[0])
-        return [(os.path.join(top, name), why) for top, files in found for name, why in files]
+        return [(os.path.join(top, name), why) for top, images in found for name, why in images]
 
 
 def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
@@ -164,33 +174,30 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
     if not os.path.isdir(root):
         raise SourceError(f"{root}: not a folder (SRC must be an ImageFolder tree: SRC/<class>/<images>)", root)
     try:
-        with os.scandir(root) as found:
-            top_entries = list(found)
+        top = list_folder(root)
     except OSError as exc:
         raise SourceError(f"{root}: cannot read folder ({exc.strerror or exc}); fix its permissions", root) from exc
     scan = Scanner(root, on_error)
-    top = visible_dirs(top_entries)
-    split_dirs = [d for d in top if d in SPLIT_NAMES]
-    if split_dirs and len(split_dirs) == len(top):
+    split_dirs = [d for d in top[0] if d in SPLIT_NAMES]
+    if split_dirs and len(split_dirs) == len(top[0]):
         split_roots = {d: os.path.join(root, d) for d in split_dirs}
-        split_entries = {d: scan.entries(path, d) for d, path in split_roots.items()}
+        listed = {d: scan.list_or_skip(path, d) for d, path in split_roots.items()}
     else:
         if split_dirs:
             scan.warnings.append(f"{root}: {', '.join(split_dirs)} treated as class folders, because SRC also "
                                  f"holds other folders; put every class inside train/ val/ test/ to pack splits")
         split_roots = {DEFAULT_SPLIT: root}
-        split_entries = {DEFAULT_SPLIT: top_entries}
-    split_entries = {name: entries for name, entries in split_entries.items() if entries is not None}
+        listed = {DEFAULT_SPLIT: top}
+    listed = {name: folder for name, folder in listed.items() if folder is not None}
 
-    class_dirs = {name: visible_dirs(entries) for name, entries in split_entries.items()}
-    classes = sorted(set().union(*class_dirs.values()))
+    classes = sorted(set().union(*(dirs for dirs, _ in listed.values())))
     class_to_idx = {c: i for i, c in enumerate(classes)}
     splits = {}
-    for name, entries in split_entries.items():
-        if class_dirs[name]:
-            splits[name] = list_labeled(scan, name, split_roots[name], class_dirs[name], class_to_idx, entries)
+    for name, (class_names, images) in listed.items():
+        if class_names:
+            splits[name] = list_labeled(scan, name, split_roots[name], class_names, class_to_idx, len(images))
         else:
-            splits[name] = list_unlabeled(root, split_roots[name], entries)
+            splits[name] = list_unlabeled(root, split_roots[name], images)
     source = Source(root, classes, splits, scan.warnings, scan.skipped)
     if source.count == 0:
         raise SourceError(f"{root}: no image files found (looked for {', '.join(IMG_EXTENSIONS)} "
@@ -199,7 +206,8 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
 
 
 def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[str],
-                 class_to_idx: dict[str, int], entries: list[os.DirEntry]) -> SplitListing:
+                 class_to_idx: dict[str, int], loose: int) -> SplitListing:
+    """The images of each class folder; `loose` images beside them are ignored, as ImageFolder does."""
     root = scan.root
     paths: list[str] = []
     labels: list[int] = []
@@ -216,17 +224,15 @@ def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[s
                 refused[len(paths)] = why
             paths.append(relative(root, path))
         labels += [class_to_idx[cls]] * len(files)
-    loose = visible_images(entries)
     if loose:
-        scan.warnings.append(f"{relative(root, split_root) or '.'}: {len(loose)} image(s) beside the class "
+        scan.warnings.append(f"{relative(root, split_root) or '.'}: {loose} image(s) beside the class "
                              "folders ignored, as ImageFolder does (move them into a class folder to pack them)")
     return SplitListing(PathTable.from_strings(paths), np.asarray(labels, dtype=np.int32), True, refused)
 
 
-def list_unlabeled(root: str, split_root: str, entries: list[os.DirEntry]) -> SplitListing:
-    files = visible_images(entries)
-    paths = [relative(root, os.path.join(split_root, name)) for name, _ in files]
-    refused = {i: why for i, (_, why) in enumerate(files) if why is not None}
+def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:
+    paths = [relative(root, os.path.join(split_root, name)) for name, _ in images]
+    refused = {i: why for i, (_, why) in enumerate(images) if why is not None}
     return SplitListing(PathTable.from_strings(paths), np.full(len(paths), UNLABELED, np.int32), False, refused)
 
 
