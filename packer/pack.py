@@ -47,6 +47,7 @@ CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting ord
 # enough to keep the disk busy through a commit, bounded so memory stays flat.
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
+CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
 
 
 @dataclass
@@ -268,10 +269,13 @@ class InterruptGuard:
     pack would run on and publish. While the guard is active (main thread only, over
     Python's default handler), SIGINT also sets `pending`, which the writing loop checks at
     every record and before the dataset is finished; the interrupt leaves as Interrupted(out).
+    A second Ctrl-C within CLEANUP_GRACE_S of the first is ignored, so that it cannot cut
+    short the removal of the staging path; a later one raises again.
     """
 
     def __init__(self, out: str | None = None):
         self.out, self.pending, self._previous = out, False, None
+        self._first = 0.0
 
     def __enter__(self) -> "InterruptGuard":
         if (threading.current_thread() is threading.main_thread()
@@ -287,7 +291,9 @@ class InterruptGuard:
             raise Interrupted(self.out) from None
 
     def _interrupt(self, signum, frame) -> None:
-        self.pending = True
+        if self.pending and time.monotonic() - self._first < CLEANUP_GRACE_S:
+            return
+        self.pending, self._first = True, time.monotonic()
         raise KeyboardInterrupt
 
     def check(self) -> None:
