@@ -152,3 +152,16 @@ def test_a_ctrl_c_dropped_inside_a_finalizer_still_stops_the_writing(monkeypatch
             write_listings(writer, listings, 1, loaded(), "fail", False, lambda *a: None, guard=guard)
     assert writer.added == paths[:10]
     assert [type(d.exc_value) for d in dropped] == [KeyboardInterrupt]  # it was dropped where it was raised
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short():
+    cleaned = False
+    with pytest.raises(Interrupted):
+        with InterruptGuard("OUT"):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            finally:  # the cleanup (pool teardown, staging removal), and an impatient second Ctrl-C
+                signal.raise_signal(signal.SIGINT)
+                cleaned = True
+    assert cleaned
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the way out
