@@ -45,6 +45,7 @@ def read_regular_file(path: str) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise BadImageError(path, not_regular_reason(info.st_mode))
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open; a network or FUSE file could EAGAIN with it
         return read_size(fd, info.st_size, path)
     finally:
         os.close(fd)
