@@ -48,6 +48,7 @@ CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting ord
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
 CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
+STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
 
 
 @dataclass
@@ -117,21 +118,37 @@ def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
         return
     parts = (jobs[i:i + chunk] for i in range(0, len(jobs), chunk))
     pool = None
+    pending: deque = deque()
     try:
         with sigint_blocked():  # so no worker can take a Ctrl-C before it starts ignoring it
             pool = Pool(workers, initializer=_start_worker, initargs=(load,))
-        pending = deque(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
+        pending.extend(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
         while pending:
-            done = pending.popleft().get()
+            done = pending[0].get()
+            pending.popleft()
             part = next(parts, None)
             if part is not None:
                 pending.append(pool.apply_async(_load_part, (part,)))
             yield from done
-        pool.close()
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            stop_pool(pool, pending)
+
+
+def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
+    """Let the chunks in flight finish, then let the workers exit.
+
+    Pool.terminate() kills workers, and one killed while it sends a result leaves the
+    result queue's lock held: the pool's task thread then waits on it forever, and so does
+    terminate(). Only workers still busy after `grace` seconds (a hung read) are killed.
+    """
+    pool.close()
+    deadline = time.monotonic() + grace
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+    if not all(result.ready() for result in pending):
+        pool.terminate()
+    pool.join()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from packer.cli import main
 from packer.formats import read_metadata
-from packer.pack import Loaded, load_file, load_in_processes, load_in_threads
+from packer.pack import STOP_GRACE_S, Loaded, load_file, load_in_processes, load_in_threads
 
 from conftest import jpeg_bytes, write
 from test_scan import as_unprivileged, locked_tree, public_tmp  # noqa: F401  (public_tmp is a fixture)
@@ -142,6 +142,21 @@ def test_closing_the_process_loader_early_stops_its_workers():
     worker = threading.Thread(target=consume_five_and_close, daemon=True)
     worker.start()
     assert closed.wait(30), "closing the loader hung"
+    assert multiprocessing.active_children() == []
+
+
+def first_quick_then_stuck(i):
+    if i > 0:
+        time.sleep(60)  # a read that hangs (a dead network mount)
+    return make_loaded(i)
+
+
+def test_a_stuck_worker_is_killed_after_the_grace_period():
+    loaded = load_in_processes(list(range(8)), first_quick_then_stuck, workers=2, chunk=1)
+    assert next(loaded).crc == 0
+    start = time.monotonic()
+    loaded.close()
+    assert time.monotonic() - start < STOP_GRACE_S + 5
     assert multiprocessing.active_children() == []
 
 
