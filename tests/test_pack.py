@@ -154,9 +154,7 @@ def first_quick_then_stuck(i):
 def test_a_stuck_worker_is_killed_after_the_grace_period():
     loaded = load_in_processes(list(range(8)), first_quick_then_stuck, workers=2, chunk=1)
     assert next(loaded).crc == 0
-    start = time.monotonic()
-    loaded.close()
-    assert time.monotonic() - start < STOP_GRACE_S + 5
+    within(STOP_GRACE_S + 10, loaded.close)
     assert multiprocessing.active_children() == []
 
 
