@@ -15,7 +15,7 @@ from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS
 from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
-from .pack import ON_ERROR, PackResult, pack
+from .pack import ON_ERROR, Interrupted, PackResult, pack
 
 
 def library_errors(fn):
@@ -60,7 +60,19 @@ def say(message: str) -> None:
     click.echo(message, err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class PackerGroup(click.Group):
+    """The command group; Ctrl-C in any command exits 130 (128 + SIGINT, as shells expect) with
+    one line, where click would print "Aborted!" and exit 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            say(str(exc) if isinstance(exc, Interrupted) else "interrupted")
+            ctx.exit(130)
+
+
+@click.group(cls=PackerGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="packer")
 def main():
     """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""

@@ -3,7 +3,7 @@
 The records come from the packed dataset's Reader instead of the source folder (which is
 never opened, and need not exist any more): worker processes read and CRC-check them,
 and the parent feeds them in order to the target format's Writer, staged and published
-atomically exactly as `pack` does.
+atomically exactly as `pack` does, and stopped by Ctrl-C as `pack` is.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import os
 import time
 
 from . import __version__
-from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .output import check_target
-from .pack import (Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for, split_order,
-                   write_dataset, write_listings, write_order)
+from .pack import (InterruptGuard, Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for,
+                   split_order, write_dataset, write_listings, write_order)
 from .records import Metadata, checksum
 from .scan import SplitListing
 
@@ -83,14 +82,15 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
                         created=now_utc(), packer_version=__version__, params=params,
                         skipped=src_meta.skipped + skipped)
 
-    def fill(writer) -> Metadata:
+    def fill(writer, guard) -> Metadata:
         load = RecordLoader(packed)
         try:
             loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
             return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata,
-                                  orders)
+                                  orders, guard)
         finally:
             load.close()
 
-    meta = write_dataset(fmt, out, force, options, fill)
+    with InterruptGuard(out) as guard:
+        meta = write_dataset(fmt, out, force, options, lambda writer: fill(writer, guard))
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes, tidied.removed)

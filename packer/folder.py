@@ -8,6 +8,7 @@ import numpy as np
 from .errors import BadImageError
 from .records import PathTable, choose_split
 from .scan import scan_source
+from .source_io import read_regular_file
 
 
 class FolderReader:
@@ -36,10 +37,11 @@ class FolderReader:
     def read_image(self, index: int) -> tuple[bytes, int]:
         relpath = self.paths[index]
         try:
-            with open(os.path.join(self.path, relpath), "rb") as f:
-                data = f.read()
+            data = read_regular_file(os.path.join(self.path, relpath))
         except OSError as exc:
             raise BadImageError(relpath, f"cannot read file ({exc.strerror or exc})") from exc
+        except BadImageError as exc:  # not a regular file (FIFO, device), or changed while read
+            raise BadImageError(relpath, exc.reason) from None
         return data, int(self.labels[index])
 
     def open(self) -> "FolderReader":

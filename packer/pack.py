@@ -5,6 +5,10 @@ parent receives them in write order and hands them to the format's Writer. The n
 of files in flight is bounded, so memory stays flat however large the dataset is, and
 nothing reaches OUT until the writer has finished (packer.output.staged).
 
+Ctrl-C stops a pack within moments and leaves nothing behind: worker processes ignore
+SIGINT (only the parent decides), no thread ever blocks the pool's teardown, and an
+interrupt that Python drops (see InterruptGuard) is raised again at the next record.
+
 Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
 (write_order). The Writer protocol is unchanged either way: add() per sample in write
 order, then end_split(labels, paths) with the kept samples in ImageFolder order; a
@@ -16,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import itertools
 import os
+import signal
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from typing import Any, Callable, Iterator
@@ -32,14 +39,16 @@ from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output
 from .output import IO_ERRORS, check_target, staged, write_error
 from .records import Metadata, PathTable, SplitInfo, checksum
-from .scan import Source, SplitListing, scan_source
+from .scan import ON_ERROR, Source, SplitListing, scan_source
+from .source_io import read_regular_file
 
-ON_ERROR = ("fail", "skip")
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
 # Reader threads run at most this many files, and about this many bytes, ahead of the writer:
 # enough to keep the disk busy through a commit, bounded so memory stays flat.
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
+CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
+STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
 
 
 @dataclass
@@ -76,13 +85,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_file(path: str, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
-    """Read and check one file; errors become a reason, so the parent decides the policy."""
+def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
+    """Read and check one file; errors become a reason, so the parent decides the policy.
+
+    job is the file's path, or a Loaded already decided without opening it (a refused file).
+    """
+    if isinstance(job, Loaded):
+        return job
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular_file(job)
     except OSError as exc:
         return Loaded(None, 0, f"cannot read file ({exc.strerror or exc})")
+    except BadImageError as exc:  # not a regular file, or changed while being read
+        return Loaded(None, 0, exc.reason)
     reason = problem(data, level, max_pixels)
     if reason is not None:
         return Loaded(None, 0, reason)
@@ -94,27 +109,59 @@ def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
     """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
 
     load must be picklable; each worker receives it once, so it may keep state (open
-    readers) for the life of the pool.
+    readers) for the life of the pool. At most 4 chunks per worker are in flight, and
+    nothing but this generator submits work, so tearing the pool down (on an error, a
+    Ctrl-C or an early close) never waits on a blocked feeder.
     """
     if workers <= 1:
         yield from map(load, jobs)
         return
-    window = threading.BoundedSemaphore(workers * chunk * 4)
-
-    def feed():
-        for job in jobs:
-            window.acquire()  # Pool's feeder thread blocks here: no unbounded read-ahead
-            yield job
-
-    pool = Pool(workers, initializer=_set_worker_load, initargs=(load,))
+    parts = (jobs[i:i + chunk] for i in range(0, len(jobs), chunk))
+    pool = None
+    pending: deque = deque()
     try:
-        for loaded in pool.imap(_worker_load, feed(), chunksize=chunk):
-            window.release()
-            yield loaded
-        pool.close()
+        with sigint_blocked():  # so no worker can take a Ctrl-C before it starts ignoring it
+            pool = Pool(workers, initializer=_start_worker, initargs=(load,))
+        pending.extend(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
+        while pending:
+            done = pending[0].get()
+            pending.popleft()
+            part = next(parts, None)
+            if part is not None:
+                pending.append(pool.apply_async(_load_part, (part,)))
+            yield from done
     finally:
+        if pool is not None:
+            stop_pool(pool, pending)
+
+
+def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
+    """Let the chunks in flight finish, then let the workers exit.
+
+    Pool.terminate() kills workers, and one killed while it sends a result leaves the
+    result queue's lock held: the pool's task thread then waits on it forever, and so does
+    terminate(). Only workers still busy after `grace` seconds (a hung read) are killed.
+    """
+    pool.close()
+    deadline = time.monotonic() + grace
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+    if not all(result.ready() for result in pending):
         pool.terminate()
-        pool.join()
+    pool.join()
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread (delivered at the end); what it starts meanwhile inherits the mask."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def load_in_threads(jobs: list, load: Callable[[Any], Loaded], threads: int,
@@ -209,13 +256,67 @@ def _loaded_bytes(result: Loaded | BaseException) -> int:
 _load: Callable[[Any], Loaded] | None = None
 
 
-def _set_worker_load(load: Callable[[Any], Loaded]) -> None:
+def _start_worker(load: Callable[[Any], Loaded]) -> None:
+    # Ctrl-C reaches the whole process group. A worker killed by it can die holding the
+    # pool's task-queue lock, and then the parent's Pool.terminate() waits forever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     global _load
     _load = load
 
 
-def _worker_load(job) -> Loaded:
-    return _load(job)
+def _load_part(jobs: list) -> list[Loaded]:
+    return [_load(job) for job in jobs]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a pack or convert; OUT was left untouched."""
+
+    def __init__(self, out: str):
+        super().__init__(f"interrupted; nothing was written at {out}")
+        self.out = out
+
+
+class InterruptGuard:
+    """Makes Ctrl-C stop a pack or convert that writes to out, even a Ctrl-C that Python drops.
+
+    Python raises KeyboardInterrupt wherever the main thread is; inside a finalizer or a
+    weakref callback (h5py runs those while it writes) it is printed and dropped, and the
+    pack would run on and publish. While the guard is active (main thread only, over
+    Python's default handler), SIGINT also sets `pending`, which the writing loop checks at
+    every record and before the dataset is finished; the interrupt leaves as Interrupted(out).
+    A second Ctrl-C within CLEANUP_GRACE_S of the first is ignored, so that it cannot cut
+    short the removal of the staging path; a later one raises again.
+    """
+
+    def __init__(self, out: str | None = None):
+        self.out, self.pending, self._previous = out, False, None
+        self._first = 0.0
+
+    def __enter__(self) -> "InterruptGuard":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if self.out is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted(self.out) from None
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.pending and time.monotonic() - self._first < CLEANUP_GRACE_S:
+            return
+        self.pending, self._first = True, time.monotonic()
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise the KeyboardInterrupt of a Ctrl-C that was dropped on its way."""
+        if self.pending:
+            raise KeyboardInterrupt
 
 
 class Progress:
@@ -291,19 +392,21 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     start = time.perf_counter()
     out = os.path.abspath(out or default_output(src, fmt))
     workers = workers or available_cores()
-    tidied = check_target(out, sources=[src], force=force)
-    source = scan_source(src)
-    params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
-              **(options or {})}
-    if hasattr(FORMATS[fmt], "SHUFFLE"):
-        params["shuffle_seed"] = seed
+    with InterruptGuard(out) as guard:
+        tidied = check_target(out, sources=[src], force=force)
+        source = scan_source(src, on_error)
+        params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
+                  **(options or {})}
+        if hasattr(FORMATS[fmt], "SHUFFLE"):
+            params["shuffle_seed"] = seed
 
-    def metadata(skipped: list, splits: dict) -> Metadata:
-        return Metadata(format=fmt, classes=source.classes, splits=splits, source=source.root,
-                        created=now_utc(), packer_version=__version__, params=params, skipped=skipped)
+        def metadata(skipped: list, splits: dict) -> Metadata:
+            return Metadata(format=fmt, classes=source.classes, splits=splits, source=source.root,
+                            created=now_utc(), packer_version=__version__, params=params,
+                            skipped=source.skipped + skipped)
 
-    meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
-        writer, source, check, on_error, workers, progress, seed, metadata, max_pixels))
+        meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
+            writer, source, check, on_error, workers, progress, seed, metadata, max_pixels, guard))
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
 
 
@@ -340,18 +443,28 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None,
-                 make_metadata: Callable[[list, dict], Metadata], max_pixels: int = MAX_PIXELS) -> Metadata:
+                 make_metadata: Callable[[list, dict], Metadata], max_pixels: int = MAX_PIXELS,
+                 guard: InterruptGuard | None = None) -> Metadata:
     """Stream every split of the source folder through writer; return the metadata to store."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
-    all_paths = [os.path.join(source.root, listing.paths[i])
-                 for name, listing in listings.items() for i in split_order(len(listing), orders[name])]
+    jobs = source_jobs(source.root, listings, orders)
     load = functools.partial(load_file, level=check, max_pixels=max_pixels)
     # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
     # I/O-bound: threads, which skip the pipe that processes send every file through.
-    loaded = (load_in_processes if check == "full" else load_in_threads)(all_paths, load, workers)
+    loaded = (load_in_processes if check == "full" else load_in_threads)(jobs, load, workers)
     return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, make_metadata,
-                          orders)
+                          orders, guard)
+
+
+def source_jobs(root: str, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]) -> list:
+    """load_file's jobs in write order: each file's path, or its refusal when it must not be opened."""
+    jobs: list[str | Loaded] = []
+    for name, listing in listings.items():
+        for i in split_order(len(listing), orders[name]):
+            refused = listing.refused.get(i)
+            jobs.append(os.path.join(root, listing.paths[i]) if refused is None else Loaded(None, 0, refused))
+    return jobs
 
 
 def split_order(count: int, order: np.ndarray | None):
@@ -362,24 +475,31 @@ def split_order(count: int, order: np.ndarray | None):
 def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, loaded: Iterator[Loaded],
                    on_error: str, progress: bool | None,
                    make_metadata: Callable[[list, dict], Metadata],
-                   orders: dict[str, np.ndarray | None] | None = None) -> Metadata:
-    """Write each split's records, taking their bytes from loaded in write order."""
+                   orders: dict[str, np.ndarray | None] | None = None,
+                   guard: InterruptGuard | None = None) -> Metadata:
+    """Write each split's records, taking their bytes from loaded in write order.
+
+    guard (see InterruptGuard) is checked at every record and once more at the end.
+    """
     orders = orders or {}
+    guard = guard or InterruptGuard()
     bar = Progress(sum(len(listing) for listing in listings.values()), progress)
     skipped: list[dict] = []
     splits: dict[str, SplitInfo] = {}
     try:
         for name, listing in listings.items():
             splits[name] = write_split(writer, name, listing, n_classes, loaded, on_error, skipped, bar,
-                                       orders.get(name))
+                                       orders.get(name), guard)
     finally:
         bar.close()
         loaded.close()
+    guard.check()
     return make_metadata(skipped, splits)
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],
-                on_error: str, skipped: list[dict], bar: Progress, order: np.ndarray | None = None) -> SplitInfo:
+                on_error: str, skipped: list[dict], bar: Progress, order: np.ndarray | None,
+                guard: InterruptGuard) -> SplitInfo:
     writer.begin_split(name)
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
@@ -387,6 +507,7 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
     for i in split_order(len(listing), order):
         relpath = listing.paths[i]
         item = next(loaded)
+        guard.check()
         if item.reason is not None:
             if on_error == "fail":
                 raise BadImageError(relpath, f"{item.reason} (pass --on-error skip to leave it out, "

@@ -10,6 +10,11 @@ each class folder in sorted(os.walk(...)) order with ImageFolder's extensions, m
 case-insensitively, following symlinked folders. Two deliberate differences: names that
 start with "." are ignored (macOS "._x.JPEG" forks, ".ipynb_checkpoints"), and an empty
 class folder keeps its label instead of aborting, so labels never shift.
+
+Nothing is lost silently: a folder that cannot be read (permission denied) stops the scan
+with SourceError, or with on_error="skip" is left out and listed in Source.skipped. Image
+files that are not regular files (FIFO, socket, device) stay in the listing, marked as
+refused, so that packing applies its on_error policy to them without ever opening them.
 """
 from __future__ import annotations
 
@@ -18,12 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import SourceError
+from .errors import PackError, SourceError
 from .records import UNLABELED, PathTable
+from .source_io import not_regular_reason
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLIT_NAMES = ("train", "val", "test")
 DEFAULT_SPLIT = "all"
+ON_ERROR = ("fail", "skip")
 
 
 @dataclass
@@ -33,6 +40,9 @@ class SplitListing:
     paths: PathTable  # relative to SRC, "/"-separated
     labels: np.ndarray  # int32, UNLABELED for unlabeled splits
     labeled: bool
+    # Listing index -> why that file is refused without being opened (a FIFO, a device):
+    # kept in the listing, so that the on_error policy treats it like any other bad file.
+    refused: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -44,6 +54,8 @@ class Source:
     classes: list[str]
     splits: dict[str, SplitListing]
     warnings: list[str] = field(default_factory=list)
+    # Folders left out because they cannot be read (on_error="skip"), as metadata "skipped" entries.
+    skipped: list[dict] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -62,90 +74,166 @@ def is_image_name(name: str) -> bool:
     return not is_hidden(name) and name.lower().endswith(IMG_EXTENSIONS)
 
 
-def visible_dirs(folder: str) -> list[str]:
+def is_folder(entry: os.DirEntry) -> bool:
+    """Whether entry is a folder, following symlinks as ImageFolder does."""
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink into a folder we may not search: listed as a file, reported when read
+        return False
+
+
+def refusal(entry: os.DirEntry) -> str | None:
+    """Why the file entry must not be opened (FIFO, socket, device), or None.
+
+    Free for a regular file (the entry's type comes from the directory listing); one stat
+    for a symlink. A file that cannot be stat'ed is not refused here: reading it reports why.
+    """
+    try:
+        if entry.is_file():
+            return None
+        return not_regular_reason(entry.stat().st_mode)
+    except OSError:
+        return None
+
+
+def list_folder(folder: str) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """folder's sub-folder names and its (image file name, refusal) pairs, each sorted by name.
+
+    Hidden names are left out. Raises OSError when folder cannot be read.
+    """
+    dirs, images = [], []
     with os.scandir(folder) as entries:
-        return sorted(e.name for e in entries if e.is_dir() and not is_hidden(e.name))
-
-
-def visible_images(folder: str) -> list[str]:
-    with os.scandir(folder) as entries:
-        return sorted(e.name for e in entries if not e.is_dir() and is_image_name(e.name))
-
-
-def walk_images(folder: str, warnings: list[str]) -> list[str]:
-    """Image files under folder, in sorted(os.walk(folder, followlinks=True)) order."""
-    found: list[tuple[str, list[str]]] = []
-    seen = {os.path.realpath(folder)}
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        kept = []
-        for d in dirs:
-            real = os.path.realpath(os.path.join(root, d))
-            if is_hidden(d):
+        for entry in entries:
+            if is_hidden(entry.name):
                 continue
-            if real in seen:  # a symlink cycle would make os.walk recurse forever
-                warnings.append(f"{os.path.join(root, d)}: folder already visited (symlink loop), skipped")
+            if is_folder(entry):
+                dirs.append(entry.name)
+            elif is_image_name(entry.name):
+                images.append((entry.name, refusal(entry)))
+    dirs.sort()
+    images.sort()
+    return dirs, images
+
+
+class Scanner:
+    """Lists the folders of one SRC, applying the on_error policy to those it cannot read."""
+
+    def __init__(self, root: str, on_error: str):
+        self.root, self.on_error = root, on_error
+        self.warnings: list[str] = []
+        self.skipped: list[dict] = []
+
+    def list_or_skip(self, folder: str, split: str) -> tuple[list[str], list[tuple[str, str | None]]] | None:
+        """list_folder(folder), or None when it cannot be read and on_error is skip."""
+        try:
+            return list_folder(folder)
+        except OSError as exc:
+            reason = f"cannot read folder ({exc.strerror or exc})"
+            rel = relative(self.root, folder)
+            if self.on_error == "fail":
+                raise SourceError(f"{rel}: {reason}; fix its permissions, or pass --on-error skip to leave "
+                                  "it out", folder) from exc
+            self.skipped.append({"path": rel, "split": split, "reason": reason})
+            return None
+
+    def walk_images(self, folder: str, split: str) -> list[tuple[str, str | None]]:
+        """(path, refusal) of the image files under folder, in sorted(os.walk(folder, followlinks=True)) order."""
+        found: list[tuple[str, list[tuple[str, str | None]]]] = []
+        seen = {os.path.realpath(folder)}
+        stack = [folder]
+        while stack:
+            top = stack.pop()
+            listed = self.list_or_skip(top, split)
+            if listed is None:
                 continue
-            seen.add(real)
-            kept.append(d)
-        dirs[:] = kept
-        found.append((root, sorted(f for f in files if is_image_name(f))))
-    found.sort(key=lambda rf: rf[0])
-    return [os.path.join(root, f) for root, files in found for f in files]
+            dirs, images = listed
+            children = []
+            for name in dirs:
+                path = os.path.join(top, name)
+                real = os.path.realpath(path)
+                if real in seen:  # a symlink cycle would make the walk recurse forever
+                    self.warnings.append(f"{path}: folder already visited (symlink loop), skipped")
+                    continue
+                seen.add(real)
+                children.append(path)
+            stack += reversed(children)  # depth first, in name order, as os.walk visits them
+            found.append((top, images))
+        found.sort(key=lambda rf: rf[0])
+        return [(os.path.join(top, name), why) for top, images in found for name, why in images]
 
 
-def scan_source(src: str | os.PathLike) -> Source:
-    """List every image of SRC with its split and label."""
+def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
+    """List every image of SRC with its split and label.
+
+    on_error decides what a folder that cannot be read does: "fail" raises SourceError,
+    "skip" leaves it out and lists it in Source.skipped.
+    """
+    if on_error not in ON_ERROR:
+        raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     root = os.path.abspath(os.fspath(src))
     if not os.path.isdir(root):
         raise SourceError(f"{root}: not a folder (SRC must be an ImageFolder tree: SRC/<class>/<images>)", root)
-    warnings: list[str] = []
-    top = visible_dirs(root)
-    split_dirs = [d for d in top if d in SPLIT_NAMES]
-    if split_dirs and len(split_dirs) == len(top):
+    try:
+        top = list_folder(root)
+    except OSError as exc:
+        raise SourceError(f"{root}: cannot read folder ({exc.strerror or exc}); fix its permissions", root) from exc
+    scan = Scanner(root, on_error)
+    split_dirs = [d for d in top[0] if d in SPLIT_NAMES]
+    if split_dirs and len(split_dirs) == len(top[0]):
         split_roots = {d: os.path.join(root, d) for d in split_dirs}
+        listed = {d: scan.list_or_skip(path, d) for d, path in split_roots.items()}
     else:
         if split_dirs:
-            warnings.append(f"{root}: {', '.join(split_dirs)} treated as class folders, because SRC also "
-                            f"holds other folders; put every class inside train/ val/ test/ to pack splits")
+            scan.warnings.append(f"{root}: {', '.join(split_dirs)} treated as class folders, because SRC also "
+                                 f"holds other folders; put every class inside train/ val/ test/ to pack splits")
         split_roots = {DEFAULT_SPLIT: root}
+        listed = {DEFAULT_SPLIT: top}
+    listed = {name: folder for name, folder in listed.items() if folder is not None}
 
-    class_dirs = {name: visible_dirs(path) for name, path in split_roots.items()}
-    classes = sorted(set().union(*class_dirs.values()))
+    classes = sorted(set().union(*(dirs for dirs, _ in listed.values())))
     class_to_idx = {c: i for i, c in enumerate(classes)}
     splits = {}
-    for name, path in split_roots.items():
-        if class_dirs[name]:
-            splits[name] = list_labeled(root, path, class_dirs[name], class_to_idx, warnings)
+    for name, (class_names, images) in listed.items():
+        if class_names:
+            splits[name] = list_labeled(scan, name, split_roots[name], class_names, class_to_idx, len(images))
         else:
-            splits[name] = list_unlabeled(root, path)
-    source = Source(root, classes, splits, warnings)
+            splits[name] = list_unlabeled(root, split_roots[name], images)
+    source = Source(root, classes, splits, scan.warnings, scan.skipped)
     if source.count == 0:
         raise SourceError(f"{root}: no image files found (looked for {', '.join(IMG_EXTENSIONS)} "
                           f"in SRC/<class>/ folders, any letter case)", root)
     return source
 
 
-def list_labeled(root: str, split_root: str, class_names: list[str], class_to_idx: dict[str, int],
-                 warnings: list[str]) -> SplitListing:
+def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[str],
+                 class_to_idx: dict[str, int], loose: int) -> SplitListing:
+    """The images of each class folder; `loose` images beside them are ignored, as ImageFolder does."""
+    root = scan.root
     paths: list[str] = []
     labels: list[int] = []
+    refused: dict[int, str] = {}
     for cls in class_names:
-        files = walk_images(os.path.join(split_root, cls), warnings)
-        if not files:
-            warnings.append(f"{os.path.relpath(os.path.join(split_root, cls), root)}: empty class folder; "
-                            f"label {class_to_idx[cls]} kept with 0 samples")
-        paths += [relative(root, f) for f in files]
+        folder = os.path.join(split_root, cls)
+        skipped_before = len(scan.skipped)
+        files = scan.walk_images(folder, split)
+        if not files and len(scan.skipped) == skipped_before:
+            scan.warnings.append(f"{relative(root, folder)}: empty class folder; "
+                                 f"label {class_to_idx[cls]} kept with 0 samples")
+        for path, why in files:
+            if why is not None:
+                refused[len(paths)] = why
+            paths.append(relative(root, path))
         labels += [class_to_idx[cls]] * len(files)
-    loose = visible_images(split_root)
     if loose:
-        warnings.append(f"{relative(root, split_root) or '.'}: {len(loose)} image(s) beside the class folders "
-                        "ignored, as ImageFolder does (move them into a class folder to pack them)")
-    return SplitListing(PathTable.from_strings(paths), np.asarray(labels, dtype=np.int32), True)
+        scan.warnings.append(f"{relative(root, split_root) or '.'}: {loose} image(s) beside the class "
+                             "folders ignored, as ImageFolder does (move them into a class folder to pack them)")
+    return SplitListing(PathTable.from_strings(paths), np.asarray(labels, dtype=np.int32), True, refused)
 
 
-def list_unlabeled(root: str, split_root: str) -> SplitListing:
-    paths = [relative(root, os.path.join(split_root, f)) for f in visible_images(split_root)]
-    return SplitListing(PathTable.from_strings(paths), np.full(len(paths), UNLABELED, np.int32), False)
+def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:
+    paths = [relative(root, os.path.join(split_root, name)) for name, _ in images]
+    refused = {i: why for i, (_, why) in enumerate(images) if why is not None}
+    return SplitListing(PathTable.from_strings(paths), np.full(len(paths), UNLABELED, np.int32), False, refused)
 
 
 def relative(root: str, path: str) -> str:

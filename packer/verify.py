@@ -87,13 +87,18 @@ def star_verify_block(task: tuple) -> list[str]:
 
 
 def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[str]:
+    # Imported here only to keep this change to one function; a FIFO or device in SRC must not hang verify.
+    from .errors import BadImageError
+    from .source_io import read_regular_file
+
     try:
-        with open(os.path.join(root, relpath), "rb") as f:
-            original = f.read()
+        original = read_regular_file(os.path.join(root, relpath))
     except FileNotFoundError:
         return []  # reported once, as removed, by the listing comparison
     except OSError as exc:
         return [f"{relpath}: cannot read the source file ({exc.strerror or exc})"]
+    except BadImageError as exc:
+        return [f"{relpath}: cannot compare with the source file: {exc.reason}"]
     if original != data:
         return [f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
                 f"{len(original)} in SRC)"]

@@ -1,10 +1,26 @@
-"""packer.pack's reader threads: in order, bounded read-ahead, errors and early exits."""
+"""packer.pack: reader threads and processes (order, bounded read-ahead, errors, early exits),
+and what reaches the writer from a hostile source (FIFOs, devices, unreadable folders)."""
+import contextlib
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from packer.pack import Loaded, load_in_threads
+from packer.cli import main
+from packer.formats import read_metadata
+from packer.pack import STOP_GRACE_S, Loaded, load_file, load_in_processes, load_in_threads
+
+from conftest import jpeg_bytes, write
+from test_scan import as_unprivileged, locked_tree, public_tmp  # noqa: F401  (public_tmp is a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Recorder:
@@ -86,3 +102,180 @@ def test_one_thread_loads_in_the_callers_thread():
     load = Recorder()
     assert [item.crc for item in load_in_threads([3, 1, 2], load, threads=1)] == [3, 1, 2]
     assert load.threads == {threading.current_thread().name}
+
+
+def make_loaded(i):
+    return Loaded(bytes([i % 256]), i, None)
+
+
+def fail_at_13(i):
+    if i == 13:
+        raise RuntimeError("load failed on job 13")
+    return make_loaded(i)
+
+
+def test_results_come_in_job_order_from_several_processes():
+    out = list(load_in_processes(list(range(1000)), make_loaded, workers=2, chunk=7))
+    assert [item.crc for item in out] == list(range(1000))
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_error_is_raised_in_order_and_the_workers_are_gone():
+    def consume():
+        got = []
+        with pytest.raises(RuntimeError, match="job 13"):
+            for item in load_in_processes(list(range(200)), fail_at_13, workers=2, chunk=4):
+                got.append(item.crc)
+        return got
+
+    assert within(30, consume) == list(range(12))  # the chunk holding job 13 starts at 12 and fails whole
+    assert multiprocessing.active_children() == []
+
+
+def test_closing_the_process_loader_early_stops_its_workers():
+    # What the writer does when it stops on a bad file; it used to wait on a blocked feeder.
+    closed = threading.Event()
+
+    def consume_five_and_close():
+        loaded = load_in_processes(list(range(100_000)), make_loaded, workers=2, chunk=4)
+        assert [next(loaded).crc for _ in range(5)] == [0, 1, 2, 3, 4]
+        loaded.close()
+        closed.set()
+
+    worker = threading.Thread(target=consume_five_and_close, daemon=True)
+    worker.start()
+    assert closed.wait(30), "closing the loader hung"
+    assert multiprocessing.active_children() == []
+
+
+def first_quick_then_stuck(i):
+    if i > 0:
+        time.sleep(60)  # a read that hangs (a dead network mount)
+    return make_loaded(i)
+
+
+def test_a_stuck_worker_is_killed_after_the_grace_period():
+    loaded = load_in_processes(list(range(8)), first_quick_then_stuck, workers=2, chunk=1)
+    assert next(loaded).crc == 0
+    within(STOP_GRACE_S + 10, loaded.close)
+    assert multiprocessing.active_children() == []
+
+
+# Non-regular files: a FIFO used to hang the pack forever, /dev/zero to read until memory ran out.
+
+def run_cli(*args, timeout=60):
+    """The packer CLI in a subprocess: a hang fails the test instead of stalling the suite."""
+    return subprocess.run([sys.executable, "-m", "packer.cli", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def special_tree(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    write(src / "cat" / "ok.jpg", jpeg_bytes(1))
+    write(src / "dog" / "ok.jpg", jpeg_bytes(2))
+    os.mkfifo(src / "cat" / "pipe.jpg")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(src / "cat" / "sock.jpg"))
+    os.symlink("/dev/zero", src / "cat" / "zero.jpg")
+    return src
+
+
+def test_a_fifo_in_src_stops_the_pack_naming_it(tmp_path):
+    src = tmp_path / "src"
+    write(src / "cat" / "ok.jpg", jpeg_bytes(1))
+    os.mkfifo(src / "cat" / "pipe.jpg")
+    out = tmp_path / "out.lmdb"
+    result = run_cli("pack", src, "--to", "lmdb", "-o", out)
+    assert result.returncode == 1, result.stderr
+    assert "cat/pipe.jpg: not a regular file (FIFO) (pass --on-error skip to leave it out" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("check", ["header", "full"])  # reader threads, worker processes
+def test_with_skip_fifos_sockets_and_devices_are_skipped_with_their_kind(tmp_path, check):
+    src = special_tree(tmp_path)
+    out = tmp_path / "out.lmdb"
+    result = run_cli("pack", src, "--to", "lmdb", "-o", out, "--on-error", "skip", "--check", check,
+                     "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    expected = {"cat/pipe.jpg": "not a regular file (FIFO)", "cat/sock.jpg": "not a regular file (socket)",
+                "cat/zero.jpg": "not a regular file (character device)"}
+    for path, reason in expected.items():
+        assert f"skipped {path}: {reason}" in result.stderr
+    meta = read_metadata(str(out))
+    assert {s["path"]: s["reason"] for s in meta.skipped} == expected
+    assert meta.count == 2
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args), failing the test if it neither returns nor raises in time (the thread is left blocked)."""
+    box = {}
+
+    def call():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"{fn.__name__}{args} did not return within {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_the_open_itself_refuses_a_fifo_or_a_device(tmp_path):
+    # What a file swapped after the scan meets: the check is made on the opened descriptor.
+    fifo = tmp_path / "swapped.jpg"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.jpg"
+    os.symlink("/dev/zero", zero)
+    try:
+        assert within(10, load_file, str(fifo), "header").reason == "not a regular file (FIFO)"
+        assert within(10, load_file, str(zero), "header").reason == "not a regular file (character device)"
+    finally:
+        with contextlib.suppress(OSError):  # releases an open() left blocked on the FIFO, waiting for a writer
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_file_that_holds_more_than_its_size_is_refused_as_changed(tmp_path):
+    # A procfs file says 0 bytes and holds more: exactly what a file still being written looks like.
+    growing = tmp_path / "growing.jpg"
+    os.symlink("/proc/self/status", growing)
+    reason = load_file(str(growing), "header").reason
+    assert reason == "changed while being read (0 bytes when opened, then grew); make sure nothing is writing to it"
+
+
+def test_unreadable_folders_fail_the_pack_or_are_skipped_and_reported(public_tmp, tmp_path):
+    src = locked_tree(public_tmp, ["locked", "cat/locked-sub"])
+    outs = public_tmp / "outs"
+    outs.mkdir()
+    outs.chmod(0o777)
+    # One pack as root first, so that every module it imports lazily is loaded before the
+    # child drops to nobody, who cannot read the interpreter's files under /root.
+    write(tmp_path / "warm" / "cat" / "a.jpg", jpeg_bytes(1))
+    warm = CliRunner().invoke(main, ["pack", str(tmp_path / "warm"), "--to", "lmdb", "-o", str(tmp_path / "warm.lmdb")])
+    assert warm.exit_code == 0, warm.stderr
+
+    def pack_both():
+        runner = CliRunner()
+        failed = runner.invoke(main, ["pack", str(src), "--to", "lmdb", "-o", str(outs / "fail.lmdb")])
+        skipped = runner.invoke(main, ["pack", str(src), "--to", "lmdb", "-o", str(outs / "skip.lmdb"),
+                                       "--on-error", "skip"])
+        return [failed.exit_code, failed.stderr, skipped.exit_code, skipped.stderr]
+
+    fail_code, fail_err, skip_code, skip_err = as_unprivileged(pack_both, [src / "locked", src / "cat" / "locked-sub"])
+    assert fail_code == 1, fail_err
+    assert ("cat/locked-sub: cannot read folder (Permission denied); fix its permissions, or pass --on-error skip "
+            "to leave it out") in fail_err
+    assert not (outs / "fail.lmdb").exists()
+    assert skip_code == 0, skip_err
+    assert "skipped cat/locked-sub: cannot read folder (Permission denied)" in skip_err
+    assert "skipped locked: cannot read folder (Permission denied)" in skip_err
+    meta = read_metadata(str(outs / "skip.lmdb"))
+    assert meta.count == 3 and meta.classes == ["cat", "dog", "locked"]
+    assert [(s["path"], s["reason"]) for s in meta.skipped] == [
+        ("cat/locked-sub", "cannot read folder (Permission denied)"),
+        ("locked", "cannot read folder (Permission denied)")]

@@ -1,8 +1,13 @@
+import json
 import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from packer.errors import SourceError
+from packer.errors import PackError, SourceError
 from packer.scan import DEFAULT_SPLIT, scan_source
 
 from conftest import jpeg_bytes, torchvision_samples, write
@@ -80,3 +85,164 @@ def test_missing_or_empty_source_is_a_clear_error(tmp_path):
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     with pytest.raises(SourceError, match="no image files found"):
         scan_source(tmp_path / "empty")
+
+
+def test_fifos_sockets_and_devices_are_listed_as_refused(tmp_path):
+    root = tmp_path / "src"
+    write(root / "cat" / "ok.jpg", jpeg_bytes(1))
+    os.mkfifo(root / "cat" / "pipe.jpg")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(root / "cat" / "sock.jpg"))
+    os.symlink("/dev/zero", root / "cat" / "zero.jpg")
+    os.symlink(root / "nowhere.jpg", root / "cat" / "dangling.jpg")  # not refused here: reading it says why
+    listing = scan_source(root).splits[DEFAULT_SPLIT]
+    assert list(listing.paths) == ["cat/dangling.jpg", "cat/ok.jpg", "cat/pipe.jpg", "cat/sock.jpg", "cat/zero.jpg"]
+    assert {listing.paths[i]: why for i, why in listing.refused.items()} == {
+        "cat/pipe.jpg": "not a regular file (FIFO)",
+        "cat/sock.jpg": "not a regular file (socket)",
+        "cat/zero.jpg": "not a regular file (character device)",
+    }
+
+
+def test_refused_files_of_an_unlabeled_folder_are_listed_too(flat_tree):
+    os.mkfifo(flat_tree / "pipe.jpg")
+    listing = scan_source(flat_tree).splits[DEFAULT_SPLIT]
+    assert {listing.paths[i]: why for i, why in listing.refused.items()} == {"pipe.jpg": "not a regular file (FIFO)"}
+
+
+# Unreadable folders. Root ignores chmod 000, so when the tests run as root the scan runs in
+# a forked child that has dropped to nobody (exec'ing a new interpreter as nobody may be
+# impossible: it often lives under /root). The tree lives in a folder that nobody can reach.
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def public_tmp():
+    """A temporary folder any user may read (tmp_path is private to its owner)."""
+    folder = Path(tempfile.mkdtemp(prefix="packer-perm-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        for dirpath, dirnames, _ in os.walk(folder):
+            for name in dirnames:
+                os.chmod(os.path.join(dirpath, name), 0o755)
+        shutil.rmtree(folder)
+
+
+def locked_tree(root: Path, locked: list[str]) -> Path:
+    """SRC/{cat,dog,locked}/... with the folders named in `locked` made unreadable (chmod 000)."""
+    src = root / "src"
+    write(src / "cat" / "a.jpg", jpeg_bytes(1))
+    write(src / "cat" / "locked-sub" / "b.jpg", jpeg_bytes(2))
+    write(src / "cat" / "sub" / "c.jpg", jpeg_bytes(3))
+    write(src / "dog" / "d.jpg", jpeg_bytes(4))
+    write(src / "locked" / "e.jpg", jpeg_bytes(5))
+    for dirpath, dirnames, filenames in os.walk(src):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    src.chmod(0o755)
+    for rel in locked:
+        (src / rel).chmod(0)
+    return src
+
+
+def as_unprivileged(fn, locked: list[Path]):
+    """fn()'s JSON-able result, computed by a process that cannot read the `locked` folders.
+
+    As root: in a forked child that drops to nobody. Skips the test when that is impossible
+    or when the locked folders stay readable (a file system that ignores permissions).
+    """
+    def checked():
+        readable = [str(p) for p in locked if os.access(p, os.R_OK)]
+        return {"skip": f"still readable after chmod 000: {readable}"} if readable else {"result": fn()}
+
+    if os.geteuid() != 0:
+        answer = checked()
+    else:
+        answer = run_forked_as(NOBODY, checked)
+    if "skip" in answer:
+        pytest.skip(answer["skip"])
+    return answer["result"]
+
+
+def run_forked_as(uid: int, fn) -> dict:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read_end)
+        try:
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            except OSError as exc:
+                answer = {"skip": f"cannot drop privileges to uid {uid} ({exc})"}
+            else:
+                answer = fn()
+        except BaseException as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        with os.fdopen(write_end, "w") as f:
+            f.write(json.dumps(answer))
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    answer = json.loads(text)
+    assert "error" not in answer, answer["error"]
+    return answer
+
+
+def scan_outcome(src: Path, on_error: str) -> dict:
+    try:
+        source = scan_source(src, on_error)
+    except SourceError as exc:
+        return {"error": str(exc)}
+    return {"classes": source.classes, "listings": {name: listing(source, name) for name in source.splits},
+            "skipped": source.skipped,
+            "warnings": source.warnings}
+
+
+@pytest.mark.parametrize("locked", ["locked", "cat/locked-sub"])
+def test_an_unreadable_folder_stops_the_scan_naming_it(public_tmp, locked):
+    src = locked_tree(public_tmp, [locked])
+    outcome = as_unprivileged(lambda: scan_outcome(src, "fail"), [src / locked])
+    assert outcome.get("error") == (f"{locked}: cannot read folder (Permission denied); fix its permissions, "
+                                    "or pass --on-error skip to leave it out"), outcome
+
+
+def test_with_skip_unreadable_folders_are_listed_as_skipped(public_tmp):
+    src = locked_tree(public_tmp, ["locked", "cat/locked-sub"])
+    outcome = as_unprivileged(lambda: scan_outcome(src, "skip"), [src / "locked", src / "cat" / "locked-sub"])
+    assert outcome["classes"] == ["cat", "dog", "locked"]  # the unreadable class keeps its label
+    assert outcome["listings"] == {DEFAULT_SPLIT: [["cat/a.jpg", 0], ["cat/sub/c.jpg", 0], ["dog/d.jpg", 1]]}
+    assert outcome["skipped"] == [
+        {"path": "cat/locked-sub", "split": DEFAULT_SPLIT, "reason": "cannot read folder (Permission denied)"},
+        {"path": "locked", "split": DEFAULT_SPLIT, "reason": "cannot read folder (Permission denied)"},
+    ]
+    assert not any("empty class folder" in w for w in outcome["warnings"])  # it is not empty, it is unreadable
+
+
+def test_an_unreadable_split_folder_is_skipped_whole(public_tmp):
+    src = public_tmp / "splits"
+    write(src / "train" / "a" / "1.jpg", jpeg_bytes(1))
+    write(src / "val" / "a" / "2.jpg", jpeg_bytes(2))
+    for folder in (src, src / "train", src / "train" / "a", src / "val", src / "val" / "a"):
+        folder.chmod(0o755)
+    for f in (src / "train" / "a" / "1.jpg", src / "val" / "a" / "2.jpg"):
+        f.chmod(0o644)
+    (src / "val").chmod(0)
+    skipped = as_unprivileged(lambda: scan_outcome(src, "skip"), [src / "val"])
+    assert skipped["listings"] == {"train": [["train/a/1.jpg", 0]]}
+    assert skipped["skipped"] == [{"path": "val", "split": "val", "reason": "cannot read folder (Permission denied)"}]
+    failed = as_unprivileged(lambda: scan_outcome(src, "fail"), [src / "val"])
+    assert failed["error"].startswith("val: cannot read folder (Permission denied)")
+
+
+def test_an_unknown_on_error_policy_is_refused(image_tree):
+    with pytest.raises(PackError, match="on_error must be one of fail, skip"):
+        scan_source(image_tree, "ignore")

@@ -1,0 +1,85 @@
+"""Reads one source file safely: regular files only, never blocking, never more than its size.
+
+Used wherever packer opens a file of SRC (pack, verify --against, the folder reader). A
+FIFO would block open() and read() forever, and a symlink to /dev/zero would read until
+memory runs out; so the file is opened with O_NONBLOCK and the opened descriptor is
+checked with fstat (not the path, which could be swapped between a check and the open),
+then read up to the size fstat reported plus one byte, which reveals a file still growing.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from .errors import BadImageError
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, from its st_mode."""
+    return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "unknown file type")
+
+
+def not_regular_reason(mode: int) -> str:
+    return f"not a regular file ({file_kind(mode)})"
+
+
+def read_regular_file(path: str) -> bytes:
+    """The bytes of the regular file at path.
+
+    Raises:
+        OSError: it cannot be opened or read (missing, permission denied, I/O error).
+        BadImageError: it is not a regular file, it changed size while being read, or it
+            is too large to hold in memory; .reason says which.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        describe_failed_open(path, exc)
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadImageError(path, not_regular_reason(info.st_mode))
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open; a network or FUSE file could EAGAIN with it
+        return read_size(fd, info.st_size, path)
+    finally:
+        os.close(fd)
+
+
+def describe_failed_open(path: str, exc: OSError) -> None:
+    """Raise BadImageError when the open failed because path is not a regular file (a socket
+    cannot be opened at all: ENXIO), so that it is named like the other kinds."""
+    if exc.errno != errno.ENXIO:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise BadImageError(path, not_regular_reason(mode)) from exc
+
+
+def read_size(fd: int, size: int, path: str) -> bytes:
+    """Read the `size` bytes fstat reported; one byte more, or fewer, means the file changed."""
+    parts: list[bytes] = []
+    left = size + 1
+    try:
+        while left > 0:
+            part = os.read(fd, left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+    except MemoryError:
+        raise BadImageError(path, f"too large to hold in memory ({size} bytes)") from None
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(data) != size:
+        change = "then grew" if len(data) > size else f"only {len(data)} could be read"
+        raise BadImageError(path, f"changed while being read ({size} bytes when opened, {change}); "
+                                  "make sure nothing is writing to it")
+    return data

@@ -1,0 +1,167 @@
+"""Ctrl-C stops pack and convert within moments: exit 130, no staging left, no worker left.
+
+Each case starts the real CLI in its own session (process group) and, once its staging
+path exists, sends SIGINT to the whole group, as a terminal's Ctrl-C does.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from packer.pack import InterruptGuard, Interrupted, Loaded, write_listings
+from packer.records import PathTable
+from packer.scan import SplitListing
+
+from conftest import jpeg_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = 20_000  # hard links to one small JPEG: quick to make, long enough to pack to be interrupted
+STOP_WITHIN_S = 5
+
+
+@pytest.fixture(scope="module")
+def big_tree(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("interrupt") / "src"
+    original = src.parent / "original.jpg"
+    original.write_bytes(jpeg_bytes(7, size=(64, 64)))
+    for c in range(FILES // 1000):
+        folder = src / f"class{c:02d}"
+        folder.mkdir(parents=True)
+        for i in range(1000):
+            os.link(original, folder / f"{i:04d}.jpg")
+    return src
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:  # fields after the name: state, ppid, pgrp
+            found.append(int(entry))
+    return found
+
+
+def staging(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(out.name + ".partial-*"))
+
+
+def interrupt(args: list, out: Path, workers: int) -> tuple[int, float, str, list[int]]:
+    """Run the CLI, Ctrl-C it once its staging exists and its `workers` worker processes run.
+
+    Returns its exit code, the seconds it took to stop, its stderr, and the processes of its
+    group still there after it exited (its workers, had it left any).
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", *map(str, args), "-o", str(out)], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not staging(out) or len(processes_in_group(proc.pid)) < 1 + workers:
+            assert proc.poll() is None, f"finished before it could be interrupted: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, "no staging path (or no workers) appeared"
+            time.sleep(0.005)
+        time.sleep(0.05)  # into the reading and writing
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        try:
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 30 s after Ctrl-C: {args}")
+        seconds = time.monotonic() - sent
+        return proc.returncode, seconds, stderr, processes_in_group(proc.pid)
+    finally:
+        if proc.poll() is None or processes_in_group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def assert_stopped_cleanly(args: list, out: Path, workers: int = 0) -> None:
+    code, seconds, stderr, left = interrupt(args, out, workers)
+    state = f"exit {code} after {seconds:.1f} s, processes left {left}, stderr:\n{stderr}"
+    assert code == 130, state
+    assert seconds < STOP_WITHIN_S, state
+    assert stderr.strip().endswith(f"interrupted; nothing was written at {out}"), state
+    assert not out.exists() and staging(out) == [], state
+    assert left == [], state
+
+
+def test_ctrl_c_stops_a_pack_that_decodes_in_worker_processes(big_tree, tmp_path):
+    assert_stopped_cleanly(["pack", big_tree, "--to", "lmdb", "--check", "full", "--workers", "2"],
+                           tmp_path / "out.lmdb", workers=2)
+
+
+def test_ctrl_c_stops_an_hdf5_pack(big_tree, tmp_path):
+    assert_stopped_cleanly(["pack", big_tree, "--to", "hdf5", "--workers", "2"], tmp_path / "out.h5")  # threads
+
+
+def test_ctrl_c_stops_a_convert(big_tree, tmp_path):
+    packed = tmp_path / "packed.lmdb"
+    subprocess.run([sys.executable, "-m", "packer.cli", "pack", str(big_tree), "--to", "lmdb", "-o", str(packed)],
+                   cwd=ROOT, check=True, capture_output=True)
+    assert_stopped_cleanly(["convert", packed, "--to", "hdf5", "--workers", "2"], tmp_path / "converted.h5",
+                           workers=2)
+
+
+class InterruptsWhenCollected:
+    def __del__(self):
+        # The SIGINT handler runs right here; Python prints its KeyboardInterrupt and drops it,
+        # as it does when a Ctrl-C lands in a finalizer or weakref callback (h5py runs those).
+        signal.raise_signal(signal.SIGINT)
+
+
+class ListWriter:
+    """Only records what it is given (the formats' writers are tested elsewhere)."""
+
+    def __init__(self):
+        self.added = []
+
+    def begin_split(self, name):
+        pass
+
+    def add(self, data, label, relpath, crc):
+        self.added.append(relpath)
+
+    def end_split(self, labels, paths, order=None):
+        pass
+
+
+def test_a_ctrl_c_dropped_inside_a_finalizer_still_stops_the_writing(monkeypatch):
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)  # where Python sends what it cannot raise
+    paths = [f"c/{i}.jpg" for i in range(100)]
+    listings = {"all": SplitListing(PathTable.from_strings(paths), np.zeros(100, np.int32), True)}
+
+    def loaded():
+        for i in range(100):
+            if i == 10:
+                InterruptsWhenCollected()  # collected at once
+            yield Loaded(b"x", i, None)
+
+    writer = ListWriter()
+    with pytest.raises(Interrupted, match="interrupted; nothing was written at OUT"):
+        with InterruptGuard("OUT") as guard:
+            write_listings(writer, listings, 1, loaded(), "fail", False, lambda *a: None, guard=guard)
+    assert writer.added == paths[:10]
+    assert [type(d.exc_value) for d in dropped] == [KeyboardInterrupt]  # it was dropped where it was raised
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short():
+    cleaned = False
+    with pytest.raises(Interrupted):
+        with InterruptGuard("OUT"):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            finally:  # the cleanup (pool teardown, staging removal), and an impatient second Ctrl-C
+                signal.raise_signal(signal.SIGINT)
+                cleaned = True
+    assert cleaned
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the way out
