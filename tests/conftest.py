@@ -46,6 +46,15 @@ def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def pillow_pixel_limit():
+    """Pillow's pixel limit is process-wide and a raised max_pixels raises it (packer.check):
+    each test starts from, and leaves, the limit it found."""
+    limit = Image.MAX_IMAGE_PIXELS
+    yield
+    Image.MAX_IMAGE_PIXELS = limit
+
+
 @pytest.fixture
 def image_tree(tmp_path) -> Path:
     """SRC/<class>/... with the traps ImageFolder users meet: odd class names, nesting,
