@@ -7,7 +7,7 @@ import platform
 import shutil
 import sys
 
-from packer.pack import available_cores
+from packer.cores import available_cores
 
 
 def cpu_model() -> str:

@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from packer.pack import available_cores
+from packer.cores import available_cores
 
 from . import cache, machine, report
 from .measures import CACHE_STATES, CEILING, DISK, MEASURES, BareRead, MemoryCopy, Options

@@ -15,7 +15,8 @@ from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS
 from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
-from .pack import ON_ERROR, Interrupted, PackResult, pack
+from .interrupts import Interrupted
+from .pack import ON_ERROR, PackResult, pack
 
 
 def library_errors(fn):

@@ -12,9 +12,12 @@ import time
 
 from . import __version__
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
+from .cores import available_cores
+from .engine import load_in_processes
+from .interrupts import InterruptGuard
 from .output import check_target
-from .pack import (InterruptGuard, Loaded, PackResult, available_cores, load_in_processes, now_utc, shuffle_seed_for,
-                   split_order, write_dataset, write_listings, write_order)
+from .pack import (Loaded, PackResult, now_utc, shuffle_seed_for, split_order, write_dataset, write_listings,
+                   write_order)
 from .records import Metadata, checksum
 from .scan import SplitListing
 
@@ -77,20 +80,18 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     if hasattr(FORMATS[fmt], "SHUFFLE"):
         params["shuffle_seed"] = seed
 
-    def metadata(skipped: list, splits: dict) -> Metadata:
-        return Metadata(format=fmt, classes=src_meta.classes, splits=splits, source=src_meta.source,
-                        created=now_utc(), packer_version=__version__, params=params,
-                        skipped=src_meta.skipped + skipped)
-
-    def fill(writer, guard) -> Metadata:
-        load = RecordLoader(packed)
-        try:
-            loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
-            return write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, metadata,
-                                  orders, guard)
-        finally:
-            load.close()
-
     with InterruptGuard(out) as guard:
-        meta = write_dataset(fmt, out, force, options, lambda writer: fill(writer, guard))
+        def fill(writer) -> Metadata:
+            load = RecordLoader(packed)
+            try:
+                loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
+                written = write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, orders,
+                                         guard)
+            finally:
+                load.close()
+            return Metadata(format=fmt, classes=src_meta.classes, splits=written.splits, source=src_meta.source,
+                            created=now_utc(), packer_version=__version__, params=params,
+                            skipped=src_meta.skipped + written.skipped)
+
+        meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes, tidied.removed)

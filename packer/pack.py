@@ -5,50 +5,40 @@ parent receives them in write order and hands them to the format's Writer. The n
 of files in flight is bounded, so memory stays flat however large the dataset is, and
 nothing reaches OUT until the writer has finished (packer.output.staged).
 
-Ctrl-C stops a pack within moments and leaves nothing behind: worker processes ignore
-SIGINT (only the parent decides), no thread ever blocks the pool's teardown, and an
-interrupt that Python drops (see InterruptGuard) is raised again at the next record.
+The readers are packer.engine's; Ctrl-C stops a pack within moments and leaves nothing
+behind (packer.interrupts). pack() builds the metadata once, from what the write loop
+returns (Written): the source's classes and skipped folders, the splits and skipped files.
 
 Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
 (write_order). The Writer protocol is unchanged either way: add() per sample in write
 order, then end_split(labels, paths) with the kept samples in ImageFolder order; a
 shuffled split also passes order=, the ImageFolder rank of each added sample, which only
-formats that declare SHUFFLE accept.
+every format accepts.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import functools
-import itertools
 import os
-import signal
-import threading
 import time
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import Pool
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from . import __version__
 from .check import CHECKS, MAX_PIXELS, problem
+from .cores import available_cores
+from .engine import load_in_processes, load_in_threads
 from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output
+from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .records import Metadata, PathTable, SplitInfo, checksum
 from .scan import ON_ERROR, Source, SplitListing, scan_source
 from .source_io import read_regular_file
-
-CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
-# Reader threads run at most this many files, and about this many bytes, ahead of the writer:
-# enough to keep the disk busy through a commit, bounded so memory stays flat.
-WINDOW_FILES = 4096
-WINDOW_BYTES = 256 << 20
-CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
-STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
 
 
 @dataclass
@@ -58,6 +48,14 @@ class Loaded:
     data: bytes | None
     crc: int
     reason: str | None
+
+
+@dataclass
+class Written:
+    """What the write loop returns: each split's facts and the files it left out."""
+
+    splits: dict[str, SplitInfo]
+    skipped: list[dict]
 
 
 @dataclass
@@ -77,14 +75,6 @@ class PackResult:
         return self.metadata.bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def available_cores() -> int:
-    """The cores this process may run on (CPU affinity respected where the OS has it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
     """Read and check one file; errors become a reason, so the parent decides the policy.
 
@@ -102,221 +92,6 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS) -> Lo
     if reason is not None:
         return Loaded(None, 0, reason)
     return Loaded(data, checksum(data), None)
-
-
-def load_in_processes(jobs: list, load: Callable[[Any], Loaded], workers: int,
-                  chunk: int = CHUNK) -> Iterator[Loaded]:
-    """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
-
-    load must be picklable; each worker receives it once, so it may keep state (open
-    readers) for the life of the pool. At most 4 chunks per worker are in flight, and
-    nothing but this generator submits work, so tearing the pool down (on an error, a
-    Ctrl-C or an early close) never waits on a blocked feeder.
-    """
-    if workers <= 1:
-        yield from map(load, jobs)
-        return
-    parts = (jobs[i:i + chunk] for i in range(0, len(jobs), chunk))
-    pool = None
-    pending: deque = deque()
-    try:
-        with sigint_blocked():  # so no worker can take a Ctrl-C before it starts ignoring it
-            pool = Pool(workers, initializer=_start_worker, initargs=(load,))
-        pending.extend(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
-        while pending:
-            done = pending[0].get()
-            pending.popleft()
-            part = next(parts, None)
-            if part is not None:
-                pending.append(pool.apply_async(_load_part, (part,)))
-            yield from done
-    finally:
-        if pool is not None:
-            stop_pool(pool, pending)
-
-
-def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
-    """Let the chunks in flight finish, then let the workers exit.
-
-    Pool.terminate() kills workers, and one killed while it sends a result leaves the
-    result queue's lock held: the pool's task thread then waits on it forever, and so does
-    terminate(). Only workers still busy after `grace` seconds (a hung read) are killed.
-    """
-    pool.close()
-    deadline = time.monotonic() + grace
-    for result in pending:
-        result.wait(max(0.0, deadline - time.monotonic()))
-    if not all(result.ready() for result in pending):
-        pool.terminate()
-    pool.join()
-
-
-@contextlib.contextmanager
-def sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in this thread (delivered at the end); what it starts meanwhile inherits the mask."""
-    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def load_in_threads(jobs: list, load: Callable[[Any], Loaded], threads: int,
-                    window: int = WINDOW_FILES, budget: int = WINDOW_BYTES) -> Iterator[Loaded]:
-    """load(job) for every job, in order, run by `threads` threads that read ahead of the consumer.
-
-    For I/O-bound loads: reading a file and zlib's CRC-32 release the GIL, and the bytes
-    need no pickling through a pipe, which cost more than the reading itself when
-    processes did this (README: "How fast packing is"). The threads keep reading while
-    the consumer is busy (an LMDB commit takes a few hundred ms), up to `window` files
-    ahead of it and at most about `budget` bytes loaded and not yet consumed, so memory
-    stays flat however large the dataset is.
-    """
-    if threads <= 1:
-        yield from map(load, jobs)
-        return
-    ahead = _ReadAhead(jobs, load, window, budget)
-    workers = [threading.Thread(target=ahead.work, name=f"packer-read-{i}", daemon=True) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    try:
-        for i in range(len(jobs)):
-            yield ahead.take(i)
-    finally:
-        ahead.stop()
-        for worker in workers:
-            worker.join()
-
-
-class _ReadAhead:
-    """Jobs handed to reader threads in order; results collected for an in-order consumer.
-
-    Jobs are started in order, so the job the consumer waits for is always started
-    before any later one: the budget can never hold it back (no deadlock).
-    """
-
-    def __init__(self, jobs: list, load: Callable[[Any], Loaded], window: int, budget: int):
-        self.jobs, self.load = jobs, load
-        self.window, self.budget = window, budget
-        self.cond = threading.Condition()
-        self.started = 0    # jobs handed to a thread
-        self.consumed = 0   # results taken by the consumer
-        self.ready_bytes = 0
-        self.results: dict[int, Loaded | BaseException] = {}
-        self.stopped = False
-
-    def _may_start(self) -> bool:
-        return self.stopped or self.started >= len(self.jobs) or (
-            self.started - self.consumed < self.window and self.ready_bytes < self.budget)
-
-    def work(self) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(self._may_start)
-                if self.stopped or self.started >= len(self.jobs):
-                    return
-                index = self.started
-                self.started += 1
-            try:
-                result = self.load(self.jobs[index])
-            except BaseException as exc:  # re-raised in the consumer, which knows what to do
-                result = exc
-            with self.cond:
-                self.results[index] = result
-                self.ready_bytes += _loaded_bytes(result)
-                self.cond.notify_all()
-
-    def take(self, index: int) -> Loaded:
-        with self.cond:
-            self.cond.wait_for(lambda: index in self.results)
-            result = self.results.pop(index)
-            self.ready_bytes -= _loaded_bytes(result)
-            self.consumed = index + 1
-            self.cond.notify_all()
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.results.clear()
-            self.cond.notify_all()
-
-
-def _loaded_bytes(result: Loaded | BaseException) -> int:
-    """The bytes a loaded result holds in memory (what the read-ahead budget counts)."""
-    return len(result.data) if isinstance(result, Loaded) and result.data is not None else 0
-
-
-# Set once in each pool worker, so that load is not pickled again with every task.
-_load: Callable[[Any], Loaded] | None = None
-
-
-def _start_worker(load: Callable[[Any], Loaded]) -> None:
-    # Ctrl-C reaches the whole process group. A worker killed by it can die holding the
-    # pool's task-queue lock, and then the parent's Pool.terminate() waits forever.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    global _load
-    _load = load
-
-
-def _load_part(jobs: list) -> list[Loaded]:
-    return [_load(job) for job in jobs]
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a pack or convert; OUT was left untouched."""
-
-    def __init__(self, out: str):
-        super().__init__(f"interrupted; nothing was written at {out}")
-        self.out = out
-
-
-class InterruptGuard:
-    """Makes Ctrl-C stop a pack or convert that writes to out, even a Ctrl-C that Python drops.
-
-    Python raises KeyboardInterrupt wherever the main thread is; inside a finalizer or a
-    weakref callback (h5py runs those while it writes) it is printed and dropped, and the
-    pack would run on and publish. While the guard is active (main thread only, over
-    Python's default handler), SIGINT also sets `pending`, which the writing loop checks at
-    every record and before the dataset is finished; the interrupt leaves as Interrupted(out).
-    A second Ctrl-C within CLEANUP_GRACE_S of the first is ignored, so that it cannot cut
-    short the removal of the staging path; a later one raises again.
-    """
-
-    def __init__(self, out: str | None = None):
-        self.out, self.pending, self._previous = out, False, None
-        self._first = 0.0
-
-    def __enter__(self) -> "InterruptGuard":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._interrupt)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-        if self.out is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
-            raise Interrupted(self.out) from None
-
-    def _interrupt(self, signum, frame) -> None:
-        if self.pending and time.monotonic() - self._first < CLEANUP_GRACE_S:
-            return
-        self.pending, self._first = True, time.monotonic()
-        raise KeyboardInterrupt
-
-    def check(self) -> None:
-        """Raise the KeyboardInterrupt of a Ctrl-C that was dropped on its way."""
-        if self.pending:
-            raise KeyboardInterrupt
 
 
 class Progress:
@@ -400,13 +175,13 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         if hasattr(FORMATS[fmt], "SHUFFLE"):
             params["shuffle_seed"] = seed
 
-        def metadata(skipped: list, splits: dict) -> Metadata:
-            return Metadata(format=fmt, classes=source.classes, splits=splits, source=source.root,
+        def fill(writer) -> Metadata:
+            written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard)
+            return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
-                            skipped=source.skipped + skipped)
+                            skipped=source.skipped + written.skipped)
 
-        meta = write_dataset(fmt, out, force, options, lambda writer: write_source(
-            writer, source, check, on_error, workers, progress, seed, metadata, max_pixels, guard))
+        meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
 
 
@@ -442,10 +217,9 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
-                 progress: bool | None, seed: int | None,
-                 make_metadata: Callable[[list, dict], Metadata], max_pixels: int = MAX_PIXELS,
-                 guard: InterruptGuard | None = None) -> Metadata:
-    """Stream every split of the source folder through writer; return the metadata to store."""
+                 progress: bool | None, seed: int | None, max_pixels: int = MAX_PIXELS,
+                 guard: InterruptGuard | None = None) -> Written:
+    """Stream every split of the source folder through writer."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
     jobs = source_jobs(source.root, listings, orders)
@@ -453,8 +227,7 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
     # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
     # I/O-bound: threads, which skip the pipe that processes send every file through.
     loaded = (load_in_processes if check == "full" else load_in_threads)(jobs, load, workers)
-    return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, make_metadata,
-                          orders, guard)
+    return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, orders, guard)
 
 
 def source_jobs(root: str, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]) -> list:
@@ -473,10 +246,8 @@ def split_order(count: int, order: np.ndarray | None):
 
 
 def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, loaded: Iterator[Loaded],
-                   on_error: str, progress: bool | None,
-                   make_metadata: Callable[[list, dict], Metadata],
-                   orders: dict[str, np.ndarray | None] | None = None,
-                   guard: InterruptGuard | None = None) -> Metadata:
+                   on_error: str, progress: bool | None, orders: dict[str, np.ndarray | None] | None = None,
+                   guard: InterruptGuard | None = None) -> Written:
     """Write each split's records, taking their bytes from loaded in write order.
 
     guard (see InterruptGuard) is checked at every record and once more at the end.
@@ -494,7 +265,7 @@ def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, lo
         bar.close()
         loaded.close()
     guard.check()
-    return make_metadata(skipped, splits)
+    return Written(splits, skipped)
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from multiprocessing import Pool
 
 import numpy as np
 
 from .check import MAX_PIXELS, problem
 from .errors import PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
-from .pack import available_cores
+from .cores import available_cores
+from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
 from .scan import Source, scan_source
 
@@ -48,42 +48,39 @@ class VerifyReport:
         return not self.problems
 
 
-# This process's readers of the dataset being verified: opened once, used by every block.
-_readers: ReaderCache | None = None
+class BlockVerifier:
+    """The problems found in one block of records, (split, start, stop), of one dataset.
 
+    Picklable without its readers, so each worker process of the engine opens its own once
+    and keeps them for every block it checks. Images over max_pixels (the limit the dataset
+    was packed with) count as problems; against is the source folder to compare with."""
 
-def use_readers(path: str) -> None:
-    global _readers
-    if _readers is not None:
-        _readers.close()
-    _readers = ReaderCache(path) if path else None
+    def __init__(self, path: str, check: str, against: str | None, max_pixels: int = MAX_PIXELS):
+        self.readers = ReaderCache(path)
+        self.check, self.against, self.max_pixels = check, against, max_pixels
 
+    def __call__(self, block: tuple[str, int, int]) -> list[str]:
+        split, start, stop = block
+        reader = self.readers[split]
+        problems = []
+        for i in range(start, stop):
+            where = f"{split}/{i}"
+            try:
+                data, label, relpath = reader.read(i)
+            except PackError as exc:
+                problems.append(str(exc))
+                continue
+            if relpath != reader.paths[i] or label != reader.labels[i]:
+                problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
+            reason = problem(data, self.check, self.max_pixels)
+            if reason:
+                problems.append(f"{where} ({relpath}): {reason}")
+            if self.against is not None:
+                problems += compare_with_source(self.against, relpath, data, where)
+        return problems
 
-def verify_block(split: str, start: int, stop: int, check: str, against: str | None,
-                 max_pixels: int = MAX_PIXELS) -> list[str]:
-    """Problems found in records [start, stop) of one split; images over max_pixels (the
-    limit the dataset was packed with) count as problems."""
-    reader = _readers[split]
-    problems = []
-    for i in range(start, stop):
-        where = f"{split}/{i}"
-        try:
-            data, label, relpath = reader.read(i)
-        except PackError as exc:
-            problems.append(str(exc))
-            continue
-        if relpath != reader.paths[i] or label != reader.labels[i]:
-            problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
-        reason = problem(data, check, max_pixels)
-        if reason:
-            problems.append(f"{where} ({relpath}): {reason}")
-        if against is not None:
-            problems += compare_with_source(against, relpath, data, where)
-    return problems
-
-
-def star_verify_block(task: tuple) -> list[str]:
-    return verify_block(*task)
+    def close(self) -> None:
+        self.readers.close()
 
 
 def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[str]:
@@ -122,20 +119,15 @@ def verify(path: str, against: str | None = None, check: str = "full",
         root = source.root
         compare_listings(meta, tables, source, report)
     max_pixels = packed_max_pixels(meta)
-    tasks = [(split, start, min(start + BLOCK, meta.splits[split].count), check, root, max_pixels)
-             for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
-    workers = min(workers or available_cores(), max(len(tasks), 1))
-    if workers <= 1:
-        use_readers(os.path.abspath(path))
-        try:
-            for task in tasks:
-                report.problems += verify_block(*task)
-        finally:
-            use_readers("")
-    else:
-        with Pool(workers, initializer=use_readers, initargs=(os.path.abspath(path),)) as pool:
-            for found in pool.imap(star_verify_block, tasks):
-                report.problems += found
+    blocks = [(split, start, min(start + BLOCK, meta.splits[split].count))
+              for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
+    workers = min(workers or available_cores(), max(len(blocks), 1))
+    verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels)
+    try:
+        for found in load_in_processes(blocks, verifier, workers, chunk=1):
+            report.problems += found
+    finally:
+        verifier.close()
     report.checked = sum(meta.splits[split].count for split in tables)
     return report
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from packer.pack import available_cores
+from packer.cores import available_cores
 
 from .collate import collate
 from .gpu import CUDAPrefetcher, resolve_device

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packer.pack import InterruptGuard, Interrupted, Loaded, write_listings
+from packer.interrupts import InterruptGuard, Interrupted
+from packer.pack import Loaded, write_listings
 from packer.records import PathTable
 from packer.scan import SplitListing
 
@@ -149,7 +150,7 @@ def test_a_ctrl_c_dropped_inside_a_finalizer_still_stops_the_writing(monkeypatch
     writer = ListWriter()
     with pytest.raises(Interrupted, match="interrupted; nothing was written at OUT"):
         with InterruptGuard("OUT") as guard:
-            write_listings(writer, listings, 1, loaded(), "fail", False, lambda *a: None, guard=guard)
+            write_listings(writer, listings, 1, loaded(), "fail", False, guard=guard)
     assert writer.added == paths[:10]
     assert [type(d.exc_value) for d in dropped] == [KeyboardInterrupt]  # it was dropped where it was raised
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from packer.cli import main
 from packer.formats import read_metadata
-from packer.pack import STOP_GRACE_S, Loaded, load_file, load_in_processes, load_in_threads
+from packer.engine import STOP_GRACE_S, load_in_processes, load_in_threads
+from packer.pack import Loaded, load_file
 
 from conftest import jpeg_bytes, write
 from test_scan import as_unprivileged, locked_tree, public_tmp  # noqa: F401  (public_tmp is a fixture)

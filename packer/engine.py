@@ -1,0 +1,193 @@
+"""The parallel engine packing, converting and verifying share: load(job) for every job,
+in order, by threads or processes working a bounded distance ahead of one consumer.
+
+Threads for I/O-bound loads (reading files, CRC-32: both release the GIL), processes for
+CPU-bound ones (decoding). Either way memory stays flat however many jobs there are, and
+stopping early (an error, a Ctrl-C, a closed generator) never hangs: worker processes
+ignore SIGINT (only the parent decides), and no feeder thread can block the teardown.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing import Pool
+from typing import Any, Callable, Iterator
+
+CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
+# Reader threads run at most this many files, and about this many bytes, ahead of the writer:
+# enough to keep the disk busy through a commit, bounded so memory stays flat.
+WINDOW_FILES = 4096
+WINDOW_BYTES = 256 << 20
+STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
+
+
+def load_in_processes(jobs: list, load: Callable[[Any], Any], workers: int,
+                  chunk: int = CHUNK) -> Iterator:
+    """load(job) for every job, in order, run by `workers` processes with bounded look-ahead.
+
+    load must be picklable; each worker receives it once, so it may keep state (open
+    readers) for the life of the pool. At most 4 chunks per worker are in flight, and
+    nothing but this generator submits work, so tearing the pool down (on an error, a
+    Ctrl-C or an early close) never waits on a blocked feeder.
+    """
+    if workers <= 1:
+        yield from map(load, jobs)
+        return
+    parts = (jobs[i:i + chunk] for i in range(0, len(jobs), chunk))
+    pool = None
+    pending: deque = deque()
+    try:
+        with sigint_blocked():  # so no worker can take a Ctrl-C before it starts ignoring it
+            pool = Pool(workers, initializer=_start_worker, initargs=(load,))
+        pending.extend(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
+        while pending:
+            done = pending[0].get()
+            pending.popleft()
+            part = next(parts, None)
+            if part is not None:
+                pending.append(pool.apply_async(_load_part, (part,)))
+            yield from done
+    finally:
+        if pool is not None:
+            stop_pool(pool, pending)
+
+
+def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
+    """Let the chunks in flight finish, then let the workers exit.
+
+    Pool.terminate() kills workers, and one killed while it sends a result leaves the
+    result queue's lock held: the pool's task thread then waits on it forever, and so does
+    terminate(). Only workers still busy after `grace` seconds (a hung read) are killed.
+    """
+    pool.close()
+    deadline = time.monotonic() + grace
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+    if not all(result.ready() for result in pending):
+        pool.terminate()
+    pool.join()
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread (delivered at the end); what it starts meanwhile inherits the mask."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def load_in_threads(jobs: list, load: Callable[[Any], Any], threads: int,
+                    window: int = WINDOW_FILES, budget: int = WINDOW_BYTES) -> Iterator:
+    """load(job) for every job, in order, run by `threads` threads that read ahead of the consumer.
+
+    For I/O-bound loads: reading a file and zlib's CRC-32 release the GIL, and the bytes
+    need no pickling through a pipe, which cost more than the reading itself when
+    processes did this (docs/benchmarks.md, "How fast packing is"). The threads keep reading while
+    the consumer is busy (an LMDB commit takes a few hundred ms), up to `window` files
+    ahead of it and at most about `budget` bytes loaded and not yet consumed, so memory
+    stays flat however large the dataset is.
+    """
+    if threads <= 1:
+        yield from map(load, jobs)
+        return
+    ahead = _ReadAhead(jobs, load, window, budget)
+    workers = [threading.Thread(target=ahead.work, name=f"packer-read-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        for i in range(len(jobs)):
+            yield ahead.take(i)
+    finally:
+        ahead.stop()
+        for worker in workers:
+            worker.join()
+
+
+class _ReadAhead:
+    """Jobs handed to reader threads in order; results collected for an in-order consumer.
+
+    Jobs are started in order, so the job the consumer waits for is always started
+    before any later one: the budget can never hold it back (no deadlock).
+    """
+
+    def __init__(self, jobs: list, load: Callable[[Any], Any], window: int, budget: int):
+        self.jobs, self.load = jobs, load
+        self.window, self.budget = window, budget
+        self.cond = threading.Condition()
+        self.started = 0    # jobs handed to a thread
+        self.consumed = 0   # results taken by the consumer
+        self.ready_bytes = 0
+        self.results: dict[int, Any] = {}
+        self.stopped = False
+
+    def _may_start(self) -> bool:
+        return self.stopped or self.started >= len(self.jobs) or (
+            self.started - self.consumed < self.window and self.ready_bytes < self.budget)
+
+    def work(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(self._may_start)
+                if self.stopped or self.started >= len(self.jobs):
+                    return
+                index = self.started
+                self.started += 1
+            try:
+                result = self.load(self.jobs[index])
+            except BaseException as exc:  # re-raised in the consumer, which knows what to do
+                result = exc
+            with self.cond:
+                self.results[index] = result
+                self.ready_bytes += _loaded_bytes(result)
+                self.cond.notify_all()
+
+    def take(self, index: int):
+        with self.cond:
+            self.cond.wait_for(lambda: index in self.results)
+            result = self.results.pop(index)
+            self.ready_bytes -= _loaded_bytes(result)
+            self.consumed = index + 1
+            self.cond.notify_all()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.results.clear()
+            self.cond.notify_all()
+
+
+def _loaded_bytes(result) -> int:
+    """The bytes a loaded result holds in memory (what the read-ahead budget counts): its
+    `data`, where it has any."""
+    data = getattr(result, "data", None)
+    return len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+
+
+# Set once in each pool worker, so that load is not pickled again with every task.
+_load: Callable[[Any], Any] | None = None
+
+
+def _start_worker(load: Callable[[Any], Any]) -> None:
+    # Ctrl-C reaches the whole process group. A worker killed by it can die holding the
+    # pool's task-queue lock, and then the parent's Pool.terminate() waits forever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    global _load
+    _load = load
+
+
+def _load_part(jobs: list) -> list:
+    return [_load(job) for job in jobs]
