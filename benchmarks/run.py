@@ -104,7 +104,7 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
         if fmt not in packer.formats.FORMATS:
             timings[fmt] = {"status": "n/a", "reason": f"format {fmt!r} not in packer.formats.FORMATS"}
             continue
-        out = os.path.join(workdir, "packed" + packer.formats.FORMATS[fmt].EXTENSION)
+        out = os.path.join(workdir, "packed" + packer.formats.FORMATS[fmt].extension)
         log(f"packing {fmt} ({repeat}x) ...")
         try:
             timings[fmt] = time_pack(folder, fmt, out, workers, repeat,

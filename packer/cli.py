@@ -13,8 +13,7 @@ import click
 from . import __version__
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
-from .formats import FORMATS
-from .formats.wds import DEFAULT_SHARD_SIZE, parse_size
+from .formats import FORMATS, parse_size
 from .interrupts import Interrupted
 from .pack import ON_ERROR, PackResult, pack
 
@@ -79,33 +78,53 @@ def main():
     """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""
 
 
+def writer_option_flags() -> dict[str, tuple]:
+    """Every writer option of any format, by name: (the Option, the formats that take it)."""
+    flags: dict[str, tuple] = {}
+    for fmt in FORMATS.values():
+        for option in fmt.options:
+            flags[option.name] = (option, flags.get(option.name, (option, ()))[1] + (fmt.name,))
+    return flags
+
+
+def click_type(option):
+    """The click type that parses option's value with its own parse (one validation for both)."""
+    if option.parse is parse_size:
+        return ByteSize()
+    return click.IntRange(min=1) if option.default is None or isinstance(option.default, int) else str
+
+
 def shard_options(command):
-    """The options that only the wds writer takes (pack and convert share them)."""
-    for option in reversed([
-        click.option("--shard-size", type=ByteSize(), help="wds: start a new shard before one would exceed "
-                     "this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, or a byte count [default: 1GB]."),
-        click.option("--max-count", type=click.IntRange(min=1), help="wds: at most this many samples per shard."),
+    """The writer options of every format (from packer.formats: each Format lists its own),
+    and the write order options that pack and convert share."""
+    options = [click.option(option.flag, option.name, type=click_type(option),
+                            help=f"{', '.join(owners)}: {option.help}.")
+               for option, owners in writer_option_flags().values()]
+    options += [
         click.option("--shuffle-seed", type=click.IntRange(min=0),
                      help="Write samples in the permutation this seed gives, so reading in storage order "
                           "sees mixed classes [wds: on, seed 0; lmdb, hdf5: off]."),
         click.option("--no-shuffle", is_flag=True, help="Write samples in ImageFolder order [the default "
                      "for lmdb and hdf5]."),
-    ]):
+    ]
+    for option in reversed(options):
         command = option(command)
     return command
 
 
-def writer_options(fmt, shard_size, max_count, shuffle_seed, no_shuffle) -> dict:
-    """pack()/convert() keyword arguments from the shard options, refusing them for other formats."""
-    wds_only = {"--shard-size": shard_size, "--max-count": max_count}
-    given = [name for name, value in wds_only.items() if value is not None]
-    if given and fmt != "wds":
-        raise click.UsageError(f"{', '.join(given)}: only for --to wds (shards), not --to {fmt}")
+def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
+    """pack()/convert() keyword arguments from the writer and order options, refusing an
+    option the chosen format does not take (a usage error, naming who does)."""
+    flags = writer_option_flags()
+    wrong = [flags[name] for name, value in given.items() if value is not None and fmt not in flags[name][1]]
+    if wrong:
+        owners = sorted({owner for _, formats in wrong for owner in formats})
+        raise click.UsageError(f"{', '.join(option.flag for option, _ in wrong)}: only for "
+                               f"{' or '.join('--to ' + o for o in owners)}, not --to {fmt}")
     if shuffle_seed is not None and no_shuffle:
         raise click.UsageError("--shuffle-seed and --no-shuffle contradict each other: pass one")
-    options = {"shard_size": shard_size or DEFAULT_SHARD_SIZE, "max_count": max_count} if fmt == "wds" else None
     shuffle = False if no_shuffle else (True if shuffle_seed is not None else None)
-    return {"options": options, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
+    return {"options": given, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
 
 
 @main.command("pack")
@@ -239,7 +258,7 @@ def run_demo(folder: str, images: int, fmt: str) -> None:
     from .verify import verify
 
     src = os.path.join(folder, "imagenet-demo")
-    out = src + FORMATS[fmt].EXTENSION
+    out = src + FORMATS[fmt].extension
     say(f"1/4 writing {images} synthetic JPEGs to {src}")
     start = time.perf_counter()
     make_corpus(src, classes=10, per_class=max(1, images // 10), workers=os.cpu_count() or 1)

@@ -11,7 +11,7 @@ import os
 import time
 
 from . import __version__
-from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
+from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
@@ -44,10 +44,10 @@ class RecordLoader:
 def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
     """PACKED with its format's extension replaced by fmt's: data.lmdb -> data.h5."""
     base = os.path.abspath(packed).rstrip(os.sep)
-    ext = FORMATS[src_fmt].EXTENSION
+    ext = FORMATS[src_fmt].extension
     if base.endswith(ext) and len(base) > len(ext):
         base = base[:-len(ext)]
-    return base + FORMATS[fmt].EXTENSION
+    return base + FORMATS[fmt].extension
 
 
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
@@ -58,6 +58,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     shuffle and shuffle_seed as for pack(): wds output is shuffled by default.
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
+    options = format_named(fmt).writer_options(options)
     start = time.perf_counter()
     packed = os.path.abspath(packed)
     src_fmt = detect_format(packed)
@@ -74,11 +75,9 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
             reader.close()
     orders = {split: write_order(len(listing), split, seed) for split, listing in listings.items()}
     jobs = [(split, i) for split, listing in listings.items() for i in split_order(len(listing), orders[split])]
-    params = {"format": fmt, "workers": workers, **(options or {}),
+    params = {"format": fmt, "workers": workers, **options, "shuffle_seed": seed,
               "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
                                  "params": src_meta.params}}
-    if hasattr(FORMATS[fmt], "SHUFFLE"):
-        params["shuffle_seed"] = seed
 
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:

@@ -12,8 +12,8 @@ returns (Written): the source's classes and skipped folders, the splits and skip
 Write order is ImageFolder order, or with shuffling a seeded permutation of it per split
 (write_order). The Writer protocol is unchanged either way: add() per sample in write
 order, then end_split(labels, paths) with the kept samples in ImageFolder order; a
-shuffled split also passes order=, the ImageFolder rank of each added sample, which only
-every format accepts.
+shuffled split also passes order=, the ImageFolder rank of each added sample
+(packer.formats._contract has the whole protocol).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from .check import CHECKS, MAX_PIXELS, problem
 from .cores import available_cores
 from .engine import load_in_processes, load_in_threads
 from .errors import BadImageError, PackError
-from .formats import FORMATS, default_output
+from .formats import FORMATS, default_output, format_named
 from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .records import Metadata, PathTable, SplitInfo, checksum
@@ -131,16 +131,14 @@ def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
 def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int | None:
     """The seed fmt is written shuffled with, or None for ImageFolder order.
 
-    shuffle=None means the format's default (its SHUFFLE flag: on for wds, off for lmdb and
-    hdf5; a format without the flag cannot be written shuffled).
+    shuffle=None means the format's default (Format.shuffled_by_default: on for wds, off
+    for lmdb and hdf5); a format whose writer cannot store a permutation is refused.
     """
-    if fmt not in FORMATS:
-        raise PackError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    shuffles = getattr(FORMATS[fmt], "SHUFFLE", None)
-    if shuffle and shuffles is None:
-        shufflers = [name for name, m in FORMATS.items() if getattr(m, "SHUFFLE", None) is not None]
+    target = format_named(fmt)
+    if shuffle and not target.writes_shuffled:
+        shufflers = [name for name, f in FORMATS.items() if f.writes_shuffled]
         raise PackError(f"{fmt} cannot be written shuffled (shuffled writing applies to: {', '.join(shufflers)})")
-    seed = shuffle_seed if (shuffles if shuffle is None else shuffle) else None
+    seed = shuffle_seed if (target.shuffled_by_default if shuffle is None else shuffle) else None
     if seed is not None and seed < 0:
         raise PackError(f"shuffle_seed must be a non-negative integer, not {seed}")
     return seed
@@ -158,6 +156,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     (packer.check.MAX_PIXELS).
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
+    options = format_named(fmt).writer_options(options)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
     if check not in CHECKS:
@@ -171,9 +170,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         tidied = check_target(out, sources=[src], force=force)
         source = scan_source(src, on_error)
         params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
-                  **(options or {})}
-        if hasattr(FORMATS[fmt], "SHUFFLE"):
-            params["shuffle_seed"] = seed
+                  **options, "shuffle_seed": seed}
 
         def fill(writer) -> Metadata:
             written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard)
@@ -189,14 +186,15 @@ def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
                   fill: Callable[[Any], Metadata]) -> Metadata:
     """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
 
-    On any error the writer is aborted and nothing appears at out (packer.output.staged).
-    An I/O error becomes a PackError that says what failed; anything else (a bug) is
-    raised as it is.
+    options are the writer's, checked (Format.writer_options). On any error the writer is
+    aborted and nothing appears at out (packer.output.staged). An I/O error becomes a
+    PackError that says what failed; anything else (a bug) is raised as it is.
     """
-    module = FORMATS[fmt]
+    target = format_named(fmt)
+    options = target.writer_options(options)
     try:
-        with staged(out, force, directory=module.DIRECTORY) as stage:
-            return fill_writer(module.Writer, stage, options, fill)
+        with staged(out, force, directory=target.directory) as stage:
+            return fill_writer(target.Writer, stage, options, fill)
     except IO_ERRORS as exc:
         raise write_error(exc, out, fmt) from exc
 

@@ -108,10 +108,7 @@ def verify(path: str, against: str | None = None, check: str = "full",
     fmt = detect_format(path)
     meta = read_metadata(path)
     report = VerifyReport()
-    # Container-level checks a format may add (wds: shard sizes, SHA-256s, tar structure).
-    check_files = getattr(FORMATS[fmt], "check_files", None)
-    if check_files is not None:
-        report.problems += check_files(path)
+    report.problems += FORMATS[fmt].check_files(path)  # the container's own (wds: shard sizes, SHA-256s)
     tables = split_tables(path, meta, report)
     root = None
     if against is not None:

@@ -185,7 +185,7 @@ def test_demo_runs_end_to_end(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_disk_full_fails_cleanly_naming_the_output(tmp_path, fmt):
     src = slow_source(tmp_path, n=40)
-    out = tmp_path / f"full{FORMATS[fmt].EXTENSION}"
+    out = tmp_path / f"full{FORMATS[fmt].extension}"
 
     def tiny_disk():  # the child can write at most 256 KB per file: a full disk, as far as it sees
         import resource

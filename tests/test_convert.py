@@ -15,7 +15,7 @@ from packer.formats import detect_format, read_metadata
 
 
 def packed(src: Path, fmt: str, folder: Path, **kwargs) -> Path:
-    out = folder / f"src{FORMATS[fmt].EXTENSION}"
+    out = folder / f"src{FORMATS[fmt].extension}"
     pack(str(src), fmt, str(out), progress=False, workers=1, **kwargs)
     return out
 
@@ -42,7 +42,7 @@ PAIRS = list(itertools.permutations(FORMATS, 2))
 @pytest.mark.parametrize("src_fmt,fmt", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
 def test_conversion_keeps_every_record_byte_for_byte(split_tree, tmp_path, src_fmt, fmt):
     source = packed(split_tree, src_fmt, tmp_path)
-    out = tmp_path / f"out{FORMATS[fmt].EXTENSION}"
+    out = tmp_path / f"out{FORMATS[fmt].extension}"
     convert(str(source), fmt, str(out), workers=2, progress=False)
     assert detect_format(out) == fmt
     assert records(out) == records(source)

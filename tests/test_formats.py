@@ -33,7 +33,7 @@ def as_list(batch):
 
 
 def packed(src: Path, fmt: str, tmp_path: Path, **kwargs) -> Path:
-    out = tmp_path / f"packed{FORMATS[fmt].EXTENSION}"
+    out = tmp_path / f"packed{FORMATS[fmt].extension}"
     pack(str(src), fmt, str(out), workers=2, progress=False, **kwargs)
     return out
 
@@ -168,3 +168,30 @@ def test_open_dataset_picks_the_format_s_map_style_dataset(split_tree, tmp_path,
     ds = readers.open_dataset(out, "val", decode="raw")
     assert type(ds) is dataset_class(fmt)
     assert [ds[i][0] for i in range(len(ds))] == [(split_tree / p).read_bytes() for p in ds.paths]
+
+
+def test_every_format_fills_the_contract():
+    from packer.formats import FORMATS, Format
+
+    for name, fmt in FORMATS.items():
+        assert isinstance(fmt, Format) and fmt.name == name
+        assert fmt.extension.startswith(".") and callable(fmt.detect) and callable(fmt.read_metadata)
+        for method in ("begin_split", "add", "end_split", "finish", "abort"):
+            assert callable(getattr(fmt.Writer, method)), (name, method)
+        assert callable(fmt.check_files) and isinstance(fmt.options, tuple)
+
+
+def test_writer_options_are_checked_against_the_format(tmp_path):
+    from packer.errors import PackError
+    from packer.formats import FORMATS
+    from packer.pack import pack
+
+    assert FORMATS["wds"].writer_options({"shard_size": "1MB"}) == {"shard_size": 10**6, "max_count": None}
+    with pytest.raises(PackError, match=r"shardsize: not an option of the wds writer \(it takes: shard_size, "
+                                        r"max_count\)"):
+        FORMATS["wds"].writer_options({"shardsize": "1MB"})
+    with pytest.raises(PackError, match=r"shard_size: not an option of the lmdb writer \(it takes: none\)"):
+        pack(str(tmp_path), "lmdb", str(tmp_path / "x.lmdb"), options={"shard_size": 10})
+    with pytest.raises(PackError, match="wds writer option max_count: 0 is not a positive integer"):
+        FORMATS["wds"].writer_options({"max_count": 0})
+    assert not (tmp_path / "x.lmdb").exists()

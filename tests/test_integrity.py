@@ -38,7 +38,7 @@ FUZZ_CASES = int(os.environ.get("PACKER_FUZZ_CASES", "8"))
 
 def packed(tmp_path: Path, fmt: str, src: Path | None = None, name: str = "p", **kwargs) -> Path:
     src = src or class_sorted_tree(tmp_path / "src", classes=3, per_class=5)
-    out = tmp_path / f"{name}{FORMATS[fmt].EXTENSION}"
+    out = tmp_path / f"{name}{FORMATS[fmt].extension}"
     pack(str(src), fmt, str(out), workers=1, progress=False, **kwargs)
     return out
 
@@ -377,7 +377,7 @@ def read_first(reader) -> str:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_dataset_replaced_in_use_is_never_mixed_with_the_old_one(tmp_path, fmt):
     old_src, new_src = two_trees(tmp_path)
-    out = tmp_path / f"d{FORMATS[fmt].EXTENSION}"
+    out = tmp_path / f"d{FORMATS[fmt].extension}"
     pack(str(old_src), fmt, str(out), workers=1, progress=False)
     before = open_reader(out).open()
     unopened = open_reader(out)  # created before, first opened after

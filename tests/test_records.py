@@ -36,7 +36,7 @@ def pristine(tmp_path_factory):
 @pytest.fixture
 def copy_of(pristine, tmp_path):
     def copy(fmt: str, folder: Path | None = None) -> Path:
-        target = (folder or tmp_path / "ds") / f"data{FORMATS[fmt].EXTENSION}"
+        target = (folder or tmp_path / "ds") / f"data{FORMATS[fmt].extension}"
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if pristine[1][fmt].is_dir() else shutil.copyfile)(pristine[1][fmt], target)
         return target
@@ -108,9 +108,9 @@ def test_convert_refuses_an_absolute_hdf5_group_as_split(copy_of, tmp_path):
 @pytest.mark.parametrize("name", ["", ".", "..", "../x", "/x", "a/b", "a\\b", ".hidden", "a\0b", "x\ny",
                                   "\udcff", "x" * 256])
 def test_writers_refuse_split_names_that_are_not_one_folder_name(name, fmt, tmp_path):
-    writer = FORMATS[fmt].Writer(str(tmp_path / f"stage{FORMATS[fmt].EXTENSION}"), {})
-    if FORMATS[fmt].DIRECTORY:
-        os.makedirs(tmp_path / f"stage{FORMATS[fmt].EXTENSION}", exist_ok=True)
+    writer = FORMATS[fmt].Writer(str(tmp_path / f"stage{FORMATS[fmt].extension}"), FORMATS[fmt].writer_options({}))
+    if FORMATS[fmt].directory:
+        os.makedirs(tmp_path / f"stage{FORMATS[fmt].extension}", exist_ok=True)
     try:
         with pytest.raises(FormatError, match="split name"):
             writer.begin_split(name)

@@ -14,7 +14,7 @@ from conftest import jpeg_bytes, write
 
 @pytest.fixture(params=list(FORMATS))
 def packed_tree(request, image_tree, tmp_path):
-    out = tmp_path / f"v{FORMATS[request.param].EXTENSION}"
+    out = tmp_path / f"v{FORMATS[request.param].extension}"
     pack(str(image_tree), request.param, str(out), progress=False, workers=1)
     return image_tree, out
 

@@ -176,9 +176,11 @@ def test_skipped_files_are_listed_in_imagefolder_order_and_verify_notes_them(bad
 
 
 def test_library_refuses_to_shuffle_a_format_without_the_flag(image_tree, tmp_path, monkeypatch):
-    from packer.formats import lmdb as lmdb_format
+    import dataclasses
 
-    monkeypatch.delattr(lmdb_format, "SHUFFLE")
+    from packer.formats import FORMATS
+
+    monkeypatch.setitem(FORMATS, "lmdb", dataclasses.replace(FORMATS["lmdb"], writes_shuffled=False))
     with pytest.raises(PackError, match="cannot be written shuffled.*wds"):
         pack(str(image_tree), "lmdb", str(tmp_path / "x.lmdb"), shuffle=True, progress=False)
     assert not (tmp_path / "x.lmdb").exists()

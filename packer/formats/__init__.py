@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 import os
-from types import ModuleType
 
 from ..errors import FormatError
 from . import hdf5, lmdb, wds
+from ._contract import Format, Option, parse_size
 
-# One entry per format; the key is the CLI spelling (--to lmdb).
-FORMATS: dict[str, ModuleType] = {"lmdb": lmdb, "hdf5": hdf5, "wds": wds}
+# One entry per format (its module's FORMAT); the key is the CLI spelling (--to lmdb).
+FORMATS: dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in (lmdb, hdf5, wds)}
+
+
+__all__ = ["FORMATS", "Format", "Option", "ReaderCache", "default_output", "detect_format", "format_named",
+           "open_reader", "parse_size", "read_metadata"]
+
+
+def format_named(name: str) -> Format:
+    """The Format called name (the CLI's --to), or a PackError listing the ones there are."""
+    if name not in FORMATS:
+        raise FormatError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}")
+    return FORMATS[name]
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -16,8 +27,8 @@ def detect_format(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or folder", path)
-    for name, module in FORMATS.items():
-        if module.detect(path):
+    for name, fmt in FORMATS.items():
+        if fmt.detect(path):
             return name
     raise FormatError(f"{path}: not a packed dataset (expected one of: {', '.join(FORMATS)}; "
                       "create one with `packer pack SRC --to FORMAT`)", path)
@@ -30,7 +41,7 @@ def open_reader(path: str | os.PathLike, split: str | None = None, **options):
 
 
 def default_output(src: str, fmt: str) -> str:
-    return os.path.abspath(os.fspath(src)).rstrip(os.sep) + FORMATS[fmt].EXTENSION
+    return os.path.abspath(os.fspath(src)).rstrip(os.sep) + FORMATS[fmt].extension
 
 
 def read_metadata(path: str | os.PathLike):

@@ -62,6 +62,7 @@ import numpy as np
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
+from ._contract import Format
 from ._reader import SplitReader
 from ._tables import (DAMAGED, check_count, check_crc, decode_checksums, encode_checksums, expected_crc,
                       file_identity, replaced_error, table_crc)
@@ -75,7 +76,6 @@ INDEX_CHUNK = 4096  # entries per chunk of the per-record arrays, which readers 
 FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
 LIBVER = ("v110", "v110")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-SHUFFLE = False  # ImageFolder order unless pack() is asked to shuffle; Writer takes order=
 
 
 def detect(path: str) -> bool:
@@ -466,3 +466,7 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
     except (OSError, ValueError) as exc:
         raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
                                "(run packer verify; re-pack from the source)", where) from exc
+
+
+FORMAT = Format(name="hdf5", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+                read_metadata=read_metadata)

@@ -62,6 +62,7 @@ import numpy as np
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from . import _handle, _io
+from ._contract import Format
 from ._reader import SplitReader
 from ._tables import (DAMAGED, check_count, check_crc, check_within, decode_checksums, encode_checksums,
                       expected_crc, fd_identity, file_identity, replaced_error, table_crc)
@@ -80,7 +81,6 @@ RESERVE_STEP = 8 << 20
 MAX_READERS = 2048
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
 WRITEMAP = hasattr(os, "posix_fallocate")
-SHUFFLE = False  # ImageFolder order unless pack() is asked to shuffle; Writer takes order=
 EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
 # Values at least a page long always live in overflow pages, which never move once written.
 EXTENT_MIN = 4096
@@ -574,3 +574,7 @@ class Reader(SplitReader):
         if self._paths is None:
             self._paths = self.loaded("paths", self.load_paths)
         return self._paths
+
+
+FORMAT = Format(name="lmdb", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+                read_metadata=read_metadata)

@@ -53,34 +53,17 @@ from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
 from . import _io, _tar
+from ._contract import Format, Option, parse_size, positive_int
 from ._reader import SplitReader
 from ._tables import DAMAGED, check_count, check_crc, check_within, expected_crc, file_identity, table_crc
 
 EXTENSION = ".wds"
 DIRECTORY = True
-SHUFFLE = True  # pack() writes a seeded permutation by default; also marks that Writer takes order=
 INDEX = "index.json"
 LAYOUT_VERSION = 1
 DEFAULT_SHARD_SIZE = 1_000_000_000
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in `1GB`, `256MB`, `512KB` (powers of 1000), `1GiB` (powers of 1024) or `4096`."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in UNITS:
-        raise ValueError(f"{text!r} is not a size: use a byte count or a number with one of "
-                         "KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
-    size = int(float(match.group(1)) * UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{text!r}: a shard size must be positive")
-    return size
-
-
 def _escape(text: str) -> str:
     return text.replace("%", "%25").replace(".", "%2E")
 
@@ -196,8 +179,8 @@ class Writer:
 
     def __init__(self, stage: str, options: dict):
         self.stage = stage
-        self.shard_size = parse_size(options.get("shard_size") or DEFAULT_SHARD_SIZE)
-        self.max_count = options.get("max_count") or None
+        self.shard_size = options["shard_size"]
+        self.max_count = options["max_count"]
         self.splits: dict[str, dict] = {}
         self.file = None
 
@@ -476,3 +459,17 @@ def shard_problems(path: str, shard: dict) -> list[str]:
     if found != shard["count"]:
         problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
     return problems
+
+
+FORMAT = Format(
+    name="wds", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+    read_metadata=read_metadata, check_files=check_files,
+    # Shards in ImageFolder order hold one class each: streaming readers need them mixed.
+    shuffled_by_default=True,
+    options=(
+        Option("shard_size", parse_size, DEFAULT_SHARD_SIZE,
+               "start a new shard before one would exceed this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, "
+               "or a byte count [default: 1GB]"),
+        Option("max_count", positive_int, None, "at most this many samples per shard"),
+    ))
+
