@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from packer.formats._io import will_need
+from packer.formats import will_need
 from packer.check import IMAGE_EXTENSIONS
 
 from . import cache

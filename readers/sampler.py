@@ -29,7 +29,7 @@ from typing import Iterator
 import numpy as np
 import torch.utils.data
 
-from packer.formats._io import CAN_ADVISE
+from packer.formats import CAN_ADVISE
 
 from .ranks import check_rank, deal, world
 
