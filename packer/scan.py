@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .check import IMAGE_EXTENSIONS
 from .errors import PackError, SourceError
 from .records import UNLABELED, PathTable
 from .source_io import not_regular_reason
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLIT_NAMES = ("train", "val", "test")
 DEFAULT_SPLIT = "all"
 ON_ERROR = ("fail", "skip")
@@ -71,7 +71,7 @@ def is_hidden(name: str) -> bool:
 
 
 def is_image_name(name: str) -> bool:
-    return not is_hidden(name) and name.lower().endswith(IMG_EXTENSIONS)
+    return not is_hidden(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def is_folder(entry: os.DirEntry) -> bool:
@@ -200,7 +200,7 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
             splits[name] = list_unlabeled(root, split_roots[name], images)
     source = Source(root, classes, splits, scan.warnings, scan.skipped)
     if source.count == 0:
-        raise SourceError(f"{root}: no image files found (looked for {', '.join(IMG_EXTENSIONS)} "
+        raise SourceError(f"{root}: no image files found (looked for {', '.join(IMAGE_EXTENSIONS)} "
                           f"in SRC/<class>/ folders, any letter case)", root)
     return source
 
