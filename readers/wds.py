@@ -25,6 +25,7 @@ from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
 
 from ._dataset import ReaderDataset
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
+from .ranks import check_rank, deal, worker, world
 
 ON_ERROR = ("raise", "skip")
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
@@ -83,9 +84,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
-        if (rank is None) != (world_size is None) or (world_size is not None and not 0 <= rank < world_size):
-            raise ValueError(f"pass rank and world_size together, with 0 <= rank < world_size "
-                             f"(got rank={rank}, world_size={world_size})")
+        check_rank(rank, world_size, "WDSDataset")
         self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split)
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
@@ -107,15 +106,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
             self._epoch.value = int(epoch)
 
     def world(self) -> tuple[int, int]:
-        """(rank, world size): from the constructor, else torch.distributed, else RANK/WORLD_SIZE."""
-        if self.rank is not None:
-            return self.rank, self.world_size
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if not 0 <= rank < world_size:
-            raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
-        return rank, world_size
+        """(rank, world size): from the constructor, else readers.ranks.world()."""
+        return world(self.rank, self.world_size)
 
     def shard_counts(self) -> list[int]:
         if self.counts is None:
@@ -138,12 +130,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         order = list(range(len(self.shards)))
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
-        load = [0] * world_size
-        owned: list[list[int]] = [[] for _ in range(world_size)]
-        for shard in order:
-            least = load.index(min(load))
-            owned[least].append(shard)
-            load[least] += counts[shard]
+        owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
         tasks = [Task(s, None) for s in owned[rank] if counts[s]]
         deficit = max(load) - load[rank]
         sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
@@ -165,8 +152,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator:
         rank, world_size = self.world()
-        worker = torch.utils.data.get_worker_info()
-        worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        worker_id, workers = worker()
         plan = self.plan(rank, world_size)
         tasks = plan[worker_id::workers]
         if not tasks and plan:
