@@ -21,6 +21,22 @@ from typing import Any, Callable, Iterator
 _lock = threading.Lock()
 # (real path, identity) -> [pid, handle, refcount, closer]
 _shared: dict[tuple, list] = {}
+# A reader's __del__ can run inside the locked region below, whenever the garbage collector
+# runs there (any allocation; closing an LMDB environment frees its transactions): its
+# release would wait for the lock this thread holds. Such releases are queued and done
+# once the lock is given back.
+_local = threading.local()
+_deferred: list[tuple[str, tuple]] = []
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    with _lock:
+        _local.busy = True
+        try:
+            yield
+        finally:
+            _local.busy = False
 
 
 def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], None], identity: tuple) -> Any:
@@ -28,14 +44,17 @@ def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], Non
     opener(path) when needed (the caller checks the file opened is the one it meant)."""
     key = (os.path.realpath(path), identity)
     pid = os.getpid()
-    with _lock:
-        _close_inherited(key[0], pid)
-        entry = _shared.get(key)
-        if entry is None:
-            entry = [pid, opener(path), 0, closer]
-            _shared[key] = entry
-        entry[2] += 1
-        return entry[1]
+    try:
+        with _locked():
+            _close_inherited(key[0], pid)
+            entry = _shared.get(key)
+            if entry is None:
+                entry = [pid, opener(path), 0, closer]
+                _shared[key] = entry
+            entry[2] += 1
+            return entry[1]
+    finally:
+        _release_deferred()
 
 
 def _close_inherited(real: str, pid: int) -> None:
@@ -47,15 +66,26 @@ def _close_inherited(real: str, pid: int) -> None:
 
 
 def release(path: str, identity: tuple) -> None:
+    if getattr(_local, "busy", False):  # a finalizer run inside the locked region (see _deferred)
+        _deferred.append((path, identity))
+        return
     key = (os.path.realpath(path), identity)
-    with _lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0] != os.getpid():
-            return
-        entry[2] -= 1
-        if entry[2] <= 0:
-            del _shared[key]
-            _close_quietly(entry[3], entry[1])
+    try:
+        with _locked():
+            entry = _shared.get(key)
+            if entry is None or entry[0] != os.getpid():
+                return
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del _shared[key]
+                _close_quietly(entry[3], entry[1])
+    finally:
+        _release_deferred()
+
+
+def _release_deferred() -> None:
+    while _deferred and not getattr(_local, "busy", False):
+        release(*_deferred.pop())
 
 
 @contextlib.contextmanager
