@@ -56,4 +56,4 @@ def train_transform():
     """
     from readers.transforms import RandomResizedCrop
 
-    return RandomResizedCrop(SIZE), "raw", "readers.transforms.RandomResizedCrop(224) (flip 0.5) on raw bytes"
+    return RandomResizedCrop(SIZE, flip=0.5), "raw", "readers.transforms.RandomResizedCrop(224) (flip 0.5) on raw bytes"

@@ -17,7 +17,7 @@ from .lmdb import LMDBDataset
 from .loader import make_loader
 from .sampler import BlockShuffleSampler, ShuffleSampler, class_entropy
 from .stats import LoaderStats, LoaderWarning
-from .transforms import CenterCrop, RandomResizedCrop
+from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from .wds import WDSDataset, WDSMapDataset
 
 # The map-style (random access) Dataset of each packed format, by its CLI name.
@@ -34,6 +34,6 @@ def open_dataset(path, split=None, **kwargs):
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop",
     "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
-    "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
+    "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
     "decode_tensor", "image_size", "make_loader", "open_dataset",
 ]

@@ -42,7 +42,7 @@ def stack(images: list, pin_memory: bool = False) -> torch.Tensor:
             raise ValueError(
                 f"collate: sample {i} is {tuple(image.shape)} {image.dtype} but sample 0 is "
                 f"{tuple(shape)} {dtype}; batch images must share one size: use a transform "
-                f"with a fixed output size (readers.RandomResizedCrop / readers.CenterCrop)")
+                f"with a fixed output size (readers.RandomResizedCrop / readers.ResizeCenterCrop)")
     out = allocate((len(images), *shape), dtype, pin_memory)
     return torch.stack(images, out=out)
 

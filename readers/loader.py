@@ -145,9 +145,9 @@ def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
     if gpu_decode is not True:
         return gpu_decode
     from .nvjpeg import GPUDecoder
-    from .transforms import CenterCrop, RandomResizedCrop
+    from .transforms import RandomResizedCrop, ResizeCenterCrop
 
-    return GPUDecoder(RandomResizedCrop(224) if train else CenterCrop(224), device)
+    return GPUDecoder(RandomResizedCrop(224, flip=0.5) if train else ResizeCenterCrop(224), device)
 
 
 def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: bool) -> None:
@@ -229,7 +229,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         seed: the shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
-            RandomResizedCrop(224) / CenterCrop(224) by `train`, or a readers.nvjpeg.GPUDecoder.
+            RandomResizedCrop(224, flip=0.5) / ResizeCenterCrop(224) by `train`, or a
+            readers.nvjpeg.GPUDecoder.
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
         order: how a map-style dataset is walked. "random": a permutation per epoch (the

@@ -21,7 +21,7 @@ class GPUDecoder:
     """list of encoded images -> uint8 NxCxHxW batch on `device`, each through `transform`.
 
     `transform` takes and returns a CxHxW uint8 tensor of a fixed output size, e.g.
-    readers.RandomResizedCrop(224) or readers.CenterCrop(224); it runs on the GPU. An
+    readers.RandomResizedCrop(224) or readers.ResizeCenterCrop(224); it runs on the GPU. An
     image whose header claims more than max_pixels pixels raises CorruptDataError.
     """
 

@@ -10,8 +10,11 @@ float and normalising is left to the GPU (readers.CUDAPrefetcher). Bytes whose h
 claims more than `max_pixels` pixels are refused with CorruptDataError before anything
 is decoded, as readers.decode does.
 
-Random draws use torch's generator in torchvision's order (crop, then flip), so a
-DataLoader's per-worker seeding applies and a seeded run draws what
+The names mean what they mean in torchvision: RandomResizedCrop crops (flip= adds a
+horizontal flip in the same copy), CenterCrop only crops, RandomHorizontalFlip flips,
+and ResizeCenterCrop is the usual evaluation pair Resize(256) + CenterCrop(224). Random
+draws use torch's generator in torchvision's order (crop, then flip), so a DataLoader's
+per-worker seeding applies and a seeded run draws what
 `Compose([RandomResizedCrop(...), RandomHorizontalFlip()])` would.
 """
 from __future__ import annotations
@@ -123,15 +126,18 @@ def _scaled_window(top, left, h, w, full_h, full_w, dec_h, dec_w):
 
 
 class RandomResizedCrop:
-    """Training crop: random area/ratio window, resized to `size`, flipped with probability `flip`.
+    """torchvision's RandomResizedCrop: a random area/ratio window, resized to `size`.
 
     Args:
+        flip: also flip horizontally with this probability, drawn after the crop as
+            Compose([RandomResizedCrop, RandomHorizontalFlip(flip)]) draws it, in the same
+            copy (0, the default, is torchvision's RandomResizedCrop alone).
         dct: on bytes input, decode at a reduced DCT scale when the window allows it.
             Off, the result equals the crop-then-resize of the full decode.
         max_pixels: on bytes input, refuse an image whose header claims more pixels.
     """
 
-    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+    def __init__(self, size=224, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.0,
                  dct: bool = True, max_pixels: int = MAX_PIXELS):
         if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
             raise ValueError(f"scale and ratio must be increasing positive pairs, got scale={scale}, ratio={ratio}")
@@ -175,8 +181,50 @@ def resized_size(height: int, width: int, short: int) -> tuple[int, int]:
     return int(short * height / width), short
 
 
+class RandomHorizontalFlip:
+    """torchvision's RandomHorizontalFlip(p) on a CxHxW uint8 tensor (one torch.rand draw)."""
+
+    def __init__(self, p: float = 0.5):
+        self.p = p
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image.flip(-1) if torch.rand(1).item() < self.p else image
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p})"
+
+
 class CenterCrop:
-    """Evaluation transform: torchvision's Resize(resize) then CenterCrop(size), on uint8.
+    """torchvision's CenterCrop(size) on uint8: the centre window of the image, padded with
+    zeros where the image is smaller than the crop. Bytes are decoded at full size."""
+
+    def __init__(self, size=224, max_pixels: int = MAX_PIXELS):
+        self.size = _pair(size)
+        self.max_pixels = checked_max_pixels(max_pixels)
+
+    def __call__(self, image) -> torch.Tensor:
+        if isinstance(image, BYTES_TYPES):
+            image = decode_array(bytes(image), max_pixels=self.max_pixels)
+        return center_crop(as_chw(image), self.size).contiguous()
+
+    def __repr__(self) -> str:
+        return f"CenterCrop(size={self.size})"
+
+
+def center_crop(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The centre (h, w) window of a CxHxW tensor, zero-padded as torchvision pads it."""
+    out_h, out_w = size
+    height, width = image.shape[-2:]
+    if out_h > height or out_w > width:
+        pad_w, pad_h = max(out_w - width, 0), max(out_h - height, 0)
+        image = F.pad(image, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2))
+        height, width = image.shape[-2:]
+    top, left = int(round((height - out_h) / 2.0)), int(round((width - out_w) / 2.0))
+    return image[:, top:top + out_h, left:left + out_w]
+
+
+class ResizeCenterCrop:
+    """The evaluation transform: torchvision's Compose([Resize(resize), CenterCrop(size)]), on uint8.
 
     On bytes input the JPEG is decoded at the smallest DCT scale whose short side still
     reaches `resize`; the resized size is computed from the full size, as torchvision does.
@@ -201,11 +249,11 @@ class CenterCrop:
         new_h, new_w = resized_size(full_h, full_w, self.resize)
         out_h, out_w = self.size
         if out_h > new_h or out_w > new_w:
-            raise ValueError(f"CenterCrop: crop {self.size} is larger than the {new_h}x{new_w} resized image; "
+            raise ValueError(f"ResizeCenterCrop: crop {self.size} is larger than the {new_h}x{new_w} resized image; "
                              f"use resize >= {max(self.size)}")
         top, left = int(round((new_h - out_h) / 2.0)), int(round((new_w - out_w) / 2.0))
         # Resizing the whole image, then cropping, keeps torchvision's exact sampling grid.
         return resize_view(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
 
     def __repr__(self) -> str:
-        return f"CenterCrop(size={self.size}, resize={self.resize}, dct={self.dct})"
+        return f"ResizeCenterCrop(size={self.size}, resize={self.resize}, dct={self.dct})"

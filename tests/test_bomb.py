@@ -17,7 +17,7 @@ from PIL import Image
 
 from packer.errors import CorruptDataError, PackError
 from packer.pack import pack
-from readers import (CenterCrop, FolderDataset, HDF5Dataset, LMDBDataset, RandomResizedCrop, WDSDataset,
+from readers import (FolderDataset, HDF5Dataset, LMDBDataset, RandomResizedCrop, ResizeCenterCrop, WDSDataset,
                      WDSMapDataset)
 
 from conftest import jpeg_bytes, write
@@ -247,7 +247,7 @@ def test_every_reader_refuses_a_bomb_in_every_decode_mode(packed_bombs, fmt, mod
     assert ds[0][1] == 0  # the good images still decode
 
 
-@pytest.mark.parametrize("transform", [RandomResizedCrop(32), CenterCrop(32, resize=40)], ids=repr)
+@pytest.mark.parametrize("transform", [RandomResizedCrop(32), ResizeCenterCrop(32, resize=40)], ids=repr)
 @pytest.mark.parametrize("fmt", ["lmdb", "wds"])
 def test_decode_aware_crops_refuse_a_bomb_before_decoding(packed_bombs, fmt, transform):
     ds = DATASETS[fmt](packed_bombs[fmt], decode="raw", transform=transform)
@@ -305,7 +305,7 @@ def test_gpu_decoder_refuses_a_bomb_before_nvjpeg_or_the_cpu_fallback_sees_it(mo
     monkeypatch.setitem(sys.modules, "torchvision.io", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
-    gpu = GPUDecoder(CenterCrop(32, 40), device="cpu")
+    gpu = GPUDecoder(ResizeCenterCrop(32, 40), device="cpu")
     good = jpeg_bytes(20)
     assert tuple(gpu([good, good]).shape) == (2, 3, 32, 32) and len(seen) == 2
     for kind in BOMBS:  # JPEG: the nvJPEG path; the others: the CPU fallback
@@ -313,4 +313,4 @@ def test_gpu_decoder_refuses_a_bomb_before_nvjpeg_or_the_cpu_fallback_sees_it(mo
             gpu([good, BOMBS[kind]()])
         assert_names_the_bomb(str(info.value), kind)
     with pytest.raises(CorruptDataError, match="over the limit of 3,071"):
-        GPUDecoder(CenterCrop(32, 40), device="cpu", max_pixels=64 * 48 - 1)([good])
+        GPUDecoder(ResizeCenterCrop(32, 40), device="cpu", max_pixels=64 * 48 - 1)([good])

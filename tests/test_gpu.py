@@ -177,12 +177,12 @@ def jpeg(mode, fmt="JPEG", size=(80, 60)):
 @cuda
 def test_gpu_decode_matches_the_cpu_decode_and_falls_back_for_cmyk_and_png():
     pytest.importorskip("torchvision")
-    from readers import CenterCrop
+    from readers import ResizeCenterCrop
     from readers.nvjpeg import GPUDecoder
 
     encoded = [jpeg("RGB"), jpeg("L"), jpeg("CMYK"), jpeg("RGB", "PNG")]
-    out = GPUDecoder(CenterCrop(48, 56))(encoded)
-    cpu = torch.stack([CenterCrop(48, 56, dct=False)(data) for data in encoded])
+    out = GPUDecoder(ResizeCenterCrop(48, 56))(encoded)
+    cpu = torch.stack([ResizeCenterCrop(48, 56, dct=False)(data) for data in encoded])
     assert out.shape == (4, 3, 48, 48) and out.dtype == torch.uint8 and out.is_cuda
     # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a few levels
     assert (out.cpu().float() - cpu.float()).abs().mean() < 3

@@ -11,7 +11,7 @@ import readers.loader as L
 import readers.ranks as ranks
 from packer.pack import pack
 from packer.synth import make_corpus
-from readers import CenterCrop, CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, LoaderWarning, make_loader
+from readers import CUDAPrefetcher, FolderDataset, LMDBDataset, LoaderStats, LoaderWarning, ResizeCenterCrop, make_loader
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +163,8 @@ def test_worker_seeds_differ_by_rank_and_are_reproducible(monkeypatch):
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_packed_and_folder_data_load_the_same_under_fork_and_spawn(context, corpus, lmdb_path):
     expected = [(x.clone(), y.clone()) for x, y in make_loader(
-        FolderDataset(str(corpus), decode="raw", transform=CenterCrop(64, 72)), 4, train=False, workers=0)]
-    lmdb_data = LMDBDataset(str(lmdb_path), decode="raw", transform=CenterCrop(64, 72))
+        FolderDataset(str(corpus), decode="raw", transform=ResizeCenterCrop(64, 72)), 4, train=False, workers=0)]
+    lmdb_data = LMDBDataset(str(lmdb_path), decode="raw", transform=ResizeCenterCrop(64, 72))
     assert len(lmdb_data) == 10  # touch the reader in the parent before the workers start
     lmdb_data[0]
     loader = make_loader(lmdb_data, 4, train=False, workers=2, multiprocessing_context=context)

@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-from readers import CenterCrop, make_loader
+from readers import ResizeCenterCrop, make_loader
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="checks the no-torchvision error")
@@ -12,7 +12,7 @@ def test_gpu_decoder_without_torchvision_says_what_to_install():
     from readers.nvjpeg import GPUDecoder  # importing the module needs neither torchvision nor CUDA
 
     with pytest.raises(ImportError, match="gpu_decode needs torchvision.*decode on the CPU"):
-        GPUDecoder(CenterCrop(224))
+        GPUDecoder(ResizeCenterCrop(224))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
@@ -73,8 +73,8 @@ def test_gpu_decoder_batches_jpegs_and_falls_back_per_file(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     encoded = [encode("RGB", seed=1), encode("L"), encode("CMYK"), encode("RGB", "PNG"), refused]
-    out = GPUDecoder(CenterCrop(32, 36), device="cpu")(encoded)
-    expected = torch.stack([CenterCrop(32, 36)(data) for data in encoded])
+    out = GPUDecoder(ResizeCenterCrop(32, 36), device="cpu")(encoded)
+    expected = torch.stack([ResizeCenterCrop(32, 36)(data) for data in encoded])
     assert out.shape == (5, 3, 32, 32) and torch.equal(out, expected)
     # one batch call for the three turbo-decodable JPEGs... plus the refused one, which fails it;
     # then one call per file; CMYK and PNG never reach the GPU decoder.

@@ -10,7 +10,7 @@ from PIL import Image
 
 import readers.transforms as T
 from readers.decode import decode_array
-from readers.transforms import CenterCrop, RandomResizedCrop, random_resized_crop_params, resized_size
+from readers.transforms import RandomResizedCrop, ResizeCenterCrop, random_resized_crop_params, resized_size
 
 
 def encode(height, width, mode="RGB", fmt="JPEG", seed=0):
@@ -208,7 +208,7 @@ def test_dct_output_stays_close_to_the_full_decode():
 def test_transforms_give_three_channels_for_any_input(mode, fmt):
     data = encode(260, 300, mode, fmt)
     assert RandomResizedCrop(224)(data).shape == (3, 224, 224)
-    assert CenterCrop(224)(data).shape == (3, 224, 224)
+    assert ResizeCenterCrop(224)(data).shape == (3, 224, 224)
 
 
 def test_resized_size_matches_torchvision_resize_int():
@@ -224,9 +224,9 @@ def test_center_crop_is_resize_then_centre_crop():
                             align_corners=False)[0]
     top, left = int(round((256 - 224) / 2.0)), int(round((341 - 224) / 2.0))
     expected = resized[:, top:top + 224, left:left + 224]
-    assert torch.equal(CenterCrop(224, 256, dct=False)(data), expected)
-    assert torch.equal(CenterCrop(224, 256)(chw), expected)
-    fast = CenterCrop(224, 256)(encode(1200, 1600))
+    assert torch.equal(ResizeCenterCrop(224, 256, dct=False)(data), expected)
+    assert torch.equal(ResizeCenterCrop(224, 256)(chw), expected)
+    fast = ResizeCenterCrop(224, 256)(encode(1200, 1600))
     assert fast.shape == (3, 224, 224) and fast.is_contiguous()
 
 
@@ -234,13 +234,13 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="scale and ratio"):
         RandomResizedCrop(224, scale=(1.0, 0.5))
     with pytest.raises(ValueError, match="resize >= 300"):
-        CenterCrop(300, resize=256)(encode(100, 100))
+        ResizeCenterCrop(300, resize=256)(encode(100, 100))
 
 
 def test_every_file_of_a_tricky_tree_becomes_a_fixed_size_rgb_crop(image_tree):
     from readers import FolderDataset
 
-    for transform in (RandomResizedCrop(32), CenterCrop(32, 36)):
+    for transform in (RandomResizedCrop(32), ResizeCenterCrop(32, 36)):
         dataset = FolderDataset(str(image_tree), decode="raw", transform=transform)
         shapes = {tuple(dataset[i][0].shape) for i in range(len(dataset))}
         assert shapes == {(3, 32, 32)}
@@ -255,3 +255,26 @@ def test_a_broken_file_is_named_in_the_error(bad_tree):
     with pytest.raises(CorruptDataError, match=r"bad/truncated\.jpg: cannot decode") as info:
         dataset[index]
     assert info.value.path.endswith("bad/truncated.jpg")
+
+
+def test_same_names_mean_what_they_mean_in_torchvision():
+    """RandomResizedCrop does not flip unless asked; CenterCrop only crops (padding with
+    zeros, as torchvision does); RandomHorizontalFlip flips as a separate step, with the
+    draw a fused flip= makes."""
+    from readers.transforms import CenterCrop, RandomHorizontalFlip
+
+    data = encode(300, 400)
+    torch.manual_seed(5)
+    default = RandomResizedCrop(128)(data)
+    torch.manual_seed(5)
+    assert torch.equal(default, RandomResizedCrop(128, flip=0.0)(data))
+    torch.manual_seed(5)
+    composed = RandomHorizontalFlip(0.5)(RandomResizedCrop(128)(data))
+    torch.manual_seed(5)
+    assert torch.equal(composed, RandomResizedCrop(128, flip=0.5)(data))
+    full = torch.from_numpy(decode_array(data)).permute(2, 0, 1)
+    assert torch.equal(CenterCrop(100)(data), full[:, 100:200, 150:250])
+    assert torch.equal(CenterCrop((300, 400))(data), full)  # no resize, ever
+    padded = CenterCrop((310, 404))(full)
+    assert padded.shape == (3, 310, 404) and torch.equal(padded[:, 5:305, 2:402], full)
+    assert int(padded[:, :5].sum()) == 0 and int(padded[:, :, :2].sum()) == 0

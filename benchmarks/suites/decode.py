@@ -29,7 +29,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from readers.decode import decode_array  # noqa: E402
-from readers.transforms import CenterCrop, RandomResizedCrop, random_resized_crop_params  # noqa: E402
+from readers.transforms import RandomResizedCrop, ResizeCenterCrop, random_resized_crop_params  # noqa: E402
 
 
 def pillow_decode(data):
@@ -61,10 +61,10 @@ def pillow_center(data):
 CASES = {
     "decode: simplejpeg": lambda d: decode_array(d),
     "decode: Pillow": pillow_decode,
-    "decode+RRC224: simplejpeg + DCT scale + torch uint8 resize (readers)": RandomResizedCrop(224),
-    "decode+RRC224: simplejpeg + torch uint8 resize, no DCT scale": RandomResizedCrop(224, dct=False),
+    "decode+RRC224: simplejpeg + DCT scale + torch uint8 resize (readers)": RandomResizedCrop(224, flip=0.5),
+    "decode+RRC224: simplejpeg + torch uint8 resize, no DCT scale": RandomResizedCrop(224, flip=0.5, dct=False),
     "decode+RRC224: Pillow (torchvision's PIL path)": pillow_rrc,
-    "decode+Resize256+CenterCrop224: readers CenterCrop": CenterCrop(224),
+    "decode+Resize256+CenterCrop224: readers ResizeCenterCrop": ResizeCenterCrop(224),
     "decode+Resize256+CenterCrop224: Pillow": pillow_center,
 }
 
@@ -79,7 +79,7 @@ def through_one_worker(folder: str, repeats: int) -> dict:
         "1 worker, LMDB, wall: bare decode (decode='tensor')":
             LMDBDataset(packed, decode="tensor", transform=lambda t: t[:, :1, :1].clone()),
         "1 worker, LMDB, wall: decode + RandomResizedCrop(224) + flip (decode='raw')":
-            LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224)),
+            LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5)),
     }
     loaders = {name: make_loader(ds, 32, workers=1, train=False) for name, ds in datasets.items()}
     times = {name: [] for name in loaders}

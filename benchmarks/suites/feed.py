@@ -130,7 +130,7 @@ def main(argv=None):
     results.append(run("defaults+workers", torch.utils.data.DataLoader(
         pil, args.batch, shuffle=True, drop_last=True, num_workers=workers), device, model, args.steps,
         args.warmup, copy_sync=True))
-    raw = readers.LMDBDataset(packed, decode="raw", transform=readers.RandomResizedCrop(224))
+    raw = readers.LMDBDataset(packed, decode="raw", transform=readers.RandomResizedCrop(224, flip=0.5))
     fed = readers.make_loader(raw, args.batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
                               std=readers.IMAGENET_STD, channels_last=True)
     results.append(run("make_loader", fed, device, model, args.steps, args.warmup, copy_sync=False))
