@@ -278,3 +278,19 @@ def test_same_names_mean_what_they_mean_in_torchvision():
     padded = CenterCrop((310, 404))(full)
     assert padded.shape == (3, 310, 404) and torch.equal(padded[:, 5:305, 2:402], full)
     assert int(padded[:, :5].sum()) == 0 and int(padded[:, :, :2].sum()) == 0
+
+
+@pytest.mark.parametrize("mode", ["pil", "tensor"])
+def test_torchvision_v2_transforms_accept_what_the_datasets_return(tmp_path, mode):
+    v2 = pytest.importorskip("torchvision.transforms.v2", reason="torchvision is not installed here")
+    from packer import pack
+    from readers import LMDBDataset
+
+    src = tmp_path / "src"
+    for i in range(3):
+        (src / "c").mkdir(parents=True, exist_ok=True)
+        (src / "c" / f"{i}.jpg").write_bytes(encode(60 + i, 80))
+    pack(str(src), "lmdb", str(tmp_path / "d.lmdb"), progress=False, workers=1)
+    transform = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(32), v2.ToDtype(torch.float32, scale=True)])
+    image, label = LMDBDataset(tmp_path / "d.lmdb", decode=mode, transform=transform)[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 0
