@@ -48,6 +48,7 @@ class LabelFile:
     shape: str  # "loc", "csv", "json" or "integers"
     by_key: dict[str, int]  # key (file name, path in the split, or stem for "loc") -> class index
     by_position: list[int] | None = None  # "integers": class index of each file in sorted order
+    path: str = ""  # where it was read from, for messages
 
     @property
     def keys_are_stems(self) -> bool:
@@ -72,20 +73,29 @@ def read_label_file(path: str | os.PathLike, classes: list[str], index_base: int
     if index_base is not None and index_base not in INDEX_BASES:
         raise SourceError(f"labels index base must be 0 or 1, not {index_base!r}", path)
     lookup = ClassLookup(classes, path)
+    found = parse_shape(text, lookup, classes, index_base, path)
+    if index_base is not None and found[0] != "integers":
+        raise SourceError(f"{path}: --labels-index-base applies to a list of class indexes, and this is a "
+                          f"{found[0]} label file: leave it out", path)
+    return LabelFile(name, digest, *found, path=path)
+
+
+def parse_shape(text: str, lookup: "ClassLookup", classes: list[str], index_base: int | None,
+                path: str) -> tuple:
+    """(shape, by_key, by_position) of the label file's text."""
     stripped = text.lstrip()
     if stripped.startswith("{") or stripped.startswith("["):
-        return LabelFile(name, digest, "json", parse_json(text, lookup, path))
+        return "json", parse_json(text, lookup, path), None
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise SourceError(f"{path}: label file is empty", path)
     if all(INTEGER.fullmatch(line.strip()) for line in lines):
-        return LabelFile(name, digest, "integers", {}, parse_integers(lines, classes, index_base, path))
+        return "integers", {}, parse_integers(lines, classes, index_base, path)
     rows = parse_csv_rows(text, path)
     if [c.strip() for c in rows[0]] == LOC_HEADER:
-        return LabelFile(name, digest, "loc", parse_loc(rows[1:], lookup, path))
-    if [c.strip().lower() for c in rows[0]] == PLAIN_HEADER:
-        rows = rows[1:]
-    return LabelFile(name, digest, "csv", parse_pairs(((i + 1, r) for i, r in enumerate(rows)), lookup, path))
+        return "loc", parse_loc(rows[1:], lookup, path), None
+    header = [c.strip().lower() for c in rows[0]] == PLAIN_HEADER
+    return "csv", parse_pairs(enumerate(rows[header:], start=1 + header), lookup, path), None
 
 
 def read_bounded(path: str) -> bytes:
@@ -178,8 +188,8 @@ def parse_csv_rows(text: str, path: str) -> list[list[str]]:
 
 def parse_loc(rows: list[list[str]], lookup: ClassLookup, path: str) -> dict[str, int]:
     labels: dict[str, int] = {}
-    for line, row in enumerate(rows, start=2):
-        where = f"line {line}"
+    for number, row in enumerate(rows, start=2):
+        where = f"row {number}"
         if len(row) != 2 or not row[1].split():
             raise SourceError(f"{path}: {where}: expected ImageId,PredictionString with a class first", path)
         add_label(labels, checked_key(row[0], path, where), lookup(row[1].split()[0], where), path, where)
@@ -188,8 +198,8 @@ def parse_loc(rows: list[list[str]], lookup: ClassLookup, path: str) -> dict[str
 
 def parse_pairs(rows, lookup: ClassLookup, path: str) -> dict[str, int]:
     labels: dict[str, int] = {}
-    for line, row in rows:
-        where = f"line {line}"
+    for number, row in rows:
+        where = f"row {number}"
         if len(row) != 2:
             raise SourceError(f"{path}: {where}: expected two columns filename,class, found {len(row)}", path)
         add_label(labels, checked_key(row[0], path, where), lookup(row[1], where), path, where)

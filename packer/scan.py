@@ -264,7 +264,7 @@ def apply_labels(scan: Scanner, splits: dict[str, SplitListing], split_roots: di
     on_error skip is left out and listed in scan.skipped; names of no file are reported."""
     flat = {name: s for name, s in splits.items() if not s.labeled}
     if not flat:
-        raise SourceError(f"{labels.name}: --labels given, but every split of {scan.root} has class folders; "
+        raise SourceError(f"{labels.path}: --labels given, but every split of {scan.root} has class folders; "
                           "labels apply only to a flat split (images with no class folders)", scan.root)
     if labels.by_position is not None:
         found = positional_labels(flat, labels, split_roots, scan.root)
@@ -277,11 +277,11 @@ def apply_labels(scan: Scanner, splits: dict[str, SplitListing], split_roots: di
 def positional_labels(flat: dict[str, SplitListing], labels: LabelFile, split_roots: dict[str, str],
                       root: str) -> dict[str, np.ndarray]:
     if len(flat) != 1:
-        raise SourceError(f"{labels.name}: a list of class indexes cannot say which of the flat splits "
+        raise SourceError(f"{labels.path}: a list of class indexes cannot say which of the flat splits "
                           f"{', '.join(sorted(flat))} it labels; give a filename,class CSV instead", root)
     (name, listing), = flat.items()
     if len(labels.by_position) != len(listing):
-        raise SourceError(f"{labels.name}: {len(labels.by_position)} class indexes for the {len(listing)} "
+        raise SourceError(f"{labels.path}: {len(labels.by_position)} class indexes for the {len(listing)} "
                           f"images of {relative(root, split_roots[name]) or '.'}/; it must give one per "
                           "image, in sorted file-name order", root)
     return {name: np.asarray(labels.by_position, dtype=np.int32)}
@@ -310,7 +310,7 @@ def keyed_labels(scan: Scanner, flat: dict[str, SplitListing], labels: LabelFile
             found[name] = values
     if not found:
         sample = ", ".join(sorted(labels.by_key)[:3])
-        raise SourceError(f"{labels.name}: names none of the images of the flat split(s) "
+        raise SourceError(f"{labels.path}: names none of the images of the flat split(s) "
                           f"{', '.join(sorted(flat))} (it names e.g. {sample}); is it the right file?", scan.root)
     unknown = sorted(labels.by_key.keys() - used)
     if unknown:
