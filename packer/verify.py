@@ -61,8 +61,9 @@ class VerifyReport:
         return not self.problems
 
     def add(self, kind: str, problems: list[str]) -> None:
-        self.problems += problems
-        self.kinds[kind] += len(problems)
+        if problems:
+            self.problems += problems
+            self.kinds[kind] += len(problems)
 
     def to_dict(self, first: int = 20) -> dict:
         """The report as one JSON-able object: counts, the first problems, notes and advice."""
