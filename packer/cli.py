@@ -140,13 +140,27 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
               help="header, full: refuse an image whose header claims more pixels (a decompression "
                    "bomb guard; the default is Pillow's limit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--labels", "labels", type=click.Path(exists=True, dir_okay=False),
+              help="Label the flat (unlabeled) split, e.g. ImageNet's val/, from this file: LOC_val_solution.csv, "
+                   "a filename,class CSV, a JSON object, or class indexes with --labels-index-base.")
+@click.option("--labels-index-base", type=click.Choice(["0", "1"]),
+              help="--labels is a list of class indexes (one per line, files in sorted name order) into packer's "
+                   "sorted class list, counted from 0 or 1.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
 @shard_options
 @library_errors
-def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, **shards):
+def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
+                 **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
+    if labels_index_base is not None and labels is None:
+        raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
     result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
-                  max_pixels=max_pixels, **writer_options(fmt, **shards))
+                  max_pixels=max_pixels, labels=labels,
+                  labels_index_base=None if labels_index_base is None else int(labels_index_base),
+                  **writer_options(fmt, **shards))
     report_pack(result)
+    if as_json:
+        click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
 
 
 def report_pack(result: PackResult, verb: str = "packed") -> None:
@@ -161,6 +175,12 @@ def report_pack(result: PackResult, verb: str = "packed") -> None:
     say(f"{verb} {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
         f"{len(meta.skipped)} skipped) into {result.out} in {result.seconds:.1f} s: "
         f"{result.files_per_s:.0f} files/s, {result.mb_per_s:.0f} MB/s")
+
+
+def pack_facts(result: PackResult) -> dict:
+    """pack --json: the metadata plus where it went, how long it took and the warnings."""
+    return {**result.metadata.to_dict(), "path": result.out, "seconds": round(result.seconds, 3),
+            "warnings": result.warnings, "removed_stale": result.removed_stale}
 
 
 @main.command("convert")
@@ -220,20 +240,40 @@ def info_command(packed, as_json):
 @click.option("--check", type=click.Choice(CHECKS), default="full", show_default=True,
               help="How each stored image is checked beyond its CRC.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes [default: all cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
 @library_errors
-def verify_command(packed, against, check, workers):
+def verify_command(packed, against, check, workers, as_json):
     """Re-read every record of PACKED; exit 1 on any damage or difference."""
     from .verify import verify
 
     report = verify(packed, against, check=check, workers=workers)
-    for note in report.notes:
-        say(f"note: {note}")
-    for found in report.problems:
-        say(f"error: {found}")
+    report_verify(report)
+    if as_json:
+        click.echo(json.dumps({"path": os.path.abspath(packed), "against": against, **report.to_dict()},
+                              ensure_ascii=False))
     if not report.ok:
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""
     say(f"ok: {report.checked} records intact{versus}")
+
+
+SHOWN_PROBLEMS = 20
+
+
+def report_verify(report) -> None:
+    """The notes, the first problems, a count per kind and what to do, on stderr."""
+    for note in report.notes[:SHOWN_PROBLEMS]:
+        say(f"note: {note}")
+    if len(report.notes) > SHOWN_PROBLEMS:
+        say(f"note: ... and {len(report.notes) - SHOWN_PROBLEMS} more notes")
+    for found in report.problems[:SHOWN_PROBLEMS]:
+        say(f"error: {found}")
+    if len(report.problems) > SHOWN_PROBLEMS:
+        say(f"... and {len(report.problems) - SHOWN_PROBLEMS} more problems (--json lists the counts)")
+    if report.problems:
+        say("problems: " + ", ".join(f"{count} {kind}" for kind, count in report.kinds.most_common() if count))
+    for line in report.advice:
+        say(f"to do: {line}")
 
 
 @main.command("demo")

@@ -147,13 +147,16 @@ def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int |
 def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | None = None,
          on_error: str = "fail", check: str = "header", force: bool = False,
          progress: bool | None = None, options: dict | None = None,
-         shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS) -> PackResult:
+         shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS,
+         labels: str | os.PathLike | None = None, labels_index_base: int | None = None) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
     None means the format's default (on for wds, off for lmdb and hdf5). The header and
     full checks refuse an image whose header claims more than max_pixels pixels
-    (packer.check.MAX_PIXELS).
+    (packer.check.MAX_PIXELS). labels, a label file, labels the flat (unlabeled) splits
+    (packer.labels: shapes, and labels_index_base for a list of class indexes); its name
+    and SHA-256 go into the metadata params.
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     options = format_named(fmt).writer_options(options)
@@ -168,9 +171,9 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     workers = workers or available_cores()
     with InterruptGuard(out) as guard:
         tidied = check_target(out, sources=[src], force=force)
-        source = scan_source(src, on_error)
+        source = scan_source(src, on_error, labels, labels_index_base)
         params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
-                  **options, "shuffle_seed": seed}
+                  **options, "shuffle_seed": seed, **label_params(source, labels_index_base)}
 
         def fill(writer) -> Metadata:
             written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard)
@@ -180,6 +183,16 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
 
         meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
+
+
+def label_params(source: Source, index_base: int | None) -> dict:
+    """The metadata params that record the label file applied, if any."""
+    if source.labels is None:
+        return {}
+    found = source.labels.params()
+    if source.labels.by_position is not None:
+        found["index_base"] = index_base
+    return {"labels": found}
 
 
 def write_dataset(fmt: str, out: str, force: bool, options: dict | None,

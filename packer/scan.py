@@ -25,6 +25,7 @@ import numpy as np
 
 from .check import IMAGE_EXTENSIONS
 from .errors import PackError, SourceError
+from .labels import LabelFile, read_label_file
 from .records import UNLABELED, PathTable
 from .source_io import not_regular_reason
 
@@ -56,6 +57,7 @@ class Source:
     warnings: list[str] = field(default_factory=list)
     # Folders left out because they cannot be read (on_error="skip"), as metadata "skipped" entries.
     skipped: list[dict] = field(default_factory=list)
+    labels: LabelFile | None = None  # the label file applied to the flat splits, if any
 
     @property
     def count(self) -> int:
@@ -162,11 +164,14 @@ class Scanner:
         return [(os.path.join(top, name), why) for top, images in found for name, why in images]
 
 
-def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
+def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFile | None = None,
+                labels_index_base: int | None = None) -> Source:
     """List every image of SRC with its split and label.
 
     on_error decides what a folder that cannot be read does: "fail" raises SourceError,
-    "skip" leaves it out and lists it in Source.skipped.
+    "skip" leaves it out and lists it in Source.skipped. labels, a label file's path (or a
+    parsed LabelFile), labels the flat splits (packer.labels); a file it gives no label
+    follows on_error too.
     """
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
@@ -198,7 +203,12 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail") -> Source:
             splits[name] = list_labeled(scan, name, split_roots[name], class_names, class_to_idx, len(images))
         else:
             splits[name] = list_unlabeled(root, split_roots[name], images)
-    source = Source(root, classes, splits, scan.warnings, scan.skipped)
+    if labels is not None:
+        if not isinstance(labels, LabelFile):
+            labels = read_label_file(labels, classes, labels_index_base)
+        apply_labels(scan, splits, split_roots, labels)
+    warn_unlabeled(scan, splits, split_roots)
+    source = Source(root, classes, splits, scan.warnings, scan.skipped, labels)
     if source.count == 0:
         raise SourceError(f"{root}: no image files found (looked for {', '.join(IMAGE_EXTENSIONS)} "
                           f"in SRC/<class>/ folders, any letter case)", root)
@@ -234,6 +244,95 @@ def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | Non
     paths = [relative(root, os.path.join(split_root, name)) for name, _ in images]
     refused = {i: why for i, (_, why) in enumerate(images) if why is not None}
     return SplitListing(PathTable.from_strings(paths), np.full(len(paths), UNLABELED, np.int32), False, refused)
+
+
+def warn_unlabeled(scan: Scanner, splits: dict[str, SplitListing], split_roots: dict[str, str]) -> None:
+    """A flat split beside labeled ones is almost always a validation set whose labels live in a file."""
+    if not any(s.labeled for s in splits.values()):
+        return
+    for name, listing in splits.items():
+        if not listing.labeled and len(listing):
+            folder = relative(scan.root, split_roots[name]) or "."
+            scan.warnings.append(f"{folder}/: {len(listing)} images with no class folders, packed unlabeled "
+                                 "(label -1); pass --labels FILE to label them")
+
+
+def apply_labels(scan: Scanner, splits: dict[str, SplitListing], split_roots: dict[str, str],
+                 labels: LabelFile) -> None:
+    """Label the flat splits from labels, in place: every flat split it names a file of (an
+    integer list: the one flat split). A file it gives no label stops the scan, or with
+    on_error skip is left out and listed in scan.skipped; names of no file are reported."""
+    flat = {name: s for name, s in splits.items() if not s.labeled}
+    if not flat:
+        raise SourceError(f"{labels.path}: --labels given, but every split of {scan.root} has class folders; "
+                          "labels apply only to a flat split (images with no class folders)", scan.root)
+    if labels.by_position is not None:
+        found = positional_labels(flat, labels, split_roots, scan.root)
+    else:
+        found = keyed_labels(scan, flat, labels, split_roots)
+    for name, values in found.items():
+        splits[name] = labeled_listing(scan, name, flat[name], values, labels.name)
+
+
+def positional_labels(flat: dict[str, SplitListing], labels: LabelFile, split_roots: dict[str, str],
+                      root: str) -> dict[str, np.ndarray]:
+    if len(flat) != 1:
+        raise SourceError(f"{labels.path}: a list of class indexes cannot say which of the flat splits "
+                          f"{', '.join(sorted(flat))} it labels; give a filename,class CSV instead", root)
+    (name, listing), = flat.items()
+    if len(labels.by_position) != len(listing):
+        raise SourceError(f"{labels.path}: {len(labels.by_position)} class indexes for the {len(listing)} "
+                          f"images of {relative(root, split_roots[name]) or '.'}/; it must give one per "
+                          "image, in sorted file-name order", root)
+    return {name: np.asarray(labels.by_position, dtype=np.int32)}
+
+
+def label_keys(root: str, split_root: str, relpath: str, stems: bool) -> tuple[str, str]:
+    """The names a label file may give a file by: its path in the split folder, and in SRC."""
+    in_split = os.path.relpath(os.path.join(root, relpath), split_root).replace(os.sep, "/")
+    if stems:
+        return os.path.splitext(in_split)[0], os.path.splitext(relpath)[0]
+    return in_split, relpath
+
+
+def keyed_labels(scan: Scanner, flat: dict[str, SplitListing], labels: LabelFile,
+                 split_roots: dict[str, str]) -> dict[str, np.ndarray]:
+    found, used = {}, set()
+    for name, listing in flat.items():
+        values = np.full(len(listing), UNLABELED, np.int32)
+        for i, relpath in enumerate(listing.paths):
+            for key in label_keys(scan.root, split_roots[name], relpath, labels.keys_are_stems):
+                if key in labels.by_key:
+                    values[i] = labels.by_key[key]
+                    used.add(key)
+                    break
+        if (values != UNLABELED).any():
+            found[name] = values
+    if not found:
+        sample = ", ".join(sorted(labels.by_key)[:3])
+        raise SourceError(f"{labels.path}: names none of the images of the flat split(s) "
+                          f"{', '.join(sorted(flat))} (it names e.g. {sample}); is it the right file?", scan.root)
+    unknown = sorted(labels.by_key.keys() - used)
+    if unknown:
+        scan.warnings.append(f"{labels.name}: {len(unknown)} name(s) match no image of the split "
+                             f"(first: {', '.join(unknown[:5])}); they were ignored")
+    return found
+
+
+def labeled_listing(scan: Scanner, split: str, listing: SplitListing, values: np.ndarray,
+                    label_file: str) -> SplitListing:
+    missing = np.flatnonzero(values == UNLABELED)
+    if len(missing) and scan.on_error == "fail":
+        raise SourceError(f"{listing.paths[int(missing[0])]}: no label in {label_file} ({len(missing)} image(s) "
+                          "of the split have none); add them to it, or pass --on-error skip to leave them out",
+                          scan.root)
+    reason = f"no label in {label_file}"
+    scan.skipped += [{"path": listing.paths[int(i)], "split": split, "reason": reason} for i in missing]
+    keep = values != UNLABELED
+    new_index = np.cumsum(keep) - 1
+    refused = {int(new_index[i]): why for i, why in listing.refused.items() if keep[i]}
+    paths = PathTable.from_strings(p for p, k in zip(listing.paths, keep.tolist()) if k)
+    return SplitListing(paths, values[keep], True, refused)
 
 
 def relative(root: str, path: str) -> str:

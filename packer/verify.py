@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,15 +38,38 @@ def info(path: str) -> dict:
     return {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
 
 
+# Kinds of problem, counted in VerifyReport.kinds so a long list can be summed up.
+DAMAGED = "damaged"  # a record, table or container file that does not read back intact
+DIFFERS = "differs from SRC"
+NOT_PACKED = "in SRC but not packed"
+NOT_IN_SRC = "packed but not in SRC"
+CLASS_CHANGED = "class changed in SRC"
+SRC_UNREADABLE = "SRC file unreadable"
+SPLITS_DIFFER = "splits differ"
+
+
 @dataclass
 class VerifyReport:
     checked: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    kinds: Counter = field(default_factory=Counter)  # kind -> how many of problems are of it
+    advice: list[str] = field(default_factory=list)  # what to do about the problems found
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def add(self, kind: str, problems: list[str]) -> None:
+        if problems:
+            self.problems += problems
+            self.kinds[kind] += len(problems)
+
+    def to_dict(self, first: int = 20) -> dict:
+        """The report as one JSON-able object: counts, the first problems, notes and advice."""
+        return {"ok": self.ok, "checked": self.checked, "problem_count": len(self.problems),
+                "problems_by_kind": dict(self.kinds), "first_problems": self.problems[:first],
+                "notes": self.notes, "advice": self.advice}
 
 
 class BlockVerifier:
@@ -59,7 +83,7 @@ class BlockVerifier:
         self.readers = ReaderCache(path)
         self.check, self.against, self.max_pixels = check, against, max_pixels
 
-    def __call__(self, block: tuple[str, int, int]) -> list[str]:
+    def __call__(self, block: tuple[str, int, int]) -> list[tuple[str, str]]:
         split, start, stop = block
         reader = self.readers[split]
         problems = []
@@ -68,13 +92,13 @@ class BlockVerifier:
             try:
                 data, label, relpath = reader.read(i)
             except PackError as exc:
-                problems.append(str(exc))
+                problems.append((DAMAGED, str(exc)))
                 continue
             if relpath != reader.paths[i] or label != reader.labels[i]:
-                problems.append(f"{where} ({relpath}): record disagrees with the split's path/label index")
+                problems.append((DAMAGED, f"{where} ({relpath}): record disagrees with the split's path/label index"))
             reason = problem(data, self.check, self.max_pixels)
             if reason:
-                problems.append(f"{where} ({relpath}): {reason}")
+                problems.append((DAMAGED, f"{where} ({relpath}): {reason}"))
             if self.against is not None:
                 problems += compare_with_source(self.against, relpath, data, where)
         return problems
@@ -83,7 +107,7 @@ class BlockVerifier:
         self.readers.close()
 
 
-def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[str]:
+def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[tuple[str, str]]:
     # Imported here only to keep this change to one function; a FIFO or device in SRC must not hang verify.
     from .errors import BadImageError
     from .source_io import read_regular_file
@@ -93,22 +117,26 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> lis
     except FileNotFoundError:
         return []  # reported once, as removed, by the listing comparison
     except OSError as exc:
-        return [f"{relpath}: cannot read the source file ({exc.strerror or exc})"]
+        return [(SRC_UNREADABLE, f"{relpath}: cannot read the source file ({exc.strerror or exc})")]
     except BadImageError as exc:
-        return [f"{relpath}: cannot compare with the source file: {exc.reason}"]
+        return [(SRC_UNREADABLE, f"{relpath}: cannot compare with the source file: {exc.reason}")]
     if original != data:
-        return [f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
-                f"{len(original)} in SRC)"]
+        return [(DIFFERS, f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
+                          f"{len(original)} in SRC)")]
     return []
 
 
 def verify(path: str, against: str | None = None, check: str = "full",
-           workers: int | None = None) -> VerifyReport:
-    """Re-read every record, check its checksum and image, and compare with the source if given."""
+           workers: int | None = None, progress: bool | None = None) -> VerifyReport:
+    """Re-read every record, check its checksum and image, and compare with the source if given.
+
+    progress: a bar on stderr (None: only when stderr is a terminal, as pack's). The report
+    counts its problems per kind and ends with advice on what to do about them.
+    """
     fmt = detect_format(path)
     meta = read_metadata(path)
     report = VerifyReport()
-    report.problems += FORMATS[fmt].check_files(path)  # the container's own (wds: shard sizes, SHA-256s)
+    report.add(DAMAGED, FORMATS[fmt].check_files(path))  # the container's own (wds: shard sizes, SHA-256s)
     tables = split_tables(path, meta, report)
     root = None
     if against is not None:
@@ -120,13 +148,43 @@ def verify(path: str, against: str | None = None, check: str = "full",
               for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
     workers = min(workers or available_cores(), max(len(blocks), 1))
     verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels)
+    bar = progress_bar(sum(stop - start for _, start, stop in blocks), progress)
     try:
-        for found in load_in_processes(blocks, verifier, workers, chunk=1):
-            report.problems += found
+        for (_, start, stop), found in zip(blocks, load_in_processes(blocks, verifier, workers, chunk=1)):
+            for kind, message in found:
+                report.add(kind, [message])
+            bar.update(stop - start)
     finally:
+        bar.close()
         verifier.close()
     report.checked = sum(meta.splits[split].count for split in tables)
+    report.advice = advice(report, meta, against)
     return report
+
+
+def progress_bar(total: int, enabled: bool | None):
+    """A tqdm bar in records, on stderr: on a terminal only when enabled is None."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="record", disable=None if enabled is None else not enabled,
+                smoothing=0.1, dynamic_ncols=True)
+
+
+def advice(report: VerifyReport, meta: Metadata, against: str | None) -> list[str]:
+    """What to do about the problems found, most likely cause first."""
+    kinds, found = report.kinds, []
+    compared = kinds[NOT_PACKED] + kinds[NOT_IN_SRC] + kinds[DIFFERS] + kinds[CLASS_CHANGED]
+    if against is not None and (kinds[SPLITS_DIFFER] or (kinds[NOT_IN_SRC] and kinds[NOT_IN_SRC] >= report.checked)):
+        found.append(f"no packed file is in {against}: is --against the folder it was packed from? "
+                     f"(the metadata says {meta.source})")
+    elif compared or kinds[SPLITS_DIFFER]:
+        found.append(f"{against} changed since packing: re-pack it to include the changes, or verify against "
+                     f"the folder it was packed from ({meta.source})")
+    if kinds[SRC_UNREADABLE]:
+        found.append("some source files could not be read: fix their permissions, or replace them")
+    if kinds[DAMAGED]:
+        found.append("the dataset is damaged: restore it from a copy, or re-pack it from its source")
+    return found
 
 
 def packed_max_pixels(meta: Metadata) -> int:
@@ -146,21 +204,21 @@ def split_tables(path: str, meta: Metadata, report: VerifyReport) -> dict[str, t
             reader = open_reader(path, split)
             paths, labels = reader.paths, reader.labels
             if len(paths) != info.count or len(labels) != info.count:
-                report.problems.append(f"split {split}: {len(paths)} paths and {len(labels)} labels for the "
+                report.add(DAMAGED, [f"split {split}: {len(paths)} paths and {len(labels)} labels for the "
                                        f"{info.count} records the metadata lists (its records were not read); "
-                                       "the dataset is damaged, re-pack it")
+                                       "the dataset is damaged, re-pack it"])
                 continue
             reader.open()  # every other table loads, and is checked, here
             if not reader.tables_checked:
                 report.notes.append(f"split {split}: tables not covered by checksums (packed by an older packer); "
                                     "`packer convert` or re-pack to add them")
         except PackError as exc:
-            report.problems.append(f"split {split}: {exc} (its records were not read)")
+            report.add(DAMAGED, [f"split {split}: {exc} (its records were not read)"])
             continue
         finally:
             if reader is not None:
                 reader.close()
-        report.problems += label_problems(split, labels, len(meta.classes), info.labeled)
+        report.add(DAMAGED, label_problems(split, labels, len(meta.classes), info.labeled))
         tables[split] = (paths, labels)
     return tables
 
@@ -187,7 +245,7 @@ def class_of(label: int, classes: list[str]) -> str | None:
 def compare_listings(meta: Metadata, tables: dict, source: Source, report: VerifyReport) -> None:
     """Files added to or removed from SRC since packing, and label changes."""
     if sorted(meta.splits) != sorted(source.splits):
-        report.problems.append(f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}")
+        report.add(SPLITS_DIFFER, [f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}"])
     skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
     for split in sorted(set(tables) & set(source.splits)):
         paths, labels = tables[split]
@@ -197,12 +255,21 @@ def compare_listings(meta: Metadata, tables: dict, source: Source, report: Verif
         for relpath in sorted(current.keys() - packed.keys()):
             reason = skipped.get((split, relpath))
             if reason is None:
-                report.problems.append(f"{relpath}: in SRC but not packed (added since packing?)")
+                report.add(NOT_PACKED, [f"{relpath}: in SRC but not packed (added since packing?)"])
             else:
                 report.notes.append(f"{relpath}: skipped at pack time ({reason})")
         for relpath in sorted(packed.keys() - current.keys()):
-            report.problems.append(f"{relpath}: packed but no longer in SRC (removed since packing?)")
+            report.add(NOT_IN_SRC, [f"{relpath}: packed but no longer in SRC (removed since packing?)"])
+        if labeled_from_file(meta, split, listing):
+            report.notes.append(f"split {split}: labels came from {meta.params['labels'].get('file')} at pack "
+                                "time, not from folders; only file contents and names were compared")
+            continue
         for relpath in sorted(packed.keys() & current.keys()):
             if packed[relpath] != current[relpath]:
-                report.problems.append(f"{relpath}: packed with class {packed[relpath]!r}, "
-                                       f"SRC now has it under {current[relpath]!r}")
+                report.add(CLASS_CHANGED, [f"{relpath}: packed with class {packed[relpath]!r}, "
+                                           f"SRC now has it under {current[relpath]!r}"])
+
+
+def labeled_from_file(meta: Metadata, split: str, listing) -> bool:
+    """Whether split is flat in SRC and was labeled by the label file recorded in params."""
+    return (not listing.labeled and meta.splits[split].labeled and isinstance(meta.params.get("labels"), dict))

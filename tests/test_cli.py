@@ -198,3 +198,13 @@ def test_disk_full_fails_cleanly_naming_the_output(tmp_path, fmt):
     assert f"{out}: writing the {fmt} dataset failed" in proc.stderr and "Traceback" not in proc.stderr
     assert "File too large" in proc.stderr and "free some space" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing at OUT, no staging left
+
+
+def test_pack_json_is_one_object_on_stdout(split_tree, tmp_path):
+    out = tmp_path / "j.lmdb"
+    result = run("pack", split_tree, "--to", "lmdb", "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.stdout)
+    assert facts["path"] == str(out) and facts["count"] == 16 and facts["classes"] == ["a", "b", "c"]
+    assert facts["splits"]["val"]["class_counts"] == [2, 0, 2] and facts["seconds"] >= 0
+    assert facts["warnings"] == [] and "packed 16 images" in result.stderr

@@ -246,3 +246,13 @@ def test_an_unreadable_split_folder_is_skipped_whole(public_tmp):
 def test_an_unknown_on_error_policy_is_refused(image_tree):
     with pytest.raises(PackError, match="on_error must be one of fail, skip"):
         scan_source(image_tree, "ignore")
+
+
+def test_a_flat_split_beside_a_labeled_one_is_warned_about(split_tree):
+    for i in range(3):
+        write(split_tree / "test" / f"t{i}.jpg", jpeg_bytes(7000 + i))
+    source = scan_source(split_tree)
+    assert not source.splits["test"].labeled
+    assert ("test/: 3 images with no class folders, packed unlabeled (label -1); "
+            "pass --labels FILE to label them") in source.warnings
+    assert not any("no class folders" in w for w in scan_source(split_tree / "train").warnings)

@@ -126,3 +126,65 @@ def test_split_count_disagreeing_with_the_tables_is_reported(packed_tree):
     assert len(report.problems) == 1 and report.problems[0].startswith("split all: "), report.problems
     assert "18" in report.problems[0] and "19" in report.problems[0]
     assert report.checked == 0
+
+
+@pytest.fixture
+def wrong_folder(tmp_path):
+    """A folder of 300 images that share no file with image_tree: the wrong --against."""
+    root = tmp_path / "elsewhere"
+    for i in range(300):
+        write(root / f"class{i % 3}" / f"other_{i:03d}.jpg", jpeg_bytes(9000 + i % 7))
+    return root
+
+
+def test_a_wrong_against_folder_is_summed_up_not_listed_file_by_file(image_tree, tmp_path, wrong_folder):
+    out = tmp_path / "w.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    result = CliRunner().invoke(main, ["verify", str(out), "--against", str(wrong_folder), "--workers", "1"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert sum(line.startswith("error: ") for line in lines) == 20  # the first problems, not 319 lines
+    assert "... and 299 more problems" in result.stderr
+    assert "problems: 300 in SRC but not packed, 19 packed but not in SRC" in result.stderr
+    assert (f"to do: no packed file is in {wrong_folder}: is --against the folder it was packed from? "
+            f"(the metadata says {image_tree})") in result.stderr
+    assert len(lines) < 30
+    assert "record/s" not in result.stderr  # no progress bar when stderr is not a terminal
+
+
+def test_verify_json_is_one_object_on_stdout(image_tree, tmp_path, wrong_folder):
+    out = tmp_path / "j.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    bad = CliRunner().invoke(main, ["verify", str(out), "--against", str(wrong_folder), "--json", "--workers", "1"])
+    assert bad.exit_code == 1
+    facts = json.loads(bad.stdout)
+    assert facts["ok"] is False and facts["checked"] == 19 and facts["problem_count"] == 319
+    assert facts["problems_by_kind"] == {"in SRC but not packed": 300, "packed but not in SRC": 19}
+    assert len(facts["first_problems"]) == 20 and "is --against the folder" in facts["advice"][0]
+    good = CliRunner().invoke(main, ["verify", str(out), "--against", str(image_tree), "--json"])
+    assert good.exit_code == 0
+    assert json.loads(good.stdout) == {"path": str(out), "against": str(image_tree), "ok": True, "checked": 19,
+                                       "problem_count": 0, "problems_by_kind": {}, "first_problems": [],
+                                       "notes": [], "advice": []}
+
+
+def test_verify_shows_progress_when_asked(image_tree, tmp_path, capsys):
+    out = tmp_path / "p.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    capsys.readouterr()
+    assert verify(str(out), workers=1, progress=True).ok
+    assert "19/19" in capsys.readouterr().err
+    assert verify(str(out), workers=1).ok  # None: a bar only on a terminal, and pytest's stderr is not one
+    assert "19/19" not in capsys.readouterr().err
+
+
+def test_damage_is_counted_and_answered_with_what_to_do(image_tree, tmp_path):
+    out = tmp_path / "k.lmdb"
+    pack(str(image_tree), "lmdb", str(out), progress=False, workers=1)
+    db = out / "data.mdb"
+    blob = bytearray(db.read_bytes())
+    blob[blob.find((image_tree / "cat" / "gray.jpeg").read_bytes()) + 200] ^= 0x55
+    db.write_bytes(bytes(blob))
+    report = verify(str(out), workers=1)
+    assert report.kinds == {"damaged": 1}
+    assert report.advice == ["the dataset is damaged: restore it from a copy, or re-pack it from its source"]

@@ -1,0 +1,213 @@
+"""Label files for a flat split (ImageNet's official val/): every shape, good and broken."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from packer import pack
+from packer.cli import main
+from packer.errors import SourceError
+from packer.formats import open_reader, read_metadata
+from packer.scan import scan_source
+
+from conftest import jpeg_bytes, write
+
+WNIDS = ["n01440764", "n01443537", "n01484850"]
+VAL = [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(1, 7)]
+# The class of each val image, as ImageNet's label files would give it.
+TRUTH = {name: WNIDS[i % 3] for i, name in enumerate(VAL)}
+
+
+@pytest.fixture
+def imagenet_tree(tmp_path) -> Path:
+    """train/<wnid>/... with class folders, and ImageNet's flat val/ beside it."""
+    root = tmp_path / "imagenet"
+    seed = iter(range(5000, 6000))
+    for wnid in WNIDS:
+        for i in range(2):
+            write(root / "train" / wnid / f"{wnid}_{i}.JPEG", jpeg_bytes(next(seed)))
+    for name in VAL:
+        write(root / "val" / name, jpeg_bytes(next(seed)))
+    return root
+
+
+def loc_csv(entries: dict[str, str]) -> str:
+    rows = "".join(f"{Path(name).stem},{wnid} 12 34 200 300 {wnid} 1 2 3 4\n" for name, wnid in entries.items())
+    return "ImageId,PredictionString\n" + rows
+
+
+def label_file(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+def val_labels(packed: Path) -> dict[str, str]:
+    meta = read_metadata(str(packed))
+    reader = open_reader(str(packed), "val")
+    try:
+        return {p.split("/")[-1]: meta.classes[int(l)] for p, l in zip(reader.paths, reader.labels)}
+    finally:
+        reader.close()
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_flat_val_beside_labeled_train_is_packed_unlabeled_with_a_warning(imagenet_tree, tmp_path):
+    result = run("pack", imagenet_tree, "--to", "lmdb", "-o", tmp_path / "o.lmdb", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert ("warning: val/: 6 images with no class folders, packed unlabeled (label -1); "
+            "pass --labels FILE to label them") in result.stderr
+
+
+def test_a_flat_folder_alone_is_not_warned_about(flat_tree):
+    assert not any("no class folders" in w for w in scan_source(flat_tree).warnings)
+
+
+@pytest.mark.parametrize("shape", ["loc", "csv-names", "csv-indexes", "json-names", "json-indexes"])
+def test_each_keyed_shape_labels_val_in_the_train_class_list(imagenet_tree, tmp_path, shape):
+    contents = {
+        "loc": ("LOC_val_solution.csv", loc_csv(TRUTH)),
+        "csv-names": ("val.csv", "filename,class\n" + "".join(f"{n},{c}\n" for n, c in TRUTH.items())),
+        "csv-indexes": ("val.csv", "".join(f"val/{n},{WNIDS.index(c)}\n" for n, c in TRUTH.items())),
+        "json-names": ("val.json", json.dumps(TRUTH)),
+        "json-indexes": ("val.json", json.dumps({n: WNIDS.index(c) for n, c in TRUTH.items()})),
+    }
+    labels = label_file(tmp_path, *contents[shape])
+    out = tmp_path / "o.lmdb"
+    result = pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), workers=1, progress=False)
+    assert not any("no class folders" in w for w in result.warnings)
+    assert val_labels(out) == TRUTH
+    meta = read_metadata(str(out))
+    assert meta.classes == WNIDS and meta.splits["val"].labeled
+    assert meta.splits["val"].class_counts == [2, 2, 2]
+    recorded = meta.params["labels"]
+    assert recorded["file"] == labels.name
+    assert recorded["sha256"] == hashlib.sha256(labels.read_bytes()).hexdigest()
+
+
+def test_a_list_of_indexes_needs_an_explicit_base(imagenet_tree, tmp_path):
+    # ILSVRC2012_validation_ground_truth.txt's shape: one 1-based index per line, files in sorted order.
+    text = "".join(f"{WNIDS.index(TRUTH[n]) + 1}\n" for n in sorted(VAL))
+    labels = label_file(tmp_path, "ILSVRC2012_validation_ground_truth.txt", text)
+    with pytest.raises(SourceError, match=r"only accepted with --labels-index-base 0\|1.*synset order"):
+        pack(str(imagenet_tree), "lmdb", str(tmp_path / "a.lmdb"), labels=str(labels), workers=1)
+    assert not (tmp_path / "a.lmdb").exists()
+    out = tmp_path / "b.lmdb"
+    pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), labels_index_base=1, workers=1)
+    assert val_labels(out) == TRUTH
+    assert read_metadata(str(out)).params["labels"]["index_base"] == 1
+
+
+@pytest.mark.parametrize("text, error", [
+    ("1\n2\n3\n", r"3 class indexes for the 6 images of val/"),
+    ("1\n2\n3\n4\n2\n1\n", r"line 4: class index 4 outside 1 to 3"),
+    ("0\n1\n2\n0\n1\n2\n", r"line 1: class index 0 outside 1 to 3"),
+])
+def test_a_wrong_list_of_indexes_is_refused(imagenet_tree, tmp_path, text, error):
+    labels = label_file(tmp_path, "gt.txt", text)
+    with pytest.raises(SourceError, match=error):
+        pack(str(imagenet_tree), "lmdb", str(tmp_path / "o.lmdb"), labels=str(labels), labels_index_base=1)
+
+
+def test_index_base_with_a_keyed_file_is_refused(imagenet_tree, tmp_path):
+    labels = label_file(tmp_path, "val.json", json.dumps(TRUTH))
+    with pytest.raises(SourceError, match="applies to a list of class indexes"):
+        pack(str(imagenet_tree), "lmdb", str(tmp_path / "o.lmdb"), labels=str(labels), labels_index_base=0)
+    refused = run("pack", imagenet_tree, "--to", "lmdb", "--labels-index-base", "1")
+    assert refused.exit_code == 2 and "--labels-index-base applies to a --labels file" in refused.stderr
+
+
+BROKEN = {
+    "unknown class": ("val.csv", "".join(f"{n},{c}\n" for n, c in TRUTH.items()).replace("n01484850", "n09999999", 1),
+                      r"val.csv: row 3: class 'n09999999' is not one of the 3 class folders.*cannot add classes"),
+    "index past the classes": ("val.json", json.dumps({VAL[0]: 3}), r"class index 3 outside 0 to 2"),
+    "path outside the split": ("val.csv", f"../../etc/passwd,{WNIDS[0]}\n", r"row 1: '../../etc/passwd' is not a file name inside"),
+    "absolute path": ("val.json", json.dumps({"/etc/passwd": WNIDS[0]}), r"'/etc/passwd' is not a file name inside"),
+    "control character": ("val.json", json.dumps({"a\nb.JPEG": WNIDS[0]}), r"is not a file name inside"),
+    "labeled twice": ("val.csv", f"{VAL[0]},{WNIDS[0]}\n{VAL[0]},{WNIDS[1]}\n", r"row 2: .* labeled twice"),
+    "not UTF-8": ("val.csv", b"\xff\xfe\x00bad,\x81\n", r"not UTF-8 text"),
+    "NUL bytes": ("val.csv", b"a.JPEG,n01440764\x00\n", r"NUL bytes"),
+    "bad JSON": ("val.json", '{"a.JPEG": ', r"not valid JSON"),
+    "JSON array": ("val.json", json.dumps([VAL[0], WNIDS[0]]), r"must be one object"),
+    "JSON nested": ("val.json", "[" * 100000 + "]" * 100000, r"not valid JSON|must be one object"),
+    "JSON class not a name": ("val.json", json.dumps({VAL[0]: [1]}), r"class must be a name or an index, not list"),
+    "JSON boolean class": ("val.json", json.dumps({VAL[0]: True}), r"not bool"),
+    "three columns": ("val.csv", f"{VAL[0]},{WNIDS[0]},x\n", r"row 1: expected two columns"),
+    "LOC without class": ("LOC.csv", "ImageId,PredictionString\nILSVRC2012_val_00000001,\n", r"row 2: expected ImageId"),
+    "empty": ("val.csv", "\n\n", r"label file is empty"),
+    "names no image": ("val.csv", f"other.JPEG,{WNIDS[0]}\n", r"names none of the images of the flat split"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_label_files_are_refused_naming_the_problem(imagenet_tree, tmp_path, case):
+    name, content, error = BROKEN[case]
+    labels = label_file(tmp_path, name, content)
+    out = tmp_path / "o.lmdb"
+    with pytest.raises(SourceError, match=error):
+        pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), workers=1)
+    assert not out.exists()
+    cli = run("pack", imagenet_tree, "--to", "lmdb", "-o", out, "--labels", labels)
+    assert cli.exit_code == 1 and "Traceback" not in cli.output
+    assert str(labels) in cli.stderr
+
+
+def test_a_fifo_or_huge_label_file_is_refused_without_reading_it(imagenet_tree, tmp_path):
+    fifo = tmp_path / "labels.csv"
+    os.mkfifo(fifo)  # opening it for reading would block forever
+    with pytest.raises(SourceError, match="not a regular file"):
+        scan_source(imagenet_tree, labels=str(fifo))
+    huge = tmp_path / "huge.csv"
+    with open(huge, "wb") as f:
+        f.truncate(600 * 2**20)  # sparse: costs no disk
+    with pytest.raises(SourceError, match="larger than 512 MB"):
+        scan_source(imagenet_tree, labels=str(huge))
+
+
+def test_an_image_without_a_label_fails_or_is_skipped(imagenet_tree, tmp_path):
+    partial = {n: c for n, c in TRUTH.items() if n != VAL[2]}
+    labels = label_file(tmp_path, "LOC_val_solution.csv", loc_csv(partial))
+    with pytest.raises(SourceError, match=rf"val/{VAL[2]}: no label in LOC_val_solution.csv .*--on-error skip"):
+        pack(str(imagenet_tree), "lmdb", str(tmp_path / "a.lmdb"), labels=str(labels), workers=1)
+    out = tmp_path / "b.lmdb"
+    pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), on_error="skip", workers=1)
+    assert val_labels(out) == partial
+    assert read_metadata(str(out)).skipped == [
+        {"path": f"val/{VAL[2]}", "split": "val", "reason": "no label in LOC_val_solution.csv"}]
+
+
+def test_names_of_no_image_are_reported(imagenet_tree, tmp_path):
+    extra = {**TRUTH, "ILSVRC2012_val_00050000.JPEG": WNIDS[0]}
+    labels = label_file(tmp_path, "LOC_val_solution.csv", loc_csv(extra))
+    result = run("pack", imagenet_tree, "--to", "lmdb", "-o", tmp_path / "o.lmdb", "--labels", labels, "--json")
+    assert result.exit_code == 0, result.output
+    assert ("LOC_val_solution.csv: 1 name(s) match no image of the split (first: ILSVRC2012_val_00050000)"
+            in result.stderr)
+    facts = json.loads(result.stdout)  # --json: one object on stdout, the rest on stderr
+    assert facts["splits"]["val"]["labeled"] and facts["params"]["labels"]["shape"] == "loc"
+    assert any("match no image" in w for w in facts["warnings"])
+
+
+def test_labels_with_no_flat_split_are_refused(tmp_path, split_tree):
+    labels = label_file(tmp_path, "val.csv", "a0.jpg,a\n")
+    with pytest.raises(SourceError, match="every split .* has class folders"):
+        scan_source(split_tree, labels=str(labels))
+
+
+def test_verify_against_the_source_accepts_labels_from_a_file(imagenet_tree, tmp_path):
+    from packer.verify import verify
+
+    labels = label_file(tmp_path, "val.json", json.dumps(TRUTH))
+    out = tmp_path / "o.lmdb"
+    pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), workers=1)
+    report = verify(str(out), str(imagenet_tree), workers=1)
+    assert report.ok, report.problems
+    assert any("labels came from val.json" in n for n in report.notes)
