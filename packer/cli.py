@@ -131,7 +131,8 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
 @click.option("-o", "--out", type=click.Path(), help="Output path [default: SRC + .lmdb/.h5/.wds].")
-@click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@click.option("--workers", type=click.IntRange(min=1), help="Readers working ahead of the writer: threads for the "
+              "header check, processes for --check full [default: the usable cores].")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
               help="fail: stop at the first bad file; skip: leave bad files out and record them.")
 @click.option("--check", type=click.Choice(CHECKS), default="header", show_default=True,
@@ -189,7 +190,8 @@ def pack_facts(result: PackResult) -> dict:
 @click.option("-o", "--out", type=click.Path(),
               help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--workers", type=click.IntRange(min=1), help="Reader processes [default: all cores].")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
+              "[default: the usable cores].")
 @shard_options
 @library_errors
 def convert_command(packed, fmt, out, force, workers, **shards):
@@ -239,7 +241,8 @@ def info_command(packed, as_json):
               help="Also check that every file of this source folder is packed, byte-identical.")
 @click.option("--check", type=click.Choice(CHECKS), default="full", show_default=True,
               help="How each stored image is checked beyond its CRC.")
-@click.option("--workers", type=click.IntRange(min=1), help="Processes [default: all cores].")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes checking the records "
+              "[default: the usable cores].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
 @library_errors
 def verify_command(packed, against, check, workers, as_json):
