@@ -65,7 +65,7 @@ def even_tree(tmp_path) -> Path:
 ])
 def test_keys_have_no_dot_in_the_last_component_and_split_back_as_webdataset_does(relpath, key):
     assert wds.sample_key(relpath) == key
-    member = f"{key}.{wds.member_suffix(relpath)}"
+    member = f"{key}.{wds.source_suffix(relpath)}"
     webdataset_tariterators = pytest.importorskip("webdataset.tariterators")
     assert webdataset_tariterators.base_plus_ext(member) == (key, relpath.rpartition(".")[2].lower())
 
@@ -116,7 +116,8 @@ def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):
             listed = subprocess.run(["tar", "tf", str(shard)], capture_output=True, check=True).stdout
             assert listed.decode().splitlines() == [m.name for m in members]
     assert len(names) == 19 * 3
-    assert {n.rpartition(".")[2] for n in names} == {"jpeg", "jpg", "cls", "json"}
+    # named by content: the PNG named .JPEG is a png member, every JPEG (.jpeg, .JPG) a jpg one
+    assert {n.rpartition(".")[2] for n in names} == {"jpg", "png", "cls", "json"}
 
 
 def test_shard_size_bounds_every_shard_that_holds_more_than_one_sample(imagenet_sample, tmp_path):
@@ -217,7 +218,7 @@ def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp
     seen = []
     for sample in webdataset.WebDataset([str(p) for p in shard_files(out)], shardshuffle=False).decode("pil"):
         relpath = sample["json"]["path"]
-        image = next(v for k, v in sample.items() if k in ("jpg", "jpeg"))
+        image = next(v for k, v in sample.items() if k in ("jpg", "png"))
         expected, label = folder[position[relpath]]
         assert sample["cls"] == label
         assert image.convert("RGB").tobytes() == expected.tobytes()
