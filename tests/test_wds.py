@@ -716,4 +716,5 @@ def test_info_shows_shard_count_and_sizes_per_split(image_tree, tmp_path):
     assert facts["splits"]["all"]["shards"] == {"shards": 4, "bytes": sum(sizes), "min_bytes": min(sizes),
                                                 "max_bytes": max(sizes)}
     text = CliRunner().invoke(main, ["info", str(out)]).stdout
-    assert f"    4 shard(s), {sum(sizes) / 1e6:.1f} MB, {min(sizes) / 1e6:.1f} to {max(sizes) / 1e6:.1f} MB each" in text
+    mb = [f"{size / 1e6:.1f}" for size in (sum(sizes), min(sizes), max(sizes))]
+    assert f"    4 shard(s), {mb[0]} MB, {mb[1]} to {mb[2]} MB each" in text

@@ -18,8 +18,9 @@
 The index names only files of its own dataset: load_index refuses any name but
 <split>/<name>.tar, <split>/records.bin, <split>/paths.bin and <split>/wids-index.json
 (the split's "wids_index", absent before layout 2), and any that resolves (through a
-symlink) outside OUT.wds; check_files (verify) checks the wids index against the shards. Its metadata checksum ("crc32", see packer.records)
-leaves out "wds": each shard has its SHA-256 and size there, which verify checks.
+symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records) leaves out
+"wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
+that each wids index lists exactly the split's shards, sample counts and classes.
 
 A sample is three consecutive members (see _tar for the header rules):
   <key>.<ext>    the original file bytes; ext names the content, as webdataset's decoders
