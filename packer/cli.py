@@ -223,6 +223,10 @@ def info_command(packed, as_json):
     for name, split in facts["splits"].items():
         kind = "" if split["labeled"] else " (unlabeled)"
         click.echo(f"  split {name}: {split['count']} images{kind}")
+        shards = split.get("shards")
+        if shards:
+            click.echo(f"    {shards['shards']} shard(s), {shards['bytes'] / 1e6:.1f} MB, "
+                       f"{shards['min_bytes'] / 1e6:.1f} to {shards['max_bytes'] / 1e6:.1f} MB each")
     shown = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
     click.echo(f"  classes: {len(facts['classes'])} ({shown})")
     click.echo(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")

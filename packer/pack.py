@@ -181,8 +181,16 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=source.skipped + written.skipped)
 
-        meta = write_dataset(fmt, out, force, options, fill)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings, tidied.removed)
+        written_notes: list[str] = []
+
+        def fill_noting(writer) -> Metadata:
+            meta = fill(writer)
+            written_notes.extend(getattr(writer, "warnings", ()))  # a writer's advice (wds: too few shards)
+            return meta
+
+        meta = write_dataset(fmt, out, force, options, fill_noting)
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + written_notes,
+                      tidied.removed)
 
 
 def label_params(source: Source, index_base: int | None) -> dict:
@@ -282,7 +290,7 @@ def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, lo
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],
                 on_error: str, skipped: list[dict], bar: Progress, order: np.ndarray | None,
                 guard: InterruptGuard) -> SplitInfo:
-    writer.begin_split(name)
+    writer.begin_split(name, expected_count=len(listing))
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
     first_skipped = len(skipped)

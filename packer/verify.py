@@ -35,7 +35,13 @@ def own_size(path: str) -> int:
 def info(path: str) -> dict:
     """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict."""
     meta = read_metadata(path)
-    return {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+    facts = {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+    if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to workers)
+        from .formats.wds import shard_info
+
+        for split, shards in shard_info(path).items():
+            facts["splits"][split]["shards"] = shards
+    return facts
 
 
 # Kinds of problem, counted in VerifyReport.kinds so a long list can be summed up.

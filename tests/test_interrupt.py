@@ -125,7 +125,7 @@ class ListWriter:
     def __init__(self):
         self.added = []
 
-    def begin_split(self, name):
+    def begin_split(self, name, expected_count=None):
         pass
 
     def add(self, data, label, relpath, crc):

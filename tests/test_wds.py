@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -65,7 +66,7 @@ def even_tree(tmp_path) -> Path:
 ])
 def test_keys_have_no_dot_in_the_last_component_and_split_back_as_webdataset_does(relpath, key):
     assert wds.sample_key(relpath) == key
-    member = f"{key}.{wds.member_suffix(relpath)}"
+    member = f"{key}.{wds.source_suffix(relpath)}"
     webdataset_tariterators = pytest.importorskip("webdataset.tariterators")
     assert webdataset_tariterators.base_plus_ext(member) == (key, relpath.rpartition(".")[2].lower())
 
@@ -116,7 +117,8 @@ def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):
             listed = subprocess.run(["tar", "tf", str(shard)], capture_output=True, check=True).stdout
             assert listed.decode().splitlines() == [m.name for m in members]
     assert len(names) == 19 * 3
-    assert {n.rpartition(".")[2] for n in names} == {"jpeg", "jpg", "cls", "json"}
+    # named by content: the PNG named .JPEG is a png member, every JPEG (.jpeg, .JPG) a jpg one
+    assert {n.rpartition(".")[2] for n in names} == {"jpg", "png", "cls", "json"}
 
 
 def test_shard_size_bounds_every_shard_that_holds_more_than_one_sample(imagenet_sample, tmp_path):
@@ -217,7 +219,7 @@ def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp
     seen = []
     for sample in webdataset.WebDataset([str(p) for p in shard_files(out)], shardshuffle=False).decode("pil"):
         relpath = sample["json"]["path"]
-        image = next(v for k, v in sample.items() if k in ("jpg", "jpeg"))
+        image = next(v for k, v in sample.items() if k in ("jpg", "png"))
         expected, label = folder[position[relpath]]
         assert sample["cls"] == label
         assert image.convert("RGB").tobytes() == expected.tobytes()
@@ -541,3 +543,178 @@ def test_a_damaged_packer_json_is_reported(tmp_path):
     shard.write_bytes(blob.replace(b'"crc32": ', b'"crc32":{'))  # same length: the tar stays whole
     with pytest.raises(CorruptDataError, match=r"j\.tar: k0: the \.json member is damaged"):
         list(WDSDataset(shard, decode="raw"))
+
+
+# --- layout 2: members named by content, auto shard size, wids index, info -------------
+
+def test_members_are_named_by_content_as_webdataset_recipes_expect(tmp_path):
+    src = tmp_path / "kinds"
+    files = {"c/a.JPEG": jpeg_bytes(1), "c/b.jpeg": jpeg_bytes(2), "c/png_named.JPEG": jpeg_bytes(3, fmt="PNG"),
+             "c/d.webp": jpeg_bytes(4, fmt="WEBP"), "c/e.BMP": jpeg_bytes(5, fmt="BMP"),
+             "c/f.tif": jpeg_bytes(6, fmt="TIFF"), "c/g.ppm": jpeg_bytes(7, fmt="PPM"),
+             "c/h.pgm": jpeg_bytes(8, mode="L", fmt="PPM"), "c/gray_named.ppm": jpeg_bytes(9, mode="L", fmt="PPM")}
+    for name, data in files.items():
+        write(src / name, data)
+    out = pack_wds(src, tmp_path / "k.wds")
+    with tarfile.open(shard_files(out)[0]) as tar:
+        images = [m.name for m in tar.getmembers() if not m.name.endswith((".cls", ".json"))]
+    assert sorted(images) == sorted(["c/a_JPEG.jpg", "c/b_jpeg.jpg", "c/png_named_JPEG.png", "c/d_webp.webp",
+                                     "c/e_BMP.bmp", "c/f_tif.tiff", "c/g_ppm.ppm", "c/h_pgm.pgm",
+                                     "c/gray_named_ppm.ppm"])
+    reader = wds.Reader(str(out))
+    assert [reader.read(i)[0] for i in range(len(reader))] == [files[p] for p in reader.paths]
+
+
+def test_unknown_content_packed_unchecked_keeps_the_lowercased_extension(tmp_path):
+    src = tmp_path / "raw"
+    write(src / "c" / "x.TIF", b"not an image at all")
+    write(src / "c" / "y.JPG", jpeg_bytes(1))
+    out = tmp_path / "r.wds"
+    pack(str(src), "wds", str(out), workers=1, progress=False, check="none")
+    with tarfile.open(shard_files(out)[0]) as tar:
+        assert {m.name for m in tar.getmembers()} >= {"c/x_TIF.tif", "c/y_JPG.jpg"}
+    assert sorted(label for _, label in WDSDataset(out, decode="raw")) == [0, 0]  # the stream reader finds both
+
+
+def test_official_webdataset_recipe_and_webloader_read_the_imagenet_sample(imagenet_sample, tmp_path):
+    webdataset = pytest.importorskip("webdataset")
+    out = pack_wds(imagenet_sample, tmp_path / "i.wds")  # every option at its default
+    urls = [str(p) for p in shard_files(out)]
+    assert len(urls) >= 2  # the auto shard size gives the 125 images several shards
+    reader = wds.Reader(str(out))
+    labels = dict(zip(reader.paths, reader.labels.tolist()))
+    pairs = list(webdataset.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls", "json"))
+    assert len(pairs) == 125
+    assert all(image.size[0] > 0 and label == labels[meta["path"]] for image, label, meta in pairs)
+    # timm's default image key picks the jpg member
+    assert len(list(webdataset.WebDataset(urls, shardshuffle=False).to_tuple("jpg;png;webp", "cls"))) == 125
+    dataset = webdataset.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls").map_tuple(
+        lambda image: image.size, int)
+    seen = list(webdataset.WebLoader(dataset, batch_size=None, num_workers=2))
+    assert sorted(label for _, label in seen) == sorted(reader.labels.tolist())
+
+
+def test_timm_default_image_key_finds_every_image(imagenet_sample, tmp_path):
+    try:
+        from timm.data.readers.reader_wds import ReaderWds
+    except ImportError as exc:
+        pytest.skip(f"timm (with its WebDataset reader) is not installed ({exc})")
+    key = inspect.signature(ReaderWds.__init__).parameters.get("input_key")
+    if key is None or not isinstance(key.default, str):
+        pytest.skip("this timm's ReaderWds has no default input_key")
+    webdataset = pytest.importorskip("webdataset")
+    out = pack_wds(imagenet_sample, tmp_path / "t.wds")
+    urls = [str(p) for p in shard_files(out)]
+    pairs = list(webdataset.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple(key.default, "cls"))
+    assert len(pairs) == 125
+
+
+def old_layout_pack(src: Path, out: Path, monkeypatch, **kwargs) -> Path:
+    """A pack as layout 1 wrote it: members keep the lowercased extension, no wids index."""
+    with monkeypatch.context() as patch:
+        patch.setattr(wds, "member_suffix", lambda data, relpath: wds.source_suffix(relpath))
+        patch.setattr(wds, "LAYOUT_VERSION", 1)
+        pack_wds(src, out, **kwargs)
+    index = json.loads((out / "index.json").read_text())
+    for entry in index["wds"]["splits"].values():
+        (out / entry.pop("wids_index")).unlink()
+    (out / "index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_layout_1_packs_still_read_everywhere(imagenet_sample, tmp_path, monkeypatch):
+    out = old_layout_pack(imagenet_sample, tmp_path / "old.wds", monkeypatch, max_count=40)
+    with tarfile.open(shard_files(out)[0]) as tar:
+        assert tar.getmembers()[0].name.endswith("_JPEG.jpeg")
+    new = pack_wds(imagenet_sample, tmp_path / "new.wds", max_count=40)
+    assert json.loads((out / "index.json").read_text())["wds"]["layout_version"] == 1
+    old_reader, new_reader = wds.Reader(str(out)), wds.Reader(str(new))
+    assert [old_reader.read(i) for i in range(125)] == [new_reader.read(i) for i in range(125)]
+    assert verify(str(out), workers=1).ok
+    stream = sorted((label, image.tobytes()) for image, label in WDSDataset(out, decode="pil"))
+    assert stream == sorted((label, image.tobytes()) for image, label in WDSDataset(new, decode="pil"))
+
+
+def test_layout_2_index_must_name_its_wids_index_inside_the_split(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "w.wds")
+    index = json.loads((out / "index.json").read_text())
+    for wrong in (None, "all/records.bin", "../outside.json", "other/wids-index.json"):
+        entry = dict(index["wds"]["splits"]["all"])
+        if wrong is None:
+            del entry["wids_index"]
+        else:
+            entry["wids_index"] = wrong
+        crafted = {**index, "wds": {**index["wds"], "splits": {"all": entry}}}
+        (out / "index.json").write_text(json.dumps(crafted))
+        with pytest.raises(PackError, match="names its wids index .* not all/wids-index.json"):
+            wds.load_index(str(out))
+
+
+def test_a_wids_index_leading_outside_the_dataset_is_refused(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "w.wds")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((out / "all" / "wids-index.json").read_bytes())
+    (out / "all" / "wids-index.json").unlink()
+    (out / "all" / "wids-index.json").symlink_to(outside)
+    with pytest.raises(PackError, match="all/wids-index.json leads outside the dataset folder"):
+        wds.load_index(str(out))
+
+
+@pytest.mark.parametrize("damage", ["count", "url", "classes", "not json", "missing"])
+def test_verify_finds_a_wids_index_that_disagrees_with_the_shards(image_tree, tmp_path, damage):
+    out = pack_wds(image_tree, tmp_path / "w.wds", max_count=5)
+    where = out / "all" / "wids-index.json"
+    described = json.loads(where.read_text())
+    if damage == "count":
+        described["shardlist"][1]["nsamples"] += 1
+    elif damage == "url":
+        described["shardlist"][0]["url"] = "/etc/passwd"
+    elif damage == "classes":
+        described["classes"].reverse()
+    where.write_text(json.dumps(described))
+    if damage == "not json":
+        where.write_bytes(where.read_bytes()[:-3])
+    if damage == "missing":
+        where.unlink()
+    problems = "\n".join(verify(str(out), workers=1).problems)
+    assert "all/wids-index.json: " in problems and "re-pack the dataset" in problems
+
+
+def test_auto_shard_size_targets_64_shards_between_4mb_and_1gb():
+    assert wds.auto_shard_size(110_000, 125) == wds.MIN_AUTO_SHARD_SIZE
+    assert wds.auto_shard_size(110_000, 50_000) == 110_000 * 50_000 // 64
+    assert wds.auto_shard_size(110_000, 1_281_167) == wds.MAX_AUTO_SHARD_SIZE
+
+
+def test_default_shard_size_gives_several_shards_none_over_the_auto_size(imagenet_sample, tmp_path):
+    out = pack_wds(imagenet_sample, tmp_path / "d.wds")
+    index = json.loads((out / "index.json").read_text())
+    shards = index["wds"]["splits"]["all"]["shards"]
+    assert index["wds"]["shard_size"] is None and len(shards) >= 3
+    assert all(s["bytes"] <= wds.MIN_AUTO_SHARD_SIZE for s in shards)
+    assert sum(s["count"] for s in shards) == 125
+
+
+def test_too_few_shards_for_the_cores_is_a_warning_saying_how_to_get_more(image_tree, tmp_path, monkeypatch):
+    monkeypatch.setattr(wds, "available_cores", lambda: 8)
+    result = pack(str(image_tree), "wds", str(tmp_path / "few.wds"), workers=1, progress=False)
+    assert any("split all: 1 shard(s) for 19 samples, fewer than this machine's 8 cores" in w
+               and "--max-count 2" in w for w in result.warnings), result.warnings
+    result = pack(str(image_tree), "wds", str(tmp_path / "many.wds"), workers=1, progress=False,
+                  options={"max_count": 2})
+    assert not any("shard(s)" in w for w in result.warnings)
+    cli = CliRunner().invoke(main, ["pack", str(image_tree), "--to", "wds", "-o", str(tmp_path / "c.wds"),
+                                    "--workers", "1"])
+    assert cli.exit_code == 0 and "warning: split all: 1 shard(s)" in cli.stderr
+
+
+def test_info_shows_shard_count_and_sizes_per_split(image_tree, tmp_path):
+    out = pack_wds(image_tree, tmp_path / "n.wds", max_count=5)
+    entries = json.loads((out / "index.json").read_text())["wds"]["splits"]["all"]["shards"]
+    sizes = [e["bytes"] for e in entries]
+    facts = json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).stdout)
+    assert facts["splits"]["all"]["shards"] == {"shards": 4, "bytes": sum(sizes), "min_bytes": min(sizes),
+                                                "max_bytes": max(sizes)}
+    text = CliRunner().invoke(main, ["info", str(out)]).stdout
+    mb = [f"{size / 1e6:.1f}" for size in (sum(sizes), min(sizes), max(sizes))]
+    assert f"    4 shard(s), {mb[0]} MB, {mb[1]} to {mb[2]} MB each" in text

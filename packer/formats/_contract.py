@@ -5,13 +5,18 @@ use nothing else of it.
 The Writer protocol a format implements (pack() drives it, in this order):
   Writer(stage, options)        stage: the path to write (a folder made for DIRECTORY
                                 formats, a file path otherwise); options: writer_options()
-  begin_split(name)             before a split's first record
+  begin_split(name, expected_count=None)  before a split's first record; expected_count:
+                                the records pack() will add at most (fewer when files are
+                                skipped), for writers that size their output by it (wds'
+                                auto shard size); None when unknown
   add(data, label, relpath, crc)  each record, in the order it is stored
   end_split(labels, paths, order=None)  labels/paths in ImageFolder order; order[j], only
                                 when the split was written shuffled, is the ImageFolder
                                 rank of the j-th record added
   finish(metadata)              the dataset is complete (then published at OUT)
   abort()                       writing failed or was interrupted (the stage is removed)
+A Writer may also have `warnings`, a list of strings pack() adds to PackResult.warnings
+after the last split (the CLI prints each as `warning: ...`).
 """
 from __future__ import annotations
 

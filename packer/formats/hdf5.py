@@ -102,7 +102,7 @@ class Writer:
         self.size = 0  # bytes of the current split, written or buffered
         self.table_crcs: dict[str, int] = {}  # running CRC-32s of the tables written in pieces
 
-    def begin_split(self, split: str) -> None:
+    def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         g = self.group = self.file.create_group(split)
         g.create_dataset("images", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(CHUNK_BYTES,))

@@ -148,7 +148,7 @@ class Writer:
         self.map_base = self.locate_map()
         self.offsets, self.lengths = array("Q"), array("I")
 
-    def begin_split(self, split: str) -> None:
+    def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         self.split, self.index = split, 0
         self.offsets, self.lengths = array("Q"), array("I")

@@ -9,14 +9,25 @@
                                      uint32 shard, uint32 CRC-32, uint64 data offset,
                                      uint64 data size, int32 label
   OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
+  OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
+                                     reader loads them, wids.ShardListDataset(<this file>):
+                                     {"wids_version": 1, "name": "<split>", "classes": [...],
+                                     "shardlist": [{"url": "shard-000000.tar", "nsamples": N},
+                                     ...]}, urls relative to this file, in shard order
 
 The index names only files of its own dataset: load_index refuses any name but
-<split>/<name>.tar, <split>/records.bin and <split>/paths.bin, and any that resolves
-(through a symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records)
-leaves out "wds": each shard has its SHA-256 and size there, which verify checks.
+<split>/<name>.tar, <split>/records.bin, <split>/paths.bin and <split>/wids-index.json
+(the split's "wids_index", absent before layout 2), and any that resolves (through a
+symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records) leaves out
+"wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
+that each wids index lists exactly the split's shards, sample counts and classes.
 
 A sample is three consecutive members (see _tar for the header rules):
-  <key>.<ext>    the original file bytes; ext is the file's extension, lowercased
+  <key>.<ext>    the original file bytes; ext names the content, as webdataset's decoders
+                 and recipes expect (packer.check.sniff: JPEG -> jpg, PNG -> png, WebP ->
+                 webp, BMP -> bmp, TIFF -> tiff, PNM -> the file's own ppm/pgm), and for
+                 content sniff does not know (--check none) the file's extension, lowercased;
+                 layout 1 always used the lowercased extension (ImageNet's .JPEG -> jpeg)
   <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
   <key>.json     {"crc32": <int>, "label": <int>, "path": "<relative path>"}, keys sorted, no
                  spaces (label -1 = unlabeled; packs written before it have no "label")
@@ -26,6 +37,12 @@ relative path's folders and turns the file name into <stem>_<ext> with "%" and "
 the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` becomes key
 `v1.2/img%2Ev2%2Efinal_jpg`. The ext part has no "_", so the last "_" splits it off and
 the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
+
+A shard is started before one would exceed shard_size bytes or hold max_count samples.
+shard_size None (the default) is "auto": the split's expected bytes (the mean sample so far,
+tar headers included, times the sample count pack() passes to begin_split) over
+AUTO_SHARDS, bounded to [MIN_AUTO_SHARD_SIZE, MAX_AUTO_SHARD_SIZE]: enough shards for
+several ranks x DataLoader workers once a split is large enough, none tiny nor huge.
 
 Shards are written in the order pack() hands samples over (a seeded permutation of
 ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
@@ -49,6 +66,8 @@ import re
 
 import numpy as np
 
+from ..check import sniff
+from ..cores import available_cores
 from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
@@ -60,8 +79,17 @@ from ._tables import DAMAGED, check_count, check_crc, check_within, expected_crc
 EXTENSION = ".wds"
 DIRECTORY = True
 INDEX = "index.json"
-LAYOUT_VERSION = 1
-DEFAULT_SHARD_SIZE = 1_000_000_000
+# 2: members named by content (jpg, not the source's jpeg), and <split>/wids-index.json.
+LAYOUT_VERSION = 2
+DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
+AUTO_SHARDS = 64
+MIN_AUTO_SHARD_SIZE = 4_000_000
+MAX_AUTO_SHARD_SIZE = 1_000_000_000
+WIDS_INDEX = "wids-index.json"
+MAX_WIDS_INDEX_BYTES = 64 << 20
+# Content sniffed by packer.check.sniff -> the member suffix webdataset recipes expect.
+CONTENT_SUFFIX = {"jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "tiff": "tiff"}
+PNM_SUFFIXES = ("ppm", "pgm")
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 def _escape(text: str) -> str:
@@ -78,9 +106,26 @@ def sample_key(relpath: str) -> str:
     return f"{folder}/{last}" if folder else last
 
 
-def member_suffix(relpath: str) -> str:
+def source_suffix(relpath: str) -> str:
     name = relpath.rpartition("/")[2]
     return name.rpartition(".")[2].lower() if "." in name else "bin"
+
+
+def member_suffix(data: bytes, relpath: str) -> str:
+    """The image member's suffix: named by content (JPEG -> jpg), else by the file's extension."""
+    kind = sniff(data)
+    if kind in CONTENT_SUFFIX:
+        return CONTENT_SUFFIX[kind]
+    own = source_suffix(relpath)
+    if kind == "pnm" and own not in PNM_SUFFIXES:
+        return "pgm" if data[1:2] in b"25" else "ppm"
+    return own
+
+
+def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
+    """The shard size that splits expected_count samples into AUTO_SHARDS shards, bounded."""
+    wanted = int(mean_sample_bytes * expected_count / AUTO_SHARDS)
+    return min(MAX_AUTO_SHARD_SIZE, max(MIN_AUTO_SHARD_SIZE, wanted))
 
 
 def detect(path: str) -> bool:
@@ -129,11 +174,15 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
         if entry.get("records") != f"{split}/records.bin" or entry.get("paths") != f"{split}/paths.bin":
             return (f"split {split!r} names its tables {entry.get('records')!r} and {entry.get('paths')!r}, "
                     f"not {split}/records.bin and {split}/paths.bin")
+        wids = entry.get("wids_index")
+        if (version >= 2 or wids is not None) and wids != f"{split}/{WIDS_INDEX}":
+            return f"split {split!r} names its wids index {wids!r:.80}, not {split}/{WIDS_INDEX}"
         for shard in entry["shards"]:
             problem = shard_entry_problem(shard, split)
             if problem:
                 return problem
         files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
+        files += [wids] if wids is not None else []
     return outside_problem(path, files)
 
 
@@ -175,7 +224,7 @@ def shard_digest(path: str) -> str:
 
 
 class Writer:
-    """Streams samples into shards of at most shard_size bytes and max_count samples."""
+    """Streams samples into shards of at most shard_size bytes (None: auto) and max_count samples."""
 
     def __init__(self, stage: str, options: dict):
         self.stage = stage
@@ -183,10 +232,14 @@ class Writer:
         self.max_count = options["max_count"]
         self.splits: dict[str, dict] = {}
         self.file = None
+        self.warnings: list[str] = []
 
-    def begin_split(self, split: str) -> None:
+    def begin_split(self, split: str, expected_count: int | None = None) -> None:
+        """expected_count: the samples pack() will add at most, for the auto shard size."""
         check_split_name(split)
         self.split = split
+        self.expected_count = expected_count
+        self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
         self.rows = {name: array.array(code) for name, code in
@@ -194,7 +247,7 @@ class Writer:
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         key = sample_key(relpath)
-        image, data_at = _tar.member(f"{key}.{member_suffix(relpath)}", data)
+        image, data_at = _tar.member(f"{key}.{member_suffix(data, relpath)}", data)
         parts = [image]
         if label >= 0:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
@@ -204,15 +257,25 @@ class Writer:
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
-            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.shard_size)
+            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob)))
         if self.file is None or full:
             self.next_shard()
+        self.split_bytes += len(blob)
         for name, value in zip(self.rows, (len(self.shards), crc, self.bytes + data_at, len(data), label)):
             self.rows[name].append(value)
         self.file.write(blob)
         self.digest.update(blob)
         self.bytes += len(blob)
         self.count += 1
+
+    def split_shard_size(self, next_blob: int) -> int:
+        """The shard size in force: the option's, or auto from the mean sample so far (next one included)."""
+        if self.shard_size is not None:
+            return self.shard_size
+        if not self.expected_count:
+            return MAX_AUTO_SHARD_SIZE
+        added = len(self.rows["crc"]) + 1
+        return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
 
     def next_shard(self) -> None:
         self.close_shard()
@@ -249,22 +312,54 @@ class Writer:
             f.write(paths.to_nul_separated())
         self.splits[self.split] = {"count": len(records), "shards": self.shards,
                                    "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
+                                   "wids_index": f"{self.split}/{WIDS_INDEX}",
                                    "records_crc32": table_crc(records.tobytes()),
                                    "paths_crc32": table_crc(paths.to_nul_separated())}
+        self.note_few_shards(len(records))
+
+    def note_few_shards(self, count: int) -> None:
+        """Warn when a split has fewer shards than this machine's cores though it could have more:
+        streaming readers give each rank x DataLoader worker whole shards, so the rest idle."""
+        cores = available_cores()
+        if len(self.shards) < cores and count > len(self.shards):
+            self.warnings.append(
+                f"split {self.split}: {len(self.shards)} shard(s) for {count} samples, fewer than this machine's "
+                f"{cores} cores; streaming readers give each rank x DataLoader worker whole shards, so some "
+                f"would idle: re-pack with a smaller --shard-size or with --max-count "
+                f"{max(1, count // cores)} for {cores} or more shards")
 
     def finish(self, meta: Metadata) -> None:
+        for split, entry in self.splits.items():
+            write_synced(os.path.join(self.stage, entry["wids_index"]), wids_index_bytes(split, entry, meta.classes))
         index = {**meta.to_dict(), "wds": {"layout_version": LAYOUT_VERSION, "shard_size": self.shard_size,
                                           "max_count": self.max_count, "splits": self.splits}}
-        with open(os.path.join(self.stage, INDEX), "wb") as f:
-            # Non-UTF-8 file names (possible on Linux) survive as surrogate escapes, as in every format.
-            f.write(json.dumps(index, ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS))
-            f.flush()
-            os.fsync(f.fileno())
+        # Non-UTF-8 file names (possible on Linux) survive as surrogate escapes, as in every format.
+        write_synced(os.path.join(self.stage, INDEX),
+                     json.dumps(index, ensure_ascii=False, indent=1).encode("utf-8", PATH_ENCODING_ERRORS))
 
     def abort(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+def wids_index(split: str, entry: dict, classes: list[str]) -> dict:
+    """The split's shard list in the shape wids.ShardListDataset loads, urls relative to the file."""
+    return {"wids_version": 1, "name": split, "classes": list(classes),
+            "shardlist": [{"url": shard["name"].partition("/")[2], "nsamples": shard["count"]}
+                          for shard in entry["shards"]]}
+
+
+def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
+    return json.dumps(wids_index(split, entry, classes), ensure_ascii=False, indent=1).encode(
+        "utf-8", PATH_ENCODING_ERRORS)
+
+
+def write_synced(where: str, data: bytes) -> None:
+    with open(where, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class Reader(SplitReader):
@@ -434,13 +529,44 @@ class Reader(SplitReader):
 def check_files(path: str) -> list[str]:
     """Shard-level problems verify adds to the per-sample ones: size, SHA-256, tar structure."""
     problems = []
-    for entry in load_index(path)["wds"]["splits"].values():
+    index = load_index(path)
+    for split, entry in index["wds"]["splits"].items():
+        if "wids_index" in entry:
+            problems += wids_index_problems(path, split, entry, index["classes"])
         for shard in entry["shards"]:
             try:
                 problems += shard_problems(path, shard)
             except OSError as exc:
                 problems.append(f"{shard['name']}: cannot read the shard ({exc.strerror or exc})")
     return problems
+
+
+def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) -> list[str]:
+    """The split's wids index must list exactly its shards, counts and classes (what the writer wrote)."""
+    name = entry["wids_index"]
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            raw = f.read(MAX_WIDS_INDEX_BYTES + 1)
+    except OSError as exc:
+        return [f"{name}: cannot read the wids index ({exc.strerror or exc}); re-pack the dataset"]
+    try:
+        found = json.loads(raw.decode("utf-8", PATH_ENCODING_ERRORS))
+    except (ValueError, RecursionError) as exc:
+        return [f"{name}: the wids index is not JSON ({str(exc)[:80]}); re-pack the dataset"]
+    if found != wids_index(split, entry, classes):
+        return [f"{name}: the wids index does not list the split's shards, sample counts and classes as "
+                f"{INDEX} does (changed or damaged); re-pack the dataset"]
+    return []
+
+
+def shard_info(path: str) -> dict:
+    """Per split: its shard count and the total, smallest and largest shard bytes (from the index)."""
+    summary = {}
+    for split, entry in load_index(path)["wds"]["splits"].items():
+        sizes = [shard["bytes"] for shard in entry["shards"]]
+        summary[split] = {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
+                          "max_bytes": max(sizes, default=0)}
+    return summary
 
 
 def shard_problems(path: str, shard: dict) -> list[str]:
@@ -469,7 +595,7 @@ FORMAT = Format(
     options=(
         Option("shard_size", parse_size, DEFAULT_SHARD_SIZE,
                "start a new shard before one would exceed this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, "
-               "or a byte count [default: 1GB]"),
+               "or a byte count [default: auto, 64 shards per split, each 4MB to 1GB]"),
         Option("max_count", positive_int, None, "at most this many samples per shard"),
     ))
 
