@@ -79,6 +79,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
               "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
                                  "params": src_meta.params}}
 
+    advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
             load = RecordLoader(packed)
@@ -88,9 +89,10 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
                                          guard)
             finally:
                 load.close()
+            advice.extend(written.warnings)
             return Metadata(format=fmt, classes=src_meta.classes, splits=written.splits, source=src_meta.source,
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=src_meta.skipped + written.skipped)
 
         meta = write_dataset(fmt, out, force, options, fill)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes, tidied.removed)
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)

@@ -56,6 +56,7 @@ class Written:
 
     splits: dict[str, SplitInfo]
     skipped: list[dict]
+    warnings: list[str] = field(default_factory=list)  # the writer's advice (Writer.warnings, optional)
 
 
 @dataclass
@@ -175,22 +176,17 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
                   **options, "shuffle_seed": seed, **label_params(source, labels_index_base)}
 
+        advice: list[str] = []  # the writer's (wds: too few shards for this machine)
+
         def fill(writer) -> Metadata:
             written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard)
+            advice.extend(written.warnings)
             return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=source.skipped + written.skipped)
 
-        written_notes: list[str] = []
-
-        def fill_noting(writer) -> Metadata:
-            meta = fill(writer)
-            written_notes.extend(getattr(writer, "warnings", ()))  # a writer's advice (wds: too few shards)
-            return meta
-
-        meta = write_dataset(fmt, out, force, options, fill_noting)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + written_notes,
-                      tidied.removed)
+        meta = write_dataset(fmt, out, force, options, fill)
+    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + advice, tidied.removed)
 
 
 def label_params(source: Source, index_base: int | None) -> dict:
@@ -284,7 +280,7 @@ def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, lo
         bar.close()
         loaded.close()
     guard.check()
-    return Written(splits, skipped)
+    return Written(splits, skipped, list(getattr(writer, "warnings", ())))
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],
