@@ -27,7 +27,9 @@ from ._dataset import ReaderDataset
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .ranks import check_rank, deal, worker, world
 
-ON_ERROR = ("raise", "skip")
+ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
+# Accepted for code written before the two vocabularies were one.
+ON_ERROR_ALIASES = {"raise": "fail"}
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 
 
@@ -66,8 +68,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
     Samples without that member (shards from other tools) are read unchecked.
     check_crc=False reads without these checks.
 
-    on_error: "raise" (default) stops at a damaged or truncated shard with a
-    CorruptDataError naming the shard and byte offset; "skip" warns and moves on to
+    on_error: "fail" (default, as packer pack --on-error; "raise" is accepted too) stops at
+    a damaged or truncated shard with a CorruptDataError naming the shard and byte
+    offset; "skip" warns and moves on to
     the next shard (or, for a sample failing its check, the next sample), so that
     epoch is shorter (the warning says by how much). A shard found damaged while its
     samples are counted is left out of every epoch, with a warning.
@@ -78,10 +81,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
                  decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, on_error: str = "raise", check_crc: bool = True,
+                 world_size: int | None = None, on_error: str = "fail", check_crc: bool = True,
                  max_pixels: int = MAX_PIXELS):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
+        on_error = ON_ERROR_ALIASES.get(on_error, on_error)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
         check_rank(rank, world_size, "WDSDataset")
@@ -118,7 +122,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         try:
             return count_samples(path)
         except CorruptDataError as exc:
-            if self.on_error == "raise":
+            if self.on_error == "fail":
                 raise
             warnings.warn(f"{exc}; skipped this shard, its samples are left out of every epoch", RuntimeWarning,
                           stacklevel=3)
@@ -183,7 +187,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                     try:
                         label = sample_label(where, sample.parts, suffix, self.check_crc)
                     except CorruptDataError as exc:
-                        if self.on_error == "raise":
+                        if self.on_error == "fail":
                             raise
                         warnings.warn(f"{exc}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
                                       stacklevel=2)
@@ -196,7 +200,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                                            "is truncated or was replaced (re-create it, or read with "
                                            "on_error='skip')", path)
             except CorruptDataError as exc:
-                if self.on_error == "raise":
+                if self.on_error == "fail":
                     raise
                 warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
                               RuntimeWarning, stacklevel=2)

@@ -718,3 +718,13 @@ def test_info_shows_shard_count_and_sizes_per_split(image_tree, tmp_path):
     text = CliRunner().invoke(main, ["info", str(out)]).stdout
     mb = [f"{size / 1e6:.1f}" for size in (sum(sizes), min(sizes), max(sizes))]
     assert f"    4 shard(s), {mb[0]} MB, {mb[1]} to {mb[2]} MB each" in text
+
+
+def test_on_error_speaks_the_cli_vocabulary(image_tree, tmp_path):
+    out = tmp_path / "v.wds"
+    pack(str(image_tree), "wds", str(out), progress=False, workers=1)
+    assert WDSDataset(out, decode="raw").on_error == "fail"
+    assert WDSDataset(out, decode="raw", on_error="raise").on_error == "fail"  # the older spelling
+    assert WDSDataset(out, decode="raw", on_error="skip").on_error == "skip"
+    with pytest.raises(ValueError, match="on_error must be one of fail, skip"):
+        WDSDataset(out, decode="raw", on_error="ignore")
