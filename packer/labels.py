@@ -99,16 +99,12 @@ def parse_shape(text: str, lookup: "ClassLookup", classes: list[str], index_base
 
 
 def read_bounded(path: str) -> bytes:
-    """The file's bytes; a FIFO or device is refused before it is opened (it could hang or never end)."""
+    """The file's bytes: a regular file of at most MAX_BYTES, checked on the opened file
+    before reading (a FIFO or device could hang or never end; source_io never blocks on one)."""
     try:
-        size = os.stat(path).st_size
-        if not os.path.isfile(path):
-            raise SourceError(f"{path}: label file is not a regular file", path)
-        if size > MAX_BYTES:
-            raise SourceError(f"{path}: label file larger than {MAX_BYTES // 2**20} MB; is it the right file?", path)
-        return read_regular_file(path)
-    except BadImageError as exc:  # not a regular file, or changed while read
-        raise SourceError(f"{path}: cannot read label file ({exc.reason})", path) from exc
+        return read_regular_file(path, MAX_BYTES)
+    except BadImageError as exc:  # not a regular file, too large, or changed while read
+        raise SourceError(f"{path}: cannot read label file ({exc.reason}); is it the right file?", path) from exc
     except OSError as exc:
         raise SourceError(f"{path}: cannot read label file ({exc.strerror or exc})", path) from exc
 

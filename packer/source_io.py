@@ -28,13 +28,14 @@ def not_regular_reason(mode: int) -> str:
     return f"not a regular file ({file_kind(mode)})"
 
 
-def read_regular_file(path: str) -> bytes:
-    """The bytes of the regular file at path.
+def read_regular_file(path: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at path; with max_bytes, a larger file is refused
+    before it is read (its size as fstat reports it on the opened file).
 
     Raises:
         OSError: it cannot be opened or read (missing, permission denied, I/O error).
-        BadImageError: it is not a regular file, it changed size while being read, or it
-            is too large to hold in memory; .reason says which.
+        BadImageError: it is not a regular file, it is over max_bytes, it changed size
+            while being read, or it is too large to hold in memory; .reason says which.
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -45,6 +46,8 @@ def read_regular_file(path: str) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise BadImageError(path, not_regular_reason(info.st_mode))
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise BadImageError(path, f"larger than {max_bytes // 2**20} MB ({info.st_size} bytes)")
         os.set_blocking(fd, True)  # O_NONBLOCK was for the open; a network or FUSE file could EAGAIN with it
         return read_size(fd, info.st_size, path)
     finally:
