@@ -224,28 +224,14 @@ def split_tables(path: str, meta: Metadata, report: VerifyReport) -> dict[str, t
         finally:
             if reader is not None:
                 reader.close()
-        report.add(DAMAGED, label_problems(split, labels, len(meta.classes), info.labeled))
         tables[split] = (paths, labels)
     return tables
 
 
-def label_problems(split: str, labels: np.ndarray, n_classes: int, labeled: bool) -> list[str]:
-    """Labels that name no class (or, in an unlabeled split, any label but -1)."""
-    wrong = (labels < 0) | (labels >= n_classes) if labeled else labels != UNLABELED
-    if not wrong.any():
-        return []
-    first = int(np.flatnonzero(wrong)[0])
-    allowed = f"0 to {n_classes - 1}" if labeled else "-1 (unlabeled)"
-    return [f"split {split}: {int(wrong.sum())} label(s) outside {allowed}, first record {first} with label "
-            f"{int(labels[first])}; the label table is damaged, re-pack the dataset"]
-
-
 def class_of(label: int, classes: list[str]) -> str | None:
-    """The class name a label stands for, None for unlabeled; a label naming no class gets a
-    placeholder (label_problems reports it) so a comparison shows it instead of failing."""
-    if label == UNLABELED:
-        return None
-    return classes[label] if 0 <= label < len(classes) else f"<label {label}: no such class>"
+    """The class name a label stands for, None for unlabeled (labels from split_tables: the
+    reader has checked each names a class)."""
+    return None if label == UNLABELED else classes[label]
 
 
 def compare_listings(meta: Metadata, tables: dict, source: Source, report: VerifyReport) -> None:

@@ -100,7 +100,7 @@ def set_first_label(fmt: str, packed, label: int) -> None:
         restamp_table_crc(fmt, packed, "all", "records", records.tobytes())
 
 
-@pytest.mark.parametrize("label", [99, -7])
+@pytest.mark.parametrize("label", [99, -7, -1])
 def test_labels_naming_no_class_are_reported_not_raised(packed_tree, label):
     src, out = packed_tree
     fmt = {".lmdb": "lmdb", ".h5": "hdf5", ".wds": "wds"}[out.suffix]

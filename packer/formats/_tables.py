@@ -63,13 +63,14 @@ def check_count(found: int, count: int, where: str, what: str = "entries") -> No
 
 
 def check_labels(labels: np.ndarray, classes: int, labeled: bool, where: str) -> None:
-    """Labels within [-1, classes) in a labeled split; all -1 (unlabeled) in an unlabeled one."""
+    """Every label names a class, [0, classes), in a labeled split (an image without a class
+    is never packed into one); all -1 (unlabeled) in an unlabeled split."""
     if not len(labels):
         return
     low, high = int(labels.min()), int(labels.max())
-    if labeled and (low < -1 or high >= classes):
+    if labeled and (low < 0 or high >= classes):
         raise CorruptDataError(f"{where}: labels range over [{low}, {high}], the dataset has {classes} classes "
-                               f"(labels -1..{classes - 1}); {DAMAGED}", where)
+                               f"(labels 0..{classes - 1}); {DAMAGED}", where)
     if not labeled and (low != -1 or high != -1):
         raise CorruptDataError(f"{where}: an unlabeled split holds labels other than -1; {DAMAGED}", where)
 
