@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, FormatError
 
 DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
 
@@ -95,6 +95,14 @@ def file_identity(path: str) -> tuple[int, int, int]:
     another st_dev on another machine (a Dataset pickled to a remote worker). A file
     rewritten in place, or merely touched, also counts as replaced."""
     return _identity(os.stat(path))
+
+
+def dataset_identity(path: str) -> tuple[int, int, int]:
+    """file_identity of a dataset's file, or a FormatError saying why it cannot be read."""
+    try:
+        return file_identity(path)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read it ({exc.strerror or exc})", path) from exc
 
 
 def fd_identity(fd: int) -> tuple[int, int, int]:

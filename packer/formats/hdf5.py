@@ -64,8 +64,8 @@ from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader
-from ._tables import (DAMAGED, check_count, check_crc, decode_checksums, encode_checksums, expected_crc,
-                      file_identity, replaced_error, table_crc)
+from ._tables import (DAMAGED, check_count, check_crc, dataset_identity, decode_checksums, encode_checksums,
+                      expected_crc, replaced_error, table_crc)
 
 EXTENSION = ".h5"
 DIRECTORY = False
@@ -176,17 +176,10 @@ def open_file(path: str, identity: tuple) -> h5py.File:
     except OSError as exc:
         raise CorruptDataError(f"{path}: cannot open the HDF5 file ({exc}); it is damaged or was not "
                                "fully copied (re-pack it, or restore it from a copy)", path) from exc
-    if identity_of(path) != identity:  # replaced between reading its identity and opening it
+    if dataset_identity(path) != identity:  # replaced between reading its identity and opening it
         f.close()
         raise replaced_error(path)
     return f
-
-
-def identity_of(path: str) -> tuple:
-    try:
-        return file_identity(path)
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read it ({exc.strerror or exc})", path) from exc
 
 
 def close_file(f: h5py.File) -> None:
@@ -194,7 +187,7 @@ def close_file(f: h5py.File) -> None:
 
 
 def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
-    identity = identity or identity_of(path)
+    identity = identity or dataset_identity(path)
     with _handle.borrowed(path, functools.partial(open_file, identity=identity), close_file, identity) as f:
         try:
             raw = f.attrs.get(META_ATTR)
@@ -220,7 +213,7 @@ class Reader(SplitReader):
         if not detect(path):
             raise FormatError(f"{path}: not an HDF5 file", path)
         path = os.path.abspath(path)
-        identity = identity_of(path)
+        identity = dataset_identity(path)
         super().__init__(path, split, check_crc, read_metadata(path, identity), path, identity)
         self._offsets: np.ndarray | None = None
         self._crcs: np.ndarray | None = None

@@ -64,8 +64,8 @@ from ..records import Metadata, PathTable, check_split_name, decode_path, encode
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader
-from ._tables import (DAMAGED, check_count, check_crc, check_within, decode_checksums, encode_checksums,
-                      expected_crc, fd_identity, file_identity, replaced_error, table_crc)
+from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
+                      encode_checksums, expected_crc, fd_identity, replaced_error, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -258,12 +258,8 @@ def room(txn_bytes: int) -> int:
 
 
 def data_identity(path: str) -> tuple:
-    """file_identity of path's data.mdb."""
-    where = os.path.join(path, DATA_FILE)
-    try:
-        return file_identity(where)
-    except OSError as exc:
-        raise FormatError(f"{where}: cannot read it ({exc.strerror or exc})", where) from exc
+    """The identity of path's data.mdb (_tables.dataset_identity)."""
+    return dataset_identity(os.path.join(path, DATA_FILE))
 
 
 def open_env(path: str, identity: tuple) -> lmdb.Environment:

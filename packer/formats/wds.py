@@ -74,7 +74,7 @@ from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathT
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
 from ._reader import SplitReader
-from ._tables import DAMAGED, check_count, check_crc, check_within, expected_crc, file_identity, table_crc
+from ._tables import DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, table_crc
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -384,10 +384,7 @@ class Reader(SplitReader):
     def bind(self, entry: dict) -> None:
         """Tie this reader to the index.json it read, and note the table checksums its split's entry holds."""
         self.identity_file = os.path.join(self.path, INDEX)
-        try:
-            self.identity = file_identity(self.identity_file)
-        except OSError as exc:
-            raise FormatError(f"{self.identity_file}: cannot read it ({exc.strerror or exc})", self.path) from exc
+        self.identity = dataset_identity(self.identity_file)
         crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths")}
         self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
 
