@@ -23,13 +23,15 @@ from typing import Iterable
 
 import numpy as np
 
+from packer.formats import CAN_ADVISE, evict  # noqa: F401  (cache.evict: the suites' cold state)
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 READ_CHUNK = 8 << 20
 # Below COLD_MAX resident counts as evicted; at or above WARM_MIN as fully cached.
 COLD_MAX = 0.02
 WARM_MIN = 0.98
 RELOADS = 3  # read-throughs after the first while some page is still not resident
-CAN_EVICT = hasattr(os, "posix_fadvise")  # Linux and most Unixes; not macOS or Windows
+CAN_EVICT = CAN_ADVISE  # posix_fadvise: Linux and most Unixes; not macOS or Windows
 
 
 def data_files(path: str) -> list[str]:
@@ -41,16 +43,6 @@ def data_files(path: str) -> list[str]:
         dirs.sort()
         found += [os.path.join(root, f) for f in sorted(files)]
     return found
-
-
-def evict(paths: Iterable[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def load(paths: Iterable[str]) -> None:

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-CAN_EVICT = hasattr(os, "posix_fadvise")
+from .formats import CAN_ADVISE, evict
+
 
 
 class Comparison(NamedTuple):
@@ -22,16 +23,9 @@ class Comparison(NamedTuple):
     rates: list[tuple[str, float]]  # (Dataset class name, per second), folder first
 
 
-def evict(folder: str) -> None:
-    """Drop every file under folder from the page cache (after syncing it: dirty pages stay)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def evict_folder(folder: str) -> None:
+    """Drop every file under folder from the page cache."""
+    evict(os.path.join(root, name) for root, _, files in os.walk(folder) for name in files)
 
 
 def rate(dataset, order, seconds: float) -> float:
@@ -53,7 +47,7 @@ def cold_raw_rate(dataset, folder: str, seconds: float = 2.0) -> float:
     if hasattr(dataset.reader, "advise"):  # as make_loader does for random order: read exactly each record
         dataset.reader.advise("random")
     dataset.reader.open()  # the handle and tables, outside the timed loop
-    evict(folder)
+    evict_folder(folder)
     # Iterated while reading: the sampler hints the records ahead of the one being read.
     return rate(dataset, readers.ShuffleSampler(dataset, seed=0), seconds)
 
@@ -73,7 +67,7 @@ def read_rates(src: str, packed: str) -> list[Comparison]:
         return [readers.FolderDataset(src, **options), readers.open_dataset(packed, **options)]
 
     comparisons = []
-    if CAN_EVICT:
+    if CAN_ADVISE:  # eviction is posix_fadvise advice
         cold = [cold_raw_rate(ds, folder) for ds, folder in zip(pair(decode="raw"), (src, packed))]
         comparisons.append(Comparison("cold cache, raw bytes", "records/s", named(pair(), cold)))
     warm = [warm_decode_rate(ds) for ds in pair(decode="tensor")]

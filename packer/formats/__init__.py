@@ -6,14 +6,14 @@ import os
 from ..errors import FormatError
 from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
-from ._io import CAN_ADVISE, will_need  # page-cache advice, for tools that read packed files themselves
+from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
 
 # One entry per format (its module's FORMAT); the key is the CLI spelling (--to lmdb).
 FORMATS: dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in (lmdb, hdf5, wds)}
 
 
 __all__ = ["CAN_ADVISE", "FORMATS", "Format", "Option", "ReaderCache", "default_output", "detect_format",
-           "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
+           "evict", "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
 
 
 def format_named(name: str) -> Format:

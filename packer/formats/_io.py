@@ -75,6 +75,18 @@ def will_need(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
+def evict(paths) -> None:
+    """Drop each file's pages from the page cache (posix_fadvise DONTNEED; no root needed),
+    after syncing it: dirty pages cannot be dropped."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def mapped_at(path: str) -> int | None:
     """Address where this process maps path from file offset 0 (Linux /proc), or None."""
     real = os.path.realpath(path)
