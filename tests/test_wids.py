@@ -1,7 +1,7 @@
 """webdataset's indexed reader (wids) reads packer's shards through the per-split wids index.
 
-wids ships with webdataset 0.2.x (not with webdataset 1.x): where it does not import, these
-tests skip saying so.
+wids is webdataset's indexed reader, installed by the `bench` extra (it shipped inside webdataset
+0.2.x and is a package of its own since 1.x): where it does not import, these tests skip saying so.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_wids_reads_packer_shards_record_for_record(imagenet_sample, tmp_path, m
     try:
         import wids
     except ImportError as exc:
-        pytest.skip(f"wids is not installed ({exc}); it ships with webdataset 0.2.x")
+        pytest.skip(f"wids is not installed ({exc}); install packer[bench] or `pip install wids`")
     monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
     out = packed_sample(imagenet_sample, tmp_path / "s.wds")
     expected = shard_samples(out)
