@@ -20,11 +20,22 @@ How well batches are mixed depends on how the data is stored: on a dataset packe
 ImageFolder order (classes in runs) a batch sees about `window` blocks' worth of
 classes; packed with --shuffle-seed, storage order is already random and any order mixes
 fully. class_entropy() measures it (docs/cold-storage.md has the figures).
+
+Resuming (docs/resume.md): a sampler's order is fixed by (seed, epoch, world size, dataset),
+so its state is that plus a position, the indexes of the epoch's order this rank has
+consumed: state_dict() gives {"kind", "version", "dataset", the settings, "epoch",
+"position"} as plain ints, bools and strings (torch.save- and JSON-able), and
+load_state_dict(state) makes the next pass of that epoch start at that position. The
+position is the same on every rank (each yields len(self) indexes), so rank 0's state
+resumes any rank. A state taken while iterating counts the indexes handed out, which a
+DataLoader draws ahead of the batches it has yielded: readers.make_loader's loader and
+torchdata's StatefulDataLoader record the position of the batches consumed instead.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterator
+import zlib
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch.utils.data
@@ -37,6 +48,48 @@ BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
 AHEAD = 64  # records hinted ahead of the one being read in random order
 HINT_CHUNK = 16  # records hinted per call: fewer numpy passes, reads still kept in flight
+STATE_VERSION = 1  # of the samplers' and the loader's state dicts
+
+
+def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
+    """What a sampler walks, named without its path (a dataset may move between machines):
+    the sample count and, for packer data, the split and a CRC-32 of the class names and
+    of the storage order given."""
+    name = f"{len(dataset)} samples"
+    reader = reader_of(dataset)
+    if reader is None:
+        return name
+    crc = zlib.crc32("\n".join(reader.classes).encode("utf-8", "surrogateescape"))
+    if order is not None:
+        crc = zlib.crc32(np.ascontiguousarray(order, dtype="<i8").tobytes(), crc)
+    return f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+
+
+def check_state(state, kind: str, expected: dict) -> None:
+    """Raise a ValueError naming every setting where `state` differs from `expected`."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{kind}.load_state_dict: expected a dict from {kind}.state_dict(), got "
+                         f"{type(state).__name__}")
+    saved_kind = state.get("kind")
+    if saved_kind != kind or state.get("version") != STATE_VERSION:
+        raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {STATE_VERSION} "
+                         f"(it says {saved_kind!r}, version {state.get('version')!r}); load each object's own "
+                         "state_dict()")
+    differ = [f"{key} {state.get(key)!r} (now {value!r})" for key, value in expected.items()
+              if state.get(key) != value]
+    if differ:
+        raise ValueError(f"{kind}.load_state_dict: the state was saved with a different {', '.join(differ)}; a "
+                         "position only resumes the same order over the same data: build this one as the saved "
+                         "run was built, or start the epoch afresh")
+
+
+def checked_count(state: dict, key: str, kind: str, most: int | None = None) -> int:
+    """state[key] as an int in [0, most], or a ValueError saying what it is."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
+        bound = "" if most is None else f" <= {most}"
+        raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= 0{bound}, got {value!r}")
+    return value
 
 
 def reader_of(dataset):
@@ -53,12 +106,55 @@ class RankedSampler(torch.utils.data.Sampler):
         check_rank(rank, world_size, type(self).__name__)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, position) a loaded state starts at
+        self._progress: list[int] | None = None  # [epoch, indexes handed out] of the last pass
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def world(self) -> tuple[int, int]:
         return world(self.rank, self.world_size)
+
+    def settings(self) -> dict:
+        """What fixes the order besides the epoch; a state loads only where these match."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """{"kind", "version", settings, "epoch", "position"}: where the current pass is
+        (or where a loaded state will start the next one)."""
+        if self._resume is not None:
+            epoch, position = self._resume
+        elif self._progress is not None and self._progress[0] == self.epoch:
+            epoch, position = self._progress
+        else:
+            epoch, position = self.epoch, 0
+        return {"kind": type(self).__name__, "version": STATE_VERSION, **self.settings(), "epoch": epoch,
+                "position": position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Set the epoch, and make the next pass over it skip the first state["position"]
+        indexes of this rank's order. Raises ValueError if the state is another sampler's,
+        or was saved over other data, seed or world size."""
+        kind = type(self).__name__
+        check_state(state, kind, self.settings())
+        epoch = checked_count(state, "epoch", kind)
+        self.epoch = epoch
+        self._resume = (epoch, checked_count(state, "position", kind, len(self)))
+
+    def start(self) -> int:
+        """The position this pass starts at (a loaded state's, if it is for this epoch; used
+        once), recorded as the pass's progress."""
+        resume, self._resume = self._resume, None
+        start = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        self._progress = [self.epoch, start]
+        return start
+
+    def counted(self, indexes: Iterable[int]) -> Iterator[int]:
+        """indexes, each counted in the pass's progress as it is handed out."""
+        progress = self._progress
+        for index in indexes:
+            progress[1] += 1
+            yield index
 
 
 class ReadAhead:
@@ -104,6 +200,7 @@ class ShuffleSampler(RankedSampler):
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"ShuffleSampler: ahead must be an int >= 0, got {ahead!r}")
         self.count = len(dataset)
+        self.fingerprint = dataset_fingerprint(dataset)  # what a state must have been saved over
         reader = reader_of(dataset)
         # Without posix_fadvise (macOS, Windows) a hint does nothing: none are sent.
         self.reader = reader if prefetch and CAN_ADVISE and hasattr(reader, "will_need_records") else None
@@ -130,8 +227,16 @@ class ShuffleSampler(RankedSampler):
             order = np.resize(order, total)
         return order[rank:total:world_size].astype(np.int64)
 
+    def settings(self) -> dict:
+        return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
+                "drop_last": bool(self.drop_last), "world_size": self.world()[1]}
+
     def __iter__(self) -> Iterator[int]:
+        # Not a generator itself: a loaded position is taken when the pass begins (iter()).
         indexes = self.indexes()
+        return self.counted(self.read_ahead_of(indexes[self.start():]))
+
+    def read_ahead_of(self, indexes: np.ndarray) -> Iterator[int]:
         if self.reader is None:
             yield from indexes.tolist()
             return
@@ -178,6 +283,7 @@ class BlockShuffleSampler(RankedSampler):
         # The index of the record at each stored position; None: the identity.
         self.stored = reader.storage_order() if reader is not None else None
         self.block_size, self.window, self.shuffle, self.seed = block_size, window, shuffle, int(seed)
+        self.fingerprint = dataset_fingerprint(dataset, self.stored)
 
     def blocks(self, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
         """(this rank's blocks as [start, stop) stored positions, the largest rank's record
@@ -211,8 +317,25 @@ class BlockShuffleSampler(RankedSampler):
         """Every stored position this rank reads in the current epoch, in order."""
         return np.concatenate([p for _, p in self.windows()] or [np.zeros(0, np.int64)])
 
+    def settings(self) -> dict:
+        return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
+                "block_size": self.block_size, "window": self.window, "world_size": self.world()[1]}
+
     def __iter__(self) -> Iterator[int]:
-        pending = self.windows()
+        # Not a generator itself: a loaded position is taken when the pass begins (iter()).
+        return self.counted(self.read_windows(self.windows_from(self.start())))
+
+    def windows_from(self, start: int) -> Iterator[tuple[list[tuple[int, int]], np.ndarray]]:
+        """windows() less the first `start` positions: whole windows skipped unread (each
+        still shuffled, so the generator's draws stay those of the full pass)."""
+        for group, positions in self.windows():
+            if start >= len(positions):
+                start -= len(positions)
+                continue
+            yield group, positions[start:]
+            start = 0
+
+    def read_windows(self, pending: Iterator[tuple[list[tuple[int, int]], np.ndarray]]) -> Iterator[int]:
         current = next(pending, None)
         if current is not None:
             self.hint(current[0])
