@@ -128,6 +128,7 @@ class CUDAPrefetcher:
         self.gpu_decode = gpu_decode
         self._coefficients: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._warned_unpinned = False
+        self._read_ahead = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -145,7 +146,16 @@ class CUDAPrefetcher:
         if hasattr(self.loader, "set_epoch"):
             self.loader.set_epoch(epoch)
 
+    def state_dict(self) -> dict:
+        """The loader's state (readers.make_loader's EpochLoader), less the batch read ahead."""
+        return self.loader.state_dict(unconsumed=int(self._read_ahead))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._read_ahead = False
+        self.loader.load_state_dict(state)
+
     def __iter__(self):
+        self._read_ahead = False
         if self._stream is None:
             for batch in self.loader:
                 yield self._convert(batch)
@@ -160,6 +170,7 @@ class CUDAPrefetcher:
             map_tensors(batch, lambda t: t.record_stream(consumer) if t.is_cuda else None)
             # Queue the next copy before handing this batch out, so it overlaps the step.
             ahead = self._prefetch(iterator)
+            self._read_ahead = ahead is not None  # a batch taken from the loader, not yet handed out
             yield batch
 
     def _prefetch(self, iterator):

@@ -38,6 +38,7 @@ from .collate import collate
 from .gpu import CUDAPrefetcher, resolve_device
 from .ranks import local_world_size, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
+from .sampler import STATE_VERSION, check_state, checked_count
 from .stats import LoaderStats, LoaderWarning
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -73,19 +74,105 @@ class EpochLoader(tud.DataLoader):
     """A DataLoader whose epoch advances on each pass (for its sampler and dataset).
 
     set_epoch(n) makes the next pass epoch n; without calls, passes are epochs 0, 1, 2...
+
+    state_dict() / load_state_dict(): where training is, for an exact resume in a new
+    process (docs/resume.md): the epoch, the batches of it handed out, and the state of
+    the sampler (or of an IterableDataset such as WDSDataset) that fixes the order. After
+    load_state_dict, the next pass yields the rest of that epoch, then passes go on as
+    they would have. Loading restarts persistent workers, so they start from the state.
     """
 
     _next_epoch = 0
+    _resume_batches: int | None = None  # batches of _next_epoch a loaded state has consumed
+    _progress: list | None = None  # [epoch, batches handed out, finished] of the last pass
 
     def set_epoch(self, epoch: int) -> None:
-        self._next_epoch = int(epoch)
+        epoch = int(epoch)
+        if epoch != self._next_epoch:
+            self._resume_batches = None  # a loaded position is for its own epoch only
+        self._next_epoch = epoch
+        self._progress = None
 
     def __iter__(self):
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        skip, self._resume_batches = self._resume_batches or 0, None
         for target in (self.sampler, self.dataset):
             if hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
-        return super().__iter__()
+        progress = self._progress = [epoch, skip, False]
+        batches = super().__iter__()
+        if self.num_workers and getattr(self.dataset, "_resume", None) is not None:
+            self.dataset._resume = None  # the workers took their copies: later ones start afresh
+        return self._counted(batches, progress)
+
+    @staticmethod
+    def _counted(batches, progress: list):
+        for batch in batches:
+            progress[1] += 1
+            yield batch
+        progress[2] = True
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it handed out): of the pass under way, else of the next pass."""
+        if self._resume_batches is not None:
+            return self._next_epoch, self._resume_batches
+        if self._progress is not None and not self._progress[2]:
+            return self._progress[0], self._progress[1]
+        return self._next_epoch, 0
+
+    def state_dict(self, unconsumed: int = 0) -> dict:
+        """Plain data (ints, bools, strings; torch.save- and JSON-able) to resume from.
+
+        unconsumed: batches handed out but not yet trained on (a prefetcher's batch read
+        ahead), left out of the position."""
+        epoch, batches = self.position()
+        batches = max(0, batches - unconsumed)
+        state = {"kind": "EpochLoader", "version": STATE_VERSION, **self._settings(), "epoch": epoch,
+                 "batches": batches, "sampler": None, "dataset": None}
+        if isinstance(self.dataset, tud.IterableDataset):
+            if hasattr(self.dataset, "state_dict"):
+                position = None if not batches else {"workers": max(1, self.num_workers), "batches": batches,
+                                                     "batch_size": self.batch_size, "drop_last": self.drop_last}
+                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch, "position": position}
+            elif batches:
+                raise ValueError(f"EpochLoader.state_dict: {type(self.dataset).__name__} has no state_dict(), so "
+                                 "a pass over it cannot be resumed mid-epoch; save at an epoch's end")
+        elif hasattr(self.sampler, "state_dict"):
+            position = min(batches * self.batch_size, len(self.sampler))
+            state["sampler"] = {**self.sampler.state_dict(), "epoch": epoch, "position": position}
+        elif batches:
+            raise ValueError(f"EpochLoader.state_dict: the loader's {type(self.sampler).__name__} has no seeded, "
+                             "stateful order, so a pass cannot be resumed mid-epoch; use make_loader over packed "
+                             "data (readers.LMDBDataset, HDF5Dataset, WDSMapDataset: a ShuffleSampler), or save "
+                             "at an epoch's end")
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict()'s result: the next pass is the rest of the saved epoch.
+        Raises ValueError naming what differs if it was saved by a loader over other data,
+        or with another batch size, seed, world size (or workers, for an IterableDataset)."""
+        check_state(state, "EpochLoader", self._settings())
+        epoch = checked_count(state, "epoch", "EpochLoader")
+        batches = checked_count(state, "batches", "EpochLoader")
+        for name, target in (("sampler", self.sampler), ("dataset", self.dataset)):
+            if state.get(name) is not None:
+                if not hasattr(target, "load_state_dict"):
+                    raise ValueError(f"EpochLoader.load_state_dict: the state holds a {name} state and this "
+                                     f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
+                                     "another kind of loader")
+                target.load_state_dict(state[name])
+            elif batches and hasattr(target, "load_state_dict") and (
+                    name == "sampler" or isinstance(self.dataset, tud.IterableDataset)):
+                raise ValueError(f"EpochLoader.load_state_dict: the state has no {name} state to resume "
+                                 f"{type(target).__name__} mid-epoch; it was saved by another kind of loader")
+        self._next_epoch, self._resume_batches, self._progress = epoch, batches, None
+        self._iterator = None  # persistent workers hold the old state: the next pass starts new ones
+
+    def _settings(self) -> dict:
+        settings = {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
+        if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own shards
+            settings["workers"] = self.num_workers
+        return settings
 
 
 @dataclass(frozen=True)

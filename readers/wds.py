@@ -4,15 +4,24 @@ One epoch is planned from the shard list alone: shards are ordered (a permutatio
 by (seed, epoch) when shuffling), dealt to ranks, then to DataLoader workers, and only
 then streamed through a per-worker shuffle buffer. Reading is three small generators:
 shard samples, the buffer, the conversion to (image, label).
+
+Resuming (docs/resume.md): each worker's stream is fixed by (seed, epoch, rank, worker,
+workers), the buffer's draws included, so a position in it is a count of samples
+yielded. To start a stream after its first k samples, the buffer's draws are replayed
+over sample ordinals alone (no data), which tells which earlier samples the buffer still
+holds and where reading resumes: only the shards holding those samples, or samples from
+that point on, are read again; every other shard already consumed is skipped unread.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import multiprocessing
 import multiprocessing.context
 import os
 import random
 import warnings
+import zlib
 from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
@@ -26,6 +35,7 @@ from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
 from ._dataset import ReaderDataset
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .ranks import check_rank, deal, worker, world
+from .sampler import STATE_VERSION, check_state, checked_count
 
 ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
@@ -77,6 +87,14 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
     pixels, before allocating them; the default is Pillow's own limit (readers.decode).
+
+    state_dict() / load_state_dict(): the epoch and a position, for an exact mid-epoch
+    resume. Taken in a DataLoader worker (torchdata's StatefulDataLoader does), the
+    position is that worker's: {"rank", "worker", "workers", "samples" yielded}.
+    readers.make_loader's loader saves the rank's: {"workers", "batches", "batch_size",
+    "drop_last"}, from which each worker works out its own samples (a DataLoader takes
+    batches from its workers in turn), so one state resumes every rank. Positions count
+    samples: with on_error="skip", a damaged shard shifts them.
     """
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
@@ -98,6 +116,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
         self.shard_counts()
+        self._resume: tuple[int, dict | None] | None = None  # (epoch, position) the next pass starts at
+        self._progress: list[int] | None = None  # [epoch, samples yielded, rank, worker, workers] of this process
 
     @property
     def epoch(self) -> int:
@@ -155,21 +175,129 @@ class WDSDataset(torch.utils.data.IterableDataset):
         return sum(t.limit or self.shard_counts()[t.shard] for t in self.plan(rank, world_size))
 
     def __iter__(self) -> Iterator:
+        # Not a generator itself: a loaded position is taken when the pass begins (iter()).
         rank, world_size = self.world()
         worker_id, workers = worker()
         plan = self.plan(rank, world_size)
-        tasks = plan[worker_id::workers]
+        stream_id, skip = self.resume_point(plan, rank, worker_id, workers)
+        tasks = plan[stream_id::workers]
         if not tasks and plan:
             warnings.warn(f"WDSDataset: DataLoader worker {worker_id} of {workers} on rank {rank} has no shard "
                           f"to read ({len(self.shards)} shards for {world_size} rank(s) x {workers} workers), so "
                           "it idles; re-pack with a smaller --shard-size to get at least ranks x workers shards",
                           RuntimeWarning, stacklevel=2)
-        samples = self.read_tasks(tasks)
+        progress = self._progress = [self.epoch, skip, rank, stream_id, workers]
+        return self.stream(tasks, skip, rank, stream_id, progress)
+
+    def stream(self, tasks: list[Task], skip: int, rank: int, worker_id: int, progress: list[int]) -> Iterator:
+        """This worker's (image, label) stream after its first `skip` samples, counted in progress."""
+        rng = None
         if self.shuffle > 1:
             seed = np.random.SeedSequence([self.seed, self.epoch, rank, worker_id]).generate_state(1)[0]
-            samples = shuffled(samples, self.shuffle, random.Random(int(seed)))
-        for where, image, label in samples:
+            rng = random.Random(int(seed))
+        for where, image, label in self.samples_after(tasks, skip, rng):
+            progress[1] += 1
             yield self.convert(where, image, label)
+
+    def samples_after(self, tasks: list[Task], skip: int, rng: random.Random | None) -> Iterator:
+        """The tasks' samples in the order this worker yields them (through the shuffle buffer
+        when rng is given), less the first `skip`."""
+        if not skip:
+            samples = self.read_tasks(tasks)
+            return samples if rng is None else shuffled(samples, self.shuffle, rng)
+        sizes = [self.task_size(t) for t in tasks]
+        if rng is None:
+            return (sample for _, sample in self.read_ordinals(tasks, sizes, skip, ()))
+        slots, consumed, drained = replay_shuffle(sum(sizes), self.shuffle, rng, skip)
+        source = self.read_ordinals(tasks, sizes, consumed, slots)
+        return resumed_shuffle(source, slots, drained, self.shuffle, rng)
+
+    def task_size(self, task: Task) -> int:
+        return self.shard_counts()[task.shard] if task.limit is None else task.limit
+
+    def read_ordinals(self, tasks: list[Task], sizes: list[int], start: int, keep) -> Iterator[tuple[int, tuple]]:
+        """(ordinal, sample) of the tasks' samples numbered from 0 whose ordinal is in `keep`
+        or at least `start`; a task holding none of them is skipped unread."""
+        wanted = sorted(set(keep))
+        first = 0
+        for task, size in zip(tasks, sizes):
+            stop = first + size
+            below = bisect.bisect_left(wanted, first)
+            if stop > start or (below < len(wanted) and wanted[below] < stop):
+                chosen = set(wanted[below:bisect.bisect_left(wanted, stop)])
+                for ordinal, sample in enumerate(self.read_tasks([task]), first):
+                    if ordinal >= start or ordinal in chosen:
+                        yield ordinal, sample
+            first = stop
+
+    def worker_sizes(self, workers: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
+        """Samples each of `workers` DataLoader workers of this rank yields in the current epoch."""
+        if rank is None:
+            rank, world_size = self.world()
+        plan = self.plan(rank, world_size)
+        return [sum(self.task_size(t) for t in plan[w::workers]) for w in range(workers)]
+
+    def settings(self) -> dict:
+        """What fixes every worker's stream besides the epoch; a state loads only where these match."""
+        counts = self.shard_counts()
+        names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
+        crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
+        return {"dataset": f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}",
+                "split": self.split, "seed": self.seed, "shuffle": self.shuffle, "world_size": self.world()[1]}
+
+    def state_dict(self) -> dict:
+        """{"kind", "version", settings, "epoch", "position"}: this process's place in the
+        current pass (a worker's own stream), a loaded state's, or None at an epoch's start."""
+        if self._resume is not None:
+            epoch, position = self._resume
+        elif self._progress is not None and self._progress[0] == self.epoch:
+            epoch, samples, rank, worker_id, workers = self._progress
+            position = {"rank": rank, "worker": worker_id, "workers": workers, "samples": samples}
+        else:
+            epoch, position = self.epoch, None
+        return {"kind": "WDSDataset", "version": STATE_VERSION, **self.settings(), "epoch": epoch,
+                "position": None if position is None else dict(position)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Set the epoch, and make the next pass over it start where the state says. Raises
+        ValueError if the state was saved over other shards, or with another seed, shuffle
+        buffer or world size."""
+        check_state(state, "WDSDataset", self.settings())
+        epoch = checked_count(state, "epoch", "WDSDataset")
+        position = checked_position(state.get("position"))
+        self.set_epoch(epoch)
+        self._resume = (epoch, position)
+
+    def resume_point(self, plan: list[Task], rank: int, worker_id: int, workers: int) -> tuple[int, int]:
+        """(the stream this worker reads, samples of it already consumed): (worker_id, 0)
+        without a loaded state for this epoch; the state is used once.
+
+        A loader's position resumes with the workers' streams turned so that DataLoader
+        worker 0, which a new pass asks first, reads the stream whose batch came next."""
+        resume, self._resume = self._resume, None
+        if resume is None or resume[0] != self.epoch or resume[1] is None:
+            return worker_id, 0
+        position = resume[1]
+        if position["workers"] != workers:
+            raise ValueError(f"WDSDataset: the state was saved with {position['workers']} DataLoader worker(s) and "
+                             f"this loader has {workers}; each worker reads its own shards, so resume with "
+                             f"{position['workers']} worker(s)")
+        sizes = [sum(self.task_size(t) for t in plan[w::workers]) for w in range(workers)]
+        if "samples" in position:
+            if (position["rank"], position["worker"]) != (rank, worker_id):
+                raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s on rank {position['rank']}, "
+                                 f"loaded in worker {worker_id} on rank {rank}; load each worker's own state "
+                                 "(torchdata's StatefulDataLoader does)")
+            stream_id, skip = worker_id, position["samples"]
+        else:
+            consumed, following = consumed_samples(sizes, position["batches"], position["batch_size"],
+                                                   position["drop_last"])
+            stream_id = (worker_id + following) % workers
+            skip = consumed[stream_id]
+        if skip > sizes[stream_id]:
+            raise ValueError(f"WDSDataset: the state has {skip} samples read from stream {stream_id}, which has "
+                             f"{sizes[stream_id]} this epoch; it was saved over other data")
+        return stream_id, skip
 
     def read_tasks(self, tasks: Iterable[Task]) -> Iterator[tuple[str, bytes, int]]:
         """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked."""
@@ -218,6 +346,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if multiprocessing.context.get_spawning_popen() is None:
             # Plain pickling (not a worker start): shared memory cannot travel, the value can.
             state["_epoch"] = self.epoch
+        state["_progress"] = None  # this process's pass, not the receiver's
         if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()
@@ -265,9 +394,10 @@ def check_stored(where: str, image: bytes, label: int, meta: bytes) -> None:
                                "on_error='skip')", where)
 
 
-def shuffled(items: Iterable, size: int, rng: random.Random) -> Iterator:
-    """A shuffle buffer: keep `size` items, yield a random one as each new one arrives."""
-    buffer = []
+def shuffled(items: Iterable, size: int, rng: random.Random, buffer: list | None = None) -> Iterator:
+    """A shuffle buffer: keep `size` items, yield a random one as each new one arrives.
+    buffer: the items already held (a resumed stream's)."""
+    buffer = [] if buffer is None else buffer
     for item in items:
         if len(buffer) < size:
             buffer.append(item)
@@ -277,6 +407,78 @@ def shuffled(items: Iterable, size: int, rng: random.Random) -> Iterator:
         buffer[j] = item
     rng.shuffle(buffer)
     yield from buffer
+
+
+def replay_shuffle(n: int, size: int, rng: random.Random, skip: int) -> tuple[list[int], int, bool]:
+    """shuffled() over n items, replayed on their ordinals until `skip` are out: (slots, the
+    buffer as ordinals; inputs consumed; drained: the input had ended and the buffer was
+    shuffled, so slots are what is left to yield, in order), with rng where shuffled's is."""
+    slots = list(range(min(size, n)))
+    consumed, out = len(slots), 0
+    while out < skip and consumed < n:
+        slots[rng.randrange(size)] = consumed
+        consumed += 1
+        out += 1
+    if out == skip:
+        return slots, consumed, False
+    rng.shuffle(slots)
+    return slots[skip - out:], n, True
+
+
+def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drained: bool, size: int,
+                    rng: random.Random) -> Iterator:
+    """shuffled()'s output from a replayed state on: source yields (ordinal, sample) in
+    order, first every ordinal in slots (all read before the stop), then the unread rest."""
+    found: dict[int, tuple] = {}
+    while len(found) < len(slots):
+        ordinal, sample = next(source)
+        found[ordinal] = sample
+    buffer = [found[ordinal] for ordinal in slots]
+    if drained:
+        return iter(buffer)
+    return shuffled((sample for _, sample in source), size, rng, buffer)
+
+
+def consumed_samples(sizes: list[int], batches: int, batch_size: int, drop_last: bool) -> tuple[list[int], int]:
+    """(samples each worker has yielded, the worker whose batch comes next) once a
+    DataLoader over an IterableDataset has handed out `batches` batches: it takes one batch
+    from each worker in turn, skipping workers with none left (each batches its own
+    stream; drop_last drops each one's partial batch)."""
+    left = [n // batch_size + (0 if drop_last or n % batch_size == 0 else 1) for n in sizes]
+    taken = [0] * len(sizes)
+    remaining, following = batches, 0
+    while remaining and any(left):
+        for w in range(len(sizes)):
+            if left[w] and remaining:
+                left[w] -= 1
+                taken[w] += 1
+                remaining -= 1
+                following = (w + 1) % len(sizes)
+    if remaining:
+        raise ValueError(f"WDSDataset: the state has {batches} batches read, more than this epoch's "
+                         f"{batches - remaining}; it was saved over other data")
+    return [min(t * batch_size, n) for t, n in zip(taken, sizes)], following
+
+
+POSITION_KEYS = ({"rank", "worker", "workers", "samples"}, {"workers", "batches", "batch_size", "drop_last"})
+
+
+def checked_position(position) -> dict | None:
+    """A state's position: None, one worker's or a loader's (see WDSDataset), checked."""
+    if position is None:
+        return None
+    if not isinstance(position, dict) or set(position) not in POSITION_KEYS:
+        raise ValueError(f"WDSDataset.load_state_dict: position must be None or a dict with the keys "
+                         f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {position!r}")
+    for key, value in position.items():
+        if key == "drop_last":
+            if not isinstance(value, bool):
+                raise ValueError(f"WDSDataset.load_state_dict: drop_last must be a bool, got {value!r}")
+        else:
+            checked_count(position, key, "WDSDataset")
+    if position["workers"] < 1 or position.get("batch_size", 1) < 1:
+        raise ValueError(f"WDSDataset.load_state_dict: workers and batch_size must be >= 1, got {position!r}")
+    return dict(position)
 
 
 def count_samples(path: str) -> int:
