@@ -239,11 +239,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def settings(self) -> dict:
         """What fixes every worker's stream besides the epoch; a state loads only where these match."""
-        counts = self.shard_counts()
-        names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
-        crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
-        return {"dataset": f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}",
-                "split": self.split, "seed": self.seed, "shuffle": self.shuffle, "world_size": self.world()[1]}
+        return {"dataset": self.fingerprint(), "split": self.split, "seed": self.seed, "shuffle": self.shuffle,
+                "world_size": self.world()[1]}
+
+    def fingerprint(self) -> str:
+        """The shards, named without their folder (a dataset may move): their names and
+        sample counts. Worked out once: StatefulDataLoader asks for a state every batch."""
+        if getattr(self, "_fingerprint", None) is None:
+            counts = self.shard_counts()
+            names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
+            crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
+            self._fingerprint = f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}"
+        return self._fingerprint
 
     def state_dict(self) -> dict:
         """{"kind", "version", settings, "epoch", "position"}: this process's place in the
