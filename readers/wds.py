@@ -118,6 +118,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.shard_counts()
         self._resume: tuple[int, dict | None] | None = None  # (epoch, position) the next pass starts at
         self._progress: list[int] | None = None  # [epoch, samples yielded, rank, worker, workers] of this process
+        self._fingerprint: str | None = None  # fingerprint(), worked out once
 
     @property
     def epoch(self) -> int:
@@ -230,13 +231,6 @@ class WDSDataset(torch.utils.data.IterableDataset):
                         yield ordinal, sample
             first = stop
 
-    def worker_sizes(self, workers: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
-        """Samples each of `workers` DataLoader workers of this rank yields in the current epoch."""
-        if rank is None:
-            rank, world_size = self.world()
-        plan = self.plan(rank, world_size)
-        return [sum(self.task_size(t) for t in plan[w::workers]) for w in range(workers)]
-
     def settings(self) -> dict:
         """What fixes every worker's stream besides the epoch; a state loads only where these match."""
         return {"dataset": self.fingerprint(), "split": self.split, "seed": self.seed, "shuffle": self.shuffle,
@@ -245,7 +239,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def fingerprint(self) -> str:
         """The shards, named without their folder (a dataset may move): their names and
         sample counts. Worked out once: StatefulDataLoader asks for a state every batch."""
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             counts = self.shard_counts()
             names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
             crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
