@@ -160,6 +160,8 @@ class EpochLoader(tud.DataLoader):
                     raise ValueError(f"EpochLoader.load_state_dict: the state holds a {name} state and this "
                                      f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
                                      "another kind of loader")
+                expected = min(batches * self.batch_size, len(self.sampler)) if name == "sampler" else batches
+                check_part(state[name], epoch, expected, name)
                 target.load_state_dict(state[name])
             elif batches and hasattr(target, "load_state_dict") and (
                     name == "sampler" or isinstance(self.dataset, tud.IterableDataset)):
@@ -173,6 +175,20 @@ class EpochLoader(tud.DataLoader):
         if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own shards
             settings["workers"] = self.num_workers
         return settings
+
+
+def check_part(part, epoch: int, position: int, name: str) -> None:
+    """Refuse a sampler's or dataset's state that disagrees with the loader's epoch and
+    position (a state put together by hand, or from two checkpoints)."""
+    if not isinstance(part, dict):
+        raise ValueError(f"EpochLoader.load_state_dict: the {name} state must be a dict, got {type(part).__name__}")
+    saved = part.get("position")
+    if name == "dataset":  # WDSDataset's: None at an epoch's start, else the loader's batch count
+        saved = 0 if saved is None else saved.get("batches") if isinstance(saved, dict) else saved
+    if part.get("epoch") != epoch or saved != position:
+        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {part.get('epoch')!r}, position "
+                         f"{saved!r}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
+                         "load whole states from state_dict()")
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,9 @@ def test_a_state_is_plain_data_and_names_what_differs(packs):
         make_loader(data, BATCH, workers=0, seed=SEED + 1).load_state_dict(state)
     with pytest.raises(ValueError, match="batch_size 5 \\(now 6\\)"):
         make_loader(data, BATCH + 1, workers=0, seed=SEED).load_state_dict(state)
+    mixed = {**state, "sampler": {**state["sampler"], "position": 3 * BATCH}}  # parts of two checkpoints
+    with pytest.raises(ValueError, match="sampler state \\(epoch 0, position 15\\) disagrees"):
+        make_loader(data, BATCH, workers=0, seed=SEED).load_state_dict(mixed)
     with pytest.raises(ValueError, match="world_size 1 \\(now 2\\)"):
         ShuffleSampler(data, seed=SEED, rank=1, world_size=2).load_state_dict(state["sampler"])
     other = readers.HDF5Dataset(Path(packs) / "d.h5", decode="raw")  # the same images, stored in another order
