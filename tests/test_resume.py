@@ -11,7 +11,6 @@ this file as a script: `python tests/test_resume.py resume|ddp JOBFILE [RANK]`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import zlib
@@ -268,7 +267,12 @@ def test_a_resumed_stream_skips_the_shards_it_has_consumed(packs, monkeypatch, s
     assert state["epoch"] == 1 and state["position"] == {"rank": 0, "worker": 0, "workers": 1, "samples": 80}
     opened = []
     real = wds_module._tar.iter_samples
-    monkeypatch.setattr(wds_module._tar, "iter_samples", lambda shard, *a, **k: opened.append(shard) or real(shard, *a, **k))
+
+    def recorded(shard, *args, **kwargs):  # the real reader, each shard it opens noted
+        opened.append(shard)
+        return real(shard, *args, **kwargs)
+
+    monkeypatch.setattr(wds_module._tar, "iter_samples", recorded)
     again = WDSDataset(path, decode="raw", shuffle=shuffle, seed=SEED)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert head + [zlib.crc32(image) for image, _ in again] == full
