@@ -127,7 +127,7 @@ def refuse_mismatch(parts: list[Part]) -> None:
                             "the two packs, or they are of different sources; pack every part from the same "
                             "unchanged source", part.path)
         if part.meta.format != first.meta.format:
-            raise PackError(f"{part.path}: a {part.meta.format} part, but {first.path} is {first.meta.format}; "
+            raise PackError(f"{part.path}: a part in {part.meta.format}, but {first.path} is in {first.meta.format}; "
                             "every part must be packed --to the same format", part.path)
         if part.count != first.count:
             raise PackError(f"{part.path}: part {part.index} of {part.count}, but {first.path} is part "
@@ -146,8 +146,9 @@ def refuse_missing(parts: list[Part]) -> None:
     missing = sorted(set(range(count)) - {part.index for part in parts})
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        raise PackError(f"{len(missing)} of the {count} parts missing: part(s) {shown} (counted from 0; pack "
-                        f"each with `packer pack SRC --part I/{count}`), beside {parts[0].path}", parts[0].path)
+        raise PackError(f"{len(missing)} of the {count} parts missing: part(s) {shown} (counted from 0) of the "
+                        f"source {parts[0].meta.source} that the given parts are of; pack each with `packer pack "
+                        f"SRC --part I/{count}` and give all {count} to merge", parts[0].path)
 
 
 def checked_parts(paths: list[str]) -> list[Part]:
