@@ -184,10 +184,22 @@ def dask_client(address: str):
     except ImportError as exc:
         raise PackError("--dask needs Dask's distributed scheduler: pip install 'packer[dask]'") from exc
     try:
+        refused_at_once(address)
         return Client(address, timeout="30s")
     except (OSError, TimeoutError, ValueError) as exc:
         raise PackError(f"{address}: cannot reach a Dask scheduler there ({type(exc).__name__}: {exc}); "
                         "check the address (tcp://HOST:8786) and that the scheduler is running") from exc
+
+
+def refused_at_once(address: str) -> None:
+    """Raise the OSError of a tcp:// address that refuses connections, where Dask would retry for 30 s."""
+    from urllib.parse import urlsplit
+
+    found = urlsplit(address)
+    if found.scheme == "tcp" and found.hostname and found.port:
+        import socket
+
+        socket.create_connection((found.hostname, found.port), timeout=10).close()
 
 
 def report_pack(result: PackResult, verb: str = "packed") -> None:

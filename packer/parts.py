@@ -193,7 +193,10 @@ def part_task(src: str, fmt: str, folder: str, spec: PartSpec, options: dict) ->
     """The task of one part, written in folder; a label file is named by its absolute path."""
     if options.get("labels") is not None:
         options = {**options, "labels": os.path.abspath(os.fspath(options["labels"]))}
-    return PartTask(src, fmt, os.path.join(folder, os.path.basename(spec.output(src, fmt))), spec, options)
+    # force: the folder is this run's own, and a part may run again after it was written
+    # (Dask recomputes a finished part whose result was held by a worker that died).
+    return PartTask(src, fmt, os.path.join(folder, os.path.basename(spec.output(src, fmt))), spec,
+                    {**options, "force": True})
 
 
 def run_part(task: PartTask) -> dict:
@@ -201,12 +204,18 @@ def run_part(task: PartTask) -> dict:
     so the coordinator can raise it again, naming the part."""
     from .pack import pack
 
+    options, notes = task.options, []
+    if options.get("check") == "full" and multiprocessing.current_process().daemon:
+        # --check full decodes in processes, which a daemonic worker (Dask's, by default) may not start.
+        options = {**options, "workers": 1}
+        notes.append("--check full decoded each part in its worker's own process, which may not start others "
+                     "(daemonic): run more parts, or start Dask workers with DASK_DISTRIBUTED__WORKER__DAEMON=False")
     try:
-        result = pack(task.src, task.fmt, task.out, part=task.spec, progress=False, **task.options)
+        result = pack(task.src, task.fmt, task.out, part=task.spec, progress=False, **options)
     except PackError as exc:
         return {"error": {"kind": type(exc).__name__, "message": str(exc), "path": exc.path}}
     return {"path": result.out, "count": result.metadata.count, "seconds": result.seconds,
-            "warnings": result.warnings, "host": HOST}
+            "warnings": result.warnings + notes, "host": HOST}
 
 
 def part_error(spec: PartSpec, error: dict) -> PackError:
@@ -250,23 +259,52 @@ def remove_folder(folder: str) -> bool:
 
 
 def run_parts(executor: Executor, tasks: list[PartTask], guard: InterruptGuard) -> list[dict]:
-    """Submit every task, wait for all of them; the first failure cancels those not started
-    and is raised as a PackError naming its part."""
+    """Submit every task and wait for all of them. A failure cancels the parts not started
+    and is raised as a PackError naming its part (the first by index, when several have
+    failed by then, the others listed)."""
     futures = {executor.submit(run_part, task): task for task in tasks}
-    done = {}
+    reports: dict[int, dict] = {}
     try:
         pending = set(futures)
         while pending:
             finished, pending = concurrent.futures.wait(pending, timeout=0.5,
                                                         return_when=concurrent.futures.FIRST_COMPLETED)
             guard.check()
+            failures = {}
             for future in finished:
                 task = futures[future]
-                done[task.spec.index] = settled(future, task)
+                try:
+                    reports[task.spec.index] = settled(future, task)
+                except PackError as exc:
+                    failures[task.spec.index] = exc
+            if failures:
+                raise first_failure(failures, futures)
     finally:
         for future in futures:
             future.cancel()
-    return [done[task.spec.index] for task in tasks]
+    return [reports[task.spec.index] for task in tasks]
+
+
+def first_failure(failures: dict[int, PackError], futures: dict) -> PackError:
+    """The failure of the lowest part index, noting the other parts that failed by now."""
+    for future, task in futures.items():
+        if future.done() and not future.cancelled() and task.spec.index not in failures:
+            try:
+                settled(future, task)
+            except PackError as exc:
+                failures[task.spec.index] = exc
+    first, *others = sorted(failures)
+    if others:
+        say_also(failures[first], "also failed: " + ", ".join(f"part {i}" for i in others))
+    return failures[first]
+
+
+def say_also(exc: BaseException, text: str) -> None:
+    """Add text to exc's message (a PackError's message is what the CLI prints), else as a note."""
+    if isinstance(exc, PackError) and exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}; {text}",) + exc.args[1:]
+    else:
+        exc.add_note(text)
 
 
 def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
@@ -274,10 +312,14 @@ def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
     try:
         report = future.result()
     except concurrent.futures.CancelledError as exc:
-        raise PackError(f"part {task.spec}: cancelled before it ran; nothing was written") from exc
-    except Exception as exc:  # the worker died or was lost (BrokenProcessPool, Dask's KilledWorker...)
+        raise PackError(f"part {task.spec}: cancelled before it ran; nothing was written", task.out) from exc
+    except concurrent.futures.BrokenExecutor as exc:  # which part's worker died, the pool cannot tell
+        raise PackError(f"part {task.spec} ({task.out}): the executor broke while this part was running or "
+                        f"waiting: one of its worker processes died ({type(exc).__name__}: {exc}); pack again",
+                        task.out) from exc
+    except Exception as exc:  # its worker died or was lost (Dask's KilledWorker), or a bug
         raise PackError(f"part {task.spec} ({task.out}): its worker failed or died ({type(exc).__name__}: "
-                        f"{exc}); pack it again (on Dask, a part whose worker dies is retried up to "
+                        f"{exc}); pack again (on Dask, a part whose worker dies is retried up to "
                         "distributed.scheduler.allowed-failures times)", task.out) from exc
     if "error" in report:
         raise part_error(task.spec, report["error"])
@@ -320,8 +362,8 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
                 if own is not None:  # its running parts end before their folder goes
                     own.shutdown(wait=True, cancel_futures=True)
                 if not remove_folder(folder):
-                    exc.add_note(f"{folder}, the parts' staging folder, could not be removed: remove it "
-                                 f"(rm -rf '{folder}')")
+                    say_also(exc, f"{folder}, the parts' staging folder, could not be removed: remove it "
+                                  f"(rm -rf '{folder}')")
                 raise
             if not remove_folder(folder):
                 raise PackError(f"{folder}: could not remove the parts' staging folder after the merge; remove "
