@@ -97,7 +97,13 @@ def read_part(path: str) -> Part:
         what = "a merge of parts" if meta.parts is not None else "a dataset packed in one piece"
         raise FormatError(f"{path}: not a part but {what}; merge takes the parts written by "
                           "`packer pack SRC --part I/N`", path)
-    return Part(path, meta)
+    part = Part(path, meta)
+    for name, entry in meta.parts["splits"].items():
+        listed = sum(1 for skipped in part.written_skipped if skipped.get("split") == name)
+        if listed != len(entry["skipped_at"]) or len(meta.skipped) < len(part.written_skipped):
+            raise FormatError(f"{path}: its metadata places {len(entry['skipped_at'])} left-out files in split "
+                              f"{name} but lists {listed}; the part is damaged, pack it again", path)
+    return part
 
 
 def refuse_repeats(parts: list[Part]) -> None:
