@@ -100,7 +100,7 @@ def read_part(path: str) -> Part:
     part = Part(path, meta)
     for name, entry in meta.parts["splits"].items():
         listed = sum(1 for skipped in part.written_skipped if skipped.get("split") == name)
-        if listed != len(entry["skipped_at"]) or len(meta.skipped) < len(part.written_skipped):
+        if listed != len(entry["skipped_at"]):
             raise FormatError(f"{path}: its metadata places {len(entry['skipped_at'])} left-out files in split "
                               f"{name} but lists {listed}; the part is damaged, pack it again", path)
     return part
