@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from packer import FORMATS, PackError, pack
 from packer.cli import main
-from packer.formats import read_metadata
 from packer.parts import run_part
 
 from test_parts import leftovers, same_bytes, same_dataset, single_pack

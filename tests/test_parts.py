@@ -26,7 +26,7 @@ from packer.parts import PartSpec, cut_source, part_spec, source_fingerprint
 from packer.records import Metadata, metadata_crc
 from packer.scan import scan_source
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes
 
 
 def records(path) -> dict[str, list]:
