@@ -374,11 +374,12 @@ def test_parts_without_an_executor_run_on_local_processes(split_tree, tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_a_failing_part_is_reported_by_name_and_leaves_nothing(bad_tree, tmp_path):
+def test_a_failing_part_is_reported_by_name_and_leaves_nothing(split_tree, tmp_path):
+    (split_tree / "val" / "c" / "c1.jpg").write_bytes(b"")  # the last file: in part 1 of 2 only
     out = tmp_path / "bad.lmdb"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        with pytest.raises(PackError, match=r"part 1/2: .*--on-error skip") as caught:
-            pack(str(bad_tree), "lmdb", str(out), executor=pool, parts=2, workers=1, progress=False)
+        with pytest.raises(PackError, match=r"part 1/2: val/c/c1.jpg: empty file .*--on-error skip") as caught:
+            pack(str(split_tree), "lmdb", str(out), executor=pool, parts=2, workers=1, progress=False)
     assert type(caught.value).__name__ == "BadImageError"
     assert not out.exists() and leftovers(tmp_path) == []
 
