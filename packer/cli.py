@@ -148,20 +148,58 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
               help="--labels is a list of class indexes (one per line, files in sorted name order) into packer's "
                    "sorted class list, counted from 0 or 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
+@click.option("--part", "part", metavar="I/N", help="Pack only part I (counted from 0) of N, a dataset of its own; "
+              "`packer merge` joins the N parts [default OUT: SRC.part-0000I-of-0000N + extension].")
+@click.option("--parts", "parts", type=click.IntRange(min=1), help="Pack in N parts run in parallel (local "
+              "processes, or --dask), then merge them into OUT.")
+@click.option("--dask", "dask", metavar="ADDRESS", help="Run the parts on this Dask scheduler "
+              "(tcp://host:8786; needs packer[dask]); SRC and OUT's folder must be on a file system every "
+              "worker shares, at the same paths [--parts default: the cluster's threads].")
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 **shards):
+                 part, parts, dask, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
     if labels_index_base is not None and labels is None:
         raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
-    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
-                  max_pixels=max_pixels, labels=labels,
-                  labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  **writer_options(fmt, **shards))
+    if part is not None and (parts is not None or dask is not None):
+        raise click.UsageError("--part packs one part; --parts and --dask pack them all: pass one or the other")
+    kwargs = dict(workers=workers, on_error=on_error, check=check, force=force, max_pixels=max_pixels,
+                  labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
+                  part=part, parts=parts, **writer_options(fmt, **shards))
+    if dask is not None:
+        with dask_client(dask) as client:
+            result = pack(src, fmt, out, executor=client.get_executor(pure=False), **kwargs)
+    else:
+        result = pack(src, fmt, out, **kwargs)
     report_pack(result)
     if as_json:
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
+
+
+def dask_client(address: str):
+    """A Client of the Dask scheduler at address, or a PackError saying why there is none."""
+    try:
+        from distributed import Client
+    except ImportError as exc:
+        raise PackError("--dask needs Dask's distributed scheduler: pip install 'packer[dask]'") from exc
+    try:
+        refused_at_once(address)
+        return Client(address, timeout="30s")
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise PackError(f"{address}: cannot reach a Dask scheduler there ({type(exc).__name__}: {exc}); "
+                        "check the address (tcp://HOST:8786) and that the scheduler is running") from exc
+
+
+def refused_at_once(address: str) -> None:
+    """Raise the OSError of a tcp:// address that refuses connections, where Dask would retry for 30 s."""
+    from urllib.parse import urlsplit
+
+    found = urlsplit(address)
+    if found.scheme == "tcp" and found.hostname and found.port:
+        import socket
+
+        socket.create_connection((found.hostname, found.port), timeout=10).close()
 
 
 def report_pack(result: PackResult, verb: str = "packed") -> None:
@@ -205,6 +243,28 @@ def convert_command(packed, fmt, out, force, workers, **shards):
                 verb="converted")
 
 
+@main.command("merge")
+@click.argument("parts", nargs=-1, required=True, type=click.Path())
+@click.option("-o", "--out", type=click.Path(), required=True, help="Output path of the merged dataset.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the parts' records "
+              "[default: the usable cores].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
+@library_errors
+def merge_command(parts, out, force, workers, as_json):
+    """Merge the parts of one source, packed with --part I/N, into the dataset a single pack gives.
+
+    Give every part (any order): each is refused by name if it is missing, given twice,
+    half-written, or of another source, format or options.
+    """
+    from .merge import merge
+
+    result = merge(list(parts), out, force=force, workers=workers)
+    report_pack(result, verb="merged")
+    if as_json:
+        click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
+
+
 @main.command("info")
 @click.argument("packed", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
@@ -233,10 +293,28 @@ def info_command(packed, as_json):
     origin = facts["params"].get("converted_from")
     if origin:
         click.echo(f"  converted from: {origin['path']} ({origin['format']})")
+    for line in parts_lines(facts.get("parts")):
+        click.echo(line)
     click.echo(f"  parameters: {json.dumps(facts['params'])}")
     click.echo(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:
         click.echo(f"    {entry['path']}: {entry['reason']}")
+
+
+def parts_lines(parts: dict | None) -> list[str]:
+    """info's lines on a part, or on the parts a dataset was merged from."""
+    if not parts:
+        return []
+    source = f"source {parts['fingerprint'][:19]}..."
+    if "merged" in parts:
+        lines = [f"  merged from {parts['count']} parts of {source}:"]
+        lines += [f"    part {p['index']}: {p['count']} images from {p['path']} (host {p['host']}, {p['created']})"
+                  for p in parts["merged"]]
+        return lines
+    ranges = ", ".join(f"{name} {s['start']}-{s['stop']} of {s['listed']}" for name, s in parts["splits"].items()
+                       if s["stop"] > s["start"])
+    return [f"  part {parts['index']} of {parts['count']} (counted from 0) of {source}, packed on {parts['host']}: "
+            f"files {parts['start']}-{parts['stop']} of {parts['total']} ({ranges or 'none'})"]
 
 
 @main.command("verify")

@@ -36,6 +36,7 @@ from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output, format_named
 from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
+from .parts import cut_source, pack_in_parts, part_spec
 from .records import Metadata, PathTable, SplitInfo, checksum
 from .scan import ON_ERROR, Source, SplitListing, scan_source
 from .source_io import read_regular_file
@@ -149,7 +150,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
          on_error: str = "fail", check: str = "header", force: bool = False,
          progress: bool | None = None, options: dict | None = None,
          shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS,
-         labels: str | os.PathLike | None = None, labels_index_base: int | None = None) -> PackResult:
+         labels: str | os.PathLike | None = None, labels_index_base: int | None = None,
+         part=None, parts: int | None = None, executor=None) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
@@ -158,6 +160,14 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     (packer.check.MAX_PIXELS). labels, a label file, labels the flat (unlabeled) splits
     (packer.labels: shapes, and labels_index_base for a list of class indexes); its name
     and SHA-256 go into the metadata params.
+
+    Packing in parts (packer.parts, docs/parts.md): part="I/N" (or (I, N)) packs part I,
+    counted from 0, of N, a dataset of its own that `packer merge` joins with the others
+    (its default OUT: SRC.part-0000I-of-0000N + the format's extension). parts=N with
+    executor=, any concurrent.futures.Executor (a Dask Client's get_executor(), mpi4py's
+    MPIPoolExecutor...), runs the N parts on it and merges them into out; without an
+    executor they run on local processes. Workers must see src and out's folder at the
+    same paths.
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     options = format_named(fmt).writer_options(options)
@@ -167,12 +177,23 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         raise PackError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
     if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
         raise PackError(f"max_pixels must be a positive integer (default {MAX_PIXELS}), not {max_pixels!r}")
+    if executor is not None or parts is not None:
+        if part is not None:
+            raise PackError("part= packs one part, parts= and executor= pack them all: pass one or the other")
+        return pack_in_parts(src, fmt, out, parts=parts, executor=executor, force=force, progress=progress,
+                             workers=workers, on_error=on_error, check=check, options=options, shuffle=shuffle,
+                             shuffle_seed=shuffle_seed, max_pixels=max_pixels, labels=labels,
+                             labels_index_base=labels_index_base)
+    spec = None if part is None else part_spec(part)
     start = time.perf_counter()
-    out = os.path.abspath(out or default_output(src, fmt))
+    out = os.path.abspath(out or (spec.output(src, fmt) if spec else default_output(src, fmt)))
     workers = workers or available_cores()
     with InterruptGuard(out) as guard:
         tidied = check_target(out, sources=[src], force=force)
         source = scan_source(src, on_error, labels, labels_index_base)
+        cut = None
+        if spec is not None:
+            source, cut = cut_source(source, spec)
         params = {"format": fmt, "check": check, "on_error": on_error, "workers": workers, "max_pixels": max_pixels,
                   **options, "shuffle_seed": seed, **label_params(source, labels_index_base)}
 
@@ -183,7 +204,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
-                            skipped=source.skipped + written.skipped)
+                            skipped=source.skipped + written.skipped,
+                            parts=None if cut is None else cut.facts(source.splits, written.skipped))
 
         meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + advice, tidied.removed)

@@ -19,6 +19,21 @@ its "crc32" key and without the keys its container owns: in a WDS index.json, wh
 the metadata object plus "wds" (the shard list), that is "wds"; shards have their own
 SHA-256s and sizes there. Metadata without "crc32" (written before it existed) is
 accepted, provided it holds only the keys those versions wrote.
+
+The optional "parts" object (absent from a dataset packed in one piece) says that a
+dataset is one part of a source packed in pieces, or was merged from such parts
+(docs/parts.md has the whole story). A part of N, index I counted from 0, holds the
+records [I*T//N, (I+1)*T//N) of the T files its source lists, all splits in sorted name
+order, one after the other (part_bounds, split_bounds):
+  {"fingerprint": "sha256:<hex>", "count": N, "index": I, "host": "<packing host>",
+   "total": T, "start": <first>, "stop": <end>,
+   "splits": {"<split>": {"listed": <files the source lists>, "start": <first>, "stop": <end>,
+                          "skipped_at": [<positions in [0, stop - start) of the files left out>]}}}
+The fingerprint is the source's (packer.parts.source_fingerprint); every split of the
+source is listed, an empty range included. A merged dataset has instead
+  {"fingerprint": ..., "count": N, "total": T,
+   "merged": [{"index": I, "path": ..., "host": ..., "created": ..., "count": <records>}, ...]}
+one entry per part, in index order.
 """
 from __future__ import annotations
 
@@ -47,6 +62,8 @@ MAX_NESTING = 100
 MAX_RECORDS = 2**31 - 1  # per split: labels and storage orders are int32 tables
 MAX_BYTES = 2**63 - 1  # per split: image offsets are int64
 MAX_NAME_BYTES = 255  # a file name's limit on common file systems
+MAX_PARTS = 1_000_000  # parts a source may be packed in
+FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
 # The keys metadata without a "crc32" may hold: all that packer wrote before it had one.
 UNCHECKED_KEYS = frozenset({"format", "format_version", "count", "bytes", "classes", "splits", "skipped",
                             "source", "created", "packer_version", "params"})
@@ -289,6 +306,100 @@ def _params(value) -> dict:
     return value
 
 
+def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:
+    """The [start, stop) of the source's `total` listed files that part `index` of `count` holds."""
+    return index * total // count, (index + 1) * total // count
+
+
+def split_bounds(listed: dict[str, int], start: int, stop: int) -> dict[str, tuple[int, int]]:
+    """[start, stop) of the whole source (splits in sorted name order, one after the other)
+    as a [start, stop) within each split's listing; a split outside it gets an empty range."""
+    bounds, offset = {}, 0
+    for name in sorted(listed):
+        size = listed[name]
+        bounds[name] = (min(max(start - offset, 0), size), min(max(stop - offset, 0), size))
+        offset += size
+    return bounds
+
+
+def _fingerprint(value, what: str) -> str:
+    if not isinstance(value, str) or not FINGERPRINT.fullmatch(value):
+        raise _Invalid(f"{what} is {_show(value)}, not sha256: and 64 hex digits")
+    return value
+
+
+def _part(value: dict, splits: dict[str, "SplitInfo"]) -> None:
+    """A part's facts: its index, its range and each split's range, all consistent."""
+    count = value["count"]
+    index = _count(value.get("index"), "parts.index", count - 1)
+    _text(value.get("host"), "parts.host")
+    entries = value.get("splits")
+    if not isinstance(entries, dict) or sorted(entries) != sorted(splits):
+        raise _Invalid(f"parts.splits is {_show(entries)}, not an object with one entry per split "
+                       f"({', '.join(sorted(splits))})")
+    listed = {}
+    for name, entry in entries.items():
+        what = f"parts.splits[{name!r}]"
+        if not isinstance(entry, dict):
+            raise _Invalid(f"{what} is {_show(entry)}, not an object")
+        listed[name] = _count(entry.get("listed"), f"{what}.listed", MAX_RECORDS)
+    total = value["total"]
+    if sum(listed.values()) != total:
+        raise _Invalid(f"parts.total is {total}, but the splits list {sum(listed.values())} files")
+    start, stop = part_bounds(total, index, count)
+    if (value.get("start"), value.get("stop")) != (start, stop):
+        raise _Invalid(f"parts.start and parts.stop are {_show(value.get('start'))} and "
+                       f"{_show(value.get('stop'))}, not the [{start}, {stop}) that part {index} of {count} "
+                       f"of {total} files holds")
+    for name, (first, end) in split_bounds(listed, start, stop).items():
+        entry, what = entries[name], f"parts.splits[{name!r}]"
+        if (entry.get("start"), entry.get("stop")) != (first, end):
+            raise _Invalid(f"{what} start and stop are {_show(entry.get('start'))} and {_show(entry.get('stop'))}, "
+                           f"not the [{first}, {end}) its part's range gives")
+        at = entry.get("skipped_at")
+        if (not isinstance(at, list) or any(type(i) is not int for i in at)
+                or any(not 0 <= i < end - first for i in at) or any(a >= b for a, b in zip(at, at[1:]))):
+            raise _Invalid(f"{what}.skipped_at is {_show(at)}, not increasing positions in [0, {end - first})")
+        if splits[name].count != end - first - len(at):
+            raise _Invalid(f"split {name!r} holds {splits[name].count} records, but its part range holds "
+                           f"{end - first} files of which {len(at)} were left out")
+
+
+def _merged(value: dict, count: int) -> None:
+    """A merged dataset's provenance: one entry per part, in index order."""
+    entries = value["merged"]
+    if not isinstance(entries, list) or len(entries) != value["count"]:
+        raise _Invalid(f"parts.merged is {_show(entries)}, not a list of the {value['count']} parts")
+    for index, entry in enumerate(entries):
+        what = f"parts.merged[{index}]"
+        if not isinstance(entry, dict) or entry.get("index") != index:
+            raise _Invalid(f"{what} is {_show(entry)}, not an object for part {index}")
+        for key in ("path", "host", "created"):
+            _text(entry.get(key), f"{what}.{key}")
+        _count(entry.get("count"), f"{what}.count", MAX_BYTES)
+    held = sum(entry["count"] for entry in entries)
+    if held != count:
+        raise _Invalid(f"parts.merged counts {held} records, but the dataset holds {count}")
+    if value["total"] < count:
+        raise _Invalid(f"parts.total is {value['total']}, fewer than the {count} records held")
+
+
+def _parts(value, splits: dict[str, "SplitInfo"]) -> dict:
+    """The optional "parts" object (module docstring): a part, or a merge of parts."""
+    if not isinstance(value, dict) or ("index" in value) == ("merged" in value):
+        raise _Invalid(f"parts is {_show(value)}, not an object with either an index or a merged list")
+    _fingerprint(value.get("fingerprint"), "parts.fingerprint")
+    _count(value.get("count"), "parts.count", MAX_PARTS)
+    if value["count"] < 1:
+        raise _Invalid("parts.count is 0")
+    _count(value.get("total"), "parts.total", MAX_BYTES)
+    if "index" in value:
+        _part(value, splits)
+    else:
+        _merged(value, sum(s.count for s in splits.values()))
+    return value
+
+
 @dataclass
 class SplitInfo:
     count: int
@@ -310,6 +421,7 @@ class Metadata:
     params: dict = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
+    parts: dict | None = None  # a part, or a merge of parts (module docstring); None: packed in one piece
 
     @property
     def count(self) -> int:
@@ -338,6 +450,8 @@ class Metadata:
             "packer_version": self.packer_version,
             "params": dict(self.params),
         }
+        if self.parts is not None:
+            d["parts"] = self.parts
         try:
             d["crc32"] = metadata_crc(d)
             self._parse(d, ())
@@ -405,7 +519,7 @@ class Metadata:
                    source=_text(d.get("source", ""), "source"), created=_text(d.get("created", ""), "created"),
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
-                   format_version=version)
+                   format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None)
 
 
 def parse_json(raw: bytes | str, where: str, what: str):
