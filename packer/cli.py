@@ -16,6 +16,7 @@ from .errors import PackError
 from .formats import FORMATS, parse_size
 from .interrupts import Interrupted
 from .pack import ON_ERROR, PackResult, pack
+from .reencode import MAX_SIDE_LIMIT
 
 
 def library_errors(fn):
@@ -127,6 +128,24 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
     return {"options": given, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
 
 
+def reencode_options(command):
+    """--max-side and --quality, which pack and convert share (packer.reencode)."""
+    command = click.option("--quality", type=click.IntRange(1, 100),
+                           help="JPEG quality of the images --max-side re-encodes [default: 90].")(command)
+    return click.option("--max-side", type=click.IntRange(1, MAX_SIDE_LIMIT),
+                        help="Re-encode as JPEG each image whose long side, upright by its EXIF orientation, is "
+                             "over N pixels, to N (aspect ratio kept, Lanczos, stored upright): less to decode "
+                             "per sample (docs/resolution.md). Every other image is stored byte for byte, as "
+                             "without it; verify --against checks re-encoded ones by size. [default: store every "
+                             "image byte for byte]", metavar="N")(command)
+
+
+def reencode_args(max_side, quality) -> dict:
+    if quality is not None and max_side is None:
+        raise click.UsageError("--quality sets the JPEG quality of the images --max-side re-encodes: pass --max-side")
+    return {"max_side": max_side, "quality": quality}
+
+
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
@@ -148,17 +167,21 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
               help="--labels is a list of class indexes (one per line, files in sorted name order) into packer's "
                    "sorted class list, counted from 0 or 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
+@reencode_options
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 **shards):
-    """Pack the ImageFolder tree SRC into one dataset file or folder."""
+                 max_side, quality, **shards):
+    """Pack the ImageFolder tree SRC into one dataset file or folder.
+
+    Every image is stored byte for byte, except those --max-side re-encodes.
+    """
     if labels_index_base is not None and labels is None:
         raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
     result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
                   max_pixels=max_pixels, labels=labels,
                   labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  **writer_options(fmt, **shards))
+                  **reencode_args(max_side, quality), **writer_options(fmt, **shards))
     report_pack(result)
     if as_json:
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
@@ -192,17 +215,19 @@ def pack_facts(result: PackResult) -> dict:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
               "[default: the usable cores].")
+@reencode_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, **shards):
-    """Convert the packed dataset PACKED to another format, byte for byte.
+def convert_command(packed, fmt, out, force, workers, max_side, quality, **shards):
+    """Convert the packed dataset PACKED to another format, byte for byte (except the
+    records --max-side re-encodes).
 
     Reads PACKED only: the folder it was packed from is not needed.
     """
     from .convert import convert
 
-    report_pack(convert(packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards)),
-                verb="converted")
+    report_pack(convert(packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality),
+                        **writer_options(fmt, **shards)), verb="converted")
 
 
 @main.command("info")
@@ -234,6 +259,10 @@ def info_command(packed, as_json):
     if origin:
         click.echo(f"  converted from: {origin['path']} ({origin['format']})")
     click.echo(f"  parameters: {json.dumps(facts['params'])}")
+    reencoded = facts.get("reencode")
+    if reencoded:
+        click.echo(f"  re-encoded: {sum(reencoded['counts'].values())} images over {reencoded['max_side']} px "
+                   f"(JPEG quality {reencoded['quality']}); the others are byte-identical to the source")
     click.echo(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:
         click.echo(f"    {entry['path']}: {entry['reason']}")
@@ -261,6 +290,8 @@ def verify_command(packed, against, check, workers, as_json):
     if not report.ok:
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""
+    if against and report.reencoded:
+        versus += " (the re-encoded ones in size)"
     say(f"ok: {report.checked} records intact{versus}")
 
 

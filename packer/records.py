@@ -19,6 +19,14 @@ its "crc32" key and without the keys its container owns: in a WDS index.json, wh
 the metadata object plus "wds" (the shard list), that is "wds"; shards have their own
 SHA-256s and sizes there. Metadata without "crc32" (written before it existed) is
 accepted, provided it holds only the keys those versions wrote.
+
+"reencode", present only in a dataset packed or converted with --max-side (packer.reencode),
+is {"max_side": N, "quality": Q, "counts": {split: records re-encoded}}: the records whose
+upright long side was over N are stored as JPEGs at quality Q, the others byte for byte.
+Its absence (every pack before it existed, and every pack without --max-side) means no
+record was re-encoded. It changes no byte layout, so format_version stays; a packer that
+predates it reads such a dataset (the key is covered by "crc32") and only its
+`verify --against` would report the re-encoded records as differing from the source.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ MAX_NESTING = 100
 MAX_RECORDS = 2**31 - 1  # per split: labels and storage orders are int32 tables
 MAX_BYTES = 2**63 - 1  # per split: image offsets are int64
 MAX_NAME_BYTES = 255  # a file name's limit on common file systems
+MAX_SIDE = 65535  # a JPEG's largest dimension: the largest "reencode" max_side
 # The keys metadata without a "crc32" may hold: all that packer wrote before it had one.
 UNCHECKED_KEYS = frozenset({"format", "format_version", "count", "bytes", "classes", "splits", "skipped",
                             "source", "created", "packer_version", "params"})
@@ -289,6 +298,23 @@ def _params(value) -> dict:
     return value
 
 
+def _reencode(value, splits: dict[str, "SplitInfo"]) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"max_side", "quality", "counts"}:
+        raise _Invalid(f"reencode is {_show(value)}, not an object with max_side, quality and counts")
+    if _count(value["max_side"], "reencode max_side", MAX_SIDE) < 1:
+        raise _Invalid("reencode max_side is 0")
+    if _count(value["quality"], "reencode quality", 100) < 1:
+        raise _Invalid("reencode quality is 0")
+    counts = value["counts"]
+    if not isinstance(counts, dict) or not set(counts) <= set(splits):
+        raise _Invalid(f"reencode counts is {_show(counts)}, not an object keyed by the dataset's splits")
+    for name, count in counts.items():
+        _count(count, f"reencode count of split {name!r}", splits[name].count)
+    return {"max_side": value["max_side"], "quality": value["quality"], "counts": dict(counts)}
+
+
 @dataclass
 class SplitInfo:
     count: int
@@ -310,6 +336,7 @@ class Metadata:
     params: dict = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
+    reencode: dict | None = None  # records stored re-encoded (the module docstring), None: none
 
     @property
     def count(self) -> int:
@@ -338,6 +365,8 @@ class Metadata:
             "packer_version": self.packer_version,
             "params": dict(self.params),
         }
+        if self.reencode is not None:  # absent otherwise: metadata without it reads as before
+            d["reencode"] = self.reencode
         try:
             d["crc32"] = metadata_crc(d)
             self._parse(d, ())
@@ -405,7 +434,7 @@ class Metadata:
                    source=_text(d.get("source", ""), "source"), created=_text(d.get("created", ""), "created"),
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
-                   format_version=version)
+                   format_version=version, reencode=_reencode(d.get("reencode"), splits))
 
 
 def parse_json(raw: bytes | str, where: str, what: str):
