@@ -182,16 +182,17 @@ def compare_reencoded(original: bytes, data: bytes, where: str, max_side: int, d
     if original == data:
         return [(DIFFERS, f"{where}: stored as it is, but the source is over the max side {max_side} "
                           "and must be stored re-encoded")]
+    try:
+        size = stored_size(data, max_pixels)
+    except BadImageError as exc:
+        return [(DAMAGED, f"{where}: {exc.reason}")]
+    if not re_encoded_size_fits(size, expected):
+        return [(DIFFERS, f"{where}: stored image is {size[0]}x{size[1]}, re-encoding the source under the max side "
+                          f"{max_side} gives {expected[0]}x{expected[1]} (by its size and orientation)")]
     reason = None if decoded else problem(data, "full", max_pixels)
     if reason is None and sniff(data) != "jpeg":
         reason = "a re-encoded record that is not a JPEG"
-    if reason is not None:
-        return [(DAMAGED, f"{where}: {reason}")]
-    size = stored_size(data, max_pixels)
-    if not re_encoded_size_fits(size, expected):
-        return [(DIFFERS, f"{where}: re-encoded image is {size[0]}x{size[1]}, the source's size and orientation "
-                          f"give {expected[0]}x{expected[1]} under the max side {max_side}")]
-    return []
+    return [] if reason is None else [(DAMAGED, f"{where}: {reason}")]
 
 
 def re_encoded_size_fits(size: tuple[int, int], expected: tuple[int, int]) -> bool:
