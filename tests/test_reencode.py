@@ -282,3 +282,16 @@ def test_cli_options_info_and_help(mixed_tree, tmp_path):
     for command in ("pack", "convert"):
         text = " ".join(runner.invoke(main, [command, "--help"]).output.split())
         assert "--max-side" in text and "byte for byte" in text and "--quality" in text
+
+
+def test_the_resolution_benchmark_measures_every_variant(mixed_tree, tmp_path, capsys):
+    from benchmarks.suites import resolution
+
+    result = tmp_path / "result.json"
+    resolution.main([str(mixed_tree), "--work", str(tmp_path / "work"), "--sides", "full,256", "--repeats", "1",
+                     "--pack-repeats", "1", "--sample", "8", "--workers", "1", "--json", str(result)])
+    table = capsys.readouterr().out
+    assert "| full | 0 of 8 |" in table and "| max-side-256 | 5 of 8 |" in table
+    facts = json.loads(result.read_text())
+    assert facts["packs"]["max-side-256"]["image_bytes"] < facts["packs"]["full"]["image_bytes"]
+    assert all(rate["rrc224_per_s"] > 0 and rate["decode_per_s"] > 0 for rate in facts["reads"].values())
