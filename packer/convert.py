@@ -20,7 +20,7 @@ from .cores import available_cores
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
-from .pack import (Loaded, PackResult, now_utc, reencoded, shuffle_seed_for, split_order, write_dataset,
+from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, split_order, write_dataset,
                    write_listings, write_order)
 from .records import Metadata, checksum
 from .reencode import Reencode, combined, reencode_spec
@@ -43,7 +43,7 @@ class RecordLoader:
         split, index = job
         data, _, _ = self.readers[split].read(index)  # raises CorruptDataError on a checksum mismatch
         if self.reencode is not None:
-            return reencoded(data, self.reencode, self.max_pixels)
+            return loaded_under(self.reencode, data, self.max_pixels)
         return Loaded(data, checksum(data), None)
 
     def close(self) -> None:

@@ -98,11 +98,11 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
     if reason is not None:
         return Loaded(None, 0, reason)
     if reencode is not None:
-        return reencoded(data, reencode, max_pixels)
+        return loaded_under(reencode, data, max_pixels)
     return Loaded(data, checksum(data), None)
 
 
-def reencoded(data: bytes, spec: Reencode, max_pixels: int) -> Loaded:
+def loaded_under(spec: Reencode, data: bytes, max_pixels: int) -> Loaded:
     """data as stored under spec: re-encoded when over its max_side, else as it is."""
     try:
         smaller = reencode_image(data, spec, max_pixels)

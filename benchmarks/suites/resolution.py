@@ -137,8 +137,8 @@ def main(argv=None) -> None:
     samples = {name: sample_records(fact["path"], args.sample) for name, fact in facts.items()}
     rates = read_rates(samples, args.repeats)
     env = {"corpus": os.path.abspath(args.corpus), "pack_workers": workers, "sample": args.sample,
-           "repeats": args.repeats, "pack_repeats": args.pack_repeats, "python": platform.python_version(), "cpu": platform.processor(),
-           "cores": available_cores(), "read_clock": "thread CPU time, torch 1 thread, bytes in memory",
+           "repeats": args.repeats, "pack_repeats": args.pack_repeats, "python": platform.python_version(),
+           "cpu": platform.processor(), "cores": available_cores(), "read_clock": "thread CPU time, torch 1 thread, bytes in memory",
            "pack_clock": "wall"}
     print(markdown(facts, rates))
     if args.json:
