@@ -143,8 +143,7 @@ def _resized(image, size: tuple[int, int]):
     """image decoded and resized to size (Lanczos) in L or RGB."""
     from PIL import Image
 
-    if image.format == "JPEG":
-        image.draft(None, (size[0] * DRAFT_GAP, size[1] * DRAFT_GAP))
+    image.draft(None, (size[0] * DRAFT_GAP, size[1] * DRAFT_GAP))  # JPEG (and MPO) only; others ignore it
     image.load()
     if image.mode not in ("L", "RGB"):
         image = image.convert("RGB")  # CMYK, palette, alpha, 16-bit: as the readers convert them
