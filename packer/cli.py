@@ -16,6 +16,7 @@ from .errors import PackError
 from .formats import FORMATS, parse_size
 from .interrupts import Interrupted
 from .pack import ON_ERROR, PackResult, pack
+from .reencode import MAX_SIDE_LIMIT
 
 
 def library_errors(fn):
@@ -127,6 +128,24 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
     return {"options": given, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
 
 
+def reencode_options(command):
+    """--max-side and --quality, which pack and convert share (packer.reencode)."""
+    command = click.option("--quality", type=click.IntRange(1, 100),
+                           help="JPEG quality of the images --max-side re-encodes [default: 90].")(command)
+    return click.option("--max-side", type=click.IntRange(1, MAX_SIDE_LIMIT),
+                        help="Re-encode as JPEG each image whose long side, upright by its EXIF orientation, is "
+                             "over N pixels, to N (aspect ratio kept, Lanczos, stored upright): less to decode "
+                             "per sample (docs/resolution.md). Every other image is stored byte for byte, as "
+                             "without it; verify --against checks re-encoded ones by size. [default: store every "
+                             "image byte for byte]", metavar="N")(command)
+
+
+def reencode_args(max_side, quality) -> dict:
+    if quality is not None and max_side is None:
+        raise click.UsageError("--quality sets the JPEG quality of the images --max-side re-encodes: pass --max-side")
+    return {"max_side": max_side, "quality": quality}
+
+
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
@@ -155,18 +174,22 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
 @click.option("--dask", "dask", metavar="ADDRESS", help="Run the parts on this Dask scheduler "
               "(tcp://host:8786; needs packer[dask]); SRC and OUT's folder must be on a file system every "
               "worker shares, at the same paths [--parts default: the cluster's threads].")
+@reencode_options
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 part, parts, dask, **shards):
-    """Pack the ImageFolder tree SRC into one dataset file or folder."""
+                 part, parts, dask, max_side, quality, **shards):
+    """Pack the ImageFolder tree SRC into one dataset file or folder.
+
+    Every image is stored byte for byte, except those --max-side re-encodes.
+    """
     if labels_index_base is not None and labels is None:
         raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
     if part is not None and (parts is not None or dask is not None):
         raise click.UsageError("--part packs one part; --parts and --dask pack them all: pass one or the other")
     kwargs = dict(workers=workers, on_error=on_error, check=check, force=force, max_pixels=max_pixels,
                   labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  part=part, parts=parts, **writer_options(fmt, **shards))
+                  part=part, parts=parts, **reencode_args(max_side, quality), **writer_options(fmt, **shards))
     if dask is not None:
         with dask_client(dask) as client:
             result = pack(src, fmt, out, executor=client.get_executor(pure=False), **kwargs)
@@ -230,17 +253,19 @@ def pack_facts(result: PackResult) -> dict:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
               "[default: the usable cores].")
+@reencode_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, **shards):
-    """Convert the packed dataset PACKED to another format, byte for byte.
+def convert_command(packed, fmt, out, force, workers, max_side, quality, **shards):
+    """Convert the packed dataset PACKED to another format, byte for byte (except the
+    records --max-side re-encodes).
 
     Reads PACKED only: the folder it was packed from is not needed.
     """
     from .convert import convert
 
-    report_pack(convert(packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards)),
-                verb="converted")
+    report_pack(convert(packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality),
+                        **writer_options(fmt, **shards)), verb="converted")
 
 
 @main.command("merge")
@@ -296,6 +321,10 @@ def info_command(packed, as_json):
     for line in parts_lines(facts.get("parts")):
         click.echo(line)
     click.echo(f"  parameters: {json.dumps(facts['params'])}")
+    reencoded = facts.get("reencode")
+    if reencoded:
+        click.echo(f"  re-encoded: {sum(reencoded['counts'].values())} images over {reencoded['max_side']} px "
+                   f"(JPEG quality {reencoded['quality']}); the others are byte-identical to the source")
     click.echo(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:
         click.echo(f"    {entry['path']}: {entry['reason']}")
@@ -339,6 +368,8 @@ def verify_command(packed, against, check, workers, as_json):
     if not report.ok:
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""
+    if against and report.reencoded:
+        versus += " (the re-encoded ones in size)"
     say(f"ok: {report.checked} records intact{versus}")
 
 

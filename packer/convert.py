@@ -1,5 +1,8 @@
 """Converts a packed dataset to another format, byte for byte, through the pack machinery.
 
+With max_side (convert --max-side) the records over it are re-encoded on the way
+(packer.reencode), by the same worker processes; every other record keeps its bytes.
+
 The records come from the packed dataset's Reader instead of the source folder (which is
 never opened, and need not exist any more): worker processes read and CRC-check them,
 and the parent feeds them in order to the target format's Writer, staged and published
@@ -11,14 +14,17 @@ import os
 import time
 
 from . import __version__
+from .check import MAX_PIXELS
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
-from .pack import (Loaded, PackResult, now_utc, shuffle_seed_for, split_order, write_dataset, write_listings,
-                   write_order)
+from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, split_order, write_dataset,
+                   write_listings, write_order)
 from .records import Metadata, checksum
+from .reencode import Reencode, combined, reencode_spec
+from .verify import packed_max_pixels
 from .scan import SplitListing
 
 # Records per task sent to a worker: reading a record is cheap, so amortise the IPC more.
@@ -29,12 +35,15 @@ class RecordLoader:
     """load((split, index)) -> Loaded for one packed dataset; picklable, so each pool
     worker opens its own readers once."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, reencode: Reencode | None = None, max_pixels: int = MAX_PIXELS):
         self.readers = ReaderCache(path)
+        self.reencode, self.max_pixels = reencode, max_pixels
 
     def __call__(self, job: tuple[str, int]) -> Loaded:
         split, index = job
         data, _, _ = self.readers[split].read(index)  # raises CorruptDataError on a checksum mismatch
+        if self.reencode is not None:
+            return loaded_under(self.reencode, data, self.max_pixels)
         return Loaded(data, checksum(data), None)
 
     def close(self) -> None:
@@ -52,12 +61,15 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
 
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
-            shuffle: bool | None = None, shuffle_seed: int = 0) -> PackResult:
+            shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
+            quality: int | None = None) -> PackResult:
     """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
 
-    shuffle and shuffle_seed as for pack(): wds output is shuffled by default.
+    shuffle and shuffle_seed as for pack(): wds output is shuffled by default. max_side and
+    quality as for pack(): the records over max_side are re-encoded, the others kept.
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
+    reencode = reencode_spec(max_side, quality)
     options = format_named(fmt).writer_options(options)
     start = time.perf_counter()
     packed = os.path.abspath(packed)
@@ -82,7 +94,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
-            load = RecordLoader(packed)
+            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta))
             try:
                 loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
                 written = write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, orders,
@@ -92,7 +104,8 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=src_meta.classes, splits=written.splits, source=src_meta.source,
                             created=now_utc(), packer_version=__version__, params=params,
-                            skipped=src_meta.skipped + written.skipped)
+                            skipped=src_meta.skipped + written.skipped,
+                            reencode=combined(src_meta.reencode, reencode, written.reencoded))
 
         meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)

@@ -145,6 +145,27 @@ def refuse_mismatch(parts: list[Part]) -> None:
             shown = ", ".join(f"{k}={part.options.get(k)!r} vs {first.options.get(k)!r}" for k in differ[:5])
             raise PackError(f"{part.path}: packed with other options than {first.path} ({shown}); pack every "
                             "part with the same options", part.path)
+        if reencode_options(part) != reencode_options(first):
+            raise PackError(f"{part.path}: re-encoded with other --max-side/--quality than {first.path} "
+                            f"({reencode_options(part)} vs {reencode_options(first)}); pack every part with the "
+                            "same options", part.path)
+
+
+def reencode_options(part: Part) -> tuple | None:
+    """(max_side, quality) a part was packed with, None without --max-side."""
+    found = part.meta.reencode
+    return None if found is None else (found["max_side"], found["quality"])
+
+
+def merged_reencode(parts: list[Part]) -> dict | None:
+    """The merged dataset's "reencode": the parts' options, their counts summed per split."""
+    if parts[0].meta.reencode is None:
+        return None
+    counts: dict[str, int] = {}
+    for part in parts:
+        for name, count in part.meta.reencode["counts"].items():
+            counts[name] = counts.get(name, 0) + count
+    return {**parts[0].meta.reencode, "counts": counts}
 
 
 def refuse_missing(parts: list[Part]) -> None:
@@ -336,7 +357,8 @@ def merge(paths: list[str], out: str, *, force: bool = False, workers: int | Non
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=first.meta.classes, splits=written.splits, source=first.meta.source,
                             created=now_utc(), packer_version=__version__, params=first.meta.params,
-                            skipped=first.scan_skipped + written.skipped, parts=provenance(parts))
+                            skipped=first.scan_skipped + written.skipped, parts=provenance(parts),
+                            reencode=merged_reencode(parts))
 
         meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)

@@ -38,6 +38,7 @@ from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .parts import cut_source, pack_in_parts, part_spec
 from .records import Metadata, PathTable, SplitInfo, checksum
+from .reencode import Reencode, reencode_image, reencode_spec
 from .scan import ON_ERROR, Source, SplitListing, scan_source
 from .source_io import read_regular_file
 
@@ -49,6 +50,7 @@ class Loaded:
     data: bytes | None
     crc: int
     reason: str | None
+    reencoded: bool = False  # data is the source re-encoded (--max-side), not its bytes
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Written:
     splits: dict[str, SplitInfo]
     skipped: list[dict]
     warnings: list[str] = field(default_factory=list)  # the writer's advice (Writer.warnings, optional)
+    reencoded: dict[str, int] = field(default_factory=dict)  # per split: records written re-encoded
 
 
 @dataclass
@@ -77,10 +80,12 @@ class PackResult:
         return self.metadata.bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS) -> Loaded:
+def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
+              reencode: Reencode | None = None) -> Loaded:
     """Read and check one file; errors become a reason, so the parent decides the policy.
 
     job is the file's path, or a Loaded already decided without opening it (a refused file).
+    reencode: re-encode the file when it is over its max_side (packer.reencode).
     """
     if isinstance(job, Loaded):
         return job
@@ -93,7 +98,20 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS) -> Lo
     reason = problem(data, level, max_pixels)
     if reason is not None:
         return Loaded(None, 0, reason)
+    if reencode is not None:
+        return loaded_under(reencode, data, max_pixels)
     return Loaded(data, checksum(data), None)
+
+
+def loaded_under(spec: Reencode, data: bytes, max_pixels: int) -> Loaded:
+    """data as stored under spec: re-encoded when over its max_side, else as it is."""
+    try:
+        smaller = reencode_image(data, spec, max_pixels)
+    except BadImageError as exc:
+        return Loaded(None, 0, exc.reason)
+    if smaller is None:
+        return Loaded(data, checksum(data), None)
+    return Loaded(smaller, checksum(smaller), None, reencoded=True)
 
 
 class Progress:
@@ -151,6 +169,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
          progress: bool | None = None, options: dict | None = None,
          shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS,
          labels: str | os.PathLike | None = None, labels_index_base: int | None = None,
+         max_side: int | None = None, quality: int | None = None,
          part=None, parts: int | None = None, executor=None) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
@@ -159,7 +178,9 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     full checks refuse an image whose header claims more than max_pixels pixels
     (packer.check.MAX_PIXELS). labels, a label file, labels the flat (unlabeled) splits
     (packer.labels: shapes, and labels_index_base for a list of class indexes); its name
-    and SHA-256 go into the metadata params.
+    and SHA-256 go into the metadata params. max_side re-encodes, as JPEGs at quality, the
+    images whose upright long side is over it (packer.reencode); every other image is
+    stored byte for byte.
 
     Packing in parts (packer.parts, docs/parts.md): part="I/N" (or (I, N)) packs part I,
     counted from 0, of N, a dataset of its own that `packer merge` joins with the others
@@ -170,6 +191,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     same paths.
     """
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
+    reencode = reencode_spec(max_side, quality)
     options = format_named(fmt).writer_options(options)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
@@ -183,7 +205,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         return pack_in_parts(src, fmt, out, parts=parts, executor=executor, force=force, progress=progress,
                              workers=workers, on_error=on_error, check=check, options=options, shuffle=shuffle,
                              shuffle_seed=shuffle_seed, max_pixels=max_pixels, labels=labels,
-                             labels_index_base=labels_index_base)
+                             labels_index_base=labels_index_base, max_side=max_side, quality=quality)
     spec = None if part is None else part_spec(part)
     start = time.perf_counter()
     out = os.path.abspath(out or (spec.output(src, fmt) if spec else default_output(src, fmt)))
@@ -200,12 +222,14 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         advice: list[str] = []  # the writer's (wds: too few shards for this machine)
 
         def fill(writer) -> Metadata:
-            written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard)
+            written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard,
+                                   reencode)
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=source.skipped + written.skipped,
-                            parts=None if cut is None else cut.facts(source.splits, written.skipped))
+                            parts=None if cut is None else cut.facts(source.splits, written.skipped),
+                            reencode=None if reencode is None else reencode.record(written.reencoded))
 
         meta = write_dataset(fmt, out, force, options, fill)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + advice, tidied.removed)
@@ -255,15 +279,16 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None, max_pixels: int = MAX_PIXELS,
-                 guard: InterruptGuard | None = None) -> Written:
+                 guard: InterruptGuard | None = None, reencode: Reencode | None = None) -> Written:
     """Stream every split of the source folder through writer."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
     jobs = source_jobs(source.root, listings, orders)
-    load = functools.partial(load_file, level=check, max_pixels=max_pixels)
-    # Decoding (--check full) is CPU-bound: processes. Reading and the header check are
-    # I/O-bound: threads, which skip the pipe that processes send every file through.
-    loaded = (load_in_processes if check == "full" else load_in_threads)(jobs, load, workers)
+    load = functools.partial(load_file, level=check, max_pixels=max_pixels, reencode=reencode)
+    # Decoding (--check full, re-encoding) is CPU-bound: processes. Reading and the header
+    # check are I/O-bound: threads, which skip the pipe that processes send every file through.
+    cpu_bound = check == "full" or reencode is not None
+    loaded = (load_in_processes if cpu_bound else load_in_threads)(jobs, load, workers)
     return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, orders, guard)
 
 
@@ -294,15 +319,34 @@ def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, lo
     bar = Progress(sum(len(listing) for listing in listings.values()), progress)
     skipped: list[dict] = []
     splits: dict[str, SplitInfo] = {}
+    tally = ReencodeTally(loaded)
+    reencoded: dict[str, int] = {}
     try:
         for name, listing in listings.items():
-            splits[name] = write_split(writer, name, listing, n_classes, loaded, on_error, skipped, bar,
+            before = tally.count
+            splits[name] = write_split(writer, name, listing, n_classes, tally, on_error, skipped, bar,
                                        orders.get(name), guard)
+            reencoded[name] = tally.count - before
     finally:
         bar.close()
         loaded.close()
     guard.check()
-    return Written(splits, skipped, list(getattr(writer, "warnings", ())))
+    return Written(splits, skipped, list(getattr(writer, "warnings", ())), reencoded)
+
+
+class ReencodeTally:
+    """The loaded records passed through, counting those that were re-encoded."""
+
+    def __init__(self, loaded: Iterator[Loaded]):
+        self.loaded, self.count = loaded, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Loaded:
+        item = next(self.loaded)
+        self.count += item.reencoded
+        return item
 
 
 def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded: Iterator[Loaded],

@@ -34,6 +34,13 @@ source is listed, an empty range included. A merged dataset has instead
   {"fingerprint": ..., "count": N, "total": T,
    "merged": [{"index": I, "path": ..., "host": ..., "created": ..., "count": <records>}, ...]}
 one entry per part, in index order.
+"reencode", present only in a dataset packed or converted with --max-side (packer.reencode),
+is {"max_side": N, "quality": Q, "counts": {split: records re-encoded}}: the records whose
+upright long side was over N are stored as JPEGs at quality Q, the others byte for byte.
+Its absence (every pack before it existed, and every pack without --max-side) means no
+record was re-encoded. It changes no byte layout, so format_version stays; a packer that
+predates it reads such a dataset (the key is covered by "crc32") and only its
+`verify --against` would report the re-encoded records as differing from the source.
 """
 from __future__ import annotations
 
@@ -64,6 +71,7 @@ MAX_BYTES = 2**63 - 1  # per split: image offsets are int64
 MAX_NAME_BYTES = 255  # a file name's limit on common file systems
 MAX_PARTS = 1_000_000  # parts a source may be packed in
 FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_SIDE = 65535  # a JPEG's largest dimension: the largest "reencode" max_side
 # The keys metadata without a "crc32" may hold: all that packer wrote before it had one.
 UNCHECKED_KEYS = frozenset({"format", "format_version", "count", "bytes", "classes", "splits", "skipped",
                             "source", "created", "packer_version", "params"})
@@ -398,6 +406,21 @@ def _parts(value, splits: dict[str, "SplitInfo"]) -> dict:
     else:
         _merged(value, sum(s.count for s in splits.values()))
     return value
+def _reencode(value, splits: dict[str, "SplitInfo"]) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"max_side", "quality", "counts"}:
+        raise _Invalid(f"reencode is {_show(value)}, not an object with max_side, quality and counts")
+    if _count(value["max_side"], "reencode max_side", MAX_SIDE) < 1:
+        raise _Invalid("reencode max_side is 0")
+    if _count(value["quality"], "reencode quality", 100) < 1:
+        raise _Invalid("reencode quality is 0")
+    counts = value["counts"]
+    if not isinstance(counts, dict) or not set(counts) <= set(splits):
+        raise _Invalid(f"reencode counts is {_show(counts)}, not an object keyed by the dataset's splits")
+    for name, count in counts.items():
+        _count(count, f"reencode count of split {name!r}", splits[name].count)
+    return {"max_side": value["max_side"], "quality": value["quality"], "counts": dict(counts)}
 
 
 @dataclass
@@ -422,6 +445,7 @@ class Metadata:
     skipped: list[dict] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     parts: dict | None = None  # a part, or a merge of parts (module docstring); None: packed in one piece
+    reencode: dict | None = None  # records stored re-encoded (the module docstring), None: none
 
     @property
     def count(self) -> int:
@@ -452,6 +476,8 @@ class Metadata:
         }
         if self.parts is not None:
             d["parts"] = self.parts
+        if self.reencode is not None:  # absent otherwise: metadata without it reads as before
+            d["reencode"] = self.reencode
         try:
             d["crc32"] = metadata_crc(d)
             self._parse(d, ())
@@ -519,7 +545,8 @@ class Metadata:
                    source=_text(d.get("source", ""), "source"), created=_text(d.get("created", ""), "created"),
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
-                   format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None)
+                   format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None,
+                   reencode=_reencode(d.get("reencode"), splits))
 
 
 def parse_json(raw: bytes | str, where: str, what: str):

@@ -1,4 +1,13 @@
-"""info and verify: what a packed dataset holds, and whether it is intact and matches its source."""
+"""info and verify: what a packed dataset holds, and whether it is intact and matches its source.
+
+Records are compared with their source byte for byte, except in a dataset packed with
+--max-side (Metadata.reencode): there a source image over max_side must be stored
+re-encoded, a decodable JPEG of the size packer.reencode derives from the source's size
+and orientation (its long side exactly, its short side to within a pixel of rounding,
+which a second re-encode by `convert --max-side` can shift), and every other one byte
+for byte. Without --against, such a dataset's images are checked to be no larger than
+max_side.
+"""
 from __future__ import annotations
 
 import os
@@ -7,12 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .check import MAX_PIXELS, problem
-from .errors import PackError
+from .check import MAX_PIXELS, problem, sniff
+from .errors import BadImageError, PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
+from .reencode import expected_size, stored_size
 from .scan import Source, scan_source
 
 BLOCK = 256  # records per verification task
@@ -61,6 +71,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)  # kind -> how many of problems are of it
     advice: list[str] = field(default_factory=list)  # what to do about the problems found
+    reencoded: bool = False  # the dataset was packed with --max-side: some records are compared by size
 
     @property
     def ok(self) -> bool:
@@ -83,11 +94,14 @@ class BlockVerifier:
 
     Picklable without its readers, so each worker process of the engine opens its own once
     and keeps them for every block it checks. Images over max_pixels (the limit the dataset
-    was packed with) count as problems; against is the source folder to compare with."""
+    was packed with) count as problems; against is the source folder to compare with.
+    max_side: the dataset's re-encoding limit (Metadata.reencode), None when it has none."""
 
-    def __init__(self, path: str, check: str, against: str | None, max_pixels: int = MAX_PIXELS):
+    def __init__(self, path: str, check: str, against: str | None, max_pixels: int = MAX_PIXELS,
+                 max_side: int | None = None):
         self.readers = ReaderCache(path)
         self.check, self.against, self.max_pixels = check, against, max_pixels
+        self.max_side = max_side
 
     def __call__(self, block: tuple[str, int, int]) -> list[tuple[str, str]]:
         split, start, stop = block
@@ -105,15 +119,33 @@ class BlockVerifier:
             reason = problem(data, self.check, self.max_pixels)
             if reason:
                 problems.append((DAMAGED, f"{where} ({relpath}): {reason}"))
+            elif self.max_side is not None:
+                problems += over_max_side(data, self.max_side, f"{where} ({relpath})", self.max_pixels)
             if self.against is not None:
-                problems += compare_with_source(self.against, relpath, data, where)
+                problems += compare_with_source(self.against, relpath, data, where, self.max_side,
+                                                self.check == "full", self.max_pixels)
         return problems
 
     def close(self) -> None:
         self.readers.close()
 
 
-def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> list[tuple[str, str]]:
+def over_max_side(data: bytes, max_side: int, where: str, max_pixels: int) -> list[tuple[str, str]]:
+    """A problem if the stored image is larger than the max_side its dataset was packed with."""
+    try:
+        width, height = stored_size(data, max_pixels)
+    except BadImageError as exc:
+        return [(DAMAGED, f"{where}: {exc.reason}")]
+    if max(width, height) > max_side:
+        return [(DAMAGED, f"{where}: stored image is {width}x{height}, over the max side {max_side} the dataset "
+                          "was packed with")]
+    return []
+
+
+def compare_with_source(root: str, relpath: str, data: bytes, where: str, max_side: int | None = None,
+                        decoded: bool = False, max_pixels: int = MAX_PIXELS) -> list[tuple[str, str]]:
+    """Problems of one record against its source file: bytes, or for one re-encoded under
+    max_side, its size (decoded: the record has already been fully decoded)."""
     # Imported here only to keep this change to one function; a FIFO or device in SRC must not hang verify.
     from .errors import BadImageError
     from .source_io import read_regular_file
@@ -126,10 +158,46 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str) -> lis
         return [(SRC_UNREADABLE, f"{relpath}: cannot read the source file ({exc.strerror or exc})")]
     except BadImageError as exc:
         return [(SRC_UNREADABLE, f"{relpath}: cannot compare with the source file: {exc.reason}")]
+    if max_side is not None:
+        return compare_reencoded(original, data, f"{where} ({relpath})", max_side, decoded, max_pixels)
     if original != data:
         return [(DIFFERS, f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
                           f"{len(original)} in SRC)")]
     return []
+
+
+def compare_reencoded(original: bytes, data: bytes, where: str, max_side: int, decoded: bool,
+                      max_pixels: int) -> list[tuple[str, str]]:
+    """A record of a dataset packed with max_side against its source: re-encoded to the
+    expected size if the source is over max_side, byte-identical if not."""
+    try:
+        expected = expected_size(original, max_side, max_pixels)
+    except BadImageError as exc:
+        return [(DIFFERS, f"{where}: the source file is no longer a readable image ({exc.reason})")]
+    if expected is None:
+        if original != data:
+            return [(DIFFERS, f"{where}: differs from the source file ({len(data)} stored bytes, {len(original)} "
+                              f"in SRC; it is not over the max side {max_side}, so it is stored as it is)")]
+        return []
+    if original == data:
+        return [(DIFFERS, f"{where}: stored as it is, but the source is over the max side {max_side} "
+                          "and must be stored re-encoded")]
+    try:
+        size = stored_size(data, max_pixels)
+    except BadImageError as exc:
+        return [(DAMAGED, f"{where}: {exc.reason}")]
+    if not re_encoded_size_fits(size, expected):
+        return [(DIFFERS, f"{where}: stored image is {size[0]}x{size[1]}, re-encoding the source under the max side "
+                          f"{max_side} gives {expected[0]}x{expected[1]} (by its size and orientation)")]
+    reason = None if decoded else problem(data, "full", max_pixels)
+    if reason is None and sniff(data) != "jpeg":
+        reason = "a re-encoded record that is not a JPEG"
+    return [] if reason is None else [(DAMAGED, f"{where}: {reason}")]
+
+
+def re_encoded_size_fits(size: tuple[int, int], expected: tuple[int, int]) -> bool:
+    """The long side exactly as expected, each side within one pixel of rounding."""
+    return max(size) == max(expected) and all(abs(got - want) <= 1 for got, want in zip(size, expected))
 
 
 def verify(path: str, against: str | None = None, check: str = "full",
@@ -150,10 +218,14 @@ def verify(path: str, against: str | None = None, check: str = "full",
         root = source.root
         compare_listings(meta, tables, source, report)
     max_pixels = packed_max_pixels(meta)
+    max_side = None if meta.reencode is None else meta.reencode["max_side"]
+    if max_side is not None:
+        report.reencoded = True
+        report.notes.append(reencode_note(meta.reencode, against))
     blocks = [(split, start, min(start + BLOCK, meta.splits[split].count))
               for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
     workers = min(workers or available_cores(), max(len(blocks), 1))
-    verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels)
+    verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels, max_side)
     bar = progress_bar(sum(stop - start for _, start, stop in blocks), progress)
     try:
         for (_, start, stop), found in zip(blocks, load_in_processes(blocks, verifier, workers, chunk=1)):
@@ -166,6 +238,14 @@ def verify(path: str, against: str | None = None, check: str = "full",
     report.checked = sum(meta.splits[split].count for split in tables)
     report.advice = advice(report, meta, against)
     return report
+
+
+def reencode_note(reencode: dict, against: str | None) -> str:
+    count = sum(reencode["counts"].values())
+    how = ("compared with SRC by decoded size, the others byte for byte" if against is not None
+           else "checked to be no larger than that")
+    return (f"{count} records were re-encoded when packed (images over {reencode['max_side']} px, JPEG quality "
+            f"{reencode['quality']}): {how}")
 
 
 def progress_bar(total: int, enabled: bool | None):

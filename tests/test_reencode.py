@@ -1,0 +1,297 @@
+"""pack/convert --max-side: which images are re-encoded, how, what the metadata says, and verify --against."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image, ImageOps
+
+from packer import FORMATS, FormatError, PackError, open_reader, pack
+from packer.cli import main
+from packer.convert import convert
+from packer.formats import read_metadata
+from packer.pack import load_file
+from packer.records import Metadata
+from packer.reencode import Reencode, expected_size, reencode_image, reencode_spec, target_size
+from packer.verify import DAMAGED, DIFFERS, verify
+
+from conftest import write
+
+ORIENTATION = 0x0112
+
+
+def photo(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    """Smooth gradients with a bright block in the top-left corner: resizing keeps them, so
+    a re-encoded image can be compared with a reference by pixels, and its orientation seen."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x * 255 // width, y * 255 // height, (x + y + seed * 40) * 255 // (width + height + 80)],
+                      -1).astype(np.uint8)
+    pixels[: height // 4, : width // 4] = 255
+    image = Image.fromarray(pixels, "RGB")
+    return image if mode == "RGB" else image.convert(mode)
+
+
+def encoded(image: Image.Image, fmt: str = "JPEG", orientation: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    extra = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[ORIENTATION] = orientation
+        extra["exif"] = exif
+    image.save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}), **extra)
+    return buf.getvalue()
+
+
+def opened(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def mean_difference(a: Image.Image, b: Image.Image) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).mean())
+
+
+@pytest.fixture
+def mixed_tree(tmp_path) -> Path:
+    """SRC/<class>/...: images over and under 256 px, rotated by EXIF, grayscale, CMYK and PNG."""
+    src = tmp_path / "src"
+    write(src / "a" / "big.jpg", encoded(photo(800, 600)))
+    write(src / "a" / "small.jpg", encoded(photo(250, 200, seed=1)))
+    write(src / "a" / "edge.jpg", encoded(photo(256, 100, seed=2)))  # exactly at the limit: kept
+    write(src / "b" / "rotated.jpg", encoded(photo(900, 400, seed=3), orientation=6))
+    write(src / "b" / "gray.jpg", encoded(photo(700, 500, "L", seed=4)))
+    write(src / "b" / "cmyk.jpg", encoded(photo(640, 480, "CMYK", seed=5)))
+    write(src / "b" / "wide.png", encoded(photo(1000, 300, "RGBA", seed=6), "PNG"))
+    write(src / "b" / "small.png", encoded(photo(120, 90, seed=7), "PNG"))
+    return src
+
+
+def stored(path: Path) -> dict[str, bytes]:
+    found = {}
+    for split in read_metadata(path).splits:
+        reader = open_reader(path, split)
+        for i in range(len(reader)):
+            data, _, relpath = reader.read(i)
+            found[relpath] = data
+        reader.close()
+    return found
+
+
+def test_target_size_keeps_the_aspect_ratio_and_leaves_images_within_the_limit_alone():
+    assert target_size(800, 600, 256) == (256, 192)
+    assert target_size(600, 800, 256) == (192, 256)
+    assert target_size(1000, 333, 256) == (256, 85)  # 85.248 rounds down
+    assert target_size(10000, 1, 256) == (256, 1)  # never 0 pixels
+    assert target_size(256, 256, 256) is None and target_size(100, 50, 256) is None
+
+
+def test_expected_size_is_upright():
+    data = encoded(photo(900, 400), orientation=6)  # shown rotated: 400 wide, 900 high
+    assert expected_size(data, 256) == (114, 256)
+    assert expected_size(encoded(photo(900, 400), orientation=3), 256) == (256, 114)
+    assert expected_size(encoded(photo(200, 100)), 256) is None
+
+
+def test_images_within_the_limit_are_not_re_encoded():
+    data = encoded(photo(256, 200), orientation=6)
+    assert reencode_image(data, Reencode(256)) is None
+
+
+def test_re_encoding_resizes_with_a_good_filter_and_stores_upright_pixels():
+    source = photo(1200, 500)
+    data = encoded(source, orientation=8)
+    out = opened(reencode_image(data, Reencode(300, quality=95)))
+    assert out.format == "JPEG" and out.mode == "RGB" and out.size == (125, 300)
+    assert ORIENTATION not in out.getexif()
+    upright = ImageOps.exif_transpose(opened(data)).resize(out.size, Image.Resampling.LANCZOS)
+    assert mean_difference(out, upright) < 3
+    assert mean_difference(out, opened(data).resize(out.size)) > 30  # not the stored, sideways pixels
+
+
+def test_grayscale_stays_grayscale_and_cmyk_becomes_rgb_as_the_readers_convert_it():
+    gray = opened(reencode_image(encoded(photo(700, 500, "L")), Reencode(256)))
+    assert gray.mode == "L" and gray.size == (256, 183)
+    cmyk_source = encoded(photo(640, 480, "CMYK"))
+    cmyk = opened(reencode_image(cmyk_source, Reencode(256)))
+    assert cmyk.mode == "RGB" and cmyk.size == (256, 192)
+    reference = opened(cmyk_source).convert("RGB").resize(cmyk.size, Image.Resampling.LANCZOS)
+    assert mean_difference(cmyk, reference) < 3
+
+
+def test_a_png_over_the_limit_becomes_an_rgb_jpeg():
+    source = photo(1000, 300, "RGBA")
+    out = opened(reencode_image(encoded(source, "PNG"), Reencode(256)))
+    assert out.format == "JPEG" and out.mode == "RGB" and out.size == (256, 77)
+    assert mean_difference(out, source.convert("RGB").resize(out.size, Image.Resampling.LANCZOS)) < 3
+
+
+def test_lower_quality_stores_fewer_bytes():
+    data = encoded(photo(1000, 800))
+    assert len(reencode_image(data, Reencode(500, quality=50))) < len(reencode_image(data, Reencode(500, quality=95)))
+
+
+def test_an_image_that_cannot_be_decoded_becomes_a_reason_so_on_error_applies(tmp_path):
+    data = encoded(photo(800, 600))
+    path = write(tmp_path / "cut.jpg", data[: len(data) // 3])
+    loaded = load_file(str(path), "none", reencode=Reencode(256))
+    assert loaded.data is None and "re-encode" in loaded.reason
+
+
+def test_bad_arguments_are_refused_by_name():
+    assert reencode_spec(None, None) is None
+    assert reencode_spec(300, None) == Reencode(300, 90)
+    for max_side, quality, named in ((0, None, "max_side"), (70000, None, "max_side"), (True, None, "max_side"),
+                                     (256, 0, "quality"), (256, 101, "quality"), (None, 80, "max_side")):
+        with pytest.raises(PackError, match=named):
+            reencode_spec(max_side, quality)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pack_re_encodes_only_images_over_the_limit_and_verify_accepts_it(mixed_tree, tmp_path, fmt):
+    out = tmp_path / f"out{FORMATS[fmt].extension}"
+    pack(str(mixed_tree), fmt, str(out), workers=2, progress=False, max_side=256, quality=85)
+    records = stored(out)
+    for kept in ("a/small.jpg", "a/edge.jpg", "b/small.png"):
+        assert records[kept] == (mixed_tree / kept).read_bytes()
+    sizes = {"a/big.jpg": (256, 192), "b/rotated.jpg": (114, 256), "b/gray.jpg": (256, 183),
+             "b/cmyk.jpg": (256, 192), "b/wide.png": (256, 77)}
+    for relpath, size in sizes.items():
+        assert opened(records[relpath]).format == "JPEG" and opened(records[relpath]).size == size, relpath
+    meta = read_metadata(out)
+    assert meta.reencode == {"max_side": 256, "quality": 85, "counts": {"all": 5}}
+    report = verify(str(out), str(mixed_tree), workers=1)
+    assert report.ok, report.problems
+    assert report.reencoded and any("5 records were re-encoded" in note for note in report.notes)
+
+
+def test_processes_and_one_worker_store_the_same_bytes(mixed_tree, tmp_path):
+    one, two = tmp_path / "one.lmdb", tmp_path / "two.lmdb"
+    pack(str(mixed_tree), "lmdb", str(one), workers=1, progress=False, max_side=256)
+    pack(str(mixed_tree), "lmdb", str(two), workers=2, progress=False, max_side=256)
+    assert stored(one) == stored(two)
+
+
+def test_verify_against_finds_changed_sources_of_both_kinds(mixed_tree, tmp_path):
+    out = tmp_path / "out.lmdb"
+    pack(str(mixed_tree), "lmdb", str(out), workers=1, progress=False, max_side=256)
+    write(mixed_tree / "a" / "big.jpg", encoded(photo(800, 300)))  # a different shape: 256x96 now
+    write(mixed_tree / "a" / "small.jpg", encoded(photo(250, 200, seed=9)))  # kept, so compared by bytes
+    write(mixed_tree / "b" / "small.png", encoded(photo(900, 90), "PNG"))  # over the limit now, stored as it was
+    report = verify(str(out), str(mixed_tree), workers=1)
+    assert report.kinds[DIFFERS] == 3, report.problems
+    found = "\n".join(report.problems)
+    assert "a/big.jpg): stored image is 256x192, re-encoding the source under the max side 256 gives 256x96" in found
+    assert "a/small.jpg): differs from the source file" in found
+    assert "b/small.png): stored image is 120x90, re-encoding the source under the max side 256 gives 256x26" in found
+
+
+def _rewrite_metadata(out: Path, max_side: int) -> Metadata:
+    """out's metadata claiming a max side it was not packed with: what damage to either looks like."""
+    import lmdb
+
+    meta = read_metadata(out)
+    meta.reencode = {"max_side": max_side, "quality": 90, "counts": {"all": 0}}
+    env = lmdb.open(str(out), subdir=True, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"__meta__", meta.to_json())  # the metadata key (packer.formats.lmdb)
+    env.close()
+    return read_metadata(out)
+
+
+def test_verify_finds_images_stored_as_they_are_though_over_the_recorded_max_side(mixed_tree, tmp_path):
+    out = tmp_path / "plain.lmdb"
+    pack(str(mixed_tree), "lmdb", str(out), workers=1, progress=False)
+    _rewrite_metadata(out, max_side=256)
+    report = verify(str(out), workers=1)
+    assert report.kinds[DAMAGED] == 5 and len(report.problems) == 5, report.problems
+    assert "all/0 (a/big.jpg): stored image is 800x600, over the max side 256 the dataset was packed with" \
+        in report.problems
+    report = verify(str(out), str(mixed_tree), workers=1)
+    assert report.kinds[DIFFERS] == 5 and report.kinds[DAMAGED] == 5, report.problems
+    assert "all/7 (b/wide.png): stored as it is, but the source is over the max side 256 and must be stored " \
+           "re-encoded" in report.problems
+
+
+def test_convert_re_encodes_and_carries_the_record(mixed_tree, tmp_path):
+    plain = tmp_path / "plain.lmdb"
+    pack(str(mixed_tree), "lmdb", str(plain), workers=1, progress=False)
+    small = tmp_path / "small.h5"
+    convert(str(plain), "hdf5", str(small), workers=2, progress=False, max_side=256)
+    assert read_metadata(small).reencode == {"max_side": 256, "quality": 90, "counts": {"all": 5}}
+    assert verify(str(small), str(mixed_tree), workers=1).ok
+    again = tmp_path / "again.lmdb"  # no --max-side: the records and their record carry over
+    convert(str(small), "lmdb", str(again), workers=1, progress=False)
+    assert read_metadata(again).reencode == read_metadata(small).reencode and stored(again) == stored(small)
+    larger = tmp_path / "larger.lmdb"  # a larger limit re-encodes nothing
+    convert(str(small), "lmdb", str(larger), workers=1, progress=False, max_side=512)
+    assert read_metadata(larger).reencode["max_side"] == 256 and stored(larger) == stored(small)
+    smaller = tmp_path / "smaller.wds"  # a smaller one re-encodes again: compared with SRC under the new limit
+    convert(str(small), "wds", str(smaller), workers=1, progress=False, max_side=150, quality=80)
+    assert read_metadata(smaller).reencode == {"max_side": 150, "quality": 80, "counts": {"all": 7}}
+    report = verify(str(smaller), str(mixed_tree), workers=1)
+    assert report.ok, report.problems
+
+
+def test_metadata_reencode_round_trips_and_is_checked():
+    meta = Metadata.from_json(_metadata_json(), "test")
+    assert meta.reencode is None  # written without it: nothing re-encoded
+    meta.reencode = {"max_side": 320, "quality": 90, "counts": {"train": 3}}
+    assert Metadata.from_json(meta.to_json(), "test").reencode == meta.reencode
+    for bad in ({"max_side": 0, "quality": 90, "counts": {}}, {"max_side": 320, "quality": 101, "counts": {}},
+                {"max_side": 320, "quality": 90, "counts": {"val": 1}},
+                {"max_side": 320, "quality": 90, "counts": {"train": 5}},  # more than the split holds
+                {"max_side": 320, "quality": 90}, [320, 90]):
+        meta.reencode = bad
+        with pytest.raises(FormatError, match="reencode"):
+            meta.to_json()
+
+
+def test_metadata_without_a_checksum_may_not_claim_re_encoding():
+    d = json.loads(_metadata_json())
+    del d["crc32"]
+    assert Metadata.from_dict(dict(d), "old").reencode is None
+    d["reencode"] = {"max_side": 320, "quality": 90, "counts": {}}
+    with pytest.raises(FormatError, match="unknown key"):
+        Metadata.from_dict(d, "old")
+
+
+def _metadata_json() -> str:
+    from packer.records import SplitInfo
+
+    return Metadata(format="lmdb", classes=["a"], splits={"train": SplitInfo(3, 30, [3])}).to_json().decode()
+
+
+def test_cli_options_info_and_help(mixed_tree, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "out.lmdb"
+    result = runner.invoke(main, ["pack", str(mixed_tree), "--to", "lmdb", "-o", str(out), "--quality", "80"])
+    assert result.exit_code == 2 and "pass --max-side" in result.output
+    result = runner.invoke(main, ["pack", str(mixed_tree), "--to", "lmdb", "-o", str(out), "--max-side", "0"])
+    assert result.exit_code == 2 and not out.exists()
+    result = runner.invoke(main, ["pack", str(mixed_tree), "--to", "lmdb", "-o", str(out), "--max-side", "256",
+                                  "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert "re-encoded: 5 images over 256 px (JPEG quality 90)" in runner.invoke(main, ["info", str(out)]).output
+    result = runner.invoke(main, ["verify", str(out), "--against", str(mixed_tree), "--workers", "1"])
+    assert result.exit_code == 0 and "(the re-encoded ones in size)" in result.output
+    for command in ("pack", "convert"):
+        text = " ".join(runner.invoke(main, [command, "--help"]).output.split())
+        assert "--max-side" in text and "byte for byte" in text and "--quality" in text
+
+
+def test_the_resolution_benchmark_measures_every_variant(mixed_tree, tmp_path, capsys):
+    from benchmarks.suites import resolution
+
+    result = tmp_path / "result.json"
+    resolution.main([str(mixed_tree), "--work", str(tmp_path / "work"), "--sides", "full,256", "--repeats", "1",
+                     "--pack-repeats", "1", "--sample", "8", "--workers", "1", "--json", str(result)])
+    table = capsys.readouterr().out
+    assert "| full | 0 of 8 |" in table and "| max-side-256 | 5 of 8 |" in table
+    facts = json.loads(result.read_text())
+    assert facts["packs"]["max-side-256"]["image_bytes"] < facts["packs"]["full"]["image_bytes"]
+    assert all(rate["rrc224_per_s"] > 0 and rate["decode_per_s"] > 0 for rate in facts["reads"].values())
