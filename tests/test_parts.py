@@ -244,6 +244,23 @@ def test_merge_refuses_parts_packed_with_other_options(split_tree, four_parts, t
     assert "check='none' vs 'header'" in message and other in message
 
 
+def test_parts_packed_with_max_side_merge_into_the_single_re_encoded_pack(split_tree, tmp_path, parts_dir):
+    single = single_pack(split_tree, "lmdb", tmp_path, max_side=32, quality=80)
+    merged = tmp_path / "merged.lmdb"
+    merge(pack_parts(split_tree, "lmdb", parts_dir, 3, max_side=32, quality=80), str(merged), workers=1,
+          progress=False)
+    same_dataset(merged, single)
+    assert read_metadata(merged).reencode == read_metadata(single).reencode
+    assert read_metadata(merged).reencode["counts"] == {"train": 12, "val": 4}
+
+
+def test_merge_refuses_parts_re_encoded_differently(split_tree, four_parts, tmp_path):
+    other = pack(str(split_tree), "lmdb", str(tmp_path / "p3-small.lmdb"), part="3/4", max_side=32,
+                 progress=False, workers=1).out
+    message = refused(four_parts[:3] + [other], tmp_path / "m.lmdb", "other --max-side")
+    assert other in message and "(32, 90)" in message
+
+
 def test_merge_refuses_parts_of_another_format(split_tree, four_parts, tmp_path):
     other = pack(str(split_tree), "hdf5", str(tmp_path / "p3.h5"), part="3/4", progress=False, workers=1).out
     refused(four_parts[:3] + [other], tmp_path / "m.lmdb", "every part must be packed --to the same format")
