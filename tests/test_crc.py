@@ -23,8 +23,8 @@ from conftest import class_sorted_tree
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [0, 1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4095, 4096,
          4097, 5121, 65536 + 13, 110_000, (1 << 20) + 3]
-# Importing packer with zlib-ng hidden, as where its wheel is missing: packer.crc falls back to zlib.
-WITHOUT_ZLIB_NG = "import sys; sys.modules['zlib_ng'] = None\n"
+# Importing packer with deflate hidden, as where its wheel is missing: packer.crc falls back to zlib.
+WITHOUT_DEFLATE = "import sys; sys.modules['deflate'] = None\n"
 
 
 def random_bytes(size: int, seed: int) -> bytes:
@@ -32,8 +32,8 @@ def random_bytes(size: int, seed: int) -> bytes:
 
 
 def test_the_fast_implementation_is_in_use():
-    """zlib-ng is a core dependency: an install without it would silently be 3-4x slower to read checked."""
-    assert IMPLEMENTATION == "zlib-ng"
+    """deflate (libdeflate) is a core dependency: without it a checked read costs several times more."""
+    assert IMPLEMENTATION == "libdeflate"
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -83,7 +83,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_the_zlib_fallback_gives_the_same_values():
     sizes = [0, 1, 17, 4097, 110_000]
-    code = WITHOUT_ZLIB_NG + (
+    code = WITHOUT_DEFLATE + (
         "import numpy as np\nfrom packer import crc\nassert crc.IMPLEMENTATION == 'zlib', crc.IMPLEMENTATION\n"
         f"for n in {sizes}:\n"
         "    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()\n"
@@ -96,11 +96,11 @@ def test_the_zlib_fallback_gives_the_same_values():
 
 @pytest.fixture(scope="module")
 def zlib_packs(tmp_path_factory) -> dict[str, Path]:
-    """One pack per format, written by packer with zlib's CRC-32 (zlib-ng hidden)."""
+    """One pack per format, written by packer with zlib's CRC-32 (deflate hidden)."""
     root = tmp_path_factory.mktemp("zlib-packs")
     src = class_sorted_tree(root / "src", classes=3, per_class=4)
     outs = {fmt: root / f"p{FORMATS[fmt].extension}" for fmt in FORMATS}
-    code = WITHOUT_ZLIB_NG + (
+    code = WITHOUT_DEFLATE + (
         "from packer import crc, pack\nassert crc.IMPLEMENTATION == 'zlib', crc.IMPLEMENTATION\n"
         + "".join(f"pack({str(src)!r}, {fmt!r}, {str(out)!r}, workers=1, progress=False)\n"
                   for fmt, out in outs.items()))
@@ -145,3 +145,28 @@ def test_a_flipped_image_byte_is_still_caught(zlib_packs, fmt, tmp_path):
     with pytest.raises(CorruptDataError, match=rf"{relpath}\): checksum mismatch"):
         open_reader(path).read(5)
     assert open_reader(path, check_crc=False).read(5)[0] != data
+
+
+@pytest.mark.parametrize("name, fmt", [("lmdb", "lmdb"), ("hdf5", "hdf5"), ("wds (map)", "wds")])
+def test_the_benchmarks_checked_measure_reads_with_the_check_on(zlib_packs, name, fmt, tmp_path):
+    """benchmarks' checked rows read as Datasets do by default (a damaged record raises); raw rows
+    do not check (the same damage reads through)."""
+    from benchmarks.run import takes
+    from benchmarks.sources import SOURCES
+
+    path = tmp_path / zlib_packs[fmt].name
+    copy = subprocess.run(["cp", "-r", str(zlib_packs[fmt]), str(path)], capture_output=True)
+    assert copy.returncode == 0, copy.stderr
+    ctx = {"folder": str(zlib_packs["src"]), "packed": {fmt: str(path)}}
+    source = SOURCES[name]
+    assert len(list(source.samples(ctx, "checked", seed=0))) == len(list(source.samples(ctx, "raw", seed=0))) == 12
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    data = open_reader(path).read(0)[0]
+    where, offset = next((f, f.read_bytes().find(data)) for f in files if f.read_bytes().find(data) >= 0)
+    blob = bytearray(where.read_bytes())
+    blob[offset + len(data) // 2] ^= 0x01
+    where.write_bytes(bytes(blob))
+    with pytest.raises(CorruptDataError, match="checksum mismatch"):
+        list(source.samples(ctx, "checked", seed=0))
+    assert len(list(source.samples(ctx, "raw", seed=0))) == 12
+    assert takes(source, "checked") and not takes(SOURCES["folder"], "checked") and not takes(SOURCES["wds"], "checked")
