@@ -49,11 +49,28 @@ def ratios(results: dict) -> dict:
             r["raw_warm_vs_memory"] = divide(warm["median"], warm["memory_copy"]["median"])
         if warm.get("status") == "ok" and "bare_read" in warm:
             r["raw_warm_vs_bare_read"] = divide(warm["median"], warm["bare_read"]["median"])
+        r.update(checked_ratios(results, name))
         block = case_of(entry, "block", "cold")
         if block.get("status") == "ok" and "mb_per_s" in block:
             r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
         out[name] = r
     return out
+
+
+def checked_ratios(results: dict, name: str) -> dict:
+    """Checked raw reads (the readers' default) over unchecked ones, per cache state, where both ran."""
+    return {f"checked_{s}_vs_raw": divide(figure(results, name, "checked", s), figure(results, name, "raw", s))
+            for s in CACHE_STATES if case_of(results["sources"][name], "checked", s)}
+
+
+def checked_note(results: dict) -> list[str]:
+    """The CRC check's cost as a line of the notes: checked raw reads as a share of unchecked."""
+    shares = [f"{name} {' / '.join(one(r.get(f'checked_{s}_vs_raw')) for s in CACHE_STATES)}"
+              for name, r in results["ratios"].items() if any(k.endswith("_vs_raw") for k in r)]
+    if not shares:
+        return []
+    return ["checked: raw reads with each record's CRC-32 checked, as Datasets read by default (raw turns the "
+            f"check off); as a share of raw (cold / warm): {', '.join(shares)}."]
 
 
 def rate(x: float | None) -> str:
@@ -158,6 +175,7 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    "pages: os.pread of each record's stored bytes where the reader places them, no reader code, "
                    "random order, one core (records/s, median; raw warm as a share of it): "
                    + ", ".join(f"{name} {rate(floor)} ({one(share)})" for name, floor, share in bare) + ".")
+    out += checked_note(results)
     mix = results.get("mixing")
     if mix:
         out.append(f"Batch mixing (mean class entropy per batch of {mix['batch_size']}, bits, on the packed "

@@ -121,6 +121,12 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
     return packed, timings
 
 
+def takes(source, measure: str) -> bool:
+    """Whether source has a row for measure: block order needs a map-style source, checked
+    reads a packed one (its records carry a CRC-32)."""
+    return {"block": getattr(source, "blocks", False), "checked": getattr(source, "checks", False)}.get(measure, True)
+
+
 def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
     """The cases to run, grouped by process; fills sources with each row's availability."""
     groups = []
@@ -135,7 +141,7 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
             log(f"{name}: n/a ({reason})")
             continue
         cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
-                 if m != "block" or getattr(source, "blocks", False)]
+                 if takes(source, m)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:

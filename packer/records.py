@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from .crc import crc32
 from .errors import CorruptDataError, FormatError
 
 # Bumped when a layout changes incompatibly; readers refuse newer versions by name.
@@ -81,8 +81,9 @@ _SLASH_TO_NUL = bytes.maketrans(b"/", b"\x00")
 
 
 def checksum(data: bytes) -> int:
-    """CRC-32 (zlib polynomial) of the image bytes: fast, and in every language's stdlib."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+    """CRC-32 (zlib polynomial) of the image bytes: in every language's stdlib, and computed
+    here at memory speed (packer.crc)."""
+    return crc32(data)
 
 
 def encode_path(relpath: str) -> bytes:

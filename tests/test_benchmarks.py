@@ -326,3 +326,16 @@ def test_warm_state_study_reports_every_fill(tmp_path, capsys):
     assert all(f"| {how} |" in table for how in warm_state.FILLS)
     with pytest.raises(SystemExit):
         warm_state.main([str(packed), "--fills", "read-through,sideways"])
+
+
+def test_checked_rows_run_for_packed_map_style_sources_only(smoke):
+    results = smoke["results"]
+    for name, entry in results["sources"].items():
+        checked = entry.get("measures", {}).get("checked")
+        if name in ("lmdb", "hdf5", "wds (map)") and entry["available"]:
+            for state in ("cold", "warm"):
+                assert checked[state]["status"] == "ok" and checked[state]["median"] > 0, (name, state)
+            assert results["ratios"][name]["checked_warm_vs_raw"] > 0
+        else:
+            assert checked is None, name
+    assert "checked: raw reads with each record's CRC-32 checked" in smoke["stdout"]

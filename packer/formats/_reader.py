@@ -8,8 +8,9 @@ import os
 
 import numpy as np
 
+from ..crc import crc32
 from ..errors import CorruptDataError, PackError
-from ..records import Metadata, checksum, choose_split
+from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
@@ -210,6 +211,6 @@ class SplitReader(LazyHandle):
         """Raise if check_crc is on and data does not match the CRC stored with it.
 
         The message (record, path) is only formatted on a mismatch: reads are hot."""
-        if self.check_crc and checksum(data) != crc:
+        if self.check_crc and crc32(data) != crc:
             raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): checksum mismatch, the stored "
                                    "image is damaged (run packer verify; re-pack from the source)", self.path)

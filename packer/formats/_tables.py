@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 import numpy as np
 
+from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 
 DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
@@ -20,7 +20,7 @@ DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
 
 def table_crc(raw: bytes) -> int:
     """CRC-32 (zlib) of a table's bytes as stored."""
-    return zlib.crc32(raw) & 0xFFFFFFFF
+    return crc32(raw)
 
 
 def encode_checksums(crcs: dict[str, int]) -> bytes:

@@ -54,11 +54,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import zlib
 
 import h5py
 import numpy as np
 
+from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
@@ -157,7 +157,7 @@ class Writer:
         append(g["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
         for name, values in (("offsets", np.asarray(self.ends, "<i8")), ("crc32", np.asarray(self.crcs, "<u4"))):
             append(g[name], values)
-            self.table_crcs[name] = zlib.crc32(values.tobytes(), self.table_crcs[name])
+            self.table_crcs[name] = crc32(values.tobytes(), self.table_crcs[name])
         self.buffer, self.buffered, self.ends, self.crcs = [], 0, [], []
 
 
