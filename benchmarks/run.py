@@ -21,7 +21,7 @@ import numpy as np
 from packer.cores import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, DISK, MEASURES, BareRead, MemoryCopy, Options
+from .measures import CACHE_STATES, CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
@@ -135,7 +135,7 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
             log(f"{name}: n/a ({reason})")
             continue
         cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
-                 if m != "block" or getattr(source, "blocks", False)]
+                 if m not in MAP_ONLY or getattr(source, "blocks", False)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:
