@@ -137,6 +137,8 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
         cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
                  if m not in MAP_ONLY or getattr(source, "blocks", False)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
+    if args.isolation == "case":
+        groups = cell_major(groups, args.measures, args.cache)
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:
         groups[0].insert(0, ceiling)  # one process start fewer
@@ -145,6 +147,18 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
     if ctx["packed"] and "cold" in args.cache and "block" in args.measures:
         groups.insert(1, [{"source": None, "measure": "disk", "cache": None}])
     return groups
+
+
+def cell_major(groups: list[list[dict]], measures: list[str], states: list[str]) -> list[list[dict]]:
+    """One-case groups reordered so every source's case of one (measure, cache state) cell runs
+    back to back: rows are compared within a cell, and on a machine whose speed drifts over
+    minutes (this one's memory does), cases of one cell run half an hour apart measured the
+    drift as much as the rows."""
+    def cell(group: list[dict]) -> tuple[int, int]:
+        case = group[0]
+        return measures.index(case["measure"]), states.index(case["cache"])
+
+    return sorted(groups, key=cell)  # stable: sources keep their order within a cell
 
 
 def mixing(ctx: dict, batch_size: int, seed: int) -> dict | None:

@@ -79,7 +79,7 @@ def normalize(images: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dt
 def normalize_into(out: torch.Tensor, image: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
     """out (float32 CxHxW, any strides) = one uint8 CxHxW image * scale + shift: normalize()'s
     two operations on one image, so a batch normalised image by image is identical."""
-    out.copy_(image).mul_(scale[0]).add_(shift[0])
+    torch.mul(image, scale[0], out=out).add_(shift[0])  # the uint8 -> float conversion is exact
 
 
 def is_image_batch(t: torch.Tensor) -> bool:
