@@ -7,8 +7,8 @@ asynchronous). One torch.stack(out=...) fills it in C++.
 
 With a Normalise (readers.make_loader's for device="cpu") the batch is made as float
 instead, normalised image by image as it is filled: in the workers, so the consumer
-receives finished batches, and one image at a time, so each image's three passes (convert,
-scale, shift) run in the CPU cache where a whole batch's would stream through memory.
+receives finished batches, and one image at a time, so each image's two passes (multiply
+into the float buffer, add) stay in the CPU cache and no uint8 batch is made on the way.
 """
 from __future__ import annotations
 
