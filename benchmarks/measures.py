@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.data
 
 from packer.formats import will_need
 from packer.check import IMAGE_EXTENSIONS
@@ -71,6 +72,65 @@ class ItemLoop:
         out = {"samples": n, "seconds": seconds, "open_s": open_s}
         if self.mode in RAW_MODES:
             out["mb_per_s"] = nbytes / 1e6 / seconds
+        return out
+
+
+def count_bytes(batch: list) -> tuple[int, int]:
+    """A DataLoader collate for raw samples: (samples, bytes) of the batch. Run in the
+    worker, so the loader measure times reading, not sending the bytes between processes."""
+    return len(batch), sum(len(sample[0]) for sample in batch)
+
+
+class PlainLoaderRead(ItemLoop):
+    """Raw reads through a plain torch DataLoader: the ImageFolder drop-in as the README
+    writes it, DataLoader(ds, batch_size, shuffle=True, num_workers=W), with no packer
+    sampler and no make_loader. The only change is the collate (count_bytes): training
+    decodes in the worker, so what leaves it is small either way.
+
+    shuffle=True is a RandomSampler; a warm run, which reads passes until its budget is
+    spent, asks that sampler for many passes' worth, so the workers are forked once. As in
+    the e2e measure, the timed window opens once every worker has delivered a batch:
+    start-up (forking, opening the dataset) is left out and reported as open_s.
+    """
+
+    PASSES_WARM = 1000  # more than any budget reads: the run stops on time
+
+    def __init__(self, description: str):
+        super().__init__("raw", description)
+
+    def loader(self, dataset, opts: Options, seed: int, epochs: int | None):
+        sampler = torch.utils.data.RandomSampler(dataset, num_samples=len(dataset) * (epochs or self.PASSES_WARM),
+                                                 generator=torch.Generator().manual_seed(seed))
+        return torch.utils.data.DataLoader(dataset, batch_size=opts.batch_size, sampler=sampler,
+                                           num_workers=opts.workers, collate_fn=count_bytes)
+
+    def run(self, source, ctx: dict, opts: Options, budget: float, seed: int, epochs: int | None = 1) -> dict:
+        dataset = source.open(ctx, "raw")
+        fill = max(1, opts.workers)
+        counts = {"all": [0, 0], "window": [0, 0]}  # samples, bytes
+        batches, opened, it = 0, None, None
+        try:
+            start = time.perf_counter()
+            it = iter(self.loader(dataset, opts, seed, epochs))
+            for samples, size in it:
+                batches += 1
+                for key in ("all", "window") if opened is not None else ("all",):
+                    counts[key][0] += samples
+                    counts[key][1] += size
+                if batches == fill:  # every worker has delivered: the window opens
+                    opened = time.perf_counter()
+                elif opened is not None and time.perf_counter() - opened >= budget:
+                    break
+            end = time.perf_counter()
+        finally:
+            del it  # shuts the workers down
+            getattr(dataset, "close", lambda: None)()
+        key, since = ("window", opened) if opened is not None and counts["window"][0] else ("all", start)
+        seconds = end - since
+        out = {"samples": counts[key][0], "seconds": seconds, "mb_per_s": counts[key][1] / 1e6 / seconds,
+               "open_s": since - start}
+        if key == "all":
+            out["note"] = f"only {batches} batch(es): start-up included in the timing"
         return out
 
 
@@ -366,10 +426,13 @@ MEASURES = {
     "block": ItemLoop("raw", "raw read in readers.BlockShuffleSampler order (map-style sources)", order="block"),
     "checked": ItemLoop("checked", "raw read with each record's CRC-32 checked, the readers' default (packed "
                                    "map-style sources; raw turns the check off)"),
+    "loader": PlainLoaderRead("raw read through a plain DataLoader(shuffle=True, num_workers=W) (map-style sources)"),
     "decode": ItemLoop("decode", "read + decode to uint8 RGB"),
     "augment": ItemLoop("augment", "read + decode + RandomResizedCrop(224) + flip"),
     "e2e": EndToEnd(),
 }
+# Measures only map-style sources take (those with `blocks`).
+MAP_ONLY = ("block", "loader")
 CEILING = Ceiling()
 DISK = DiskLimit()
 CACHE_STATES = ("cold", "warm")

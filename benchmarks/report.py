@@ -101,6 +101,11 @@ def one(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def loader_head(measures: list[str]) -> list[str]:
+    """The plain-DataLoader ratio column, where that measure ran."""
+    return ["loader ×folder (cold / warm)"] if "loader" in measures else []
+
+
 def markdown(results: dict) -> str:
     """The table (rows: sources; columns: measures, then ratios) and the notes that qualify it."""
     config = results["config"]
@@ -110,8 +115,8 @@ def markdown(results: dict) -> str:
     head = ["source"] + [f"{m} {s}" for m in measures for s in states]
     if "e2e" in measures and "warm" in states:
         head.append("e2e warm: waiting")
-    head += ["pack s", "raw ×folder (cold / warm)", "decode ×folder (cold / warm)", "e2e ×folder (cold / warm)",
-             "pack / tar", "e2e warm / (W × ceiling)"]
+    head += ["pack s", "raw ×folder (cold / warm)"] + loader_head(measures) + [
+        "decode ×folder (cold / warm)", "e2e ×folder (cold / warm)", "pack / tar", "e2e warm / (W × ceiling)"]
     if "block" in measures and "cold" in states:
         head.append("block cold / disk")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -131,8 +136,8 @@ def markdown(results: dict) -> str:
         pack = results["pack"].get(name, {}) if name in PACKED else {}
         row.append(f"{pack['median']:.2f}" if pack.get("status") == "ok" else "–")
         r = results["ratios"].get(name, {})
-        row += [ratio_pair(r, "raw"), ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")),
-                one(r.get("e2e_warm_vs_ceiling"))]
+        row += [ratio_pair(r, "raw")] + [ratio_pair(r, "loader") for _ in loader_head(measures)] + [
+            ratio_pair(r, "decode"), ratio_pair(r, "e2e"), one(r.get("pack_vs_tar")), one(r.get("e2e_warm_vs_ceiling"))]
         if "block" in measures and "cold" in states:
             row.append(one(r.get("block_cold_vs_disk")))
         lines.append("| " + " | ".join(row) + " |")
@@ -147,7 +152,10 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
     out = ["Figures are samples/s, median of "
            f"{config['repeat']} timed run(s) of ≤{config['budget']:g} s after an untimed warm-up; ± is half the "
            "range. raw/decode/augment run in one process on one core; e2e uses "
-           f"{config['workers']} loader worker(s), batch {config['batch_size']}, device {config['device']}."]
+           f"{config['workers']} loader worker(s), batch {config['batch_size']}, device {config['device']}"
+           + ("; loader is raw bytes through a plain DataLoader(shuffle=True) with as many workers and batch: no "
+              "packer sampler, so only the dataset's own batch read-ahead (__getitems__) hints reads"
+              if "loader" in config["measures"] else "") + "."]
     ceiling = results.get("ceiling", {})
     if ceiling.get("status") == "ok":
         out.append(f"Ceiling: bare single-core decode {rate(ceiling['median'])} images/s (libjpeg-turbo, "

@@ -21,7 +21,7 @@ import numpy as np
 from packer.cores import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, DISK, MEASURES, BareRead, MemoryCopy, Options
+from .measures import CACHE_STATES, CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
 from .sources import PACKER_SOURCES, SOURCES
 
@@ -122,9 +122,11 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
 
 
 def takes(source, measure: str) -> bool:
-    """Whether source has a row for measure: block order needs a map-style source, checked
-    reads a packed one (its records carry a CRC-32)."""
-    return {"block": getattr(source, "blocks", False), "checked": getattr(source, "checks", False)}.get(measure, True)
+    """Whether source has a row for measure: block order and the plain DataLoader need a
+    map-style source, checked reads a packed one (its records carry a CRC-32)."""
+    if measure in MAP_ONLY:
+        return getattr(source, "blocks", False)
+    return {"checked": getattr(source, "checks", False)}.get(measure, True)
 
 
 def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
@@ -143,6 +145,8 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
         cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
                  if takes(source, m)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
+    if args.isolation == "case":
+        groups = cell_major(groups, args.measures, args.cache)
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:
         groups[0].insert(0, ceiling)  # one process start fewer
@@ -151,6 +155,18 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
     if ctx["packed"] and "cold" in args.cache and "block" in args.measures:
         groups.insert(1, [{"source": None, "measure": "disk", "cache": None}])
     return groups
+
+
+def cell_major(groups: list[list[dict]], measures: list[str], states: list[str]) -> list[list[dict]]:
+    """One-case groups reordered so every source's case of one (measure, cache state) cell runs
+    back to back: rows are compared within a cell, and on a machine whose speed drifts over
+    minutes (this one's memory does), cases of one cell run half an hour apart measured the
+    drift as much as the rows."""
+    def cell(group: list[dict]) -> tuple[int, int]:
+        case = group[0]
+        return measures.index(case["measure"]), states.index(case["cache"])
+
+    return sorted(groups, key=cell)  # stable: sources keep their order within a cell
 
 
 def mixing(ctx: dict, batch_size: int, seed: int) -> dict | None:

@@ -5,8 +5,10 @@ import numpy as np
 import torch.utils.data
 
 from packer.errors import CorruptDataError
+from packer.formats import CAN_ADVISE
 
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
+from .sampler import HINT_CHUNK, ReadAhead, reader_of
 
 
 class ReaderDataset(torch.utils.data.Dataset):
@@ -17,7 +19,13 @@ class ReaderDataset(torch.utils.data.Dataset):
 
     max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
     pixels, before allocating them; the default is Pillow's own limit (readers.decode).
+
+    A DataLoader asks for a whole batch at once (__getitems__): over packed data every
+    record of the batch is hinted to the kernel before the first is read, so a cold batch
+    has all its reads in flight together, whatever sampler drew the indexes.
     """
+
+    _read_ahead: ReadAhead | bool | None = None  # made on the first batch; False: the reader takes no hints
 
     def __init__(self, reader, transform=None, target_transform=None, decode: str = "pil",
                  max_pixels: int = MAX_PIXELS):
@@ -36,6 +44,8 @@ class ReaderDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         if index < 0:
+            if index < -len(self):  # not wrapped round to a record at the end
+                raise IndexError(f"index {index} out of range for split {self.split!r} of {len(self)} records")
             index += len(self)
         data, label = self.reader.read_image(index)
         try:
@@ -52,6 +62,45 @@ class ReaderDataset(torch.utils.data.Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def __getitems__(self, indexes) -> list:
+        """[self[i] for i in indexes], with the batch's reads started together.
+
+        torch's DataLoader calls this with each batch's indexes (and collates the list it
+        returns). One read at a time, a cold random batch waits for the disk once per
+        record; here every record of the batch not already in the page cache is first
+        handed to the kernel (Reader.will_need_records), HINT_CHUNK at a time, so the disk
+        serves them together and each read then finds its bytes arriving or arrived.
+        While chunks are found cached the hints back off (readers.sampler.ReadAhead): a
+        warm dataset pays a probe now and then. A reader that takes no hints (the
+        folder's, or without posix_fadvise) reads one record at a time, as ds[i] does.
+        """
+        indexes = list(indexes)
+        hint = self.read_ahead()
+        if hint is not None:
+            wanted = self.hintable(indexes)
+            for k in range(0, len(wanted), HINT_CHUNK):
+                hint(wanted[k:k + HINT_CHUNK])
+        return [self[i] for i in indexes]
+
+    def read_ahead(self) -> ReadAhead | None:
+        """This dataset's hinting state, or None when its reader takes no hints."""
+        if self._read_ahead is None:
+            reader = reader_of(self)
+            takes_hints = reader is not None and CAN_ADVISE and hasattr(reader, "will_need_records")
+            self._read_ahead = ReadAhead(reader) if takes_hints else False
+        return self._read_ahead or None
+
+    def hintable(self, indexes: list) -> np.ndarray:
+        """The records indexes name, as int64 positions in range (negative ones counted from
+        the end, as ds[i] takes them); bad ones are left to ds[i] to refuse, by name."""
+        try:
+            wanted = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            return np.zeros(0, np.int64)
+        n = len(self)
+        wanted = np.where(wanted < 0, wanted + n, wanted)
+        return wanted[(wanted >= 0) & (wanted < n)]
 
     def open(self) -> "ReaderDataset":
         """Open the reader in this process now rather than on the first item (see

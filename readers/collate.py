@@ -4,6 +4,11 @@ The batch tensor is allocated once per batch, where it will be needed: in a Data
 worker, in shared memory (so handing it to the main process copies no pixels); in the
 main process, in pinned memory when asked (so the host-to-device copy can be
 asynchronous). One torch.stack(out=...) fills it in C++.
+
+With a Normalise (readers.make_loader's for device="cpu") the batch is made as float
+instead, normalised image by image as it is filled: in the workers, so the consumer
+receives finished batches, and one image at a time, so each image's two passes (multiply
+into the float buffer, add) stay in the CPU cache and no uint8 batch is made on the way.
 """
 from __future__ import annotations
 
@@ -12,13 +17,78 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate
 
+from .gpu import is_image_batch, map_tensors, normalize, normalize_coefficients, normalize_into
 
-def collate(batch, pin_memory: bool = False):
+
+class Normalise:
+    """uint8 NxCxHxW image batches -> float (x / 255 - mean) / std, as readers.CUDAPrefetcher
+    converts them (the same float32 operations: identical outputs), for batches made on the CPU.
+
+    mean, std: per channel, in [0, 1] units; None: x / 255. dtype: the float dtype out;
+    channels_last: batches in channels_last memory format. Pickles (spawned workers).
+    """
+
+    def __init__(self, mean=None, std=None, dtype=torch.float32, channels_last: bool = False):
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"Normalise: dtype must be a floating-point torch.dtype, not {dtype!r}")
+        self.mean, self.std, self.dtype, self.channels_last = mean, std, dtype, bool(channels_last)
+        lengths = [len(v) for v in (mean, std) if v is not None and not isinstance(v, (int, float))]
+        normalize_coefficients(mean, std, max(lengths, default=3))  # refuse bad values now, not in a worker
+        self._coefficients: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def coefficients(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if channels not in self._coefficients:
+            self._coefficients[channels] = normalize_coefficients(self.mean, self.std, channels)
+        return self._coefficients[channels]
+
+    def stack(self, images: list, pin_memory: bool = False) -> torch.Tensor:
+        """Equal-shaped uint8 CxHxW images -> one new normalised NxCxHxW batch (shared
+        memory in a worker), filled image by image."""
+        n, (c, h, w) = len(images), images[0].shape
+        scale, shift = self.coefficients(c)
+        if self.channels_last:  # NHWC storage seen as NCHW: channels_last strides
+            out = allocate((n, h, w, c), self.dtype, pin_memory).permute(0, 3, 1, 2)
+        else:
+            out = allocate((n, c, h, w), self.dtype, pin_memory)
+        scratch = None if self.dtype == torch.float32 else torch.empty((c, h, w), dtype=torch.float32)
+        for image, slot in zip(images, out):
+            if scratch is None:
+                normalize_into(slot, image, scale, shift)
+            else:  # computed in float32, then rounded once, as normalize() does
+                normalize_into(scratch, image, scale, shift)
+                slot.copy_(scratch)
+        return out
+
+    def batch(self, t):
+        """t normalised if it is a uint8 image batch (NxCxHxW), else t."""
+        if not isinstance(t, torch.Tensor) or not is_image_batch(t):
+            return t
+        scale, shift = self.coefficients(t.shape[1])
+        return normalize(t, scale, shift, self.dtype, self.channels_last)
+
+    def __repr__(self) -> str:
+        return (f"Normalise(mean={self.mean}, std={self.std}, dtype={self.dtype}, "
+                f"channels_last={self.channels_last})")
+
+
+class NormalisedCollate:
+    """A collate_fn whose image batches (every uint8 NxCxHxW tensor in what it returns) come
+    out normalised: for a user's collate_fn, run in the worker like it."""
+
+    def __init__(self, collate_fn, normalise: Normalise):
+        self.collate_fn, self.normalise = collate_fn, normalise
+
+    def __call__(self, batch):
+        return map_tensors(self.collate_fn(batch), self.normalise.batch)
+
+
+def collate(batch, pin_memory: bool = False, normalise: Normalise | None = None):
     """(images, labels) from a list of (image, label) pairs of equal-sized uint8 images.
 
     Images may be tensors or numpy arrays (stacked in the shape they have: CxHxW tensors
     give NxCxHxW). Any other sample structure goes to torch's default_collate.
     Pinning applies only in the main process and only when CUDA is available.
+    normalise: image batches come out as its float batches instead of uint8.
     """
     if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) != 2:
         return default_collate(batch)
@@ -31,11 +101,12 @@ def collate(batch, pin_memory: bool = False):
         labels = torch.tensor(labels, dtype=torch.int64)
     else:
         labels = default_collate(labels)
-    return stack(images, pin_memory), labels
+    return stack(images, pin_memory, normalise), labels
 
 
-def stack(images: list, pin_memory: bool = False) -> torch.Tensor:
-    """Stack equal-shaped tensors into one new (shared or pinned) buffer."""
+def stack(images: list, pin_memory: bool = False, normalise: Normalise | None = None) -> torch.Tensor:
+    """Stack equal-shaped tensors into one new (shared or pinned) buffer; with normalise,
+    uint8 image batches come out normalised."""
     shape, dtype = images[0].shape, images[0].dtype
     for i, image in enumerate(images):
         if image.shape != shape or image.dtype != dtype:
@@ -43,8 +114,11 @@ def stack(images: list, pin_memory: bool = False) -> torch.Tensor:
                 f"collate: sample {i} is {tuple(image.shape)} {image.dtype} but sample 0 is "
                 f"{tuple(shape)} {dtype}; batch images must share one size: use a transform "
                 f"with a fixed output size (readers.RandomResizedCrop / readers.ResizeCenterCrop)")
+    if normalise is not None and dtype == torch.uint8 and len(shape) == 3:
+        return normalise.stack(images, pin_memory)
     out = allocate((len(images), *shape), dtype, pin_memory)
-    return torch.stack(images, out=out)
+    out = torch.stack(images, out=out)
+    return out if normalise is None else normalise.batch(out)
 
 
 def allocate(shape, dtype, pin_memory: bool = False) -> torch.Tensor:

@@ -76,6 +76,12 @@ def normalize(images: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dt
     return out
 
 
+def normalize_into(out: torch.Tensor, image: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    """out (float32 CxHxW, any strides) = one uint8 CxHxW image * scale + shift: normalize()'s
+    two operations on one image, so a batch normalised image by image is identical."""
+    torch.mul(image, scale[0], out=out).add_(shift[0])  # the uint8 -> float conversion is exact
+
+
 def is_image_batch(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 and t.ndim == 4
 

@@ -17,7 +17,8 @@ What it sets and why:
 - the reader told the access pattern (random: read exactly each record; block or
   sequential: let the kernel read ahead);
 - drop_last for training, so every step sees a full batch (BatchNorm, DDP);
-- a collate that stacks uint8 images into one shared-memory/pinned buffer.
+- a collate that stacks uint8 images into one shared-memory/pinned buffer; for a CPU
+  target (device="cpu") it normalises them too, in the workers.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch.utils.data as tud
 
 from packer.cores import available_cores
 
-from .collate import collate
+from .collate import Normalise, NormalisedCollate, collate
 from .gpu import CUDAPrefetcher, resolve_device
 from .ranks import local_world_size, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
@@ -269,6 +270,17 @@ def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: b
                   f"or pass drop_last=False", LoaderWarning, stacklevel=3)
 
 
+def batch_collate(collate_fn, pin_memory: bool, normalise: Normalise | None):
+    """The loader's collate_fn: readers.collate (one shared or pinned buffer) unless one is
+    given. With normalise (a CPU target), image batches are converted to normalised float
+    where they are made, in the DataLoader workers, in parallel and ahead of the consumer,
+    instead of in the main process as each batch is taken; what arrives is what the
+    CUDAPrefetcher's CPU fallback would have produced, and it passes through unchanged."""
+    if collate_fn is None:
+        return functools.partial(collate, pin_memory=pin_memory, normalise=normalise)
+    return collate_fn if normalise is None else NormalisedCollate(collate_fn, normalise)
+
+
 @dataclass(frozen=True)
 class Order:
     """How a dataset is walked: the DataLoader's sampler and shuffle arguments, and the
@@ -325,7 +337,9 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     Args:
         device: None gives the loader's uint8 batches as they are; "cuda[:N]" returns a
             readers.CUDAPrefetcher yielding normalised float batches on that GPU; "cpu"
-            returns the prefetcher's CPU fallback (same outputs, on the CPU).
+            returns the prefetcher's CPU fallback (same outputs, on the CPU), with the
+            conversion done in the DataLoader workers as each batch is collated (float
+            batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
         workers: DataLoader processes; default: the cores available (affinity-aware),
             divided by LOCAL_WORLD_SIZE.
@@ -359,9 +373,11 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         reader_of(dataset).advise(walk.access)
 
     warn_if_drop_last_drops_much(dataset, walk.sampler, batch_size, drop_last)
+    # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
+    cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
     loader = EpochLoader(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
-        collate_fn=collate_fn or functools.partial(collate, pin_memory=pin and policy.workers == 0),
+        collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise),
         pin_memory=pin, drop_last=drop_last,
         worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if policy.workers else None,
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,

@@ -339,3 +339,27 @@ def test_checked_rows_run_for_packed_map_style_sources_only(smoke):
         else:
             assert checked is None, name
     assert "checked: raw reads with each record's CRC-32 checked" in smoke["stdout"]
+def test_map_style_rows_carry_the_plain_dataloader_read(smoke):
+    results = smoke["results"]
+    for name, entry in results["sources"].items():
+        if not entry["available"]:
+            continue
+        cases = entry["measures"].get("loader", {})
+        if name in ("folder", "lmdb", "hdf5", "wds (map)"):
+            for state in ("cold", "warm"):
+                assert cases[state]["status"] == "ok" and cases[state]["median"] > 0, (name, state, cases[state])
+            assert cases["cold"]["samples"][0] <= results["config"]["corpus"]["images"], name
+        else:  # shards streamed, or a peer: no DataLoader over a map-style packer dataset
+            assert not cases, name
+    assert results["ratios"]["lmdb"]["loader_cold_vs_folder"] > 0
+    assert "loader ×folder (cold / warm)" in smoke["stdout"]
+
+
+def test_cases_of_one_cell_run_back_to_back():
+    from benchmarks.run import cell_major
+
+    groups = [[{"source": s, "measure": m, "cache": c}] for s in ("folder", "lmdb")
+              for m in ("raw", "e2e") for c in ("cold", "warm")]
+    order = [(g[0]["measure"], g[0]["cache"], g[0]["source"]) for g in cell_major(groups, ["raw", "e2e"],
+                                                                                   ["cold", "warm"])]
+    assert order == [(m, c, s) for m in ("raw", "e2e") for c in ("cold", "warm") for s in ("folder", "lmdb")]

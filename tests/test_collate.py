@@ -1,4 +1,6 @@
 """readers.collate: one preallocated uint8 batch, shared in workers, clear errors."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -48,3 +50,45 @@ def test_worker_batches_are_built_in_shared_memory():
     batches = list(loader)
     assert [b[0].is_shared() for b in batches] == [True, True]
     assert torch.equal(batches[1][0][:, 0, 0, 0], torch.tensor([4, 5, 6, 7], dtype=torch.uint8))
+
+
+def test_a_normalised_batch_equals_the_prefetchers_conversion_of_the_uint8_one():
+    from readers import IMAGENET_MEAN, IMAGENET_STD
+    from readers.collate import Normalise
+    from readers.gpu import normalize, normalize_coefficients
+
+    g = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, 256, (3, 8, 6), dtype=torch.uint8, generator=g), i) for i in range(5)]
+    raw, _ = collate(batch)
+    scale, shift = normalize_coefficients(IMAGENET_MEAN, IMAGENET_STD, 3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for channels_last in (False, True):
+            images, labels = collate(batch, normalise=Normalise(IMAGENET_MEAN, IMAGENET_STD, dtype, channels_last))
+            expected = normalize(raw, scale, shift, dtype, channels_last)
+            assert images.dtype == dtype and torch.equal(images, expected) and labels.tolist() == [0, 1, 2, 3, 4]
+            assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    # Numpy HWC images are stacked as they are, then converted as the prefetcher would take them.
+    arrays = [(np.full((4, 4, 3), i, dtype=np.uint8), i) for i in range(2)]
+    images, _ = collate(arrays, normalise=Normalise())
+    assert images.dtype == torch.float32 and images.shape == (2, 4, 4, 3) and float(images[1].max()) == pytest.approx(1 / 255)
+
+
+def test_normalise_refuses_bad_settings_up_front():
+    from readers.collate import Normalise
+
+    with pytest.raises(ValueError, match="dtype must be a floating-point"):
+        Normalise(dtype=torch.uint8)
+    with pytest.raises(ValueError, match="std must not contain zeros"):
+        Normalise((0.5, 0.5, 0.5), (0.2, 0.0, 0.2))
+    with pytest.raises(ValueError, match="one value per channel"):
+        Normalise((0.5, 0.5), (0.2, 0.2, 0.2))
+
+
+def test_worker_batches_are_normalised_in_the_worker_in_shared_memory():
+    from readers.collate import Normalise
+
+    batch_fn = functools.partial(collate, normalise=Normalise(0.5, 0.25))
+    batches = list(DataLoader(samples(8), batch_size=4, num_workers=1, collate_fn=batch_fn))
+    assert [(b[0].dtype, b[0].is_shared()) for b in batches] == [(torch.float32, True)] * 2
+    expected = (torch.arange(4, 8, dtype=torch.float32) / 255 - 0.5) / 0.25
+    torch.testing.assert_close(batches[1][0][:, 0, 0, 0], expected, rtol=0, atol=1e-6)

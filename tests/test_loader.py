@@ -228,3 +228,34 @@ def test_drop_last_warns_when_it_drops_a_large_share_or_everything():
         make_loader(Numbers(125), 32, workers=0, drop_last=False)  # asked for every sample
         make_loader(Numbers(130), 32, workers=0)  # 2 of 130 dropped: a small share
         make_loader(Numbers(20), 32, workers=0, train=False)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_cpu_target_gets_batches_normalised_where_they_are_made(workers):
+    from readers.gpu import normalize, normalize_coefficients
+
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    plain = list(make_loader(Numbers(12), 4, train=False, workers=workers))
+    on_cpu = make_loader(Numbers(12), 4, train=False, workers=workers, device="cpu", mean=mean, std=std,
+                         dtype=torch.bfloat16, channels_last=True)
+    assert isinstance(on_cpu, CUDAPrefetcher)
+    scale, shift = normalize_coefficients(mean, std, 3)
+    got = list(on_cpu)
+    assert len(got) == len(plain) == 3
+    for (images, labels), (raw, raw_labels) in zip(got, plain):
+        assert torch.equal(images, normalize(raw, scale, shift, torch.bfloat16, True)) and torch.equal(labels, raw_labels)
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        # Made in a worker (shared memory), not converted again in this process.
+        assert images.is_shared() == (workers > 0)
+
+
+def test_a_cpu_targets_own_collate_fn_is_normalised_in_the_worker_too():
+    def as_dict(batch):
+        return {"x": torch.stack([image for image, _ in batch]), "y": [label for _, label in batch]}
+
+    batches = list(make_loader(Numbers(8), 4, train=False, workers=1, collate_fn=as_dict, device="cpu",
+                               mean=0.5, std=0.5))
+    assert [b["y"] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for b in batches:
+        assert b["x"].dtype == torch.float32 and b["x"].is_shared()
+        torch.testing.assert_close(b["x"][:, 0, 0, 0], (torch.tensor(b["y"]) / 255 - 0.5) / 0.5, rtol=0, atol=1e-6)
