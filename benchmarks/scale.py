@@ -8,8 +8,9 @@
 classes with ImageNet-1k train's class-count skew (most classes 1,300 images, a few
 down to 732) scaled to the record count. Small images keep a 1.28M-record corpus within
 one machine's disk while the per-record costs (scan, tables, open) are those of the
-real thing. Every image depends only on (seed, class, index); a finished corpus is
-kept (a marker file) and reused.
+real thing. POOL_SIZE distinct crops are encoded; each file is one of them, picked by
+(seed, class, index), with its own name in a JPEG comment so that no two files are the
+same bytes. A finished corpus is kept (a marker file) and reused.
 
 `run` packs each corpus into every format and measures, for each record count: pack
 wall time and files/s, the packer's peak RSS, a fresh process's open() time, one forked
@@ -22,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import threading
 import time
 from multiprocessing import Pool
 
@@ -38,6 +42,9 @@ SHARED_DATA = os.environ.get("PACKER_SHARED_DATA", os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data"))
 DONE_MARKER = ".corpus-complete"
 SOURCE_LONG_SIDE = 320  # sources are shrunk once to this; crops are then cheap
+# Distinct crops encoded; files draw from them (each made unique by a JPEG comment): encoding
+# 1.28M crops would take most of an hour of a shared 2-core machine, writing files minutes.
+POOL_SIZE = 20_000
 
 
 def log(message: str) -> None:
@@ -92,10 +99,11 @@ def class_name(k: int) -> str:
 # ------------------------------------------------------------------ corpus
 
 _SOURCES: list = []
+_POOL: list[bytes] = []  # the distinct crops, made before the writers fork (they inherit it)
 
 
 def load_sources(folder: str) -> list:
-    """The shared real photos, decoded once per worker and shrunk to SOURCE_LONG_SIDE."""
+    """The shared real photos, decoded once and shrunk to SOURCE_LONG_SIDE."""
     from PIL import Image
 
     photos = []
@@ -113,7 +121,7 @@ def load_sources(folder: str) -> list:
     return photos
 
 
-def _init_worker(folder: str) -> None:
+def _init_crops(folder: str) -> None:
     global _SOURCES
     os.nice(10)
     _SOURCES = load_sources(folder)
@@ -142,19 +150,44 @@ def crop_jpeg(rng: np.random.Generator, sources: list) -> bytes:
                                   colorsubsampling="420" if rng.random() < 0.9 else "444")
 
 
+def make_crops(job: tuple[int, int, int]) -> list[bytes]:
+    """Crops start..stop of the pool, each from its own seeded stream."""
+    seed, start, stop = job
+    return [crop_jpeg(np.random.default_rng([seed, 7, k]), _SOURCES) for k in range(start, stop)]
+
+
+def make_pool(size: int, seed: int, workers: int) -> list[bytes]:
+    step = 500
+    jobs = [(seed, a, min(size, a + step)) for a in range(0, size, step)]
+    with Pool(workers, _init_crops, (os.path.join(SHARED_DATA, "imagenet-sample"),)) as pool:
+        return [crop for part in pool.map(make_crops, jobs) for crop in part]
+
+
+def unique_jpeg(crop: bytes, name: str) -> bytes:
+    """crop with a JPEG comment segment (COM) naming the file after its SOI marker: every
+    file's bytes differ (CRCs, checksums), and it is still the same valid JPEG."""
+    text = name.encode()
+    return crop[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + crop[2:]
+
+
 def write_class(job: tuple[str, int, int, int]) -> int:
-    """Write one class folder; returns the bytes written."""
+    """Write one class folder from the pool; returns the bytes written."""
     root, seed, k, count = job
     folder = os.path.join(root, "train", class_name(k))
     os.makedirs(folder, exist_ok=True)
+    picks = np.random.default_rng([seed, k]).integers(0, len(_POOL), count).tolist()
     written = 0
-    rng = np.random.default_rng([seed, k])  # one stream per class: the image depends on (seed, class, index)
-    for i in range(count):
-        data = crop_jpeg(rng, _SOURCES)
-        with open(os.path.join(folder, f"{class_name(k)}_{i}.JPEG"), "wb") as f:
+    for i, pick in enumerate(picks):
+        name = f"{class_name(k)}_{i}.JPEG"
+        data = unique_jpeg(_POOL[pick], name)
+        with open(os.path.join(folder, name), "wb") as f:
             f.write(data)
         written += len(data)
     return written
+
+
+def _init_writer() -> None:
+    os.nice(10)
 
 
 def corpus_path(workdir: str, records: int) -> str:
@@ -166,19 +199,241 @@ def make_corpus(workdir: str, records: int, seed: int = 0, workers: int = 2) -> 
     root = corpus_path(workdir, records)
     if os.path.exists(os.path.join(root, DONE_MARKER)):
         return root
+    global _POOL
     counts = class_counts(records, seed)
     jobs = [(root, seed, k, int(n)) for k, n in enumerate(counts)]
     start = time.perf_counter()
+    _POOL = make_pool(min(records, POOL_SIZE), seed, workers)
+    log(f"corpus {records}: {len(_POOL)} distinct crops in {time.perf_counter() - start:.0f} s")
     total = 0
-    with Pool(workers, _init_worker, (os.path.join(SHARED_DATA, "imagenet-sample"),)) as pool:
+    with Pool(workers, _init_writer) as pool:
         for done, nbytes in enumerate(pool.imap_unordered(write_class, jobs), 1):
             total += nbytes
             if done % 100 == 0:
                 log(f"corpus {records}: {done}/{len(jobs)} classes, {total / 1e6:.0f} MB, "
                     f"{time.perf_counter() - start:.0f} s")
     with open(os.path.join(root, DONE_MARKER), "w") as f:
-        json.dump({"records": records, "bytes": total, "seed": seed}, f)
+        json.dump({"records": records, "bytes": total, "seed": seed, "distinct_crops": len(_POOL)}, f)
     return root
+
+
+# ------------------------------------------------------------------ measuring
+
+FORMATS = ("lmdb", "hdf5", "wds")
+EXTENSIONS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
+SAMPLE_S = 0.05
+MB = 1 << 20
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile of a live process, in bytes (empty once it is gone)."""
+    found = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """/proc/PID/smaps_rollup in bytes: Rss, Pss, Private_Clean, Private_Dirty, Anonymous..."""
+    found = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            parts = value.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                found[key] = int(parts[0]) * 1024
+    return found
+
+
+def memory(pid: int | str = "self") -> dict[str, float]:
+    """RSS, USS (private: Private_Clean + Private_Dirty) and anonymous memory, in MB."""
+    m = smaps_rollup(pid)
+    return {"rss_mb": m["Rss"] / MB, "uss_mb": (m["Private_Clean"] + m["Private_Dirty"]) / MB,
+            "anon_mb": m.get("Anonymous", 0) / MB}
+
+
+def timed_process(cmd: list[str], env: dict | None = None) -> dict:
+    """Run cmd; its wall time, peak RSS (the kernel's, of the largest process: it and the
+    children it waited for) and peak anonymous memory of the main process (sampled)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    peak_anon = 0
+    output = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while True:
+        found = proc_status(proc.pid)
+        peak_anon = max(peak_anon, found.get("RssAnon", 0))
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        time.sleep(SAMPLE_S)
+    wall = time.perf_counter() - start
+    reader.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    text = output[0].decode(errors="replace") if output else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-2000:]}")
+    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss * 1024 / MB, "peak_anon_mb": peak_anon / MB,
+            "output": text}
+
+
+def packer_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "packer", *args]
+
+
+def pack_path(workdir: str, records: int, fmt: str) -> str:
+    return os.path.join(workdir, "packs", f"{records}{EXTENSIONS[fmt]}")
+
+
+def tree_size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(top, name)) for top, _, names in os.walk(path) for name in names)
+
+
+OPEN_PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+import packer
+from packer import open_reader
+t1 = time.perf_counter()
+reader = open_reader(sys.argv[1], split="train")
+reader.open()
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1}))
+"""
+
+
+def open_seconds(out: str, runs: int = 3) -> dict:
+    """A fresh process's open_reader + open() time (imports left out), median of runs."""
+    times = []
+    for _ in range(runs):
+        result = timed_process([sys.executable, "-c", OPEN_PROBE, out])
+        times.append(json.loads(result["output"].strip().splitlines()[-1])["open_s"])
+    return {"open_s": float(np.median(times)), "open_s_runs": times}
+
+
+def probe_worker(out: str, epoch_seconds: float, seed: int = 0) -> dict:
+    """Memory of one DataLoader-style worker: the parent opens the dataset (as the main
+    process or another rank does), then a forked worker gets the reader pickled (as a
+    spawned worker or another rank gets it: tables left out, loaded afresh) and opens it,
+    then reads records in a random order (one epoch, or as many as epoch_seconds allow).
+    Memory is measured in the worker before open, after open and after the reads."""
+    import pickle
+
+    from packer import open_reader
+
+    parent = open_reader(out, split="train")
+    parent.open()
+    sent = pickle.dumps(parent)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            os.close(rfd)
+            reader = pickle.loads(sent)
+            found = {"pickled_bytes": len(sent), "before_open": memory()}
+            start = time.perf_counter()
+            reader.open()
+            found["open_s"] = time.perf_counter() - start
+            found["after_open"] = memory()
+            order = np.random.default_rng(seed).permutation(len(reader))
+            start, done = time.perf_counter(), 0
+            for chunk in range(0, len(order), 4096):
+                for i in order[chunk:chunk + 4096].tolist():
+                    reader.read_image(i)
+                done = min(len(order), chunk + 4096)
+                if time.perf_counter() - start > epoch_seconds:
+                    break
+            found["read_s"] = time.perf_counter() - start
+            found["records_read"] = done
+            found["after_epoch"] = memory()
+            os.write(wfd, json.dumps(found).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as f:
+        raw = f.read()
+    os.waitpid(pid, 0)
+    found = json.loads(raw)
+    for stage in ("after_open", "after_epoch"):
+        found[stage]["uss_growth_mb"] = found[stage]["uss_mb"] - found["before_open"]["uss_mb"]
+    return found
+
+
+def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bool) -> dict:
+    src = corpus_path(workdir, records)
+    out = pack_path(workdir, records, fmt)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    log(f"{records} {fmt}: pack")
+    packed = timed_process(packer_cmd("pack", src, "--to", fmt, "--out", out, "--force"))
+    row = {"records": records, "format": fmt, "pack_s": packed["wall_s"], "files_per_s": records / packed["wall_s"],
+           "pack_peak_rss_mb": packed["peak_rss_mb"], "pack_peak_anon_mb": packed["peak_anon_mb"],
+           "pack_bytes": tree_size(out)}
+    log(f"{records} {fmt}: open")
+    row.update(open_seconds(out))
+    log(f"{records} {fmt}: worker")
+    row["worker"] = json.loads(timed_process([sys.executable, "-m", "benchmarks.scale", "probe", out,
+                                              "--epoch-seconds", str(epoch_seconds)])["output"].strip()
+                               .splitlines()[-1])
+    log(f"{records} {fmt}: info, verify")
+    row["info_s"] = timed_process(packer_cmd("info", out))["wall_s"]
+    verified = timed_process(packer_cmd("verify", out, "--check", "header"))
+    row["verify_s"], row["verify_peak_rss_mb"] = verified["wall_s"], verified["peak_rss_mb"]
+    if not keep:
+        shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+    log(f"{records} {fmt}: {json.dumps(row)}")
+    return row
+
+
+def machine_facts() -> dict:
+    from packer.cores import available_cores
+
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024
+    return {"cores": available_cores(), "memory_gb": round(total / 1e9, 1), "python": sys.version.split()[0],
+            "note": "shared machine (other jobs running): times are indicative, memory figures are not affected"}
+
+
+def run(workdir: str, counts: list[int], formats: list[str], epoch_seconds: float, keep: bool) -> dict:
+    results_path = os.path.join(workdir, "scale.json")
+    results = {"machine": machine_facts(), "rows": []}
+    if os.path.exists(results_path):
+        with open(results_path) as f:
+            results["rows"] = json.load(f)["rows"]
+    for records in counts:
+        make_corpus(workdir, records)
+        for fmt in formats:
+            row = measure(workdir, records, fmt, epoch_seconds, keep)
+            results["rows"] = [r for r in results["rows"] if (r["records"], r["format"]) != (records, fmt)] + [row]
+            results["rows"].sort(key=lambda r: (r["records"], FORMATS.index(r["format"])))
+            with open(results_path, "w") as f:
+                json.dump(results, f, indent=1)
+            with open(os.path.join(workdir, "scale.md"), "w") as f:
+                f.write(table(results))
+    return results
+
+
+def table(results: dict) -> str:
+    """The Markdown table of a run."""
+    head = ("| records | format | pack s | files/s | pack peak RSS MB | open s | worker USS after open MB "
+            "(growth) | worker USS after epoch MB (growth) | records read | info s | verify s |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in results["rows"]:
+        w = r["worker"]
+        lines.append(f"| {r['records']:,} | {r['format']} | {r['pack_s']:.1f} | {r['files_per_s']:,.0f} | "
+                     f"{r['pack_peak_rss_mb']:.0f} | {r['open_s']:.3f} | "
+                     f"{w['after_open']['uss_mb']:.1f} ({w['after_open']['uss_growth_mb']:+.1f}) | "
+                     f"{w['after_epoch']['uss_mb']:.1f} ({w['after_epoch']['uss_growth_mb']:+.1f}) | "
+                     f"{w['records_read']:,} | {r['info_s']:.2f} | {r['verify_s']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------ command line
@@ -191,10 +446,24 @@ def main(argv: list[str] | None = None) -> int:
     corpus.add_argument("--workdir", required=True)
     corpus.add_argument("--workers", type=int, default=2)
     corpus.add_argument("--seed", type=int, default=0)
+    runner = sub.add_parser("run", help="pack each corpus into each format and measure")
+    runner.add_argument("--records", type=int, nargs="+", default=[20_000, 200_000, IMAGENET_TRAIN_RECORDS])
+    runner.add_argument("--workdir", required=True)
+    runner.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    runner.add_argument("--epoch-seconds", type=float, default=600,
+                        help="stop the worker's random-read epoch after this long (the row says how many were read)")
+    runner.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
+    probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
+    probe.add_argument("packed")
+    probe.add_argument("--epoch-seconds", type=float, default=600)
     args = parser.parse_args(argv)
     if args.command == "corpus":
         for records in args.records:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
+    elif args.command == "run":
+        print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep)), end="")
+    else:
+        print(json.dumps(probe_worker(args.packed, args.epoch_seconds)))
     return 0
 
 

@@ -136,6 +136,23 @@ class PathTable:
         """Each path's length in bytes (int64)."""
         return np.diff(self.offsets.astype(np.int64)) - 1
 
+    def subset(self, keep: np.ndarray) -> "PathTable":
+        """The paths where keep (a bool per path) is true, as a new table: one vectorised
+        pass over the blob, not a Python string per path."""
+        keep = np.asarray(keep, bool)
+        if keep.all():
+            return self
+        if not keep.any():
+            return PathTable(b"", np.zeros(1, np.int64))
+        low, high = self.offsets.item(0), self.offsets.item(len(self)) - 1
+        blob = np.frombuffer(self.data, np.uint8, high - low, low)
+        # Each kept path's bytes and the NUL after it (the last path has none: cut below).
+        mask = np.repeat(keep, self.lengths() + 1)[:high - low]
+        kept = blob[mask].tobytes()
+        if not keep[-1]:
+            kept = kept[:-1]  # the NUL after the last kept path
+        return PathTable(kept, path_offsets(kept, 0, len(kept)))
+
     def __getitem__(self, i: int) -> str:
         n = len(self.offsets) - 1
         if i < 0:
