@@ -252,15 +252,18 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
 
 
 def memory(pid: int | str = "self") -> dict[str, float]:
-    """RSS, USS (private: Private_Clean + Private_Dirty) and anonymous memory, in MB."""
+    """RSS, USS (private: Private_Clean + Private_Dirty), Private_Dirty alone (memory no other
+    process can share, mostly the heap) and anonymous memory, in MB. Private_Clean also
+    counts page-cache pages of a mapped file that no other process maps at the moment."""
     m = smaps_rollup(pid)
     return {"rss_mb": m["Rss"] / MB, "uss_mb": (m["Private_Clean"] + m["Private_Dirty"]) / MB,
-            "anon_mb": m.get("Anonymous", 0) / MB}
+            "private_dirty_mb": m["Private_Dirty"] / MB, "anon_mb": m.get("Anonymous", 0) / MB}
 
 
-def timed_process(cmd: list[str], env: dict | None = None) -> dict:
+def timed_process(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
     """Run cmd; its wall time, peak RSS (the kernel's, of the largest process: it and the
-    children it waited for) and peak anonymous memory of the main process (sampled)."""
+    children it waited for) and peak anonymous memory of the main process (sampled).
+    Past timeout seconds it is stopped and "timed_out" is true."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     peak_anon = 0
@@ -273,6 +276,12 @@ def timed_process(cmd: list[str], env: dict | None = None) -> dict:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
+        if timeout is not None and time.perf_counter() - start > timeout:
+            proc.terminate()  # packer's own interrupt handling: it leaves nothing behind
+            pid, status, usage = os.wait4(proc.pid, 0)
+            reader.join()
+            return {"wall_s": time.perf_counter() - start, "timed_out": True, "peak_rss_mb": usage.ru_maxrss / 1024,
+                    "peak_anon_mb": peak_anon / MB, "output": ""}
         time.sleep(SAMPLE_S)
     wall = time.perf_counter() - start
     reader.join()
@@ -280,8 +289,8 @@ def timed_process(cmd: list[str], env: dict | None = None) -> dict:
     text = output[0].decode(errors="replace") if output else ""
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-2000:]}")
-    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss * 1024 / MB, "peak_anon_mb": peak_anon / MB,
-            "output": text}
+    return {"wall_s": wall, "timed_out": False, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "peak_anon_mb": peak_anon / MB, "output": text}
 
 
 def packer_cmd(*args: str) -> list[str]:
@@ -339,12 +348,15 @@ def probe_worker(out: str, epoch_seconds: float, seed: int = 0) -> dict:
         try:
             os.close(rfd)
             reader = pickle.loads(sent)
+            order = np.random.default_rng(seed).permutation(len(reader))  # the harness's own, made first
+            # A collection writes to every object the parent left, copying their pages: done
+            # now, so that what the measurements show is the reader's.
+            __import__("gc").collect()
             found = {"pickled_bytes": len(sent), "before_open": memory()}
             start = time.perf_counter()
             reader.open()
             found["open_s"] = time.perf_counter() - start
             found["after_open"] = memory()
-            order = np.random.default_rng(seed).permutation(len(reader))
             start, done = time.perf_counter(), 0
             for chunk in range(0, len(order), 4096):
                 for i in order[chunk:chunk + 4096].tolist():
@@ -364,11 +376,13 @@ def probe_worker(out: str, epoch_seconds: float, seed: int = 0) -> dict:
     os.waitpid(pid, 0)
     found = json.loads(raw)
     for stage in ("after_open", "after_epoch"):
-        found[stage]["uss_growth_mb"] = found[stage]["uss_mb"] - found["before_open"]["uss_mb"]
+        for key in ("uss", "private_dirty"):
+            found[stage][f"{key}_growth_mb"] = found[stage][f"{key}_mb"] - found["before_open"][f"{key}_mb"]
     return found
 
 
-def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bool) -> dict:
+def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bool,
+            verify_seconds: float | None) -> dict:
     src = corpus_path(workdir, records)
     out = pack_path(workdir, records, fmt)
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -385,8 +399,9 @@ def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bo
                                .splitlines()[-1])
     log(f"{records} {fmt}: info, verify")
     row["info_s"] = timed_process(packer_cmd("info", out))["wall_s"]
-    verified = timed_process(packer_cmd("verify", out, "--check", "header"))
+    verified = timed_process(packer_cmd("verify", out, "--check", "header"), timeout=verify_seconds)
     row["verify_s"], row["verify_peak_rss_mb"] = verified["wall_s"], verified["peak_rss_mb"]
+    row["verify_timed_out"] = verified["timed_out"]
     if not keep:
         shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
     log(f"{records} {fmt}: {json.dumps(row)}")
@@ -402,7 +417,8 @@ def machine_facts() -> dict:
             "note": "shared machine (other jobs running): times are indicative, memory figures are not affected"}
 
 
-def run(workdir: str, counts: list[int], formats: list[str], epoch_seconds: float, keep: bool) -> dict:
+def run(workdir: str, counts: list[int], formats: list[str], epoch_seconds: float, keep: bool,
+        verify_seconds: float | None = None) -> dict:
     results_path = os.path.join(workdir, "scale.json")
     results = {"machine": machine_facts(), "rows": []}
     if os.path.exists(results_path):
@@ -411,7 +427,7 @@ def run(workdir: str, counts: list[int], formats: list[str], epoch_seconds: floa
     for records in counts:
         make_corpus(workdir, records)
         for fmt in formats:
-            row = measure(workdir, records, fmt, epoch_seconds, keep)
+            row = measure(workdir, records, fmt, epoch_seconds, keep, verify_seconds)
             results["rows"] = [r for r in results["rows"] if (r["records"], r["format"]) != (records, fmt)] + [row]
             results["rows"].sort(key=lambda r: (r["records"], FORMATS.index(r["format"])))
             with open(results_path, "w") as f:
@@ -423,16 +439,19 @@ def run(workdir: str, counts: list[int], formats: list[str], epoch_seconds: floa
 
 def table(results: dict) -> str:
     """The Markdown table of a run."""
-    head = ("| records | format | pack s | files/s | pack peak RSS MB | open s | worker USS after open MB "
-            "(growth) | worker USS after epoch MB (growth) | records read | info s | verify s |")
+    head = ("| records | format | pack s | files/s | pack peak RSS MB (anon) | open s | worker USS after open MB "
+            "(growth) | worker after epoch: USS MB (growth), private dirty growth | records read | info s | "
+            "verify s |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in results["rows"]:
         w = r["worker"]
+        verify = f"{'>' if r.get('verify_timed_out') else ''}{r['verify_s']:.1f}"
         lines.append(f"| {r['records']:,} | {r['format']} | {r['pack_s']:.1f} | {r['files_per_s']:,.0f} | "
-                     f"{r['pack_peak_rss_mb']:.0f} | {r['open_s']:.3f} | "
+                     f"{r['pack_peak_rss_mb']:.0f} ({r['pack_peak_anon_mb']:.0f}) | {r['open_s']:.3f} | "
                      f"{w['after_open']['uss_mb']:.1f} ({w['after_open']['uss_growth_mb']:+.1f}) | "
-                     f"{w['after_epoch']['uss_mb']:.1f} ({w['after_epoch']['uss_growth_mb']:+.1f}) | "
-                     f"{w['records_read']:,} | {r['info_s']:.2f} | {r['verify_s']:.1f} |")
+                     f"{w['after_epoch']['uss_mb']:.1f} ({w['after_epoch']['uss_growth_mb']:+.1f}), "
+                     f"{w['after_epoch']['private_dirty_growth_mb']:+.1f} | "
+                     f"{w['records_read']:,} | {r['info_s']:.2f} | {verify} |")
     return "\n".join(lines) + "\n"
 
 
@@ -453,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     runner.add_argument("--epoch-seconds", type=float, default=600,
                         help="stop the worker's random-read epoch after this long (the row says how many were read)")
     runner.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
+    runner.add_argument("--verify-seconds", type=float, default=None,
+                        help="stop packer verify after this long (the table shows >N)")
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
     probe.add_argument("packed")
     probe.add_argument("--epoch-seconds", type=float, default=600)
@@ -461,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         for records in args.records:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
     elif args.command == "run":
-        print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep)), end="")
+        print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep,
+                        args.verify_seconds)), end="")
     else:
         print(json.dumps(probe_worker(args.packed, args.epoch_seconds)))
     return 0

@@ -81,7 +81,7 @@ class PathTable:
 
     __slots__ = ("data", "offsets")
     # Paths checked per pass of check_relative: bounds its temporary copies to a few MB.
-    CHECK_BLOCK = 1 << 16
+    CHECK_BLOCK = 1 << 12
 
     def __init__(self, data, offsets: np.ndarray):
         # data: bytes or mmap, both sliced straight to bytes (the cheapest per-read lookup);
@@ -172,7 +172,7 @@ class PathTable:
         return PathTable, (self.to_nul_separated(), self.offsets - self.offsets[0])
 
 
-def path_offsets(raw, start: int, size: int, block: int = 8 << 20) -> np.ndarray:
+def path_offsets(raw, start: int, size: int, block: int = 1 << 18) -> np.ndarray:
     """Where each path of raw[start:start + size] (paths joined by NUL) starts, and one past
     the end of the last + 1: found block by block, so the temporaries stay a few MB however
     large the table. uint32 where every offset fits (half the memory), else int64."""

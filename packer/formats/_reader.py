@@ -13,7 +13,7 @@ from ..records import Metadata, checksum, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
-from ._tables import check_labels, fd_identity, file_identity, replaced_error
+from ._tables import check_labels, fd_identity, file_identity, is_permutation, replaced_error
 
 
 _UNREAD = object()
@@ -176,7 +176,7 @@ class SplitReader(LazyHandle):
         """A stored order table, checked to be a permutation of the records; int32, kept as
         it is when it is already (a mapped table stays mapped)."""
         order = np.asarray(order, np.int32)
-        if len(order) != self.count or not np.array_equal(np.sort(order), np.arange(self.count, dtype=np.int32)):
+        if len(order) != self.count or not is_permutation(order):
             raise CorruptDataError(f"{self.path}: the {self.split} order table is not a permutation of "
                                    f"{self.count} records; the dataset is damaged, re-pack it", self.path)
         return order

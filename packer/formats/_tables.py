@@ -25,6 +25,27 @@ import numpy as np
 from ..errors import CorruptDataError, FormatError
 
 DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
+# Entries checked per numpy pass: keeps each check's temporaries well under a MB, so a large
+# table's checks leave no freed heap behind in the process (glibc keeps freed blocks of the
+# sizes it has recently seen on the heap instead of giving them back).
+CHECK_BLOCK = 1 << 14
+
+
+def blocks(count: int, size: int = CHECK_BLOCK):
+    """(start, stop) of each block of at most size entries of count."""
+    return ((start, min(count, start + size)) for start in range(0, count, size))
+
+
+def is_permutation(order: np.ndarray) -> bool:
+    """Whether order holds each of 0..len(order)-1 exactly once: all in range and none missing
+    (then none repeats). One byte of scratch per entry."""
+    seen = np.zeros(len(order), bool)
+    for start, stop in blocks(len(order)):
+        part = order[start:stop]
+        if int(part.min()) < 0 or int(part.max()) >= len(order):
+            return False
+        seen[part] = True
+    return bool(seen.all())
 
 
 def table_crc(raw) -> int:
@@ -84,16 +105,22 @@ def check_labels(labels: np.ndarray, classes: int, labeled: bool, where: str) ->
         raise CorruptDataError(f"{where}: an unlabeled split holds labels other than -1; {DAMAGED}", where)
 
 
-def check_within(offset: np.ndarray, length: np.ndarray, size, where: str, what: str) -> None:
-    """Every [offset, offset + length) within [0, size) (size: one, or one per entry),
-    computed without overflowing uint64."""
-    offset, length = offset.astype(np.uint64), length.astype(np.uint64)
-    size = np.broadcast_to(np.asarray(size).astype(np.uint64), offset.shape)
-    bad = (length > size) | (offset > size - np.minimum(length, size))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise CorruptDataError(f"{where}: {what} {first} lies at bytes {int(offset[first])}..+{int(length[first])}, "
-                               f"past the end of its {int(size[first])}-byte file; {DAMAGED}", where)
+def check_within(offset: np.ndarray, length: np.ndarray, size, where: str, what: str,
+                 size_of: np.ndarray | None = None) -> None:
+    """Every [offset, offset + length) within [0, size) (size: one, or one per entry, or
+    with size_of given, size[size_of[i]] for entry i), computed without overflowing uint64,
+    a block at a time."""
+    sizes = np.asarray(size)
+    for start, stop in blocks(len(offset)):
+        at, n = offset[start:stop].astype(np.uint64), length[start:stop].astype(np.uint64)
+        limit = sizes if sizes.ndim == 0 else sizes[size_of[start:stop]] if size_of is not None \
+            else sizes[start:stop]
+        limit = np.broadcast_to(limit.astype(np.uint64), at.shape)
+        bad = (n > limit) | (at > limit - np.minimum(n, limit))
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            raise CorruptDataError(f"{where}: {what} {start + first} lies at bytes {int(at[first])}..+{int(n[first])}, "
+                                   f"past the end of its {int(limit[first])}-byte file; {DAMAGED}", where)
 
 
 def map_region(fd: int, offset: int, length: int, where: str) -> tuple[mmap.mmap | bytes, int]:
@@ -125,7 +152,7 @@ def mapped_array(fd: int, offset: int, count: int, dtype, where: str) -> np.ndar
 def buffer_of(values: np.ndarray) -> tuple:
     """(a buffer that slices to bytes, where values' bytes start in it): the map a mapped
     uint8 table lies in, or else a copy of its bytes."""
-    region = values.base
+    region = values.base.obj if isinstance(values.base, memoryview) else values.base  # frombuffer's view
     if isinstance(region, mmap.mmap) and values.size:
         return region, values.ctypes.data - np.frombuffer(region, np.uint8).ctypes.data
     return values.tobytes(), 0

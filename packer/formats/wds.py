@@ -310,14 +310,14 @@ class Writer:
         if order is not None:
             records[np.asarray(order)] = written
         folder = os.path.join(self.stage, self.split)
-        records.tofile(os.path.join(folder, "records.bin"))
-        with open(os.path.join(folder, "paths.bin"), "wb") as f:
-            f.write(paths.to_nul_separated())
+        table, blob = records.view(np.uint8), paths.to_nul_separated()  # the bytes as stored, not copied again
+        # Synced, as the shards are: on disk before the dataset is published.
+        write_synced(os.path.join(folder, "records.bin"), table)
+        write_synced(os.path.join(folder, "paths.bin"), blob)
         self.splits[self.split] = {"count": len(records), "shards": self.shards,
                                    "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
                                    "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                   "records_crc32": table_crc(records.tobytes()),
-                                   "paths_crc32": table_crc(paths.to_nul_separated())}
+                                   "records_crc32": table_crc(table), "paths_crc32": table_crc(blob)}
         self.note_few_shards(len(records))
 
     def note_few_shards(self, count: int) -> None:
@@ -433,7 +433,7 @@ class Reader(SplitReader):
                                    f"{len(self.shards)}; {DAMAGED}", self.path)
         sizes = np.array([self.shard_size(k) for k in range(len(self.shards))], np.uint64)
         if len(records):
-            check_within(records["offset"], records["size"], sizes[records["shard"]], where, "record")
+            check_within(records["offset"], records["size"], sizes, where, "record", size_of=records["shard"])
         if int(records["size"].sum(dtype=np.uint64)) != self.metadata.splits[self.split].bytes:
             raise CorruptDataError(f"{where}: the records' sizes add up to {int(records['size'].sum())} bytes, "
                                    f"the metadata says {self.metadata.splits[self.split].bytes}; {DAMAGED}",
