@@ -139,7 +139,9 @@ def test_a_process_opening_the_pack_copies_no_table(fmt, tmp_path):
     # their pages stay clean page cache, shared by every process that reads the dataset.
     # (The allocator is told to give freed temporaries back, so they do not count.)
     out = build(fmt, tmp_path, 30_000)
-    assert len(pickle.dumps(open_reader(out))) < 64 << 10  # no tables travel with a pickled reader
+    opened = open_reader(out).open()
+    assert len(pickle.dumps(opened)) < 64 << 10  # no tables travel with a pickled reader
+    assert pickle.loads(pickle.dumps(opened)).read(29_999) == opened.read(29_999)
     found = subprocess.run([sys.executable, "-c", WORKER, out, os.path.dirname(__file__)], capture_output=True,
                            text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     grown, touched = json.loads(found.stdout.strip().splitlines()[-1])

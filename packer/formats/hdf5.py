@@ -213,7 +213,7 @@ class Reader(SplitReader):
     as the record is read, not kept in a table per record.
     """
 
-    TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None}
+    TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):

@@ -345,7 +345,7 @@ def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
 class Reader(SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork."""
 
-    TABLES = {"_labels": None, "_paths": None, "_extents": None}
+    TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None}
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
