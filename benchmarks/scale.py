@@ -388,6 +388,7 @@ def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bo
     os.makedirs(os.path.dirname(out), exist_ok=True)
     log(f"{records} {fmt}: pack")
     packed = timed_process(packer_cmd("pack", src, "--to", fmt, "--out", out, "--force"))
+    os.sync()  # the pack's written pages reach the disk now, not while open() is timed
     row = {"records": records, "format": fmt, "pack_s": packed["wall_s"], "files_per_s": records / packed["wall_s"],
            "pack_peak_rss_mb": packed["peak_rss_mb"], "pack_peak_anon_mb": packed["peak_anon_mb"],
            "pack_bytes": tree_size(out)}
@@ -406,6 +407,23 @@ def measure(workdir: str, records: int, fmt: str, epoch_seconds: float, keep: bo
         shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
     log(f"{records} {fmt}: {json.dumps(row)}")
     return row
+
+
+def remeasure_open(workdir: str, counts: list[int], formats: list[str]) -> dict:
+    """open() measured again on a run's kept packs, after os.sync(), into its rows."""
+    results_path = os.path.join(workdir, "scale.json")
+    with open(results_path) as f:
+        results = json.load(f)
+    os.sync()
+    for row in results["rows"]:
+        if row["records"] in counts and row["format"] in formats:
+            row.update(open_seconds(pack_path(workdir, row["records"], row["format"])))
+            log(f"{row['records']} {row['format']}: open {row['open_s']:.3f} s {row['open_s_runs']}")
+    with open(results_path, "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(workdir, "scale.md"), "w") as f:
+        f.write(table(results))
+    return results
 
 
 def machine_facts() -> dict:
@@ -474,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     runner.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
     runner.add_argument("--verify-seconds", type=float, default=None,
                         help="stop packer verify after this long (the table shows >N)")
+    reopen = sub.add_parser("reopen", help="measure open() again on the kept packs of a run (updates its rows)")
+    reopen.add_argument("--records", type=int, nargs="+", required=True)
+    reopen.add_argument("--workdir", required=True)
+    reopen.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
     probe.add_argument("packed")
     probe.add_argument("--epoch-seconds", type=float, default=600)
@@ -481,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "corpus":
         for records in args.records:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
+    elif args.command == "reopen":
+        print(table(remeasure_open(args.workdir, args.records, args.formats)), end="")
     elif args.command == "run":
         print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep,
                         args.verify_seconds)), end="")

@@ -175,10 +175,12 @@ class Writer:
         prefix = self.split.encode()
         extents = np.empty(len(self.offsets), EXTENT)
         extents["offset"], extents["length"] = self.offsets, self.lengths
-        tables = {"labels": labels.astype("<i4").tobytes(), "paths": paths.to_nul_separated(),
-                  "extents": extents.tobytes()}
+        self.offsets, self.lengths = array("Q"), array("I")  # the table holds them now
+        # Put as buffers of the arrays (uint8 views), not copies: a few bytes a record less at peak.
+        tables = {"labels": labels.astype("<i4").view(np.uint8), "paths": paths.to_nul_separated(),
+                  "extents": extents.view(np.uint8)}
         if order is not None:
-            tables["order"] = np.asarray(order, "<i4").tobytes()
+            tables["order"] = np.asarray(order, "<i4").view(np.uint8)
         for name, raw in tables.items():
             self.put(prefix + b"/" + name.encode(), raw, append=False)
         crcs = {name: table_crc(raw) for name, raw in tables.items()}
