@@ -126,15 +126,15 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         self.flush()
-        tables = {"offsets": np.concatenate((np.zeros(1, "<i8"), np.frombuffer(self.ends, np.int64).astype("<i8"))),
-                  "crc32": np.frombuffer(self.crcs, np.uint32).astype("<u4"),
+        tables = {"offsets": np.concatenate((np.zeros(1, "<i8"), np.frombuffer(self.ends, np.int64)), dtype="<i8"),
+                  "crc32": np.frombuffer(self.crcs, np.uint32).astype("<u4", copy=False),
                   "labels": labels.astype("<i4"), "paths": np.frombuffer(paths.to_nul_separated(), np.uint8)}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4")
         table_crcs = {}
         for name, values in tables.items():
             self.group.create_dataset(name, data=values)  # contiguous: readers map it
-            table_crcs[name] = table_crc(values.tobytes())
+            table_crcs[name] = table_crc(values)  # the array's own bytes (little-endian), not a copy
         self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(table_crcs).decode(),
                                 dtype=h5py.string_dtype("utf-8"))
         self.group = None
