@@ -137,7 +137,8 @@ def test_a_process_opening_the_pack_copies_no_table(fmt, tmp_path):
     # no other process can share) grows by the small derived tables only (path offsets, 4
     # bytes a record), not by the tables (over 100 bytes a record here), which it maps:
     # their pages stay clean page cache, shared by every process that reads the dataset.
-    # (The allocator is told to give freed temporaries back, so they do not count.)
+    # (The allocator is told to give freed temporaries back, so they do not count.) A copy
+    # of the tables would grow it by at least what was touched.
     out = build(fmt, tmp_path, 30_000)
     opened = open_reader(out).open()
     assert len(pickle.dumps(opened)) < 64 << 10  # no tables travel with a pickled reader
@@ -146,7 +147,7 @@ def test_a_process_opening_the_pack_copies_no_table(fmt, tmp_path):
                            text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     grown, touched = json.loads(found.stdout.strip().splitlines()[-1])
     assert touched > 2 << 20
-    assert grown < touched / 4, f"{fmt}: private memory grew by {grown} bytes for {touched} bytes of tables"
+    assert grown < touched / 2, f"{fmt}: private memory grew by {grown} bytes for {touched} bytes of tables"
 
 
 def flip_a_table_byte(fmt: str, out: str) -> None:
