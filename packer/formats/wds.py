@@ -301,14 +301,17 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added sample."""
         self.close_shard()
-        written = np.empty(len(self.rows["crc"]), RECORD)
-        for name, values in self.rows.items():
-            written[name] = np.asarray(values)
-        if len(written) != len(labels):
-            raise ValueError(f"split {self.split}: {len(written)} samples added but {len(labels)} labels given")
-        records = written if order is None else np.empty_like(written)
-        if order is not None:
-            records[np.asarray(order)] = written
+        count = len(self.rows["crc"])
+        if count != len(labels):
+            raise ValueError(f"split {self.split}: {count} samples added but {len(labels)} labels given")
+        # Each column straight into its place in ImageFolder order, its row array freed as it
+        # goes: one table in memory at a time, not the rows, a table in write order and another.
+        records = np.empty(count, RECORD)
+        at = slice(None) if order is None else np.asarray(order)
+        for name in list(self.rows):
+            values = self.rows.pop(name)
+            records[name][at] = np.frombuffer(values, np.dtype(values.typecode)) if count else []
+            del values
         folder = os.path.join(self.stage, self.split)
         table, blob = records.view(np.uint8), paths.to_nul_separated()  # the bytes as stored, not copied again
         # Synced, as the shards are: on disk before the dataset is published.
