@@ -37,7 +37,7 @@ from .formats import FORMATS, default_output, format_named
 from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .parts import cut_source, pack_in_parts, part_spec
-from .records import Metadata, PathTable, SplitInfo, checksum
+from .records import Metadata, SplitInfo, checksum
 from .reencode import Reencode, reencode_image, reencode_spec
 from .scan import ON_ERROR, Source, SplitListing, scan_source
 from .source_io import read_regular_file
@@ -292,19 +292,41 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
     return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, orders, guard)
 
 
-def source_jobs(root: str, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]) -> list:
-    """load_file's jobs in write order: each file's path, or its refusal when it must not be opened."""
-    jobs: list[str | Loaded] = []
-    for name, listing in listings.items():
-        for i in split_order(len(listing), orders[name]):
-            refused = listing.refused.get(i)
-            jobs.append(os.path.join(root, listing.paths[i]) if refused is None else Loaded(None, 0, refused))
-    return jobs
+class SourceJobs:
+    """load_file's jobs in write order, made as the engine asks for them: each file's path,
+    or its refusal when it must not be opened. A sequence (len, index, slice), not a list
+    of a million paths."""
+
+    def __init__(self, root: str, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]):
+        self.root = root
+        self.parts = [(listing, orders[name]) for name, listing in listings.items()]
+        self.starts = np.cumsum([0] + [len(listing) for listing, _ in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        part = int(np.searchsorted(self.starts, k, side="right")) - 1
+        listing, order = self.parts[part]
+        j = k - int(self.starts[part])
+        i = j if order is None else order.item(j)
+        refused = listing.refused.get(i)
+        return os.path.join(self.root, listing.paths[i]) if refused is None else Loaded(None, 0, refused)
 
 
-def split_order(count: int, order: np.ndarray | None):
-    """The ImageFolder indexes of a split in the order they are written."""
-    return range(count) if order is None else order.tolist()
+def source_jobs(root: str, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]) -> SourceJobs:
+    """load_file's jobs in write order (SourceJobs)."""
+    return SourceJobs(root, listings, orders)
+
+
+def split_order(count: int, order: np.ndarray | None, block: int = 1 << 16):
+    """The ImageFolder indexes of a split in the order they are written (a block of Python
+    ints at a time, not a list of them all)."""
+    if order is None:
+        return range(count)
+    return (i for start in range(0, count, block) for i in order[start:start + block].tolist())
 
 
 def write_listings(writer, listings: dict[str, SplitListing], n_classes: int, loaded: Iterator[Loaded],
@@ -373,7 +395,7 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         nbytes += len(item.data)
         bar.update(len(item.data))
     labels = listing.labels[kept]
-    paths = PathTable.from_strings(p for p, k in zip(listing.paths, kept) if k)
+    paths = listing.paths.subset(kept)
     if order is not None:  # list skipped files in ImageFolder order whatever the write order
         skipped[first_skipped:] = [skipped[first_skipped:][j] for j in np.argsort(order[~kept[order]])]
     if order is None:

@@ -98,15 +98,21 @@ class PathTable:
     """An immutable list of strings held as one byte blob plus offsets.
 
     A list of a million Python strings is touched by refcounting on every access, so a
-    forked DataLoader worker ends up copying it; one bytes object and a numpy array stay
-    shared. Each path in the blob is followed by a NUL, a byte no filename can contain.
+    forked DataLoader worker ends up copying it; one buffer and a numpy array stay
+    shared. The blob is the on-disk form (paths joined by NUL, a byte no filename can
+    contain): a bytes object, or a read-only map of the table's bytes in the dataset file
+    (packer.formats._tables.map_region), whose pages are the page cache's, shared by every
+    process that reads the dataset instead of copied into each.
     """
 
     __slots__ = ("data", "offsets")
+    # Paths checked per pass of check_relative: bounds its temporary copies to a few MB.
+    CHECK_BLOCK = 1 << 12
 
-    def __init__(self, data: bytes, offsets: np.ndarray):
-        # One bytes object: slicing it is the cheapest per-read lookup, and refcounting
-        # writes only its header page, so forked workers keep sharing the rest.
+    def __init__(self, data, offsets: np.ndarray):
+        # data: bytes or mmap, both sliced straight to bytes (the cheapest per-read lookup);
+        # refcounting writes only the object's header, so forked workers keep sharing the rest.
+        # Path i is data[offsets[i]:offsets[i + 1] - 1] (each path but the last is followed by a NUL).
         self.data = data
         self.offsets = offsets
 
@@ -115,40 +121,63 @@ class PathTable:
         return cls.from_nul_separated(b"\0".join(encode_path(s) for s in strings))
 
     @classmethod
-    def from_nul_separated(cls, raw: bytes, where: str = "path table") -> "PathTable":
-        """Parse the on-disk form: UTF-8 paths joined by NUL.
+    def from_nul_separated(cls, raw, where: str = "path table", start: int = 0,
+                           length: int | None = None) -> "PathTable":
+        """Parse the on-disk form: UTF-8 paths joined by NUL, raw[start:start + length]
+        (raw: bytes, or a map of the dataset file's bytes, used in place, not copied).
 
         Raises CorruptDataError naming `where` if a path is not a safe relative path."""
-        data = raw + b"\0"
-        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 0) + 1
-        if not raw:
-            ends = ends[:0]  # an empty table, not one empty path
-        table = cls(data, np.concatenate(([0], ends)).astype(np.int64))
-        if raw:
+        size = len(raw) - start if length is None else length
+        table = cls(raw, path_offsets(raw, start, size))
+        if size:
             table.check_relative(where)
         return table
 
     def check_relative(self, where: str) -> None:
-        """Refuse absolute paths and empty, "." or ".." components: one regex pass over
-        the whole blob (a copy with "/" as NUL), not a Python loop per path."""
-        flat = self.data.translate(_SLASH_TO_NUL)
-        found = _UNSAFE_COMPONENT.search(flat)
-        if _UNSAFE_COMPONENT.match(b"\0" + flat[:3]):
-            bad = 0
-        elif found:
-            # The match starts at the separator before the bad component (or empty path).
-            bad = int(np.searchsorted(self.offsets, found.start() + 1, side="right")) - 1
-        else:
-            return
-        raise CorruptDataError(f"{where}: path {bad} ({self[bad]!r}) is not a safe relative path (it is empty "
-                               "or absolute, or has an empty, '.' or '..' component); the dataset is damaged "
-                               "or was crafted: re-pack it from its source", where)
+        """Refuse absolute paths and empty, "." or ".." components: a regex pass over the
+        blob (a copy with "/" as NUL), block by block, not a Python loop per path."""
+        n = len(self)
+        for first in range(0, n, self.CHECK_BLOCK):
+            last = min(n, first + self.CHECK_BLOCK)
+            low, high = self.offsets.item(first), self.offsets.item(last) - 1
+            # A NUL before the block's first path and after its last: every path is delimited.
+            flat = (b"\0" + self.data[low:high] + b"\0").translate(_SLASH_TO_NUL)
+            found = _UNSAFE_COMPONENT.search(flat)
+            if found:
+                # The match starts at the separator before the bad component (or empty path).
+                bad = int(np.searchsorted(self.offsets, low + found.start(), side="right")) - 1
+                raise CorruptDataError(f"{where}: path {bad} ({self[bad]!r}) is not a safe relative path (it is "
+                                       "empty or absolute, or has an empty, '.' or '..' component); the dataset "
+                                       "is damaged or was crafted: re-pack it from its source", where)
 
     def to_nul_separated(self) -> bytes:
-        return self.data[:-1]
+        if not len(self):
+            return b""
+        return bytes(self.data[self.offsets.item(0):self.offsets.item(len(self)) - 1])
 
     def raw(self, i: int) -> bytes:
         return self.data[self.offsets.item(i):self.offsets.item(i + 1) - 1]
+
+    def lengths(self) -> np.ndarray:
+        """Each path's length in bytes (int64)."""
+        return np.diff(self.offsets.astype(np.int64)) - 1
+
+    def subset(self, keep: np.ndarray) -> "PathTable":
+        """The paths where keep (a bool per path) is true, as a new table: one vectorised
+        pass over the blob, not a Python string per path."""
+        keep = np.asarray(keep, bool)
+        if keep.all():
+            return self
+        if not keep.any():
+            return PathTable(b"", np.zeros(1, np.int64))
+        low, high = self.offsets.item(0), self.offsets.item(len(self)) - 1
+        blob = np.frombuffer(self.data, np.uint8, high - low, low)
+        # Each kept path's bytes and the NUL after it (the last path has none: cut below).
+        mask = np.repeat(keep, self.lengths() + 1)[:high - low]
+        kept = blob[mask].tobytes()
+        if not keep[-1]:
+            kept = kept[:-1]  # the NUL after the last kept path
+        return PathTable(kept, path_offsets(kept, 0, len(kept)))
 
     def __getitem__(self, i: int) -> str:
         n = len(self.offsets) - 1
@@ -163,6 +192,22 @@ class PathTable:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+    def __reduce__(self):
+        # A mapped table pickles as its bytes (a map cannot be pickled), already checked.
+        return PathTable, (self.to_nul_separated(), self.offsets - self.offsets[0])
+
+
+def path_offsets(raw, start: int, size: int, block: int = 1 << 18) -> np.ndarray:
+    """Where each path of raw[start:start + size] (paths joined by NUL) starts, and one past
+    the end of the last + 1: found block by block, so the temporaries stay a few MB however
+    large the table. uint32 where every offset fits (half the memory), else int64."""
+    dtype = np.uint32 if start + size + 1 < 2**32 else np.int64
+    if not size:
+        return np.array([start], dtype)  # an empty table, not one empty path
+    blob = np.frombuffer(raw, np.uint8, size, start)
+    ends = [(np.flatnonzero(blob[a:a + block] == 0) + (start + a + 1)).astype(dtype) for a in range(0, size, block)]
+    return np.concatenate([np.array([start], dtype), *ends, np.array([start + size + 1], dtype)])
 
 
 class _Invalid(Exception):

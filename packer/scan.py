@@ -26,7 +26,7 @@ import numpy as np
 from .check import IMAGE_EXTENSIONS
 from .errors import PackError, SourceError
 from .labels import LabelFile, read_label_file
-from .records import UNLABELED, PathTable
+from .records import UNLABELED, PathTable, encode_path
 from .source_io import not_regular_reason
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -217,11 +217,16 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
 
 def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[str],
                  class_to_idx: dict[str, int], loose: int) -> SplitListing:
-    """The images of each class folder; `loose` images beside them are ignored, as ImageFolder does."""
+    """The images of each class folder; `loose` images beside them are ignored, as ImageFolder does.
+
+    Streams: one class's file names are Python strings at a time; the split keeps only
+    each class's paths as one NUL-joined blob and its count, so a million-file split
+    never holds a million Python objects."""
     root = scan.root
-    paths: list[str] = []
-    labels: list[int] = []
+    blobs: list[bytes] = []  # per class: its paths, NUL-joined
+    counts: list[int] = []
     refused: dict[int, str] = {}
+    listed = 0
     for cls in class_names:
         folder = os.path.join(split_root, cls)
         skipped_before = len(scan.skipped)
@@ -229,15 +234,18 @@ def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[s
         if not files and len(scan.skipped) == skipped_before:
             scan.warnings.append(f"{relative(root, folder)}: empty class folder; "
                                  f"label {class_to_idx[cls]} kept with 0 samples")
-        for path, why in files:
+        for k, (_, why) in enumerate(files):
             if why is not None:
-                refused[len(paths)] = why
-            paths.append(relative(root, path))
-        labels += [class_to_idx[cls]] * len(files)
+                refused[listed + k] = why
+        if files:
+            blobs.append(b"\0".join(encode_path(relative_below(root, path)) for path, _ in files))
+        counts.append(len(files))
+        listed += len(files)
     if loose:
         scan.warnings.append(f"{relative(root, split_root) or '.'}: {loose} image(s) beside the class "
                              "folders ignored, as ImageFolder does (move them into a class folder to pack them)")
-    return SplitListing(PathTable.from_strings(paths), np.asarray(labels, dtype=np.int32), True, refused)
+    labels = np.repeat(np.array([class_to_idx[c] for c in class_names], np.int32), counts)
+    return SplitListing(PathTable.from_nul_separated(b"\0".join(blobs), root), labels, True, refused)
 
 
 def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:
@@ -331,8 +339,15 @@ def labeled_listing(scan: Scanner, split: str, listing: SplitListing, values: np
     keep = values != UNLABELED
     new_index = np.cumsum(keep) - 1
     refused = {int(new_index[i]): why for i, why in listing.refused.items() if keep[i]}
-    paths = PathTable.from_strings(p for p, k in zip(listing.paths, keep.tolist()) if k)
-    return SplitListing(paths, values[keep], True, refused)
+    return SplitListing(listing.paths.subset(keep), values[keep], True, refused)
+
+
+def relative_below(root: str, path: str) -> str:
+    """relative() for a path built by joining names onto root: a slice, not a relpath call."""
+    if path.startswith(root) and path[len(root):len(root) + 1] == os.sep:
+        rel = path[len(root) + 1:]
+        return rel if os.sep == "/" else rel.replace(os.sep, "/")
+    return relative(root, path)
 
 
 def relative(root: str, path: str) -> str:

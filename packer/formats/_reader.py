@@ -14,7 +14,7 @@ from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
-from ._tables import check_labels, fd_identity, file_identity, replaced_error
+from ._tables import check_labels, fd_identity, file_identity, is_permutation, replaced_error
 
 
 _UNREAD = object()
@@ -22,11 +22,20 @@ _UNREAD = object()
 
 class SplitReader(LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and
-    read_image(i), and read_order() where records may be stored out of index order."""
+    read_image(i), and read_order() where records may be stored out of index order.
+
+    Tables are loaded in each process that reads (mapped from the dataset's file where the
+    layout allows, see _tables): pickling leaves them out, so a Dataset sent to a spawned
+    worker or another rank carries its paths and counts, not tens of MB of tables."""
 
     _order = _UNREAD  # storage_order(), read once
     # index -> stored position, built from storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
+    # Whether read_image finds a record by its stored position (open() builds that table).
+    reads_by_position = True
+    # The attributes that hold loaded tables, with their values before loading: pickling
+    # resets them (subclasses add their own).
+    TABLES: dict = {}
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata,
                  identity_file: str | None = None, identity: tuple | None = None):
@@ -42,6 +51,13 @@ class SplitReader(LazyHandle):
         self.identity_file = identity_file
         self.identity = identity
         self._loaded: dict = {}
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(self.TABLES, _loaded={})
+        state.pop("_order", None)
+        state.pop("_position", None)
+        return state
 
     def check_identity(self, identity: tuple | None = None) -> None:
         """Raise if the dataset was replaced at its path since this reader read its metadata
@@ -114,7 +130,8 @@ class SplitReader(LazyHandle):
         first read (e.g. ahead of a timed loop). Returns self."""
         self.handle()
         self.labels, self.paths  # properties: read and cached on first access
-        self.position_table()
+        if self.reads_by_position:
+            self.position_table()
         self.load_tables()
         return self
 
@@ -144,7 +161,11 @@ class SplitReader(LazyHandle):
         """Index -> stored position, built once from storage_order(); False: the index itself."""
         if self._position is None:
             order = self.storage_order()
-            self._position = False if order is None else np.argsort(order)
+            if order is None:
+                self._position = False
+            else:  # the inverse permutation, int32 (counts are below 2**31): half of argsort's int64
+                self._position = np.empty(len(order), np.int32)
+                self._position[order] = np.arange(len(order), dtype=np.int32)
         return self._position
 
     def position(self, index: int) -> int:
@@ -153,9 +174,10 @@ class SplitReader(LazyHandle):
         return index if table is False else table.item(index)
 
     def checked_order(self, order: np.ndarray) -> np.ndarray:
-        """A stored order table, checked to be a permutation of the records."""
-        order = order.astype(np.int64)
-        if len(order) != self.count or not np.array_equal(np.sort(order), np.arange(self.count)):
+        """A stored order table, checked to be a permutation of the records; int32, kept as
+        it is when it is already (a mapped table stays mapped)."""
+        order = np.asarray(order, np.int32)
+        if len(order) != self.count or not is_permutation(order):
             raise CorruptDataError(f"{self.path}: the {self.split} order table is not a permutation of "
                                    f"{self.count} records; the dataset is damaged, re-pack it", self.path)
         return order

@@ -4,10 +4,19 @@ Every table a reader loads (labels, paths, offsets, extents, order, records) is 
 input: it is checked once, when it loads, vectorised, so that reads need no checks of
 their own. Packs written by this packer carry a CRC-32 of each table (each format's
 docstring says where); packs written before carry none and are only range-checked.
+
+Tables are mapped from the dataset's file (map_region, mapped_array), not read into each
+process: at a million records they are tens of MB, and a copy per process would be one
+per DataLoader worker per rank. Mapped read-only, their pages are the page cache's, shared
+by every process that reads the dataset, and the checks at load (CRC-32 included) only
+read them, so they stay shared. A mapped file must not shrink while in use (touching a page
+past its end kills the process with SIGBUS): packed data is never rewritten in place, and
+a re-pack (--force) writes a new file, leaving the old one whole for readers that map it.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 
 import numpy as np
@@ -16,10 +25,31 @@ from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 
 DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
+# Entries checked per numpy pass: keeps each check's temporaries well under a MB, so a large
+# table's checks leave no freed heap behind in the process (glibc keeps freed blocks of the
+# sizes it has recently seen on the heap instead of giving them back).
+CHECK_BLOCK = 1 << 14
 
 
-def table_crc(raw: bytes) -> int:
-    """CRC-32 (zlib) of a table's bytes as stored."""
+def blocks(count: int, size: int = CHECK_BLOCK):
+    """(start, stop) of each block of at most size entries of count."""
+    return ((start, min(count, start + size)) for start in range(0, count, size))
+
+
+def is_permutation(order: np.ndarray) -> bool:
+    """Whether order holds each of 0..len(order)-1 exactly once: all in range and none missing
+    (then none repeats). One byte of scratch per entry."""
+    seen = np.zeros(len(order), bool)
+    for start, stop in blocks(len(order)):
+        part = order[start:stop]
+        if int(part.min()) < 0 or int(part.max()) >= len(order):
+            return False
+        seen[part] = True
+    return bool(seen.all())
+
+
+def table_crc(raw) -> int:
+    """CRC-32 (zlib) of a table's bytes as stored (bytes, or any contiguous buffer: a mapped table)."""
     return crc32(raw)
 
 
@@ -42,7 +72,7 @@ def decode_checksums(raw: bytes | str | None, where: str) -> dict[str, int] | No
     raise CorruptDataError(f"{where}: the table checksums are unreadable; {DAMAGED}", where)
 
 
-def check_crc(raw: bytes, expected: int | None, where: str) -> None:
+def check_crc(raw, expected: int | None, where: str) -> None:
     """Raise unless raw's CRC-32 is expected (None: no checksum stored, nothing to check)."""
     if expected is not None and table_crc(raw) != expected:
         raise CorruptDataError(f"{where}: checksum mismatch, the table is damaged; {DAMAGED}", where)
@@ -75,16 +105,62 @@ def check_labels(labels: np.ndarray, classes: int, labeled: bool, where: str) ->
         raise CorruptDataError(f"{where}: an unlabeled split holds labels other than -1; {DAMAGED}", where)
 
 
-def check_within(offset: np.ndarray, length: np.ndarray, size, where: str, what: str) -> None:
-    """Every [offset, offset + length) within [0, size) (size: one, or one per entry),
-    computed without overflowing uint64."""
-    offset, length = offset.astype(np.uint64), length.astype(np.uint64)
-    size = np.broadcast_to(np.asarray(size).astype(np.uint64), offset.shape)
-    bad = (length > size) | (offset > size - np.minimum(length, size))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise CorruptDataError(f"{where}: {what} {first} lies at bytes {int(offset[first])}..+{int(length[first])}, "
-                               f"past the end of its {int(size[first])}-byte file; {DAMAGED}", where)
+def check_within(offset: np.ndarray, length: np.ndarray, size, where: str, what: str,
+                 size_of: np.ndarray | None = None) -> None:
+    """Every [offset, offset + length) within [0, size) (size: one, or one per entry, or
+    with size_of given, size[size_of[i]] for entry i), computed without overflowing uint64,
+    a block at a time."""
+    sizes = np.asarray(size)
+    for start, stop in blocks(len(offset)):
+        at, n = offset[start:stop].astype(np.uint64), length[start:stop].astype(np.uint64)
+        limit = sizes if sizes.ndim == 0 else sizes[size_of[start:stop]] if size_of is not None \
+            else sizes[start:stop]
+        limit = np.broadcast_to(limit.astype(np.uint64), at.shape)
+        bad = (n > limit) | (at > limit - np.minimum(n, limit))
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            raise CorruptDataError(f"{where}: {what} {start + first} lies at bytes {int(at[first])}..+{int(n[first])}, "
+                                   f"past the end of its {int(limit[first])}-byte file; {DAMAGED}", where)
+
+
+def map_region(fd: int, offset: int, length: int, where: str) -> tuple[mmap.mmap | bytes, int]:
+    """(a read-only map of the file's bytes [offset, offset + length), where they start in
+    it), checked to lie within the file; (b"", 0) for no bytes.
+
+    The map starts at the page holding offset, so the start within it is below a page."""
+    if length <= 0:
+        return b"", 0
+    size = os.fstat(fd).st_size
+    if offset < 0 or offset + length > size:
+        raise CorruptDataError(f"{where}: a table at bytes {offset}..+{length} lies past the end of the "
+                               f"{size}-byte file (truncated?); {DAMAGED}", where)
+    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        region = mmap.mmap(fd, length + offset - aligned, access=mmap.ACCESS_READ, offset=aligned)
+    except (OSError, ValueError) as exc:
+        raise CorruptDataError(f"{where}: cannot map the table ({exc}); {DAMAGED}", where) from exc
+    return region, offset - aligned
+
+
+def mapped_array(fd: int, offset: int, count: int, dtype, where: str) -> np.ndarray:
+    """count entries of dtype at the file's byte offset, mapped read-only (map_region)."""
+    dtype = np.dtype(dtype)
+    region, start = map_region(fd, offset, count * dtype.itemsize, where)
+    return np.frombuffer(region, dtype, count, start)
+
+
+def buffer_of(values: np.ndarray) -> tuple:
+    """(a buffer that slices to bytes, where values' bytes start in it): the map a mapped
+    uint8 table lies in, or else a copy of its bytes."""
+    region = values.base.obj if isinstance(values.base, memoryview) else values.base  # frombuffer's view
+    if isinstance(region, mmap.mmap) and values.size:
+        return region, values.ctypes.data - np.frombuffer(region, np.uint8).ctypes.data
+    return values.tobytes(), 0
+
+
+def region_view(region, start: int, length: int) -> memoryview:
+    """The bytes [start, start + length) of a mapped region, not copied (for CRC-32s)."""
+    return memoryview(region)[start:start + length]
 
 
 def file_identity(path: str) -> tuple[int, int, int]:

@@ -41,6 +41,12 @@ or two), skipping h5py's per-call overhead (most of a warm read) and reading
 exactly the record's bytes. A file whose chunks are filtered (rewritten by another tool)
 is read through h5py instead.
 
+The per-record tables are written whole when a split ends, so HDF5 stores each contiguous
+(only images is chunked) and a reader maps them from the file where HDF5 says they start
+(Dataset.id.get_offset), instead of copying them into each process (_tables). A table
+stored otherwise (chunked, as packs before this were written for offsets and crc32, or in
+another byte order) is read into memory as before.
+
 Every table is checked once, when it loads: its CRC-32, its length against the metadata's
 count, offsets rising from 0 to the size of images, labels against the class list; and
 images must have storage for all its bytes (a sparse dataset, whose unwritten bytes HDF5
@@ -54,25 +60,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from array import array
 
 import h5py
 import numpy as np
 
-from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader
-from ._tables import (DAMAGED, check_count, check_crc, dataset_identity, decode_checksums, encode_checksums,
-                      expected_crc, replaced_error, table_crc)
+from ._tables import (DAMAGED, blocks, buffer_of, check_count, check_crc, dataset_identity, decode_checksums,
+                      encode_checksums, expected_crc, mapped_array, replaced_error, table_crc)
 
 EXTENSION = ".h5"
 DIRECTORY = False
 META_ATTR = "packer_metadata"
 CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
-INDEX_CHUNK = 4096  # entries per chunk of the per-record arrays, which readers read whole
 FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
 LIBVER = ("v110", "v110")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -86,7 +91,8 @@ def detect(path: str) -> bool:
 
 
 class Writer:
-    """Streams each split's bytes into resizable datasets, one large write per FLUSH_BYTES."""
+    """Streams each split's bytes into a resizable dataset, one large write per FLUSH_BYTES;
+    the per-record tables (compact arrays meanwhile) are written whole when the split ends."""
 
     def __init__(self, stage: str, options: dict):
         self.stage = stage
@@ -97,19 +103,16 @@ class Writer:
         self.group: h5py.Group | None = None
         self.buffer: list[bytes] = []
         self.buffered = 0
-        self.ends: list[int] = []
-        self.crcs: list[int] = []
+        self.ends = array("q")  # each record's end in images, 8 bytes a record, not a Python int
+        self.crcs = array("I")
         self.size = 0  # bytes of the current split, written or buffered
-        self.table_crcs: dict[str, int] = {}  # running CRC-32s of the tables written in pieces
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         g = self.group = self.file.create_group(split)
         g.create_dataset("images", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(CHUNK_BYTES,))
-        g.create_dataset("offsets", data=np.zeros(1, "<i8"), maxshape=(None,), chunks=(INDEX_CHUNK,))
-        g.create_dataset("crc32", shape=(0,), maxshape=(None,), dtype="<u4", chunks=(INDEX_CHUNK,))
         self.size = 0
-        self.table_crcs = {"offsets": table_crc(np.zeros(1, "<i8").tobytes()), "crc32": 0}
+        self.ends, self.crcs = array("q"), array("I")
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         self.buffer.append(data)
@@ -123,15 +126,19 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         self.flush()
-        tables = {"labels": labels.astype("<i4"), "paths": np.frombuffer(paths.to_nul_separated(), np.uint8)}
+        tables = {"offsets": np.concatenate((np.zeros(1, "<i8"), np.frombuffer(self.ends, np.int64)), dtype="<i8"),
+                  "crc32": np.frombuffer(self.crcs, np.uint32).astype("<u4", copy=False),
+                  "labels": labels.astype("<i4"), "paths": np.frombuffer(paths.to_nul_separated(), np.uint8)}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4")
+        table_crcs = {}
         for name, values in tables.items():
-            self.group.create_dataset(name, data=values)
-            self.table_crcs[name] = table_crc(values.tobytes())
-        self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(self.table_crcs).decode(),
+            self.group.create_dataset(name, data=values)  # contiguous: readers map it
+            table_crcs[name] = table_crc(values)  # the array's own bytes (little-endian), not a copy
+        self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(table_crcs).decode(),
                                 dtype=h5py.string_dtype("utf-8"))
         self.group = None
+        self.ends, self.crcs = array("q"), array("I")
 
     def finish(self, meta: Metadata) -> None:
         # Written as bytes: a class name that is not valid UTF-8 (possible on Linux) is kept
@@ -151,14 +158,10 @@ class Writer:
             self.file.close()
 
     def flush(self) -> None:
-        if not self.ends:
+        if not self.buffer:
             return
-        g = self.group
-        append(g["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
-        for name, values in (("offsets", np.asarray(self.ends, "<i8")), ("crc32", np.asarray(self.crcs, "<u4"))):
-            append(g[name], values)
-            self.table_crcs[name] = crc32(values.tobytes(), self.table_crcs[name])
-        self.buffer, self.buffered, self.ends, self.crcs = [], 0, [], []
+        append(self.group["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
+        self.buffer, self.buffered = [], 0
 
 
 def append(dataset: h5py.Dataset, values: np.ndarray) -> None:
@@ -204,10 +207,13 @@ class Reader(SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork.
 
     The h5py file and a plain descriptor for preads are opened on first access in each
-    process (never used across fork) and dropped on pickle. The per-record arrays and the
-    chunk map are plain numpy data read once: they stay shared copy-on-write with forked
-    workers.
+    process (never used across fork) and dropped on pickle. The per-record tables are
+    mapped from the file (module docstring); the chunk map is small (one entry per
+    CHUNK_BYTES of images), and where a record lies in the file is worked out from it
+    as the record is read, not kept in a table per record.
     """
+
+    TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
@@ -220,7 +226,6 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
-        self._file_offsets: np.ndarray | None = None
 
     def _open(self):
         f, fd = self.open_shared(open_file, close_file)
@@ -254,7 +259,8 @@ class Reader(SplitReader):
 
     def _array(self, name: str, length: int, dtype: str, required: bool = True) -> np.ndarray | None:
         """Table split/name as dtype, checked: its CRC-32 where the pack has checksums, and
-        length entries (length < 0: any number)."""
+        length entries (length < 0: any number). Mapped where it is stored contiguous in
+        dtype's byte order (stored_table), else read."""
         f, crcs, where = self.handle()[0], self.table_checksums(), self.table_where(name)
         try:
             if not required and name not in f[self.split] and (crcs is None or name not in crcs):
@@ -262,13 +268,28 @@ class Reader(SplitReader):
             dataset = f[self.split][name]
             if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
                 raise KeyError("not a one-dimensional dataset")
-            values = np.asarray(dataset[()], dtype=dtype)
+            values = self.stored_table(dataset, np.dtype(dtype), where)
+            if values is None:
+                values = np.ascontiguousarray(dataset[()], dtype=dtype)
         except (KeyError, OSError, ValueError, TypeError) as exc:
             raise CorruptDataError(f"{where}: cannot read it ({exc}); {DAMAGED}", self.path) from exc
-        check_crc(values.tobytes(), expected_crc(crcs, name, where), where)
+        check_crc(values, expected_crc(crcs, name, where), where)
         if length >= 0:
             check_count(values.size, length, where)
         return values
+
+    def stored_table(self, dataset: h5py.Dataset, dtype: np.dtype, where: str) -> np.ndarray | None:
+        """dataset's values mapped from the file, when it is stored contiguous, unfiltered and
+        in dtype exactly (byte order included); else None (read it instead)."""
+        try:
+            offset = dataset.id.get_offset()
+            stored = dataset.id.get_storage_size()
+        except (OSError, ValueError, TypeError):
+            return None
+        count = dataset.shape[0]
+        if offset is None or dataset.dtype != dtype or stored != count * dtype.itemsize or not count:
+            return None
+        return mapped_array(self.handle()[2], offset, count, dtype, where)
 
     def index(self) -> tuple[np.ndarray, np.ndarray]:
         """(offsets, crcs) of this split by position, read once."""
@@ -281,7 +302,7 @@ class Reader(SplitReader):
         are all stored, in the file."""
         offsets = self._array("offsets", self.count + 1, "<i8")
         size = self.check_images()
-        if offsets[0] != 0 or offsets[-1] != size or np.any(np.diff(offsets) < 0):
+        if offsets[0] != 0 or offsets[-1] != size or not rising(offsets):
             raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the {size}-byte images "
                                    f"dataset; {DAMAGED}", self.path)
         return self._array("crc32", self.count, "<u4"), offsets
@@ -313,45 +334,50 @@ class Reader(SplitReader):
         """File offset of each CHUNK_BYTES chunk of images, or None to read through h5py."""
         if self._chunks is None:
             self.index()  # images checked first: its size sizes the map
-            self._chunks = chunk_map(self.handle()[1]) if _io.CAN_PREAD else None
-            if self._chunks is None:
+            chunks = chunk_map(self.handle()[1]) if _io.CAN_PREAD else None
+            if chunks is None:
                 self._chunks = False
+            else:
+                # breaks[k]: how many of chunks 1..k do not follow the one before in the file
+                # (HDF5 puts metadata between a few): a record is one run in the file when
+                # the chunks it spans have the same count.
+                self._breaks = np.concatenate(([0], np.cumsum(np.diff(chunks) != CHUNK_BYTES)))
+                self._chunks = chunks
         return None if self._chunks is False else self._chunks
 
-    def file_offsets(self) -> np.ndarray | None:
-        """Where each record (by position) starts in the file, -1 for the few that cross
-        from one chunk to another stored elsewhere; None to read through h5py.
-
-        Computed once from the chunk map, so that a read is one lookup and one pread."""
-        if self._file_offsets is None:
-            chunks = self.chunks()
-            if chunks is None:
-                return None
-            offsets, _ = self.index()
+    def file_offsets(self, positions: np.ndarray | None = None) -> np.ndarray | None:
+        """Where each record stored at positions (default: all) starts in the file, -1 for
+        those that cross from one chunk to another stored elsewhere; None to read through
+        h5py. Worked out on request (read_image does the same for one record)."""
+        chunks = self.chunks()
+        if chunks is None:
+            return None
+        offsets, _ = self.index()
+        if positions is None:
             starts, stops = offsets[:-1], offsets[1:]
-            first, last = starts // CHUNK_BYTES, np.maximum(stops - 1, starts) // CHUNK_BYTES
-            last = np.minimum(last, len(chunks) - 1)
-            # A record is one run in the file when each chunk it spans follows the one before:
-            # breaks[k] counts the chunks up to k that do not (HDF5 puts metadata between a few).
-            breaks = np.concatenate(([0], np.cumsum(np.diff(chunks) != CHUNK_BYTES)))
-            one_run = breaks[last] == breaks[first]
-            self._file_offsets = np.where(one_run, chunks[first] + starts - first * CHUNK_BYTES, -1)
-        return self._file_offsets
+        else:
+            starts, stops = offsets[positions], offsets[positions + 1]
+        first, last = starts // CHUNK_BYTES, np.maximum(stops - 1, starts) // CHUNK_BYTES
+        first, last = np.minimum(first, len(chunks) - 1), np.minimum(last, len(chunks) - 1)
+        one_run = self._breaks[last] == self._breaks[first]
+        return np.where(one_run, chunks[first] + starts - first * CHUNK_BYTES, -1)
 
     def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
         start, stop = offsets.item(position), offsets.item(position + 1)
-        file_offsets = self.file_offsets()
-        if file_offsets is None:
+        chunks = self.chunks()
+        if chunks is None:
             data = read_bytes(self.handle()[1], start, stop, self.where(index))
         else:
-            at = file_offsets.item(position)
-            if at >= 0:
-                data = _io.pread(self.handle()[2], stop - start, at)
+            first, last = start // CHUNK_BYTES, (stop - 1) // CHUNK_BYTES
+            if stop <= start:
+                data = b""
+            elif last == first or self._breaks.item(last) == self._breaks.item(first):  # one run: one pread
+                data = _io.pread(self.handle()[2], stop - start, chunks.item(first) + start - first * CHUNK_BYTES)
             else:
-                data = read_extent(self.handle()[2], self.chunks(), start, stop)
+                data = read_extent(self.handle()[2], chunks, start, stop)
             if data is None or len(data) != stop - start:
                 raise CorruptDataError(f"{self.where(index)}: the file ends inside the record; it was truncated "
                                        "(re-pack it, or restore it from a copy)", self.path)
@@ -361,7 +387,7 @@ class Reader(SplitReader):
 
     def load_tables(self) -> None:
         self.index()
-        self.file_offsets()
+        self.chunks()
 
     def read_order(self) -> np.ndarray | None:
         order = self.loaded("order", lambda: self._array("order", self.count, "<i4", required=False))
@@ -378,22 +404,23 @@ class Reader(SplitReader):
             _io.will_need(self.handle()[2], lo, hi - lo)
 
     def record_extents(self, indexes: np.ndarray):
-        file_offsets = self.file_offsets()
-        if file_offsets is None or not len(indexes):
+        if self.chunks() is None or not len(indexes):
             return ()
         offsets, _ = self.index()
         positions = self.positions_of(indexes)
-        at, size = file_offsets[positions], offsets[positions + 1] - offsets[positions]
+        at, size = self.file_offsets(positions), offsets[positions + 1] - offsets[positions]
         keep = at >= 0
         fd = self.handle()[2]
         return ((fd, a, n) for a, n in zip(at[keep].tolist(), size[keep].tolist()))
 
     def load_labels(self) -> np.ndarray:
-        labels = self._array("labels", self.count, "<i4").astype(np.int32)
+        labels = np.asarray(self._array("labels", self.count, "<i4"), np.int32)  # no copy: it stays mapped
         return self.checked_labels(labels, self.table_where("labels"))
 
     def load_paths(self) -> PathTable:
-        table = PathTable.from_nul_separated(self._array("paths", -1, np.uint8).tobytes(), self.table_where("paths"))
+        values = self._array("paths", -1, np.uint8)
+        buffer, start = buffer_of(values)
+        table = PathTable.from_nul_separated(buffer, self.table_where("paths"), start, values.size)
         check_count(len(table), self.count, self.table_where("paths"), "paths")
         return table
 
@@ -408,6 +435,11 @@ class Reader(SplitReader):
         if self._paths is None:
             self._paths = self.loaded("paths", self.load_paths)
         return self._paths
+
+
+def rising(offsets: np.ndarray) -> bool:
+    """Whether offsets never decrease, checked a block at a time (small temporaries)."""
+    return not any(np.any(np.diff(offsets[start:stop + 1]) < 0) for start, stop in blocks(len(offsets)))
 
 
 def chunk_map(images: h5py.Dataset) -> np.ndarray | None:

@@ -40,7 +40,10 @@ With check_crc off a read is one pread of the image bytes alone. A record read t
 the map (no extent) has its header's label and path checked against the tables.
 
 Every table is checked once, when it loads: its CRC-32, its length against the metadata's
-count, labels against the class list, extents against the size of data.mdb. Before LMDB
+count, labels against the class list, extents against the size of data.mdb. Tables with a
+checksum that fill overflow pages are mapped from data.mdb where LMDB put them (their
+address in LMDB's map less the map's start), not copied into each process (_tables); the
+CRC-32 proves the mapped bytes are the value. Older packs' tables, and small ones, are copied. Before LMDB
 maps data.mdb, its two meta pages are read with pread and the file's size checked against
 the pages they say are in use: touching a mapped page past the end of a truncated file
 would kill the process with SIGBUS. Readers are tied to the data.mdb they read the
@@ -50,7 +53,9 @@ process that opens it afresh, rather than mixed with the old one.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import os
 import struct
 import warnings
@@ -65,7 +70,8 @@ from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader
 from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
-                      encode_checksums, expected_crc, fd_identity, replaced_error, table_crc)
+                      encode_checksums, expected_crc, fd_identity, map_region, region_view, replaced_error,
+                      table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -169,10 +175,12 @@ class Writer:
         prefix = self.split.encode()
         extents = np.empty(len(self.offsets), EXTENT)
         extents["offset"], extents["length"] = self.offsets, self.lengths
-        tables = {"labels": labels.astype("<i4").tobytes(), "paths": paths.to_nul_separated(),
-                  "extents": extents.tobytes()}
+        self.offsets, self.lengths = array("Q"), array("I")  # the table holds them now
+        # Put as buffers of the arrays (uint8 views), not copies: a few bytes a record less at peak.
+        tables = {"labels": labels.astype("<i4").view(np.uint8), "paths": paths.to_nul_separated(),
+                  "extents": extents.view(np.uint8)}
         if order is not None:
-            tables["order"] = np.asarray(order, "<i4").tobytes()
+            tables["order"] = np.asarray(order, "<i4").view(np.uint8)
         for name, raw in tables.items():
             self.put(prefix + b"/" + name.encode(), raw, append=False)
         crcs = {name: table_crc(raw) for name, raw in tables.items()}
@@ -223,6 +231,8 @@ class Writer:
         if self.txn is not None:
             self.txn.commit()
             self.txn = self.cursor = None
+            if self.map_base is not None:  # the pages just written stay in the page cache, not in our RSS
+                release_pages(self.map_base + self.txn_start, self.used_bytes() - self.txn_start)
 
     def locate_map(self) -> int | None:
         """Where data.mdb is mapped, when values are written straight into the map (writemap)."""
@@ -245,6 +255,32 @@ class Writer:
             finally:
                 os.close(fd)
             self.reserved = end
+
+
+def release_pages(address: int, length: int) -> None:
+    """Drop a range of the writemap map from this process's page tables (madvise
+    MADV_DONTNEED). The map is a shared file map, so the written pages stay in the page
+    cache (dirty ones are written back as usual) and fault back in if touched; without
+    this every page written stays mapped, and the packer's resident memory grows with
+    the dataset (RSS counts mapped file pages). A no-op where madvise is unavailable."""
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    stop = (address + length) // page * page
+    if stop > start and _MADVISE is not None:
+        _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)
+
+
+def _libc_madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
+MADV_DONTNEED = 4  # Linux
+_MADVISE = _libc_madvise() if WRITEMAP and os.uname().sysname == "Linux" else None
 
 
 def room(txn_bytes: int) -> int:
@@ -341,6 +377,8 @@ def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
 class Reader(SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork."""
 
+    TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None}
+
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not an LMDB dataset (no {DATA_FILE} inside)", path)
@@ -386,27 +424,34 @@ class Reader(SplitReader):
         None where there is none.
 
         The image is read straight into the bytes returned (slicing it out of the whole
-        value would cost a second copy, a quarter of a warm read), from where the image
-        table says it starts. With check_crc on, the header and path follow: they end
-        where the image starts and share its first page (a value in overflow pages starts
-        16 bytes into one), so that read is served from the page cache, and a header that
-        does not name record index means the extents are stale: they are dropped. With
-        check_crc off the header is not read (the crc returned is None): the extents were
-        checked when loaded.
+        value would cost a second copy, a quarter of a warm read), from past the header
+        and path, whose length the path table gives. With check_crc on, the header and
+        path are read too: they end where the image starts and share its first page (a
+        value in overflow pages starts 16 bytes into one), so that read is served from the
+        page cache, and a header that does not name record index means the extents are
+        stale: they are dropped. With check_crc off the header is not read (the crc
+        returned is None): the extents were checked when loaded.
         """
         if self.extents() is None:
             return None
-        at = self._image.item(2 * position)
+        at = self._extent_at.item(position)
         if not at:
             return None
-        length = self._image.item(2 * position + 1)
+        paths = self.paths
+        if self.check_crc:
+            relpath = paths.raw(index)
+            head = HEADER.size + len(relpath)
+        else:
+            head = HEADER.size + paths.offsets.item(index + 1) - paths.offsets.item(index) - 1
+        length = self._extent_length.item(position) - head
+        if length < 0:  # too short to hold its header: the map read reports the damage
+            return None
         fd = self.handle()[2]
-        data = _io.pread(fd, length, at)
+        data = _io.pread(fd, length, at + head)
         if len(data) == length:
             if not self.check_crc:
                 return data, None
-            relpath = self.paths.raw(index)
-            crc = self._header_crc(fd, at - HEADER.size - len(relpath), index, relpath)
+            crc = self._header_crc(fd, at, index, relpath)
             if crc is not None:
                 return data, crc
         self.drop_extents()
@@ -437,7 +482,8 @@ class Reader(SplitReader):
             if extents is None:
                 self._extents = False
             else:
-                self._image = self.image_table(extents)
+                # Views of the (mapped) table, one per field: a read looks up each once.
+                self._extent_at, self._extent_length = extents["offset"], extents["length"]
                 self._extents = extents
                 if not self._spot_check_extents():
                     self.drop_extents()
@@ -445,32 +491,13 @@ class Reader(SplitReader):
 
     def load_extents(self) -> np.ndarray | None:
         """The extents table, checked: one entry per record, each within data.mdb."""
-        raw = self.table(b"extents", required=False)
-        if raw is None:
+        found = self.table(b"extents", required=False)
+        if found is None:
             return None
-        extents = self.records_of(raw, EXTENT, "extents")
+        extents = self.records_of(found, EXTENT, "extents")
         size = os.fstat(self.handle()[2]).st_size
         check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
         return extents
-
-    def image_table(self, extents: np.ndarray) -> np.ndarray:
-        """Where each stored record's image bytes lie: int64 (offset, length) pairs by position,
-        flattened, (0, 0) where the record has no extent.
-
-        The image starts past the header and path, whose lengths the path table gives, so
-        a read needs neither: one lookup in one table (one cache line) instead of the
-        extents, the path table and two subtractions (docs/benchmarks.md has what it saved).
-        A stored length too short to hold the header counts as no extent (the map read then
-        reports the damage)."""
-        order = self.storage_order()
-        path_lengths = np.diff(self.paths.offsets) - 1  # each path is followed by its NUL
-        head = HEADER.size + (path_lengths if order is None else path_lengths[order])
-        offset, length = extents["offset"].astype(np.int64), extents["length"].astype(np.int64)
-        placed = length >= head
-        table = np.zeros((self.count, 2), np.int64)
-        table[placed, 0] = offset[placed] + head[placed]
-        table[placed, 1] = length[placed] - head[placed]
-        return table.reshape(-1)
 
     def _spot_check_extents(self, samples: int = 8) -> bool:
         """Whether the headers at a few extents, spread over the split, name their records.
@@ -480,11 +507,10 @@ class Reader(SplitReader):
         order = self.storage_order()
         fd = self.handle()[2]
         for position in np.unique(np.linspace(0, self.count - 1, min(samples, self.count)).astype(int)).tolist():
-            if self._image.item(2 * position):
+            at = self._extent_at.item(position)
+            if at:
                 index = position if order is None else order.item(position)
-                relpath = self.paths.raw(index)
-                start = self._image.item(2 * position) - HEADER.size - len(relpath)
-                if self._header_crc(fd, start, index, relpath) is None:
+                if self._header_crc(fd, at, index, self.paths.raw(index)) is None:
                     return False
         return True
 
@@ -492,8 +518,8 @@ class Reader(SplitReader):
         self.extents()
 
     def read_order(self) -> np.ndarray | None:
-        raw = self.loaded("order", lambda: self.table(b"order", required=False))
-        return None if raw is None else self.checked_order(self.records_of(raw, "<i4", "order"))
+        found = self.loaded("order", lambda: self.table(b"order", required=False))
+        return None if found is None else self.checked_order(self.records_of(found, "<i4", "order"))
 
     def will_need(self, start: int, stop: int) -> None:
         extents = self.extents()
@@ -508,9 +534,11 @@ class Reader(SplitReader):
     def record_extents(self, indexes: np.ndarray):
         if self.extents() is None or not len(indexes):
             return ()
-        pairs = self._image.reshape(-1, 2)[self.positions_of(indexes)]
-        at, length = pairs[:, 0], pairs[:, 1]
-        keep = at > 0  # values in leaf pages have no extent
+        positions, offsets = self.positions_of(indexes), self.paths.offsets
+        head = HEADER.size + offsets[indexes + 1].astype(np.int64) - offsets[indexes] - 1
+        extent = self._extent_at[positions].astype(np.int64)
+        at, length = extent + head, self._extent_length[positions].astype(np.int64) - head
+        keep = (extent > 0) & (length >= 0)  # values in leaf pages have no extent
         fd = self.handle()[2]
         return ((fd, a, n) for a, n in zip(at[keep].tolist(), length[keep].tolist()))
 
@@ -530,32 +558,56 @@ class Reader(SplitReader):
         return self.loaded("checksums", lambda: decode_checksums(self._aux(b"checksums", required=False),
                                                                  self.table_where(b"checksums")))
 
-    def table(self, name: bytes, required: bool = True) -> bytes | None:
-        """The value of table `<split>/<name>`, checked against its stored CRC-32 if it has one."""
+    def table(self, name: bytes, required: bool = True) -> tuple | None:
+        """Table `<split>/<name>` as (buffer, start, length): its bytes are
+        buffer[start:start + length], checked against its stored CRC-32 if it has one."""
         crcs, where = self.table_checksums(), self.table_where(name)
-        raw = self._aux(name, required=required and crcs is None)
-        if raw is None and crcs is not None and (required or name.decode() in crcs):
-            raise CorruptDataError(f"{where}: key missing; {DAMAGED}", self.path)
-        if raw is not None:
-            check_crc(raw, expected_crc(crcs, name.decode(), where), where)
-        return raw
+        _, txn, _ = self.handle()
+        value = txn.get(self.split.encode() + b"/" + name)
+        if value is None:
+            if required or (crcs is not None and name.decode() in crcs):
+                raise CorruptDataError(f"{where}: key missing; {DAMAGED}", self.path)
+            return None
+        expected = expected_crc(crcs, name.decode(), where)
+        if expected is not None and len(value) >= EXTENT_MIN:
+            found = self.mapped_value(value, where)
+            if found is not None and table_crc(region_view(*found, len(value))) == expected:
+                return (*found, len(value))
+            # Not where the map said (it moved since): the copy below is the value, or damaged.
+        raw = bytes(value)
+        check_crc(raw, expected, where)
+        return raw, 0, len(raw)
 
-    def records_of(self, raw: bytes, dtype, name: str) -> np.ndarray:
-        """raw as one dtype entry per record, checked to hold exactly count of them."""
+    def mapped_value(self, value, where: str) -> tuple | None:
+        """(map, start) of an LMDB value's bytes in data.mdb, mapped on their own, or None
+        where LMDB's map cannot be located. value: a buffer into LMDB's map (buffers=True)."""
+        base = _io.mapped_at(self.identity_file)
+        if base is None:
+            return None
+        offset = np.frombuffer(value, np.uint8).ctypes.data - base
+        try:
+            return map_region(self.handle()[2], offset, len(value), where)
+        except CorruptDataError:
+            return None
+
+    def records_of(self, found: tuple, dtype, name: str) -> np.ndarray:
+        """A table's bytes as one dtype entry per record, checked to hold exactly count of them."""
+        buffer, start, length = found
         dtype = np.dtype(dtype)
         where = self.table_where(name.encode())
-        if len(raw) % dtype.itemsize:
-            raise CorruptDataError(f"{where}: {len(raw)} bytes, not a whole number of "
+        if length % dtype.itemsize:
+            raise CorruptDataError(f"{where}: {length} bytes, not a whole number of "
                                    f"{dtype.itemsize}-byte entries; {DAMAGED}", self.path)
-        check_count(len(raw) // dtype.itemsize, self.count, where)
-        return np.frombuffer(raw, dtype)
+        check_count(length // dtype.itemsize, self.count, where)
+        return np.frombuffer(buffer, dtype, length // dtype.itemsize, start)
 
     def load_labels(self) -> np.ndarray:
-        labels = self.records_of(self.table(b"labels"), "<i4", "labels").astype(np.int32)
+        labels = np.asarray(self.records_of(self.table(b"labels"), "<i4", "labels"), np.int32)  # no copy
         return self.checked_labels(labels, self.table_where(b"labels"))
 
     def load_paths(self) -> PathTable:
-        paths = PathTable.from_nul_separated(self.table(b"paths"), self.table_where(b"paths"))
+        buffer, start, length = self.table(b"paths")
+        paths = PathTable.from_nul_separated(buffer, self.table_where(b"paths"), start, length)
         check_count(len(paths), self.count, self.table_where(b"paths"), "paths")
         return paths
 

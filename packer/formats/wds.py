@@ -49,7 +49,9 @@ ImageFolder order unless --no-shuffle), so sequential readers see mixed classes.
 records and paths tables stay in ImageFolder order, so the map-style Reader, verify
 and convert see the same order as every other format; read(i) is one pread.
 
-The Reader checks each table once, when it loads: its CRC-32, its length against the
+The Reader maps records.bin and paths.bin rather than reading them into each process
+(_tables: their pages are the page cache's, shared by every process that reads the
+dataset), and checks each table once, when it loads: its CRC-32, its length against the
 metadata's count, every record's shard among the split's shards and its bytes within that
 shard's file, labels against the class list. A Reader is tied to the index.json it read
 (inode, size, mtime: _tables.file_identity): each table and shard it opens later,
@@ -74,7 +76,8 @@ from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathT
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
 from ._reader import SplitReader
-from ._tables import DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, table_crc
+from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, map_region,
+                      region_view, table_crc)
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -298,23 +301,26 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added sample."""
         self.close_shard()
-        written = np.empty(len(self.rows["crc"]), RECORD)
-        for name, values in self.rows.items():
-            written[name] = np.asarray(values)
-        if len(written) != len(labels):
-            raise ValueError(f"split {self.split}: {len(written)} samples added but {len(labels)} labels given")
-        records = written if order is None else np.empty_like(written)
-        if order is not None:
-            records[np.asarray(order)] = written
+        count = len(self.rows["crc"])
+        if count != len(labels):
+            raise ValueError(f"split {self.split}: {count} samples added but {len(labels)} labels given")
+        # Each column straight into its place in ImageFolder order, its row array freed as it
+        # goes: one table in memory at a time, not the rows, a table in write order and another.
+        records = np.empty(count, RECORD)
+        at = slice(None) if order is None else np.asarray(order)
+        for name in list(self.rows):
+            values = self.rows.pop(name)
+            records[name][at] = np.frombuffer(values, np.dtype(values.typecode)) if count else []
+            del values
         folder = os.path.join(self.stage, self.split)
-        records.tofile(os.path.join(folder, "records.bin"))
-        with open(os.path.join(folder, "paths.bin"), "wb") as f:
-            f.write(paths.to_nul_separated())
+        table, blob = records.view(np.uint8), paths.to_nul_separated()  # the bytes as stored, not copied again
+        # Synced, as the shards are: on disk before the dataset is published.
+        write_synced(os.path.join(folder, "records.bin"), table)
+        write_synced(os.path.join(folder, "paths.bin"), blob)
         self.splits[self.split] = {"count": len(records), "shards": self.shards,
                                    "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
                                    "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                   "records_crc32": table_crc(records.tobytes()),
-                                   "paths_crc32": table_crc(paths.to_nul_separated())}
+                                   "records_crc32": table_crc(table), "paths_crc32": table_crc(blob)}
         self.note_few_shards(len(records))
 
     def note_few_shards(self, count: int) -> None:
@@ -368,6 +374,9 @@ class Reader(SplitReader):
     The handle is a dict of open shard descriptors, opened as samples need them.
     """
 
+    TABLES = {"_records": None, "_labels": None, "_paths": None}
+    reads_by_position = False  # records.bin is in index order: read_image looks up the index
+
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
         if not detect(path):
             raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} inside)", path)
@@ -395,34 +404,39 @@ class Reader(SplitReader):
                                    f"unreadable; {DAMAGED}", self.path)
         return crcs
 
-    def read_table(self, name: str, size: int | None = None) -> bytes:
-        """The bytes of table name (records or paths), checked against its CRC-32 where the
-        index has one, and to be size bytes long where size is given."""
+    def read_table(self, name: str, size: int | None = None) -> tuple:
+        """Table name (records or paths) as (map, start, length), mapped from its file and
+        checked against its CRC-32 where the index has one, and to be size bytes long where
+        size is given."""
         where = os.path.join(self.path, self.tables[0 if name == "records" else 1])
         try:
-            with open(where, "rb") as f:
-                self.check_identity()  # opened before the check: f is of the dataset this reader read
-                found = os.fstat(f.fileno()).st_size
-                if size is not None and found != size:
-                    raise CorruptDataError(f"{where}: {found} bytes, {size // RECORD.itemsize} records of "
-                                           f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
-                raw = f.read()
+            fd = os.open(where, os.O_RDONLY)
         except OSError as exc:
             raise CorruptDataError(f"{where}: cannot read it ({exc.strerror or exc}); {DAMAGED}", self.path) from exc
-        check_crc(raw, expected_crc(self.table_checksums(), name, where), where)
-        return raw
+        try:
+            self.check_identity()  # opened before the check: fd is of the dataset this reader read
+            found = os.fstat(fd).st_size
+            if size is not None and found != size:
+                raise CorruptDataError(f"{where}: {found} bytes, {size // RECORD.itemsize} records of "
+                                       f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
+            region, start = map_region(fd, 0, found, where)  # the map outlives the descriptor
+        finally:
+            os.close(fd)
+        check_crc(region_view(region, start, found), expected_crc(self.table_checksums(), name, where), where)
+        return region, start, found
 
     def load_records(self) -> np.ndarray:
         """records.bin, checked: one record per sample, each in one of the split's shards and
         within that shard's file, labels in range."""
-        records = np.frombuffer(self.read_table("records", self.count * RECORD.itemsize), RECORD)
+        region, start, size = self.read_table("records", self.count * RECORD.itemsize)
+        records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
         where = os.path.join(self.path, self.tables[0])
         if len(records) and int(records["shard"].max()) >= len(self.shards):
             raise CorruptDataError(f"{where}: a record names shard {int(records['shard'].max())}, the split has "
                                    f"{len(self.shards)}; {DAMAGED}", self.path)
         sizes = np.array([self.shard_size(k) for k in range(len(self.shards))], np.uint64)
         if len(records):
-            check_within(records["offset"], records["size"], sizes[records["shard"]], where, "record")
+            check_within(records["offset"], records["size"], sizes, where, "record", size_of=records["shard"])
         if int(records["size"].sum(dtype=np.uint64)) != self.metadata.splits[self.split].bytes:
             raise CorruptDataError(f"{where}: the records' sizes add up to {int(records['size'].sum())} bytes, "
                                    f"the metadata says {self.metadata.splits[self.split].bytes}; {DAMAGED}",
@@ -439,7 +453,8 @@ class Reader(SplitReader):
 
     def load_paths(self) -> PathTable:
         where = os.path.join(self.path, self.tables[1])
-        paths = PathTable.from_nul_separated(self.read_table("paths"), where)
+        region, start, size = self.read_table("paths")
+        paths = PathTable.from_nul_separated(region, where, start, size)
         check_count(len(paths), self.count, where, "paths")
         return paths
 
@@ -452,7 +467,7 @@ class Reader(SplitReader):
     @property
     def labels(self) -> np.ndarray:
         if self._labels is None:
-            self._labels = self.records["label"].astype(np.int32)
+            self._labels = np.asarray(self.records["label"], np.int32)  # a view of the mapped table
         return self._labels
 
     @property
@@ -491,8 +506,8 @@ class Reader(SplitReader):
         self.records  # a property: read and cached on first access
 
     def read_order(self) -> np.ndarray:
-        """Samples by (shard, offset): the order the shards hold them in."""
-        return np.lexsort((self.records["offset"], self.records["shard"]))
+        """Samples by (shard, offset): the order the shards hold them in (int32, as stored orders are)."""
+        return np.lexsort((self.records["offset"], self.records["shard"])).astype(np.int32)
 
     def will_need(self, start: int, stop: int) -> None:
         chosen = self.records[self.storage_order()[start:stop]]
