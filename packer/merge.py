@@ -30,7 +30,7 @@ from .engine import load_in_processes
 from .interrupts import InterruptGuard
 from .output import COMPLETE, LEGACY, OWNED, PARTIAL, check_target
 from .pack import Loaded, PackResult, now_utc, split_order, write_dataset, write_listings, write_order
-from .records import UNLABELED, Metadata, PathTable, checksum
+from .records import UNLABELED, Metadata, PathTable, checksum, path_offsets
 from .scan import SplitListing
 
 # params that may differ between the parts of one pack: how each machine ran it.
@@ -235,14 +235,10 @@ def piece_paths(paths: PathTable, kept: np.ndarray, left_out: list[str]) -> Path
 
 
 def join_paths(pieces: list[PathTable]) -> PathTable:
-    """PathTables one after the other, as one (their blobs joined, offsets shifted)."""
-    pieces = [piece for piece in pieces if len(piece)]
-    if not pieces:
-        return PathTable.from_strings([])
-    data = b"".join(piece.data for piece in pieces)
-    shifts = np.cumsum([0] + [len(piece.data) for piece in pieces[:-1]])
-    offsets = [pieces[0].offsets[:1]] + [piece.offsets[1:] + shift for piece, shift in zip(pieces, shifts)]
-    return PathTable(data, np.concatenate(offsets).astype(np.int64))
+    """PathTables one after the other, as one. Each piece is cut to its own paths first: a
+    table read from a part may be a view into a map of the whole part's file."""
+    blob = b"\0".join(piece.to_nul_separated() for piece in pieces if len(piece))
+    return PathTable(blob, path_offsets(blob, 0, len(blob))) if blob else PathTable.from_strings([])
 
 
 class MergeJobs:
