@@ -68,6 +68,7 @@ def test_nginx_limit_rate_throttles_each_connection(tmp_path, nginx):
     ("s3://bucket/a/b.lmdb", ("s3", "bucket", "a/b.lmdb")),
     ("S3://bucket", ("s3", "bucket", "")),
     ("https://host:8080/x/y.h5", ("https", "host:8080", "x/y.h5")),
+    ("gs://b/k/", ("gs", "b", "k")),
 ])
 def test_urls_are_parsed_into_scheme_bucket_and_key(path, expected):
     assert is_url(path) and tuple(parse_url(path)) == expected
