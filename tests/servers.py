@@ -7,7 +7,7 @@ real sockets with real HTTP, the way s3fs tests itself, and can kill one outrigh
 - S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
   endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
   takes; `s3_server` is a private server (one per test) that the test may kill and
-  restart. moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
+  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
   object and restart puts them back: a restarted server serves what the dead one held.
 - HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
   per-test nginx serving root_dir (Range requests are built in for static files);
@@ -34,10 +34,12 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "http_root", "nginx",
+__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx",
            "MotoServer", "NginxServer", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
 
 HOST = "127.0.0.1"
+AUTH_SETUP = ("create_user", "create_access_key", "put_user_policy")  # the requests moto lets through unsigned
+AUTH_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
 START_TIMEOUT = 30.0
 # Credentials moto accepts (it checks none); set so no real ones are ever picked up.
 FAKE_AWS_ENV = {
@@ -101,7 +103,9 @@ def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> No
 class MotoServer:
     """moto's S3-compatible server as a child process on 127.0.0.1:port."""
 
-    def __init__(self, port: int | None = None, log_dir: str | None = None):
+    def __init__(self, port: int | None = None, log_dir: str | None = None, auth: bool = False):
+        self.auth = auth
+        self.credentials = (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
         self.port = port or free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
         self.proc: subprocess.Popen | None = None
@@ -117,21 +121,34 @@ class MotoServer:
 
     def start(self) -> "MotoServer":
         env = {**os.environ, **FAKE_AWS_ENV}
+        if self.auth:  # moto checks keys and signatures once its first requests (ours: a user, a key) are done
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(len(AUTH_SETUP))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
         wait_listening(self.port, self.proc, "moto's S3 server", self.log)
+        if self.auth:
+            self.make_user()
         self.restore()
         return self
+
+    def make_user(self) -> None:
+        """With auth: an IAM user allowed all of S3, whose key pair becomes self.credentials."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"])
+        iam.create_user(UserName="packer")
+        key = iam.create_access_key(UserName="packer")["AccessKey"]
+        iam.put_user_policy(UserName="packer", PolicyName="s3", PolicyDocument=AUTH_POLICY)
+        self.credentials = (key["AccessKeyId"], key["SecretAccessKey"])
 
     def client(self):
         import boto3  # moto depends on it
         from botocore.config import Config
 
         return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
-                            aws_access_key_id=FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+                            aws_access_key_id=self.credentials[0], aws_secret_access_key=self.credentials[1],
                             config=Config(retries={"max_attempts": 1}))
 
     def take_snapshot(self) -> None:
@@ -210,13 +227,15 @@ class S3Bucket:
         return sorted(keys)
 
 
-def storage_options(endpoint_url: str) -> dict:
-    return {"key": FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], "secret": FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+def storage_options(endpoint_url: str, credentials: tuple[str, str] | None = None) -> dict:
+    key, secret = credentials or (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
+    return {"key": key, "secret": secret,
             "client_kwargs": {"endpoint_url": endpoint_url, "region_name": FAKE_AWS_ENV["AWS_DEFAULT_REGION"]}}
 
 
-def new_bucket(endpoint_url: str) -> S3Bucket:
-    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url))
+def new_bucket(endpoint_url: str, credentials: tuple[str, str] | None = None) -> S3Bucket:
+    """A fresh bucket; credentials: a key pair the server knows (MotoServer(auth=True).credentials)."""
+    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url, credentials))
     bucket.client().create_bucket(Bucket=bucket.name)
     return bucket
 
@@ -261,6 +280,15 @@ def s3_server(fake_aws_env) -> MotoServer:
     """A moto server for this test alone, to kill (server.kill()) and restart (server.restart())."""
     require_moto()
     server = MotoServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def s3_auth_server(fake_aws_env) -> MotoServer:
+    """A moto server that checks credentials: server.credentials are accepted, other keys refused (403)."""
+    require_moto()
+    server = MotoServer(auth=True).start()
     yield server
     server.close()
 
