@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from conftest import class_sorted_tree
 from packer.cli import main
-from packer.errors import OutputExistsError, PackError
 from packer.remote import is_url, parse_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,7 +312,7 @@ def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]
 
 
 def many_records(tmp_path: Path) -> Path:
-    return class_sorted_tree(tmp_path / "many", classes=4, per_class=30)
+    return class_sorted_tree(tmp_path / "many", classes=3, per_class=20)
 
 
 def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_bucket):
@@ -321,7 +320,7 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
     url = f"{s3_bucket.url}/ds.wds"
     proc = start_upload(src, url, s3_bucket)
     try:
-        watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 20)
+        watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
         assert proc.poll() is None, proc.stderr.read()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -340,7 +339,7 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
 def test_ctrl_c_during_upload_deletes_the_staging(tmp_path, s3_bucket):
     src = many_records(tmp_path)
     proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket)
-    watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 20)
+    watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -49,6 +49,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -83,7 +84,15 @@ class Target:
     retries: int = RETRIES
 
     def call(self, what: str, fn: Callable, doing: str = "writing"):
-        return with_retries(what, fn, self.retries, doing, self.storage_options)
+        """fn(), retried (packer.remote.retry), in a worker thread: see run_all."""
+        def attempt():
+            return with_retries(what, fn, self.retries, doing, self.storage_options)
+
+        if threading.current_thread() is not threading.main_thread():
+            return attempt()
+        result = []
+        run_all([lambda: result.append(attempt())])
+        return result[0]
 
     def url_of(self, path: str) -> str:
         return f"{parse_url(self.url).scheme}://{path}"
@@ -360,7 +369,13 @@ def ordered(fmt: str, keys) -> list[str]:
 
 
 def run_all(jobs: list[Callable[[], None]]) -> None:
-    """Run jobs THREADS at a time; the first error cancels what has not started and is raised."""
+    """Run jobs THREADS at a time in worker threads; the first error cancels what has not
+    started and is raised once the running ones end.
+
+    Every request runs in a worker thread, never in the main thread (Target.call): a Ctrl-C
+    there would stop only the waiting, and fsspec would finish a request it had started
+    after the clean-up. Leaving the pool waits for those, so the clean-up comes after them.
+    """
     if not jobs:
         return
     with concurrent.futures.ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="packer-upload") as pool:
