@@ -110,6 +110,26 @@ def test_nginx_limit_rate_throttles_each_connection(tmp_path, nginx):
     assert time.perf_counter() - start > 1.0
 
 
+def test_a_link_adds_its_latency_to_each_request_and_caps_the_bandwidth(tmp_path, nginx, link):
+    (tmp_path / "small.bin").write_bytes(b"s")
+    (tmp_path / "big.bin").write_bytes(b"\0" * 2_000_000)
+    server = nginx(tmp_path)
+    slow = link(server.port, delay=0.05, rate=2_000_000)
+
+    def fetch(url):
+        start = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=20) as response:
+            data = response.read()
+        return data, time.perf_counter() - start
+
+    assert fetch(server.url("small.bin"))[1] < 0.05
+    data, seconds = fetch(slow.url("small.bin"))
+    # A new connection: one round trip for the handshake, one for the request (2 x 2 x 50 ms).
+    assert data == b"s" and seconds >= 0.19
+    data, seconds = fetch(slow.url("big.bin"))
+    assert len(data) == 2_000_000 and seconds >= 1.0  # 2 MB at 2 MB/s
+
+
 # --- URLs -----------------------------------------------------------------------------
 
 
