@@ -221,6 +221,13 @@ def test_unwritable_urls_are_refused_before_packing(url, expected, flat_tree):
     assert result.exit_code == 1 and expected in result.output and url.rstrip("/") in result.output
 
 
+def test_a_missing_staging_dir_is_named_before_packing(flat_tree, s3_bucket, tmp_path):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb", "--storage-options",
+                 options_json(s3_bucket), "--staging-dir", tmp_path / "missing")
+    assert result.exit_code == 1 and str(tmp_path / "missing") in result.output and "--staging-dir" in result.output
+    assert s3_bucket.keys() == []
+
+
 def test_remote_options_for_a_local_out_are_refused(flat_tree, tmp_path):
     result = cli("pack", flat_tree, "--to", "lmdb", "-o", tmp_path / "x.lmdb", "--staging-dir", tmp_path)
     assert result.exit_code == 2 and "--staging-dir" in result.output
@@ -305,11 +312,17 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # --- interrupted uploads ---------------------------------------------------------------
 
 
-def start_upload(src: Path, url: str, bucket, *extra) -> subprocess.Popen:
-    """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects to upload)."""
-    return subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url,
-                             "--max-count", "1", "--storage-options", json.dumps(bucket.storage_options), *extra],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def start_upload(src: Path, url: str, bucket, options_from_env: bool = False) -> subprocess.Popen:
+    """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
+    to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables."""
+    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1"]
+    env = dict(os.environ)
+    if options_from_env:
+        env.update(FSSPEC_S3_ENDPOINT_URL=bucket.endpoint_url, FSSPEC_S3_KEY=bucket.storage_options["key"],
+                   FSSPEC_S3_SECRET=bucket.storage_options["secret"])
+    else:
+        command += ["--storage-options", json.dumps(bucket.storage_options)]
+    return subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
 
 
 def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]]:
@@ -358,7 +371,7 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
 
 def test_ctrl_c_during_upload_deletes_the_staging(tmp_path, s3_bucket):
     src = many_records(tmp_path)
-    proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket)
+    proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket, options_from_env=True)
     watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGINT)

@@ -139,6 +139,7 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
         raise PackError(f"{url}: names with '.partial-' are reserved for uploads in progress; choose another", url)
     url = str(parsed)
     fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
     return Target(url, fs, path.rstrip("/"), dict(storage_options or {}), retries)
 
 
@@ -502,8 +503,16 @@ def interrupted_swap(target: Target, stage: str, exc: BaseException) -> BaseExce
     again = (f"{target.url}: replacing the dataset was cut short ({type(exc).__name__}); the new one is complete "
              f"at {target.url_of(stage)}, and running the same command again from this host finishes it")
     if isinstance(exc, KeyboardInterrupt):
-        return KeyboardInterrupt(again)
+        return SwapInterrupted(target.url, again)
     return PackError(f"{again} ({exc})", target.url)
+
+
+class SwapInterrupted(Interrupted):
+    """Ctrl-C while replacing a remote dataset: the old one is gone, the new one is staged."""
+
+    def __init__(self, out: str, message: str):
+        KeyboardInterrupt.__init__(self, message)
+        self.out = out
 
 
 def owner_note(owner: Owner) -> bytes:
@@ -527,6 +536,11 @@ def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"],
             result = write_local(local)
         except Interrupted:
             raise Interrupted(url) from None
+        except PackError as exc:
+            if folder not in str(exc):
+                raise
+            raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
+                            "(or TMPDIR) chooses where]", exc.path) from exc
         notes += upload_dataset(local, url, fmt, force=force, target=target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
