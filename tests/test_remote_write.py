@@ -312,10 +312,11 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # --- interrupted uploads ---------------------------------------------------------------
 
 
-def start_upload(src: Path, url: str, bucket, options_from_env: bool = False) -> subprocess.Popen:
+def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: bool = False) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
     to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables."""
-    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1"]
+    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1",
+               *extra]
     env = dict(os.environ)
     if options_from_env:
         env.update(FSSPEC_S3_ENDPOINT_URL=bucket.endpoint_url, FSSPEC_S3_KEY=bucket.storage_options["key"],
@@ -335,9 +336,13 @@ def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]
         keys = bucket.keys()
         seen.append(keys)
         at_out = {k[len(out_key) + 1:] for k in keys if k.startswith(out_key + "/")}
-        if "index.json" in at_out or "packer.json" in at_out:
-            manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
-            assert set(manifest["objects"]) | {"packer.json"} == at_out
+        if "packer.json" in at_out:
+            try:
+                manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
+            except FileNotFoundError:  # deleted since the listing: a replace began
+                manifest = None
+            if manifest is not None:
+                assert set(manifest["objects"]) | {"packer.json"} == at_out
         if until(keys) or proc.poll() is not None:
             return seen
         time.sleep(0.01)
@@ -345,7 +350,7 @@ def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]
 
 
 def many_records(tmp_path: Path) -> Path:
-    return class_sorted_tree(tmp_path / "many", classes=3, per_class=20)
+    return class_sorted_tree(tmp_path / "many", classes=3, per_class=14)
 
 
 def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_bucket):
@@ -365,6 +370,19 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
     rerun = cli("pack", src, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket))
     assert rerun.exit_code == 0, rerun.output
     assert "left by an interrupted pack" in rerun.output
+    assert not [k for k in s3_bucket.keys() if ".partial-" in k]
+    assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
+
+
+def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, flat_tree):
+    src = many_records(tmp_path)
+    url = f"{s3_bucket.url}/ds.wds"
+    assert cli("pack", flat_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    proc = start_upload(src, url, s3_bucket, "--force")
+    seen = watch(s3_bucket, "ds.wds", proc, lambda keys: False)  # every listing checked, until it exits
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert any(".partial-" in k for keys in seen for k in keys)  # the watch saw the upload under way
     assert not [k for k in s3_bucket.keys() if ".partial-" in k]
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
 
