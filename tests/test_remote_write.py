@@ -419,3 +419,54 @@ def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tm
     assert rerun.exit_code == 1 and "already exists" in rerun.output and "finished writing" in rerun.output
     assert not [k for k in s3_bucket.keys() if ".partial-" in k]
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
+
+
+# --- the retry policy -----------------------------------------------------------------
+
+
+def test_backoff_doubles_from_the_first_wait_up_to_the_cap_with_jitter():
+    from packer.remote.retry import JITTER, Backoff
+
+    waits = list(Backoff(attempts=7, first=0.25, factor=2, cap=4).waits())
+    assert len(waits) == 6
+    for wait, base in zip(waits, [0.25, 0.5, 1, 2, 4, 4]):
+        assert base * (1 - JITTER) <= wait <= base * (1 + JITTER)
+
+
+def test_transient_errors_are_retried_and_refusals_are_not(s3_bucket):
+    from packer.remote.errors import RemoteError
+    from packer.remote.retry import with_retries
+
+    calls, slept = [], []
+
+    def refused_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return "answer"
+
+    assert with_retries("s3://b/k", refused_twice, retries=3, sleep=slept.append) == "answer"
+    assert len(calls) == 3 and len(slept) == 2
+    # A real 404 from the server: reported at once, naming the URL.
+    fs = s3fs_of(s3_bucket)
+    calls.clear()
+
+    def missing():
+        calls.append(1)
+        return fs.cat_file(f"{s3_bucket.name}/no/such/key")
+
+    with pytest.raises(RemoteError, match="no such object") as caught:
+        with_retries(f"{s3_bucket.url}/no/such/key", missing, retries=5, sleep=slept.append)
+    assert len(calls) == 1 and f"{s3_bucket.url}/no/such/key" in str(caught.value)
+    assert caught.value.kind == "missing"
+
+
+def test_giving_up_says_it_retried(s3_bucket):
+    from packer.remote.errors import RemoteError
+    from packer.remote.retry import with_retries
+
+    def down():
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(RemoteError, match=r"cannot be reached.*\(retried\)"):
+        with_retries("s3://b/k", down, retries=2, storage_options=s3_bucket.storage_options, sleep=lambda s: None)
