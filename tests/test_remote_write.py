@@ -179,6 +179,28 @@ def test_pack_uploads_every_format_whole_and_nothing_else(fmt, image_tree, s3_bu
     assert_verifies(s3_bucket, key, image_tree, tmp_path)
 
 
+def test_a_large_file_goes_up_in_parts(tmp_path, s3_bucket, monkeypatch):
+    import re
+
+    from conftest import jpeg_bytes, write
+    from packer.remote import upload
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)  # S3's smallest part
+    src = tmp_path / "large"
+    for i in range(10):  # noise JPEGs of about 1.2 MB: a 12 MB dataset
+        write(src / "c" / f"{i}.jpg", jpeg_bytes(i, size=(1000, 1000), quality=95))
+    local = tmp_path / "big.h5"
+    assert cli("pack", src, "--to", "hdf5", "-o", local).exit_code == 0
+    target = upload.open_target(f"{s3_bucket.url}/big.h5", s3_bucket.storage_options)
+    stage = upload.new_owner().path(target.path, upload.PARTIAL)
+    upload.upload(target, str(local), "hdf5", stage)
+    staged = s3_bucket.client().head_object(Bucket=s3_bucket.name, Key=stage.split("/", 1)[1] + "/big.h5")
+    assert staged["ContentLength"] == local.stat().st_size
+    assert re.fullmatch(r'"[0-9a-f]{32}-3"', staged["ETag"])  # S3's mark of a 3-part upload: 5 + 5 + 2 MB
+    upload.publish(target, stage, "hdf5", {}, replacing=False)  # a server-side copy of a multipart object
+    assert_verifies(s3_bucket, "big.h5", src, tmp_path)
+
+
 def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
     local = tmp_path / "local.lmdb"
     assert cli("pack", split_tree, "--to", "lmdb", "-o", local).exit_code == 0

@@ -69,6 +69,7 @@ ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT its
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
+PART_SIZE = 64 << 20  # multipart parts of a large object (S3: at least 5 MiB, at most 10,000 parts)
 READ_ONLY_SCHEMES = ("http", "https")
 EXTRA = "packer[remote]"
 
@@ -413,7 +414,15 @@ def manifest_bytes(fmt: str, objects: dict[str, int]) -> bytes:
 
 
 def put(target: Target, local: str, path: str) -> None:
-    target.call(target.url_of(path), lambda: target.fs.put_file(local, path))
+    """Upload one file: on S3 in one PUT below two parts' size, else as a multipart upload
+    (s3fs aborts it on failure, so no parts are left behind)."""
+    options = {"chunksize": part_size(os.path.getsize(local))} if target.s3 else {}
+    target.call(target.url_of(path), lambda: target.fs.put_file(local, path, **options))
+
+
+def part_size(size: int) -> int:
+    """PART_SIZE, or larger where the object needs more than S3's 10,000 parts."""
+    return max(PART_SIZE, -(-size // 10_000))
 
 
 def put_bytes(target: Target, path: str, data: bytes) -> None:
