@@ -311,7 +311,8 @@ class NginxServer:
     folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
 
     def __init__(self, root: str | os.PathLike, port: int | None = None, limit_rate: int | None = None,
-                 binary: str | None = None):
+                 binary: str | None = None, log_requests: bool = False):
+        self.log_requests = log_requests
         self.binary = binary or nginx_binary()
         if self.binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
@@ -332,12 +333,31 @@ class NginxServer:
     def error_log(self) -> Path:
         return self.prefix / "error.log"
 
+    @property
+    def access_log(self) -> Path:
+        return self.prefix / "access.log"
+
+    def requests(self) -> list[dict]:
+        """With log_requests: each request served so far, in order: connection (its number),
+        nth (requests on that connection so far), status, method, path, range, bytes sent."""
+        found = []
+        if self.access_log.exists():
+            for line in self.access_log.read_text().splitlines():
+                connection, nth, status, method, path, rest = line.split(" ", 5)
+                range_, _, sent = rest.rpartition(" ")
+                found.append({"connection": int(connection), "nth": int(nth), "status": int(status), "method": method,
+                              "path": path, "range": "" if range_ == '"-"' else range_.strip('"'), "bytes": int(sent)})
+        return found
+
     def config(self) -> str:
         # As root, nginx's workers would drop to nobody, who cannot read a pytest tmp dir.
         user = "user root;" if os.geteuid() == 0 else ""
         temp = "\n".join(f"    {kind}_temp_path {self.prefix}/{kind};"
                          for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         throttle = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
+        access = (f"log_format packer '$connection $connection_requests $status $request_method $uri "
+                  f"\"$http_range\" $body_bytes_sent';\n    access_log {self.access_log} packer;"
+                  if self.log_requests else "access_log off;")
         return f"""
 {user}
 worker_processes 2;
@@ -345,7 +365,7 @@ pid {self.prefix}/nginx.pid;
 error_log {self.error_log} warn;
 events {{ worker_connections 256; }}
 http {{
-    access_log off;
+    {access}
 {temp}
     sendfile on;
     keepalive_requests 100000;
@@ -387,14 +407,15 @@ http {{
 
 @pytest.fixture
 def nginx():
-    """Factory: nginx(root, limit_rate=None, port=None) -> a started NginxServer, stopped after the test."""
+    """Factory: nginx(root, limit_rate=None, port=None, log_requests=False) -> a started NginxServer,
+    stopped after the test; with log_requests, server.requests() lists what it served."""
     if nginx_binary() is None:
         pytest.skip("nginx is not installed, so the HTTP tests cannot run a server (apt-get install nginx-light; "
                     ".ci/run installs it when run as root)")
     servers = []
 
-    def start(root, limit_rate: int | None = None, port: int | None = None) -> NginxServer:
-        server = NginxServer(root, port=port, limit_rate=limit_rate).start()
+    def start(root, limit_rate: int | None = None, port: int | None = None, log_requests: bool = False) -> NginxServer:
+        server = NginxServer(root, port=port, limit_rate=limit_rate, log_requests=log_requests).start()
         servers.append(server)
         return server
 

@@ -88,7 +88,12 @@ def test_nginx_serves_byte_ranges_and_restarts_on_its_port(http_root, nginx):
     request = urllib.request.Request(f"{base_url}/d/x.bin", headers={"Range": "bytes=10-19"})
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 206 and response.read() == bytes(range(10, 20))
-    server = nginx(root)
+    server = nginx(root, log_requests=True)
+    with urllib.request.urlopen(urllib.request.Request(server.url("d/x.bin"), headers={"Range": "bytes=5-9"})) as r:
+        assert r.read() == bytes(range(5, 10))
+    (served,) = server.requests()
+    assert served["path"] == "/d/x.bin" and served["range"] == "bytes=5-9" and served["bytes"] == 5
+    assert served["status"] == 206
     server.kill()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url("d/x.bin"), timeout=5)
