@@ -337,9 +337,18 @@ class NginxServer:
     def access_log(self) -> Path:
         return self.prefix / "access.log"
 
-    def requests(self) -> list[dict]:
+    def requests(self, at_least: int = 0, timeout: float = 5.0) -> list[dict]:
         """With log_requests: each request served so far, in order: connection (its number),
-        nth (requests on that connection so far), status, method, path, range, bytes sent."""
+        nth (requests on that connection so far), status, method, path, range, bytes sent.
+        nginx logs a request just after its response is sent: at_least waits for that many."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.logged()
+            if len(found) >= at_least or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    def logged(self) -> list[dict]:
         found = []
         if self.access_log.exists():
             for line in self.access_log.read_text().splitlines():

@@ -473,15 +473,18 @@ def delete_object(target: Target, path: str) -> None:
 
 
 def upload_dataset(local: str, url: str, fmt: str, *, force: bool = False, storage_options: dict | None = None,
-                   retries: int = RETRIES, target: Target | None = None, owner: Owner | None = None) -> list[str]:
+                   retries: int = RETRIES, target: Target | None = None, checked: bool = False) -> list[str]:
     """Publish the local dataset at local (format fmt) at url with the guarantee of the module
-    docstring; the notes for the user (leftovers settled)."""
+    docstring; the notes for the user (leftovers settled). checked: the caller has just
+    checked the bucket and OUT and settled the leftovers (write_to_url)."""
     target = target or open_target(url, storage_options, retries)
-    owner = owner or new_owner()
+    owner = new_owner()
     stage = owner.path(target.path, PARTIAL)
-    check_bucket(target)
-    removed, notes = tidy(target)
-    refuse_existing(target, force, notes)
+    removed, notes = [], []
+    if not checked:
+        check_bucket(target)
+        removed, notes = tidy(target)
+        refuse_existing(target, force, notes)
     published = False
     try:
         put_bytes(target, f"{stage}/{PROBE}", owner_note(owner))
@@ -550,7 +553,7 @@ def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"],
                 raise
             raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
                             "(or TMPDIR) chooses where]", exc.path) from exc
-        notes += upload_dataset(local, url, fmt, force=force, target=target)
+        notes += upload_dataset(local, url, fmt, force=force, target=target, checked=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return dataclasses.replace(result, out=target.url, warnings=notes + result.warnings,
