@@ -217,14 +217,14 @@ def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
 
 
 def test_an_existing_dataset_is_refused_without_force_and_replaced_with_it(flat_tree, image_tree, s3_bucket, tmp_path):
-    url = f"{s3_bucket.url}/ds"
-    assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    url, options = f"{s3_bucket.url}/ds", options_json(s3_bucket)
+    assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options).exit_code == 0
     before = s3_bucket.keys()
     refused = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--storage-options", options_json(s3_bucket))
     assert refused.exit_code == 1 and "already exists" in refused.output and "--force" in refused.output
     assert s3_bucket.keys() == before
     # --force: another format replaces it, and none of the old objects stays behind.
-    replaced = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options_json(s3_bucket))
+    replaced = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options)
     assert replaced.exit_code == 0, replaced.output
     assert s3_bucket.keys() == ["ds/data.mdb", "ds/packer.json"]
     assert_verifies(s3_bucket, "ds", flat_tree, tmp_path)

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "packer.json"
 MANIFEST_VERSION = 1
+MANIFEST_LIMIT = 64 << 20  # bytes: a manifest names each object once, in a few dozen bytes
 ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT itself
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
@@ -133,7 +134,7 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
     if parsed.scheme in READ_ONLY_SCHEMES:
         raise PackError(f"{url}: {parsed.scheme}:// URLs are read-only (a web server takes no uploads); write to "
                         "s3://bucket/key, or pack locally and serve the folder", url)
-    if not parsed.key or parsed.key.endswith(".") or any(part in ("", ".", "..") for part in parsed.key.split("/")):
+    if not parsed.key or any(part in ("", ".", "..") for part in parsed.key.split("/")):
         raise PackError(f"{url}: name the dataset inside the bucket, e.g. {parsed.scheme}://{parsed.bucket}/"
                         "imagenet.lmdb", url)
     if ".partial-" in parsed.key:
@@ -156,9 +157,10 @@ def check_bucket(target: Target) -> None:
         target.call(target.url, lambda: target.fs.call_s3("head_bucket", Bucket=bucket))
     except RemoteError as exc:
         if exc.kind in (MISSING, NO_BUCKET):  # HEAD has no body: a 404 is all S3 says
-            raise RemoteError(f"{target.url}: the bucket {bucket} does not exist at "
-                              f"{endpoint_of(target.storage_options)}: check the bucket name and the endpoint_url (packer writes "
-                              "into an existing bucket; create it first)", target.url, NO_BUCKET) from exc
+            where = endpoint_of(target.storage_options)
+            raise RemoteError(f"{target.url}: the bucket {bucket} does not exist at {where}: check the bucket name "
+                              "and the endpoint_url (packer writes into an existing bucket; create it first)",
+                              target.url, NO_BUCKET) from exc
         raise
 
 
@@ -192,7 +194,8 @@ def read_manifest(target: Target, path: str) -> dict | None:
     where = f"{path}/{MANIFEST}"
     if not is_file(target, where):
         return None
-    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where), doing="reading")
+    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where, start=0, end=MANIFEST_LIMIT + 1),
+                      doing="reading")
     return parse_manifest(raw, target.url_of(where))
 
 
@@ -204,7 +207,7 @@ def parse_manifest(raw: bytes, url: str) -> dict:
         return PackError(f"{url}: not a valid packer manifest ({what}); the dataset is damaged or was not "
                          "written by packer", url)
 
-    if len(raw) > 64 << 20:
+    if len(raw) > MANIFEST_LIMIT:
         raise bad(f"{len(raw)} bytes")
     try:
         found = json.loads(raw)
