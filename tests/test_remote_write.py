@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from conftest import class_sorted_tree
 from packer.cli import main
+from packer.errors import PackError
 from packer.remote import is_url, parse_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,6 +259,32 @@ def test_a_missing_staging_dir_is_named_before_packing(flat_tree, s3_bucket, tmp
 def test_remote_options_for_a_local_out_are_refused(flat_tree, tmp_path):
     result = cli("pack", flat_tree, "--to", "lmdb", "-o", tmp_path / "x.lmdb", "--staging-dir", tmp_path)
     assert result.exit_code == 2 and "--staging-dir" in result.output
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"not json", "not JSON"),
+    (b'{"packer_remote": 2, "format": "lmdb", "objects": {"data.mdb": 1}}', "packer_remote"),
+    (b'{"packer_remote": 1, "format": "zip", "objects": {"data.mdb": 1}}', "format"),
+    (b'{"packer_remote": 1, "format": "lmdb", "objects": {}}', "no objects"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"../escape": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"/abs": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"a//b": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"index.json": -1}}', "size"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"index.json": true}}', "size"),
+])
+def test_a_hostile_manifest_is_refused(raw, what):
+    from packer.remote.upload import parse_manifest
+
+    with pytest.raises(PackError, match=f"s3://b/x/packer.json: not a valid packer manifest .*{what}"):
+        parse_manifest(raw, "s3://b/x/packer.json")
+
+
+def test_force_refuses_a_damaged_manifest_at_out(flat_tree, s3_bucket):
+    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/x.lmdb/packer.json", b'{"packer_remote": 1, "objects": 5}')
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb", "--force",
+                 "--storage-options", options_json(s3_bucket))
+    assert result.exit_code == 1 and "not a valid packer manifest" in result.output
+    assert s3_bucket.keys() == ["x.lmdb/packer.json"]
 
 
 # --- errors name the URL and what to check ---------------------------------------------
