@@ -11,7 +11,8 @@ network (tests/servers.Link: --delay seconds each way, --rate bytes/s shared; th
 are 1 Gbit/s with a 20 ms round trip). Then, for each source (local, loopback, link):
 
   random   readers.LMDBDataset by URL, make_loader(order="random"): one ranged read per record
-  block    the same with order="block": shuffled runs of stored records, fetched ahead by blocks
+  block    the same with order="block": shuffled runs of stored records, fetched ahead by
+           blocks into a block cache (cache_dir: a new, empty one for each run)
   stream   readers.WDSDataset by URL: whole shards in sequence, the next ones in flight
 
 each in a fresh process (no cache carried over), decode="raw" (bytes only: the remote
@@ -29,8 +30,10 @@ import concurrent.futures
 import http.client
 import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +50,7 @@ def count_batch(batch):
     return len(batch), sum(len(sample[0]) for sample in batch)
 
 
-def measure(source: str, order: str, records: int, workers: int) -> dict:
+def measure(source: str, order: str, records: int, workers: int, cache_dir: str | None) -> dict:
     """records/s reading `records` records of source in order (run in a fresh process)."""
     import readers
 
@@ -55,7 +58,8 @@ def measure(source: str, order: str, records: int, workers: int) -> dict:
         dataset = readers.WDSDataset(source, split="train", decode="raw")
         loader = readers.make_loader(dataset, BATCH, workers=workers, collate_fn=count_batch, drop_last=False)
     else:
-        dataset = readers.LMDBDataset(source, split="train", decode="raw")
+        remote = {"cache_dir": cache_dir} if cache_dir else {}
+        dataset = readers.LMDBDataset(source, split="train", decode="raw", **remote)
         loader = readers.make_loader(dataset, BATCH, workers=workers, order=order, collate_fn=count_batch,
                                      drop_last=False)
     got = nbytes = 0
@@ -74,9 +78,17 @@ def measure(source: str, order: str, records: int, workers: int) -> dict:
             "first_batch_s": (first or start) - start}
 
 
-def run_measure(source: str, order: str, records: int, workers: int) -> dict:
-    command = [sys.executable, "-m", "benchmarks.remote", "measure", source, order, str(records), str(workers)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+def run_measure(source: str, order: str, records: int, workers: int, work: Path) -> dict:
+    """measure() in a fresh process; block order over a URL reads ahead into an empty block cache."""
+    cache = ""
+    if order == "block" and "://" in source:
+        cache = tempfile.mkdtemp(prefix="cache-", dir=work)
+    command = [sys.executable, "-m", "benchmarks.remote", "measure", source, order, str(records), str(workers), cache]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -192,7 +204,8 @@ def main(argv=None) -> int:
                        "link": (link.url("data.lmdb"), link.url("data.wds"))}
             for name, (lmdb_source, wds_source) in sources.items():
                 results["reads"][name] = {order: run_measure(wds_source if order == "stream" else lmdb_source, order,
-                                                             args.records, args.workers) for order in ORDERS}
+                                                             args.records, args.workers, args.work)
+                                          for order in ORDERS}
     finally:
         link.close()
         server.close()
@@ -202,7 +215,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "measure":
-        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
+    if len(sys.argv) == 7 and sys.argv[1] == "measure":
+        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] or None)))
         sys.exit(0)
     sys.exit(main())
