@@ -348,6 +348,28 @@ def test_a_dead_endpoint_is_named(flat_tree):
     assert time.monotonic() - start < 30
 
 
+def test_a_server_that_never_answers_is_named(flat_tree):
+    import socket
+
+    from packer.remote.errors import RemoteError
+    from servers import storage_options
+
+    with socket.socket() as silent:  # takes connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        options = {**storage_options(endpoint), "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+        with pytest.raises(RemoteError, match="did not answer in time") as caught:
+            write("s3://bucket/x.lmdb", flat_tree, options, retries=1)
+    assert endpoint in str(caught.value) and "s3://bucket/x.lmdb" in str(caught.value)
+
+
+def test_storage_options_the_store_refuses_are_named(flat_tree, s3_bucket):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb",
+                 "--storage-options", json.dumps({**s3_bucket.storage_options, "no_such_option": 1}))
+    assert result.exit_code == 1 and "no_such_option" in result.output and "storage options" in result.output
+
+
 def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tmp_path):
     from servers import new_bucket
 
