@@ -358,7 +358,7 @@ def test_a_server_that_never_answers_is_named(flat_tree):
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        options = {**storage_options(endpoint), "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+        options = {**storage_options(endpoint), "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 0.5}}
         with pytest.raises(RemoteError, match="did not answer in time") as caught:
             write("s3://bucket/x.lmdb", flat_tree, options, retries=1)
     assert endpoint in str(caught.value) and "s3://bucket/x.lmdb" in str(caught.value)

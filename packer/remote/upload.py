@@ -142,6 +142,8 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
     url = str(parsed)
     fs, path = filesystem(url, storage_options)
     fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
+    if hasattr(fs, "retries") and isinstance(fs.retries, int):
+        fs.retries = 1  # s3fs retries timeouts itself: leave retrying to packer.remote.retry
     return Target(url, fs, path.rstrip("/"), dict(storage_options or {}), retries)
 
 
