@@ -1,0 +1,378 @@
+"""Real object-storage servers on loopback for the remote tests: moto's S3 server and nginx.
+
+Both run as child processes on 127.0.0.1 at a free port, so a test talks to them over
+real sockets with real HTTP, the way s3fs tests itself, and can kill one outright
+(SIGKILL: the next connection is refused) and restart it on the same port.
+
+- S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
+  endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
+  takes; `s3_server` is a private server (one per test) that the test may kill and
+  restart. moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
+  object and restart puts them back: a restarted server serves what the dead one held.
+- HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
+  per-test nginx serving root_dir (Range requests are built in for static files);
+  `nginx` is a factory, nginx(root, limit_rate=...) -> NginxServer, for servers with a
+  per-connection bandwidth limit or to kill and restart. Tests skip, saying why, where
+  nginx is not installed.
+
+The classes work without pytest too (benchmarks/remote.py starts them the same way).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "http_root", "nginx",
+           "MotoServer", "NginxServer", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 30.0
+# Credentials moto accepts (it checks none); set so no real ones are ever picked up.
+FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "packer-test-key",
+    "AWS_SECRET_ACCESS_KEY": "packer-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata lookup, which would wait on a timeout
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
+    """Return once port accepts connections; fail naming what and its log if it never does."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    detail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+    kill_process(proc)
+    raise RuntimeError(f"{what} did not start listening on {HOST}:{port} (exit code {proc.returncode}); "
+                       f"log:\n{detail}")
+
+
+def wait_closed(port: int) -> None:
+    """Return once nothing accepts on port any more (a killed server's socket is gone)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
+def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        # The server leads its own process group: nginx's workers die with its master.
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# --- S3: moto ------------------------------------------------------------------------
+
+
+class MotoServer:
+    """moto's S3-compatible server as a child process on 127.0.0.1:port."""
+
+    def __init__(self, port: int | None = None, log_dir: str | None = None):
+        self.port = port or free_port()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
+        self.proc: subprocess.Popen | None = None
+        self.snapshot: dict[str, dict[str, bytes]] = {}
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"moto-{self.port}.log"
+
+    def start(self) -> "MotoServer":
+        env = {**os.environ, **FAKE_AWS_ENV}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        wait_listening(self.port, self.proc, "moto's S3 server", self.log)
+        self.restore()
+        return self
+
+    def client(self):
+        import boto3  # moto depends on it
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
+                            aws_access_key_id=FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+                            config=Config(retries={"max_attempts": 1}))
+
+    def take_snapshot(self) -> None:
+        """Copy every bucket's objects out, so a restarted server holds them again."""
+        client = self.client()
+        self.snapshot = {}
+        for bucket in client.list_buckets().get("Buckets", []):
+            name = bucket["Name"]
+            objects = self.snapshot[name] = {}
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                for item in page.get("Contents", []):
+                    objects[item["Key"]] = client.get_object(Bucket=name, Key=item["Key"])["Body"].read()
+
+    def restore(self) -> None:
+        if not self.snapshot:
+            return
+        client = self.client()
+        for name, objects in self.snapshot.items():
+            client.create_bucket(Bucket=name)
+            for key, data in objects.items():
+                client.put_object(Bucket=name, Key=key, Body=data)
+        self.snapshot = {}
+
+    def kill(self, keep_objects: bool = True) -> None:
+        """SIGKILL the server (after snapshotting its objects, unless keep_objects is False)."""
+        if keep_objects and self.running:
+            self.take_snapshot()
+        kill_process(self.proc)
+        wait_closed(self.port)
+
+    def stop(self, keep_objects: bool = True) -> None:
+        if keep_objects and self.running:
+            self.take_snapshot()
+        kill_process(self.proc, signal.SIGTERM)
+        wait_closed(self.port)
+
+    def restart(self) -> "MotoServer":
+        """Start again on the same port (a dead server's clients reconnect to the same URL)."""
+        kill_process(self.proc)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+@dataclass
+class S3Bucket:
+    """A fresh bucket on a moto server: s3fs.S3FileSystem(**storage_options) reaches it."""
+
+    name: str
+    endpoint_url: str
+    storage_options: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.name}"
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
+                            aws_access_key_id=self.storage_options["key"],
+                            aws_secret_access_key=self.storage_options["secret"],
+                            config=Config(retries={"max_attempts": 1}))
+
+    def keys(self) -> list[str]:
+        keys = []
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=self.name):
+            keys.extend(item["Key"] for item in page.get("Contents", []))
+        return sorted(keys)
+
+
+def storage_options(endpoint_url: str) -> dict:
+    return {"key": FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], "secret": FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": FAKE_AWS_ENV["AWS_DEFAULT_REGION"]}}
+
+
+def new_bucket(endpoint_url: str) -> S3Bucket:
+    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url))
+    bucket.client().create_bucket(Bucket=bucket.name)
+    return bucket
+
+
+def require_moto() -> None:
+    for module in ("moto.server", "boto3", "s3fs"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            pytest.skip(f"the S3 tests need moto[server] and s3fs ({exc}); install them with "
+                        "python -m pip install -e '.[test]'")
+
+
+@pytest.fixture(scope="session")
+def fake_aws_env():
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in FAKE_AWS_ENV.items():
+            patch.setenv(name, value)
+        patch.delenv("AWS_PROFILE", raising=False)
+        patch.delenv("AWS_SESSION_TOKEN", raising=False)
+        patch.setenv("NO_PROXY", ",".join(filter(None, [os.environ.get("NO_PROXY"), HOST])))
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(fake_aws_env) -> str:
+    """endpoint_url of a moto S3 server shared by the session (do not kill it: see s3_server)."""
+    require_moto()
+    server = MotoServer().start()
+    yield server.endpoint_url
+    server.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> S3Bucket:
+    """A fresh, empty bucket on the session's server."""
+    return new_bucket(s3_endpoint)
+
+
+@pytest.fixture
+def s3_server(fake_aws_env) -> MotoServer:
+    """A moto server for this test alone, to kill (server.kill()) and restart (server.restart())."""
+    require_moto()
+    server = MotoServer().start()
+    yield server
+    server.close()
+
+
+# --- HTTP: nginx ---------------------------------------------------------------------
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                                          if os.access(p, os.X_OK)), None)
+
+
+class NginxServer:
+    """nginx serving root read-only over HTTP on 127.0.0.1:port, from a config in its own
+    folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
+
+    def __init__(self, root: str | os.PathLike, port: int | None = None, limit_rate: int | None = None,
+                 binary: str | None = None):
+        self.binary = binary or nginx_binary()
+        if self.binary is None:
+            raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
+        self.root = Path(root).resolve()
+        self.port = port or free_port()
+        self.limit_rate = limit_rate
+        self.prefix = Path(tempfile.mkdtemp(prefix="packer-nginx-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def url(self, relative: str) -> str:
+        return f"{self.base_url}/{relative.lstrip('/')}"
+
+    @property
+    def error_log(self) -> Path:
+        return self.prefix / "error.log"
+
+    def config(self) -> str:
+        # As root, nginx's workers would drop to nobody, who cannot read a pytest tmp dir.
+        user = "user root;" if os.geteuid() == 0 else ""
+        temp = "\n".join(f"    {kind}_temp_path {self.prefix}/{kind};"
+                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        throttle = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
+        return f"""
+{user}
+worker_processes 2;
+pid {self.prefix}/nginx.pid;
+error_log {self.error_log} warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+{temp}
+    sendfile on;
+    keepalive_requests 100000;
+    server {{
+        listen {HOST}:{self.port} reuseport;
+        root {self.root};
+        location / {{ autoindex off; {throttle} }}
+    }}
+}}
+"""
+
+    def start(self) -> "NginxServer":
+        conf = self.prefix / "nginx.conf"
+        conf.write_text(self.config())
+        self.proc = subprocess.Popen([self.binary, "-p", str(self.prefix), "-e", str(self.error_log), "-c", str(conf),
+                                      "-g", "daemon off;"],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.error_log, "ab"),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_listening(self.port, self.proc, "nginx", self.error_log)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL nginx and its workers: open connections drop, new ones are refused."""
+        kill_process(self.proc)
+        wait_closed(self.port)
+
+    def restart(self) -> "NginxServer":
+        kill_process(self.proc)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+@pytest.fixture
+def nginx():
+    """Factory: nginx(root, limit_rate=None, port=None) -> a started NginxServer, stopped after the test."""
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed, so the HTTP tests cannot run a server (apt-get install nginx-light; "
+                    ".ci/run installs it when run as root)")
+    servers = []
+
+    def start(root, limit_rate: int | None = None, port: int | None = None) -> NginxServer:
+        server = NginxServer(root, port=port, limit_rate=limit_rate).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def http_root(tmp_path, nginx) -> tuple[Path, str]:
+    """(root_dir, base_url): files written under root_dir are served at base_url/<relative path>."""
+    root = tmp_path / "http-root"
+    root.mkdir()
+    return root, nginx(root).base_url
