@@ -62,7 +62,7 @@ class SplitReader(LazyHandle):
         except OSError:
             now = None
         except remote_source.RemoteError as exc:
-            if not isinstance(exc.__cause__, FileNotFoundError):
+            if not remote_source.missing(exc):
                 raise
             now = None
         if now != self.identity:

@@ -205,7 +205,7 @@ def remote_metadata(url: str, remote) -> tuple[tuple, Metadata]:
     try:
         identity = remote.identity(url)
     except remote_source.RemoteError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
+        if remote_source.missing(exc):
             raise FormatError(f"{url}: no such file", url) from exc
         raise
     with open_remote_file(remote.open(url, identity)) as f:

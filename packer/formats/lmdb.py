@@ -351,7 +351,7 @@ def remote_metadata(url: str, remote) -> tuple[str, tuple, Metadata]:
     try:
         identity = remote.identity(where)
     except remote_source.RemoteError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
+        if remote_source.missing(exc):
             raise FormatError(f"{url}: not an LMDB dataset (no {DATA_FILE} at {where})", url) from exc
         raise
     raw = LMDBPages(remote.open(where, identity), where).get(META_KEY)
@@ -439,6 +439,8 @@ class Reader(SplitReader):
             return None
         length = self._image.item(2 * position + 1)
         fd = self.handle()[2]
+        if self.remote is not None and self.check_crc:
+            return self.read_whole_value(fd, at, length, index)
         data = _io.pread(fd, length, at)
         if len(data) == length:
             if not self.check_crc:
@@ -450,11 +452,26 @@ class Reader(SplitReader):
         self.drop_extents()
         return None
 
+    def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
+        """read_at_extent for a remote dataset: header, path and image in one ranged read
+        (two reads would be two round trips to the server)."""
+        relpath = self.paths.raw(index)
+        start = at - HEADER.size - len(relpath)
+        value = _io.pread(fd, at + length - start, start) if start >= 0 else b""
+        crc = self.header_crc(value[:at - start], index, relpath) if len(value) == at + length - start else None
+        if crc is None:
+            self.drop_extents()
+            return None
+        return value[at - start:], crc
+
     def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
         """The CRC in the header at offset if that header names record index, else None."""
         if offset < 0:
             return None
-        header = _io.pread(fd, HEADER.size + len(relpath), offset)
+        return self.header_crc(_io.pread(fd, HEADER.size + len(relpath), offset), index, relpath)
+
+    def header_crc(self, header: bytes, index: int, relpath: bytes) -> int | None:
+        """The CRC in a record's header (with its path) if it names record index, else None."""
         if len(header) != HEADER.size + len(relpath):
             return None
         crc, label, n = HEADER.unpack_from(header)
@@ -477,7 +494,9 @@ class Reader(SplitReader):
             else:
                 self._image = self.image_table(extents)
                 self._extents = extents
-                if not self._spot_check_extents():
+                # A remote read with check_crc checks each header it reads (read_whole_value):
+                # spot checks would cost a block fetch each, before the first read.
+                if not (self.remote is not None and self.check_crc) and not self._spot_check_extents():
                     self.drop_extents()
         return None if self._extents is False else self._extents
 

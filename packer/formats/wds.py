@@ -155,7 +155,7 @@ def open_index(path: str, remote=None) -> tuple[dict, Metadata]:
             with open(where, "rb") as f:
                 raw = f.read(MAX_METADATA_BYTES + 1)
     except remote_source.RemoteError as exc:
-        if not isinstance(exc.__cause__, FileNotFoundError):
+        if not remote_source.missing(exc):
             raise
         raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} at {where})", path) from exc
     except FileNotFoundError as exc:
@@ -528,7 +528,7 @@ class Reader(SplitReader):
         try:
             source = self.remote.open(where)
         except remote_source.RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if remote_source.missing(exc):
                 raise CorruptDataError(f"{where}: shard missing; upload the dataset again", self.path) from exc
             raise
         if source.size != self.shard_bytes[shard]:

@@ -47,7 +47,16 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class RemoteError(PackError):
-    """A remote object cannot be read: missing, refused, or the server does not answer."""
+    """A remote object cannot be read. kind: "missing" (404), "refused" (401/403),
+    "unavailable" (no answer, or errors that outlasted the retries)."""
+
+    def __init__(self, message: str, path: str | None = None, kind: str = "unavailable"):
+        super().__init__(message, path)
+        self.kind = kind
+
+
+def missing(exc: BaseException) -> bool:
+    return isinstance(exc, RemoteError) and exc.kind == "missing"
 
 
 def is_url(path) -> bool:
@@ -91,25 +100,75 @@ def identity_of(info: dict, url: str) -> tuple[str, int, str]:
 
 
 def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]
+    """The exception and, where it wraps another (fsspec's HTTP errors do), the first cause."""
+    text = f"{type(exc).__name__}: {exc}"[:200]
+    chain = _chain(exc)
+    if len(chain) > 1:
+        text += f"; from {type(chain[-1]).__name__}: {chain[-1]}"[:200]
+    return text
 
 
-def failure(url: str, exc: BaseException) -> RemoteError:
+HINTS = {
+    "missing": "no such object: check the URL (bucket, key, host) and that the dataset was uploaded whole",
+    "refused": ("access refused (401/403): check the credentials and the endpoint in storage_options, and that "
+                "they may read this bucket or path"),
+    "unavailable": ("the server did not answer or the request failed (retried): check the network, the endpoint "
+                    "in storage_options and that the server is up, then read again"),
+}
+
+
+def failure(url: str, exc: BaseException, kind: str | None = None) -> RemoteError:
     """The error for an access that failed for good: what happened and what to check."""
+    kind = kind or classify(exc) or "unavailable"
+    return RemoteError(f"{url}: {HINTS[kind]} ({describe(exc)})", url, kind)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    found = []
+    while exc is not None and exc not in found and len(found) < 8:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries: aiohttp's .status, botocore's response code."""
+    status = getattr(exc, "status", None)
+    if type(status) is int:
+        return status
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or response.get("Error", {}).get("Code")
+        if isinstance(code, int) or (isinstance(code, str) and code.isdigit()):
+            return int(code)
+        if code in ("NoSuchKey", "NoSuchBucket", "404"):
+            return 404
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+            return 403
+    return None
+
+
+def classify(exc: BaseException) -> str | None:
+    """"missing", "refused", "fatal" (retrying cannot help) or None (transient: retry).
+
+    fsspec's HTTP backend reports a server it cannot reach as FileNotFoundError too: only
+    one backed by a 404 (or with no cause at all) counts as missing."""
+    chain = _chain(exc)
+    for link in chain:
+        status = _status(link)
+        if status == 404:
+            return "missing"
+        if status in (401, 403):
+            return "refused"
+        if status is not None and 400 <= status < 500 and status not in (408, 429):
+            return "fatal"
+    if isinstance(exc, PermissionError):
+        return "refused"
     if isinstance(exc, FileNotFoundError):
-        hint = "no such object: check the URL (bucket, key, host) and that the dataset was uploaded whole"
-    elif isinstance(exc, PermissionError) or "403" in str(exc) or "Forbidden" in str(exc):
-        hint = ("access refused (403): check the credentials and the endpoint in storage_options, and that "
-                "they may read this bucket or path")
-    else:
-        hint = ("the server did not answer or the request failed (retried): check the network, the endpoint "
-                "in storage_options and that the server is up, then read again")
-    return RemoteError(f"{url}: {hint} ({describe(exc)})", url)
-
-
-def _fatal(exc: BaseException) -> bool:
-    return isinstance(exc, (FileNotFoundError, PermissionError, ImportError, ValueError, TypeError)) or \
-        "403" in str(exc) or "Forbidden" in str(exc)
+        return "missing" if len(chain) == 1 else None
+    if isinstance(exc, (ImportError, ValueError, TypeError)):
+        return "fatal"
+    return None
 
 
 def with_retries(url: str, call, retries: int = RETRIES):
@@ -121,8 +180,9 @@ def with_retries(url: str, call, retries: int = RETRIES):
         except RemoteError:
             raise
         except Exception as exc:  # fsspec backends raise their own kinds (aiohttp, botocore, OSError)
-            if _fatal(exc) or attempt == retries - 1:
-                raise failure(url, exc) from exc
+            kind = classify(exc)
+            if kind is not None or attempt == retries - 1:
+                raise failure(url, exc, "unavailable" if kind in (None, "fatal") else kind) from exc
         time.sleep(wait)
         wait *= 2
 
@@ -160,7 +220,7 @@ class Remote:
         try:
             return bool(with_retries(url, lambda: fs.isfile(path), self.retries))
         except RemoteError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
+            if exc.kind == "missing":
                 return False
             raise
 
@@ -199,6 +259,8 @@ class _Process:
         self.inflight: dict = {}  # (key, block) -> Future
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.caches: dict = {}  # (dir, limit) -> BlockCache
+        self.fetched_bytes = 0  # from servers, by every source of this process
+        self.requests = 0
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self.pool is None:
@@ -240,6 +302,19 @@ def remote_for(path, storage_options=None, cache_dir=None, cache_limit=None, blo
 
 _state: _Process | None = None
 _state_lock = threading.Lock()
+
+
+def fetched() -> tuple[int, int]:
+    """(bytes, requests) this process has fetched from servers for reads, all sources together."""
+    state = process_state()
+    return state.fetched_bytes, state.requests
+
+
+def in_flight() -> int:
+    """Block fetches this process has started (read-ahead included) and not finished."""
+    state = process_state()
+    with state.lock:
+        return len(state.inflight)
 
 
 def process_state() -> _Process:
@@ -285,6 +360,9 @@ class RemoteSource:
         if log is not None:
             log.append((self, offset, end - offset))
         first, last = offset // self.block_size, (end - 1) // self.block_size
+        if self.disk is None and last > first and not all(self.cached(b * self.block_size)
+                                                          for b in range(first, last + 1)):
+            return self.fetch(offset, end)  # one request, not one per block it crosses
         parts = []
         for block in range(first, last + 1):
             start = block * self.block_size
@@ -326,6 +404,12 @@ class RemoteSource:
                 future = state.inflight[key] = concurrent.futures.Future()
         if not mine:
             return future.result()
+        return self.fill(block, future)
+
+    def fill(self, block: int, future: concurrent.futures.Future) -> bytes:
+        """Fetch block, keep it, and resolve future (registered in flight) with it."""
+        state = process_state()
+        key = (self.key, block)
         try:
             start = block * self.block_size
             data = self.fetch(start, start + self.block_length(block))
@@ -359,8 +443,12 @@ class RemoteSource:
                 raise OSError(f"short read: {len(data)} of {end - start} bytes at {start}")
             return data
         data = with_retries(self.url, get, self.remote.retries)
-        self.fetched_bytes += len(data)
-        self.requests += 1
+        state = process_state()
+        with state.lock:
+            self.fetched_bytes += len(data)
+            self.requests += 1
+            state.fetched_bytes += len(data)
+            state.requests += 1
         return data
 
     # -- hints, state ----------------------------------------------------------------------
@@ -371,13 +459,19 @@ class RemoteSource:
         state = process_state()
         last = min(offset + length, self.size) - 1
         for block in range(offset // self.block_size, last // self.block_size + 1):
-            if not self.cached(block * self.block_size):
-                state.executor().submit(self._prefetch, block)
+            if self.cached(block * self.block_size):
+                continue
+            key = (self.key, block)
+            with state.lock:  # in flight from now, so a read waits for it rather than fetching it too
+                if key in state.inflight or key in state.memory:
+                    continue
+                future = state.inflight[key] = concurrent.futures.Future()
+            state.executor().submit(self._prefetch, block, future)
 
-    def _prefetch(self, block: int) -> None:
+    def _prefetch(self, block: int, future: concurrent.futures.Future) -> None:
         try:
-            self.fetch_block(block)
-        except Exception:  # the read that needs it fetches again and reports the error
+            self.fill(block, future)
+        except Exception:  # already given to any read waiting on the future, which raises it
             pass
 
     def cached(self, offset: int) -> bool:
