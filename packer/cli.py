@@ -127,10 +127,56 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
     return {"options": given, "shuffle": shuffle, "shuffle_seed": shuffle_seed or 0}
 
 
+class JSONObject(click.ParamType):
+    """A JSON object given on the command line (--storage-options)."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            found = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON ({exc}): {value!r}", param, ctx)
+        if not isinstance(found, dict):
+            self.fail(f"not a JSON object: {value!r}", param, ctx)
+        return found
+
+
+def remote_options(command):
+    """-o s3://bucket/key: where to pack before uploading, and how to reach the store."""
+    command = click.option("--storage-options", type=JSONObject(),
+                           help="With -o URL: fsspec/s3fs options as a JSON object, e.g. '{\"client_kwargs\": "
+                                "{\"endpoint_url\": \"http://minio:9000\"}}' [default: from AWS_* and "
+                                "FSSPEC_S3_* variables].")(command)
+    return click.option("--staging-dir", type=click.Path(file_okay=False),
+                        help="With -o URL: the folder to pack in before uploading; it must hold the whole "
+                             "dataset [default: $TMPDIR].")(command)
+
+
+def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResult:
+    """write(out, force) where out is local; to a URL, packed in a staging folder and uploaded
+    (packer.remote.upload)."""
+    from .remote import is_url
+
+    if out is None or not is_url(out):
+        given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options))
+                 if value is not None]
+        if given:
+            raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
+        return write(out, force)
+    from .remote.upload import write_to_url
+
+    return write_to_url(out, fmt, lambda local: write(local, False), force=force, staging_dir=staging_dir,
+                        storage_options=storage_options)
+
+
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
-@click.option("-o", "--out", type=click.Path(), help="Output path [default: SRC + .lmdb/.h5/.wds].")
+@click.option("-o", "--out", type=click.Path(), help="Output path, or s3://bucket/key to upload [default: SRC + "
+              ".lmdb/.h5/.wds].")
 @click.option("--workers", type=click.IntRange(min=1), help="Readers working ahead of the writer: threads for the "
               "header check, processes for --check full [default: the usable cores].")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
@@ -148,17 +194,19 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
               help="--labels is a list of class indexes (one per line, files in sorted name order) into packer's "
                    "sorted class list, counted from 0 or 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
+@remote_options
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 **shards):
+                 staging_dir, storage_options, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder."""
     if labels_index_base is not None and labels is None:
         raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
-    result = pack(src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
-                  max_pixels=max_pixels, labels=labels,
-                  labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  **writer_options(fmt, **shards))
+    result = write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: pack(
+        src, fmt, out, workers=workers, on_error=on_error, check=check, force=force,
+        max_pixels=max_pixels, labels=labels,
+        labels_index_base=None if labels_index_base is None else int(labels_index_base),
+        **writer_options(fmt, **shards)))
     report_pack(result)
     if as_json:
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
@@ -188,21 +236,23 @@ def pack_facts(result: PackResult) -> dict:
 @click.argument("packed", type=click.Path(exists=True))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
 @click.option("-o", "--out", type=click.Path(),
-              help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
+              help="Output path, or s3://bucket/key to upload [default: PACKED with its extension replaced "
+                   "by .lmdb/.h5/.wds].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
               "[default: the usable cores].")
+@remote_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, **shards):
+def convert_command(packed, fmt, out, force, workers, staging_dir, storage_options, **shards):
     """Convert the packed dataset PACKED to another format, byte for byte.
 
     Reads PACKED only: the folder it was packed from is not needed.
     """
     from .convert import convert
 
-    report_pack(convert(packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards)),
-                verb="converted")
+    report_pack(write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
+        packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards))), verb="converted")
 
 
 @main.command("info")

@@ -7,13 +7,20 @@ real sockets with real HTTP, the way s3fs tests itself, and can kill one outrigh
 - S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
   endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
   takes; `s3_server` is a private server (one per test) that the test may kill and
-  restart. moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
+  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
   object and restart puts them back: a restarted server serves what the dead one held.
 - HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
   per-test nginx serving root_dir (Range requests are built in for static files);
   `nginx` is a factory, nginx(root, limit_rate=...) -> NginxServer, for servers with a
   per-connection bandwidth limit or to kill and restart. Tests skip, saying why, where
   nginx is not installed.
+
+- A link (Link, or the `link` fixture: link(upstream_port, delay=..., rate=...)): a TCP
+  proxy in a child process that imitates a network between client and server: each byte
+  arrives `delay` seconds after it left (each way, so a request's round trip is 2 x delay,
+  and a new connection's handshake one more round trip), and all connections together
+  move at most `rate` bytes/s each way, with enough in flight to fill that link. (netem
+  would do this in the kernel, but needs the sch_netem module, which some kernels lack.)
 
 The classes work without pytest too (benchmarks/remote.py starts them the same way).
 """
@@ -34,10 +41,12 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "http_root", "nginx",
-           "MotoServer", "NginxServer", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
+__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx", "link",
+           "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
 
 HOST = "127.0.0.1"
+AUTH_SETUP = ("create_user", "create_access_key", "put_user_policy")  # the requests moto lets through unsigned
+AUTH_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
 START_TIMEOUT = 30.0
 # Credentials moto accepts (it checks none); set so no real ones are ever picked up.
 FAKE_AWS_ENV = {
@@ -101,7 +110,9 @@ def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> No
 class MotoServer:
     """moto's S3-compatible server as a child process on 127.0.0.1:port."""
 
-    def __init__(self, port: int | None = None, log_dir: str | None = None):
+    def __init__(self, port: int | None = None, log_dir: str | None = None, auth: bool = False):
+        self.auth = auth
+        self.credentials = (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
         self.port = port or free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
         self.proc: subprocess.Popen | None = None
@@ -117,21 +128,34 @@ class MotoServer:
 
     def start(self) -> "MotoServer":
         env = {**os.environ, **FAKE_AWS_ENV}
+        if self.auth:  # moto checks keys and signatures once its first requests (ours: a user, a key) are done
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(len(AUTH_SETUP))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
         wait_listening(self.port, self.proc, "moto's S3 server", self.log)
+        if self.auth:
+            self.make_user()
         self.restore()
         return self
+
+    def make_user(self) -> None:
+        """With auth: an IAM user allowed all of S3, whose key pair becomes self.credentials."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"])
+        iam.create_user(UserName="packer")
+        key = iam.create_access_key(UserName="packer")["AccessKey"]
+        iam.put_user_policy(UserName="packer", PolicyName="s3", PolicyDocument=AUTH_POLICY)
+        self.credentials = (key["AccessKeyId"], key["SecretAccessKey"])
 
     def client(self):
         import boto3  # moto depends on it
         from botocore.config import Config
 
         return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
-                            aws_access_key_id=FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+                            aws_access_key_id=self.credentials[0], aws_secret_access_key=self.credentials[1],
                             config=Config(retries={"max_attempts": 1}))
 
     def take_snapshot(self) -> None:
@@ -210,13 +234,15 @@ class S3Bucket:
         return sorted(keys)
 
 
-def storage_options(endpoint_url: str) -> dict:
-    return {"key": FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], "secret": FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+def storage_options(endpoint_url: str, credentials: tuple[str, str] | None = None) -> dict:
+    key, secret = credentials or (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
+    return {"key": key, "secret": secret,
             "client_kwargs": {"endpoint_url": endpoint_url, "region_name": FAKE_AWS_ENV["AWS_DEFAULT_REGION"]}}
 
 
-def new_bucket(endpoint_url: str) -> S3Bucket:
-    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url))
+def new_bucket(endpoint_url: str, credentials: tuple[str, str] | None = None) -> S3Bucket:
+    """A fresh bucket; credentials: a key pair the server knows (MotoServer(auth=True).credentials)."""
+    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url, credentials))
     bucket.client().create_bucket(Bucket=bucket.name)
     return bucket
 
@@ -261,6 +287,15 @@ def s3_server(fake_aws_env) -> MotoServer:
     """A moto server for this test alone, to kill (server.kill()) and restart (server.restart())."""
     require_moto()
     server = MotoServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def s3_auth_server(fake_aws_env) -> MotoServer:
+    """A moto server that checks credentials: server.credentials are accepted, other keys refused (403)."""
+    require_moto()
+    server = MotoServer(auth=True).start()
     yield server
     server.close()
 
@@ -376,3 +411,120 @@ def http_root(tmp_path, nginx) -> tuple[Path, str]:
     root = tmp_path / "http-root"
     root.mkdir()
     return root, nginx(root).base_url
+
+
+# --- a slow link: latency and bandwidth between client and server ---------------------
+
+
+class Link:
+    """A TCP proxy on 127.0.0.1:port to 127.0.0.1:upstream with delay seconds of one-way
+    latency and rate bytes/s (each way, shared by all connections): see run_link."""
+
+    def __init__(self, upstream: int, delay: float = 0.010, rate: float = 125e6, port: int | None = None):
+        self.upstream, self.delay, self.rate = upstream, delay, rate
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = Path(tempfile.mkstemp(prefix="packer-link-", suffix=".log")[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def url(self, relative: str) -> str:
+        return f"{self.base_url}/{relative.lstrip('/')}"
+
+    def start(self) -> "Link":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "link", str(self.port), str(self.upstream),
+                                          repr(self.delay), repr(self.rate)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        wait_listening(self.port, self.proc, "the link proxy", self.log)
+        return self
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def link():
+    """Factory: link(upstream_port, delay=0.010, rate=125e6) -> a started Link, closed after the test."""
+    links = []
+
+    def start(upstream: int, delay: float = 0.010, rate: float = 125e6) -> Link:
+        started = Link(upstream, delay, rate).start()
+        links.append(started)
+        return started
+
+    yield start
+    for started in links:
+        started.close()
+
+
+CHUNK = 256 << 10
+IN_FLIGHT = 64  # chunks queued per direction of a connection: 16 MiB, over a 1 Gbit/s x 20 ms link's 2.5 MB
+
+
+def run_link(port: int, upstream: int, delay: float, rate: float) -> None:
+    """Serve the link until killed. A chunk read from one side leaves when the link (one per
+    direction, shared by every connection) has sent what was queued before it, taking
+    len/rate seconds, and is written to the other side delay seconds after it left."""
+    import asyncio
+
+    free_at = {"up": 0.0, "down": 0.0}  # when each direction of the link is next idle
+
+    async def pipe(reader, writer, direction: str) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(IN_FLIGHT)
+
+        async def send() -> None:
+            while True:
+                arrival, data = await queue.get()
+                if data is None:
+                    break
+                wait = arrival - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+            with contextlib.suppress(OSError):
+                writer.write_eof()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                leaves = max(loop.time(), free_at[direction]) + len(data) / rate
+                free_at[direction] = leaves
+                await queue.put((leaves + delay, data))
+        except OSError:
+            pass
+        await queue.put((0.0, None))
+        with contextlib.suppress(OSError):
+            await sender
+
+    async def handle(client_reader, client_writer) -> None:
+        await asyncio.sleep(2 * delay)  # the handshake's round trip
+        try:
+            server_reader, server_writer = await asyncio.open_connection(HOST, upstream)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, server_writer, "up"), pipe(server_reader, client_writer, "down"),
+                             return_exceptions=True)
+        for writer in (client_writer, server_writer):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, HOST, port, reuse_address=True, backlog=512)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "link":
+    run_link(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))

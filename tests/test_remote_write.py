@@ -1,12 +1,61 @@
 """Writing datasets to object storage, and the loopback servers the remote tests run against."""
 from __future__ import annotations
 
-import urllib.request
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from conftest import class_sorted_tree
+from packer.cli import main
 from packer.remote import is_url, parse_url
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTENSION = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def options_json(bucket) -> str:
+    return json.dumps(bucket.storage_options)
+
+
+def s3fs_of(bucket):
+    s3fs = pytest.importorskip("s3fs")
+    return s3fs.S3FileSystem(skip_instance_cache=True, **bucket.storage_options)
+
+
+def download(bucket, key: str, local: Path) -> Path:
+    """The dataset at s3://bucket/key, fetched to local (for packer verify, independent of any remote reader)."""
+    fs = s3fs_of(bucket)
+    if fs.isfile(f"{bucket.name}/{key}"):
+        fs.get_file(f"{bucket.name}/{key}", str(local))
+    else:
+        local.mkdir()
+        for path in fs.find(f"{bucket.name}/{key}/"):
+            relative = path[len(f"{bucket.name}/{key}/"):]
+            if relative != "packer.json":
+                (local / relative).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(path, str(local / relative))
+    return local
+
+
+def assert_verifies(bucket, key: str, src: Path, tmp_path: Path) -> None:
+    from packer.verify import verify
+
+    report = verify(str(download(bucket, key, tmp_path / ("fetched-" + key.replace("/", "-")))), str(src))
+    assert report.ok and report.checked > 0, report.problems
 
 
 # --- the servers themselves (tests/servers.py) --------------------------------------
@@ -61,6 +110,26 @@ def test_nginx_limit_rate_throttles_each_connection(tmp_path, nginx):
     assert time.perf_counter() - start > 1.0
 
 
+def test_a_link_adds_its_latency_to_each_request_and_caps_the_bandwidth(tmp_path, nginx, link):
+    (tmp_path / "small.bin").write_bytes(b"s")
+    (tmp_path / "big.bin").write_bytes(b"\0" * 2_000_000)
+    server = nginx(tmp_path)
+    slow = link(server.port, delay=0.05, rate=2_000_000)
+
+    def fetch(url):
+        start = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=20) as response:
+            data = response.read()
+        return data, time.perf_counter() - start
+
+    assert fetch(server.url("small.bin"))[1] < 0.05
+    data, seconds = fetch(slow.url("small.bin"))
+    # A new connection: one round trip for the handshake, one for the request (2 x 2 x 50 ms).
+    assert data == b"s" and seconds >= 0.19
+    data, seconds = fetch(slow.url("big.bin"))
+    assert len(data) == 2_000_000 and seconds >= 1.0  # 2 MB at 2 MB/s
+
+
 # --- URLs -----------------------------------------------------------------------------
 
 
@@ -68,6 +137,7 @@ def test_nginx_limit_rate_throttles_each_connection(tmp_path, nginx):
     ("s3://bucket/a/b.lmdb", ("s3", "bucket", "a/b.lmdb")),
     ("S3://bucket", ("s3", "bucket", "")),
     ("https://host:8080/x/y.h5", ("https", "host:8080", "x/y.h5")),
+    ("gs://b/k/", ("gs", "b", "k")),
 ])
 def test_urls_are_parsed_into_scheme_bucket_and_key(path, expected):
     assert is_url(path) and tuple(parse_url(path)) == expected
@@ -81,3 +151,253 @@ def test_local_paths_are_not_urls(path):
 def test_a_url_without_bucket_is_refused():
     with pytest.raises(ValueError, match="no bucket"):
         parse_url("s3:///key")
+
+
+# --- writing: pack and convert to s3:// ----------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_pack_uploads_every_format_whole_and_nothing_else(fmt, image_tree, s3_bucket, tmp_path):
+    key = "sets/ds" + EXTENSION[fmt]
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    result = cli("pack", image_tree, "--to", fmt, "-o", f"{s3_bucket.url}/{key}",
+                 "--storage-options", options_json(s3_bucket), "--staging-dir", staging)
+    assert result.exit_code == 0, result.output
+    assert f"into {s3_bucket.url}/{key}" in result.output
+    keys = s3_bucket.keys()
+    assert not [k for k in keys if ".partial-" in k] and list(staging.iterdir()) == []  # both stagings gone
+    if fmt == "hdf5":
+        assert keys == [key]
+    else:
+        manifest = json.loads(s3fs_of(s3_bucket).cat_file(f"{s3_bucket.name}/{key}/packer.json"))
+        assert manifest["packer_remote"] == 1 and manifest["format"] == fmt
+        sizes = {k[len(key) + 1:]: size for k, size in
+                 ((k, s3fs_of(s3_bucket).size(f"{s3_bucket.name}/{k}")) for k in keys) if k != f"{key}/packer.json"}
+        assert manifest["objects"] == sizes
+        assert {"lmdb": "data.mdb", "wds": "index.json"}[fmt] in sizes
+    assert_verifies(s3_bucket, key, image_tree, tmp_path)
+
+
+def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
+    local = tmp_path / "local.lmdb"
+    assert cli("pack", split_tree, "--to", "lmdb", "-o", local).exit_code == 0
+    result = cli("convert", local, "--to", "wds", "-o", f"{s3_bucket.url}/conv.wds",
+                 "--storage-options", options_json(s3_bucket))
+    assert result.exit_code == 0, result.output
+    assert "converted" in result.output and f"{s3_bucket.url}/conv.wds" in result.output
+    assert_verifies(s3_bucket, "conv.wds", split_tree, tmp_path)
+
+
+def test_an_existing_dataset_is_refused_without_force_and_replaced_with_it(flat_tree, image_tree, s3_bucket, tmp_path):
+    url = f"{s3_bucket.url}/ds"
+    assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    before = s3_bucket.keys()
+    refused = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--storage-options", options_json(s3_bucket))
+    assert refused.exit_code == 1 and "already exists" in refused.output and "--force" in refused.output
+    assert s3_bucket.keys() == before
+    # --force: another format replaces it, and none of the old objects stays behind.
+    replaced = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options_json(s3_bucket))
+    assert replaced.exit_code == 0, replaced.output
+    assert s3_bucket.keys() == ["ds/data.mdb", "ds/packer.json"]
+    assert_verifies(s3_bucket, "ds", flat_tree, tmp_path)
+
+
+def test_force_replaces_only_a_dataset(flat_tree, s3_bucket):
+    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/notes/readme.txt", b"mine")
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/notes", "--force",
+                 "--storage-options", options_json(s3_bucket))
+    assert result.exit_code == 1 and "not a packer dataset" in result.output
+    assert s3_bucket.keys() == ["notes/readme.txt"]
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("https://example.com/x.lmdb", "read-only"),
+    ("s3://bucket-only", "name the dataset inside the bucket"),
+    ("s3://b/x.partial-host-1-abc", "reserved"),
+])
+def test_unwritable_urls_are_refused_before_packing(url, expected, flat_tree):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", url)
+    assert result.exit_code == 1 and expected in result.output and url.rstrip("/") in result.output
+
+
+def test_a_missing_staging_dir_is_named_before_packing(flat_tree, s3_bucket, tmp_path):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb", "--storage-options",
+                 options_json(s3_bucket), "--staging-dir", tmp_path / "missing")
+    assert result.exit_code == 1 and str(tmp_path / "missing") in result.output and "--staging-dir" in result.output
+    assert s3_bucket.keys() == []
+
+
+def test_remote_options_for_a_local_out_are_refused(flat_tree, tmp_path):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", tmp_path / "x.lmdb", "--staging-dir", tmp_path)
+    assert result.exit_code == 2 and "--staging-dir" in result.output
+
+
+# --- errors name the URL and what to check ---------------------------------------------
+
+
+def write(url, src, storage_options, retries=1, packed=None, **kwargs):
+    """packer.remote.upload.write_to_url around a local pack, as the CLI calls it; packed
+    (a list) gets each local path packed."""
+    from packer.pack import pack
+    from packer.remote.upload import write_to_url
+
+    def pack_locally(local):
+        if packed is not None:
+            packed.append(local)
+        return pack(str(src), "lmdb", local)
+
+    return write_to_url(url, "lmdb", pack_locally, storage_options=storage_options, retries=retries, **kwargs)
+
+
+def test_a_missing_bucket_is_named(flat_tree, s3_bucket):
+    from packer.remote.errors import RemoteError
+
+    url = "s3://no-such-bucket-here/x.lmdb"
+    with pytest.raises(RemoteError, match="bucket no-such-bucket-here does not exist") as caught:
+        write(url, flat_tree, s3_bucket.storage_options)
+    assert url in str(caught.value) and s3_bucket.endpoint_url in str(caught.value)
+
+
+def test_wrong_credentials_are_named_before_packing(flat_tree, s3_auth_server, tmp_path):
+    from packer.remote.errors import RemoteError
+    from servers import new_bucket, storage_options
+
+    bucket = new_bucket(s3_auth_server.endpoint_url, s3_auth_server.credentials)
+    wrong = storage_options(s3_auth_server.endpoint_url, ("AKIAWRONGWRONGWRONG0", "not-the-secret"))
+    packed, staging = [], tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(RemoteError, match="access refused") as caught:
+        write(f"{bucket.url}/x.lmdb", flat_tree, wrong, packed=packed, staging_dir=str(staging))
+    message = str(caught.value)
+    assert f"{bucket.url}/x.lmdb" in message and "credentials" in message
+    assert packed == [] and list(staging.iterdir()) == []  # refused before packing
+    # The same checks pass with the right ones (moto's signature check refuses some of
+    # s3fs's listings even then, so a whole write cannot run on this server).
+    from packer.remote import upload
+
+    target = upload.open_target(f"{bucket.url}/x.lmdb", bucket.storage_options, retries=1)
+    upload.check_bucket(target)
+    upload.put_bytes(target, f"{bucket.name}/probe", b"ok")
+    assert bucket.keys() == ["probe"]
+
+
+def test_a_dead_endpoint_is_named(flat_tree):
+    from packer.remote.errors import RemoteError
+    from servers import free_port, storage_options
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="cannot be reached") as caught:
+        write("s3://bucket/x.lmdb", flat_tree, storage_options(endpoint), retries=2)
+    assert endpoint in str(caught.value) and "s3://bucket/x.lmdb" in str(caught.value)
+    assert time.monotonic() - start < 30
+
+
+def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tmp_path):
+    from servers import new_bucket
+
+    bucket = new_bucket(s3_server.endpoint_url)
+    s3_server.kill()
+    restarter = threading.Timer(1.0, s3_server.restart)
+    restarter.start()
+    try:
+        result = write(f"{bucket.url}/x.lmdb", flat_tree, bucket.storage_options, retries=8)
+    finally:
+        restarter.join()
+    assert result.out == f"{bucket.url}/x.lmdb"
+    assert_verifies(bucket, "x.lmdb", flat_tree, tmp_path)
+
+
+# --- interrupted uploads ---------------------------------------------------------------
+
+
+def start_upload(src: Path, url: str, bucket, options_from_env: bool = False) -> subprocess.Popen:
+    """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
+    to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables."""
+    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1"]
+    env = dict(os.environ)
+    if options_from_env:
+        env.update(FSSPEC_S3_ENDPOINT_URL=bucket.endpoint_url, FSSPEC_S3_KEY=bucket.storage_options["key"],
+                   FSSPEC_S3_SECRET=bucket.storage_options["secret"])
+    else:
+        command += ["--storage-options", json.dumps(bucket.storage_options)]
+    return subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+
+
+def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]]:
+    """List the bucket over and over while proc runs, until until(keys) holds; every listing
+    must show OUT either absent or whole (its manifest and every object it names)."""
+    fs = s3fs_of(bucket)
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        keys = bucket.keys()
+        seen.append(keys)
+        at_out = {k[len(out_key) + 1:] for k in keys if k.startswith(out_key + "/")}
+        if "index.json" in at_out or "packer.json" in at_out:
+            manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
+            assert set(manifest["objects"]) | {"packer.json"} == at_out
+        if until(keys) or proc.poll() is not None:
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"nothing happened in a minute: {seen[-1:]}")
+
+
+def many_records(tmp_path: Path) -> Path:
+    return class_sorted_tree(tmp_path / "many", classes=3, per_class=20)
+
+
+def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_bucket):
+    src = many_records(tmp_path)
+    url = f"{s3_bucket.url}/ds.wds"
+    proc = start_upload(src, url, s3_bucket)
+    try:
+        watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
+        assert proc.poll() is None, proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = s3_bucket.keys()
+    assert left and all(k.startswith("ds.wds.partial-") for k in left)
+    rerun = cli("pack", src, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket))
+    assert rerun.exit_code == 0, rerun.output
+    assert "left by an interrupted pack" in rerun.output
+    assert not [k for k in s3_bucket.keys() if ".partial-" in k]
+    assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
+
+
+def test_ctrl_c_during_upload_deletes_the_staging(tmp_path, s3_bucket):
+    src = many_records(tmp_path)
+    proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket, options_from_env=True)
+    watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert s3_bucket.keys() == []
+
+
+def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tmp_path, s3_bucket, flat_tree):
+    from packer.remote import upload
+
+    src = many_records(tmp_path)
+    url = f"{s3_bucket.url}/ds.wds"
+    assert cli("pack", flat_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    # The state a writer killed between deleting the old dataset and publishing the new
+    # one leaves: its complete upload beside OUT, OUT no dataset. A dead pid owns it.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = upload.Owner(upload.HOST, int(dead.stdout), "0123456789abcdef")
+    target = upload.open_target(url, s3_bucket.storage_options)
+    local = tmp_path / "new.wds"
+    assert cli("pack", src, "--to", "wds", "-o", local).exit_code == 0
+    stage = owner.path(target.path, upload.PARTIAL)
+    upload.upload(target, str(local), "wds", stage)
+    upload.remove_old(target, keep_object=False)
+    assert not [k for k in s3_bucket.keys() if k.startswith("ds.wds/")]
+    rerun = cli("pack", src, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket))
+    assert rerun.exit_code == 1 and "already exists" in rerun.output and "finished writing" in rerun.output
+    assert not [k for k in s3_bucket.keys() if ".partial-" in k]
+    assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
