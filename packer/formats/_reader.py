@@ -25,6 +25,17 @@ from ._tables import check_labels, fd_identity, file_identity, replaced_error
 _UNREAD = object()
 
 
+def remote_variant(cls: type) -> type:
+    """The class a format's Reader becomes when its dataset is a URL (read_remotely): the
+    same reader whose read_image re-fetches a damaged record once. Each format module
+    assigns it to a module-level name, so readers pickle into spawned workers."""
+    name = f"Remote{cls.__name__}"
+    variant = type(name, (cls,), {"read_image": SplitReader.read_image_refetched, "__module__": cls.__module__,
+                                  "__qualname__": name, "__doc__": f"{cls.__name__} of a dataset named by URL."})
+    cls.remote_class = variant
+    return variant
+
+
 class SplitReader(LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and
     read_image(i), and read_order() where records may be stored out of index order."""
@@ -97,19 +108,25 @@ class SplitReader(LazyHandle):
             os.close(fd)
             raise
 
+    remote_class: type | None = None  # the format's remote_variant(), set by its module
+
     def read_remotely(self, remote) -> None:
-        """Read this dataset through packer.remote (called by a format's reader for a URL)."""
+        """Read this dataset through packer.remote (called by a format's reader for a URL):
+        the reader becomes its format's remote_class, whose read_image re-fetches. A class,
+        not an instance attribute: a bound method stored on the instance would be a cycle,
+        left to the cyclic garbage collector, which may run an h5py close in fsspec's IO
+        thread while another thread holds h5py's lock waiting on that thread."""
         self.remote = remote
-        self.read_image = self.read_image_refetched
+        self.__class__ = type(self).remote_class
 
     def read_image_refetched(self, index: int) -> tuple[bytes, int]:
         """read_image of a remote dataset: a record found damaged is read once more, its
         cached blocks dropped first (a block damaged on the way or in the cache is fetched
         again); damage that persists is the stored object's, and is reported as such."""
-        read = type(self).read_image
+        read = super(type(self), self).read_image
         remote_source.start_log()
         try:
-            return read(self, index)
+            return read(index)
         except CorruptDataError:
             reads = remote_source.stop_log()
             if not reads:
@@ -119,7 +136,7 @@ class SplitReader(LazyHandle):
         for source, offset, length in reads:
             source.invalidate(offset, length)
         try:
-            return read(self, index)
+            return read(index)
         except CorruptDataError as exc:
             raise CorruptDataError(f"{exc} [read twice from {self.path}, the second time past the cache: the "
                                    "stored copy is damaged]", exc.path, exc.reason) from None

@@ -68,7 +68,7 @@ from ..records import Metadata, PathTable, check_split_name, encode_path
 from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, check_count, check_crc, dataset_identity, decode_checksums, encode_checksums,
                       expected_crc, replaced_error, table_crc)
 
@@ -509,6 +509,8 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
         raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
                                "(run packer verify; re-pack from the source)", where) from exc
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(name="hdf5", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

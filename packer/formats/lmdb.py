@@ -70,7 +70,7 @@ from ..remote import source as remote_source
 from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
                       encode_checksums, expected_crc, fd_identity, replaced_error, table_crc)
 
@@ -628,6 +628,8 @@ class Reader(SplitReader):
             self._paths = self.loaded("paths", self.load_paths)
         return self._paths
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(name="lmdb", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

@@ -76,11 +76,11 @@ from ..cores import available_cores
 from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
+from ..remote import source as remote_source
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, table_crc
-from ..remote import source as remote_source
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -632,6 +632,8 @@ def shard_problems(path: str, shard: dict) -> list[str]:
         problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
     return problems
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
     name="wds", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,

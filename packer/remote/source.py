@@ -30,38 +30,29 @@ import hashlib
 import io
 import os
 import posixpath
-import re
 import threading
-import time
 
-from ..errors import CorruptDataError, PackError
+from ..errors import CorruptDataError
+from . import is_url as _is_url
 from .cache import BlockCache, parse_bytes
+from .errors import MISSING, RemoteError
+from .retry import RETRIES, with_retries
 
 EXTRA = "packer[remote]"
 DEFAULT_BLOCK_SIZE = 8 << 20
 DEFAULT_MEMORY_BYTES = 256 << 20  # memory LRU per process without a cache_dir
 MEMORY_BLOCKS_WITH_DISK = 4  # with a cache_dir the page cache holds the rest
 FETCH_THREADS = 8  # background block fetches in flight per process
-RETRIES = 5  # attempts for a transient error; waits 0.25 s, doubling
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-class RemoteError(PackError):
-    """A remote object cannot be read. kind: "missing" (404), "refused" (401/403),
-    "unavailable" (no answer, or errors that outlasted the retries)."""
-
-    def __init__(self, message: str, path: str | None = None, kind: str = "unavailable"):
-        super().__init__(message, path)
-        self.kind = kind
 
 
 def missing(exc: BaseException) -> bool:
-    return isinstance(exc, RemoteError) and exc.kind == "missing"
+    """Whether exc says the object is not there (404), as opposed to unreachable or refused."""
+    return isinstance(exc, RemoteError) and exc.kind == MISSING
 
 
 def is_url(path) -> bool:
     """Whether path names a remote object (scheme://...) rather than a local path."""
-    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
+    return _is_url(path)
 
 
 def join(url: str, *names: str) -> str:
@@ -99,94 +90,6 @@ def identity_of(info: dict, url: str) -> tuple[str, int, str]:
             _quote(info, "LastModified", "Last-Modified", "updated", "mtime", "generation"))
 
 
-def describe(exc: BaseException) -> str:
-    """The exception and, where it wraps another (fsspec's HTTP errors do), the first cause."""
-    text = f"{type(exc).__name__}: {exc}"[:200]
-    chain = _chain(exc)
-    if len(chain) > 1:
-        text += f"; from {type(chain[-1]).__name__}: {chain[-1]}"[:200]
-    return text
-
-
-HINTS = {
-    "missing": "no such object: check the URL (bucket, key, host) and that the dataset was uploaded whole",
-    "refused": ("access refused (401/403): check the credentials and the endpoint in storage_options, and that "
-                "they may read this bucket or path"),
-    "unavailable": ("the server did not answer or the request failed (retried): check the network, the endpoint "
-                    "in storage_options and that the server is up, then read again"),
-}
-
-
-def failure(url: str, exc: BaseException, kind: str | None = None) -> RemoteError:
-    """The error for an access that failed for good: what happened and what to check."""
-    kind = kind or classify(exc) or "unavailable"
-    return RemoteError(f"{url}: {HINTS[kind]} ({describe(exc)})", url, kind)
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    found = []
-    while exc is not None and exc not in found and len(found) < 8:
-        found.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return found
-
-
-def _status(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries: aiohttp's .status, botocore's response code."""
-    status = getattr(exc, "status", None)
-    if type(status) is int:
-        return status
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or response.get("Error", {}).get("Code")
-        if isinstance(code, int) or (isinstance(code, str) and code.isdigit()):
-            return int(code)
-        if code in ("NoSuchKey", "NoSuchBucket", "404"):
-            return 404
-        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-            return 403
-    return None
-
-
-def classify(exc: BaseException) -> str | None:
-    """"missing", "refused", "fatal" (retrying cannot help) or None (transient: retry).
-
-    fsspec's HTTP backend reports a server it cannot reach as FileNotFoundError too: only
-    one backed by a 404 (or with no cause at all) counts as missing."""
-    chain = _chain(exc)
-    for link in chain:
-        status = _status(link)
-        if status == 404:
-            return "missing"
-        if status in (401, 403):
-            return "refused"
-        if status is not None and 400 <= status < 500 and status not in (408, 429):
-            return "fatal"
-    if isinstance(exc, PermissionError):
-        return "refused"
-    if isinstance(exc, FileNotFoundError):
-        return "missing" if len(chain) == 1 else None
-    if isinstance(exc, (ImportError, ValueError, TypeError)):
-        return "fatal"
-    return None
-
-
-def with_retries(url: str, call, retries: int = RETRIES):
-    """call(), retried with backoff on transient errors; a RemoteError naming url when it gives up."""
-    wait = 0.25
-    for attempt in range(retries):
-        try:
-            return call()
-        except RemoteError:
-            raise
-        except Exception as exc:  # fsspec backends raise their own kinds (aiohttp, botocore, OSError)
-            kind = classify(exc)
-            if kind is not None or attempt == retries - 1:
-                raise failure(url, exc, "unavailable" if kind in (None, "fatal") else kind) from exc
-        time.sleep(wait)
-        wait *= 2
-
-
 class Remote:
     """How to read remote objects: storage options and cache settings. Plain data that
     pickles into DataLoader workers; each process opens its own filesystem and pools."""
@@ -210,17 +113,17 @@ class Remote:
 
     def info(self, url: str) -> dict:
         fs, path = self.fs(url)
-        return with_retries(url, lambda: fs.info(path), self.retries)
+        return with_retries(url, lambda: fs.info(path), self.retries, storage_options=self.storage_options)
 
     def identity(self, url: str) -> tuple[str, int, str]:
         return identity_of(self.info(url), url)
 
     def exists(self, url: str) -> bool:
-        fs, path = self.fs(url)
+        """Whether url is an object (fsspec's isfile would say False for a server that is down)."""
         try:
-            return bool(with_retries(url, lambda: fs.isfile(path), self.retries))
+            return self.info(url).get("type", "file") == "file"
         except RemoteError as exc:
-            if exc.kind == "missing":
+            if exc.kind == MISSING:
                 return False
             raise
 
@@ -442,7 +345,7 @@ class RemoteSource:
             if len(data) != end - start:
                 raise OSError(f"short read: {len(data)} of {end - start} bytes at {start}")
             return data
-        data = with_retries(self.url, get, self.remote.retries)
+        data = with_retries(self.url, get, self.remote.retries, storage_options=self.remote.storage_options)
         state = process_state()
         with state.lock:
             self.fetched_bytes += len(data)

@@ -13,7 +13,8 @@ import io
 import queue
 import threading
 
-from .source import Remote, RemoteError, with_retries
+from .retry import with_retries
+from .source import Remote
 
 CHUNK = 4 << 20
 QUEUED = 4  # chunks buffered per stream
@@ -40,7 +41,8 @@ class ShardStream(io.RawIOBase):
             offset = 0
             while offset < size and not self.stopped.is_set():
                 end = min(size, offset + CHUNK)
-                chunk = with_retries(self.url, lambda: self.fetch(fs, path, offset, end), self.remote.retries)
+                chunk = with_retries(self.url, lambda: self.fetch(fs, path, offset, end), self.remote.retries,
+                                     storage_options=self.remote.storage_options)
                 self.put(chunk)
                 offset = end
             self.put(_END)
@@ -75,8 +77,6 @@ class ShardStream(io.RawIOBase):
                 return 0
             if isinstance(item, BaseException):
                 self.done = True
-                if isinstance(item, RemoteError):
-                    raise RemoteError(str(item), self.url) from item
                 raise item
             self.current, self.at = item, 0
         n = min(len(buffer), len(self.current) - self.at)
