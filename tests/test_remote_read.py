@@ -403,3 +403,22 @@ def test_wdsdataset_reports_a_dead_server_naming_the_shard(packs, nginx):
     server.kill()
     with pytest.raises(remote_source.RemoteError, match=r"shard-000000\.tar: the server cannot be reached"):
         list(dataset)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packer_info_reads_a_remote_dataset(packs, s3, fmt):
+    import json
+
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    bucket, options = s3
+    url = f"{bucket}/{packs[fmt].name}"
+    result = CliRunner().invoke(main, ["info", url, "--json", "--storage-options", json.dumps(options)])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    local = json.loads(CliRunner().invoke(main, ["info", str(packs[fmt]), "--json"]).output)
+    assert facts["path"] == url and facts["disk_bytes"] is None
+    assert {k: v for k, v in facts.items() if k not in ("path", "disk_bytes")} == \
+        {k: v for k, v in local.items() if k not in ("path", "disk_bytes")}

@@ -74,9 +74,18 @@ def default_output(src: str, fmt: str) -> str:
     return os.path.abspath(os.fspath(src)).rstrip(os.sep) + FORMATS[fmt].extension
 
 
-def read_metadata(path: str | os.PathLike):
-    """The Metadata of the dataset at path, whatever its format."""
+def read_metadata(path: str | os.PathLike, **remote):
+    """The Metadata of the dataset at path, whatever its format (a URL too: remote as for
+    open_reader)."""
     path = os.fspath(path)
+    if remote_source.is_url(path):
+        reader = remote_source.remote_for(path, **remote)
+        fmt = detect_remote(path, reader)
+        if fmt == "lmdb":
+            return lmdb.remote_metadata(path, reader)[2]
+        if fmt == "hdf5":
+            return hdf5.remote_metadata(path, reader)[1]
+        return wds.open_index(path, reader)[1]
     return FORMATS[detect_format(path)].read_metadata(path)
 
 

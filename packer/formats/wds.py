@@ -605,10 +605,10 @@ def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) 
     return []
 
 
-def shard_info(path: str) -> dict:
+def shard_info(path: str, remote=None) -> dict:
     """Per split: its shard count and the total, smallest and largest shard bytes (from the index)."""
     summary = {}
-    for split, entry in load_index(path)["wds"]["splits"].items():
+    for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():
         sizes = [shard["bytes"] for shard in entry["shards"]]
         summary[split] = {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
                           "max_bytes": max(sizes, default=0)}
