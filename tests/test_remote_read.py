@@ -422,3 +422,26 @@ def test_packer_info_reads_a_remote_dataset(packs, s3, fmt):
     assert facts["path"] == url and facts["disk_bytes"] is None
     assert {k: v for k, v in facts.items() if k not in ("path", "disk_bytes")} == \
         {k: v for k, v in local.items() if k not in ("path", "disk_bytes")}
+
+
+def test_the_manifest_names_the_format_and_a_bad_one_is_refused(packs, s3):
+    import json
+
+    import s3fs
+
+    from packer.errors import PackError
+    from packer.formats import detect_format
+
+    bucket, options = s3
+    fs = s3fs.S3FileSystem(**options)
+    url = f"{bucket}/with-manifest.lmdb"
+    upload(fs, packs["lmdb"], url)
+    size = (packs["lmdb"] / "data.mdb").stat().st_size
+    fs.pipe(f"{url}/packer.json", json.dumps({"packer_remote": 1, "format": "lmdb",
+                                               "objects": {"data.mdb": size}}).encode())
+    assert detect_format(url, storage_options=options) == "lmdb"
+    same_as_local(open_reader(url, "val", storage_options=options), open_reader(str(packs["lmdb"]), "val"))
+    fs.pipe(f"{url}/packer.json", json.dumps({"packer_remote": 1, "format": "lmdb",
+                                               "objects": {"../escape": 1}}).encode())
+    with pytest.raises(PackError, match="not a valid packer manifest"):
+        open_reader(url, "val", storage_options=options)

@@ -44,8 +44,17 @@ REMOTE_MARKS = (("lmdb", "data.mdb"), ("wds", "index.json"), ("hdf5", None))
 
 
 def detect_remote(url: str, remote) -> str:
-    """The name of the format stored at url, by a HEAD (or an 8-byte read) per format tried."""
+    """The name of the format stored at url: its packer.json's (the manifest packer's upload
+    writes last, checked), else by a HEAD (or an 8-byte read) per format tried, for a
+    dataset copied by hand."""
+    from ..remote.upload import MANIFEST, parse_manifest
+
     url = url.rstrip("/")
+    try:
+        return parse_manifest(remote.read_object(remote_source.join(url, MANIFEST), 64 << 20), url)["format"]
+    except remote_source.RemoteError as exc:
+        if not remote_source.missing(exc):
+            raise
     marks = sorted(REMOTE_MARKS, key=lambda mark: not url.endswith(FORMATS[mark[0]].extension))
     for name, inside in marks:
         if inside is not None:
