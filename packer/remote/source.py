@@ -6,15 +6,15 @@ reads as byte-range requests. A reader's descriptor slot holds either a plain fi
 descriptor (local: os.pread, unchanged) or a RemoteSource, whose pread(size, offset)
 serves the range from fixed-size blocks of the object:
 
-  memory   a small per-process LRU of blocks (the last few a record touched)
+  memory   the last few blocks fetched, per process
   disk     cache_dir's BlockCache, shared by the workers and ranks of one machine
   remote   one ranged GET per block (or per record: below), retried with backoff
 
-Whole blocks are fetched when there is a disk cache (the next epoch reads the cache)
-or when a sampler hinted the range ahead of reading (will_need: blocks are fetched in
-a background thread pool, several at once, so a block-ordered epoch streams at about
-the link's bandwidth). Without either, a read fetches exactly its own bytes: random
-order over a dataset that is not cached must not pay a block per record.
+With a disk cache, reads fetch whole blocks (the next epoch reads the cache), and a
+sampler's hints (will_need) fetch the blocks ahead in a background thread pool, several
+at once, so a block-ordered epoch streams at about the link's bandwidth. Without one, a
+read fetches exactly its own bytes (random order must not pay a block per record) and
+hints do nothing.
 
 Remote is anything fsspec opens by URL (s3://, gs://, https://, ...), with the
 `packer[remote]` extra installed. An object is identified by its ETag, size and
@@ -40,8 +40,8 @@ from .retry import RETRIES, with_retries
 
 EXTRA = "packer[remote]"
 DEFAULT_BLOCK_SIZE = 8 << 20
-DEFAULT_MEMORY_BYTES = 256 << 20  # memory LRU per process without a cache_dir
-MEMORY_BLOCKS_WITH_DISK = 4  # with a cache_dir the page cache holds the rest
+DEFAULT_CACHE_LIMIT = 50 * 10**9
+MEMORY_BLOCKS = 4  # the last blocks read, kept in memory too (the page cache holds the rest)
 FETCH_THREADS = 8  # background block fetches in flight per process
 
 
@@ -104,8 +104,8 @@ class Remote:
         self.block_size = DEFAULT_BLOCK_SIZE if block_size is None else parse_bytes(block_size, "block_size")
         if self.block_size < 4096:
             raise ValueError(f"block_size must be at least 4096 bytes, not {self.block_size}")
-        default = 50 * 10**9 if self.cache_dir else DEFAULT_MEMORY_BYTES
-        self.cache_limit = default if cache_limit is None else parse_bytes(cache_limit, "cache_limit")
+        self.cache_limit = (DEFAULT_CACHE_LIMIT if cache_limit is None
+                            else parse_bytes(cache_limit, "cache_limit"))
         self.retries = max(1, int(retries))
 
     def fs(self, url: str):
@@ -248,8 +248,7 @@ class RemoteSource:
         if remote.cache_dir is not None:
             where = (remote.cache_dir, remote.cache_limit)
             self.disk = state.caches.get(where) or state.caches.setdefault(where, BlockCache(*where))
-        self.memory_limit = (MEMORY_BLOCKS_WITH_DISK * self.block_size if self.disk is not None
-                             else remote.cache_limit)
+        self.memory_limit = MEMORY_BLOCKS * self.block_size
         self.fetched_bytes = 0
         self.requests = 0
 
@@ -356,8 +355,12 @@ class RemoteSource:
 
     # -- hints, state ----------------------------------------------------------------------
     def will_need(self, offset: int, length: int) -> None:
-        """Fetch the blocks of [offset, offset + length) in the background (to memory and disk)."""
-        if length <= 0:
+        """Fetch the blocks of [offset, offset + length) in the background, into the disk cache.
+
+        Nothing without a cache_dir: the sampler that hints runs in the DataLoader's main
+        process, and blocks kept in its memory would be fetched for nobody (each worker
+        reads its own records)."""
+        if length <= 0 or self.disk is None:
             return
         state = process_state()
         last = min(offset + length, self.size) - 1
