@@ -255,21 +255,32 @@ def convert_command(packed, fmt, out, force, workers, staging_dir, storage_optio
         packed, fmt, out, workers=workers, force=force, **writer_options(fmt, **shards))), verb="converted")
 
 
+class PathOrURL(click.Path):
+    """An existing path, or a URL (s3://, https://...) passed through unchecked."""
+
+    def convert(self, value, param, ctx):
+        from .remote import is_url
+
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
 @main.command("info")
-@click.argument("packed", type=click.Path(exists=True))
+@click.argument("packed", type=PathOrURL(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@click.option("--storage-options", type=JSONObject(),
+              help="For a URL: fsspec/s3fs options as a JSON object [default: from AWS_* variables].")
 @library_errors
-def info_command(packed, as_json):
-    """Show what the packed dataset PACKED holds."""
+def info_command(packed, as_json, storage_options):
+    """Show what the packed dataset PACKED (a path, or a URL: s3://bucket/x.lmdb) holds."""
     from .verify import info
 
-    facts = info(packed)
+    facts = info(packed, storage_options)
     if as_json:
         click.echo(json.dumps(facts, ensure_ascii=False))
         return
     click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}), "
                f"{facts['count']} images, {facts['bytes'] / 1e6:.1f} MB of images, "
-               f"{facts['disk_bytes'] / 1e6:.1f} MB on disk")
+               + ("remote, nothing listed" if facts["disk_bytes"] is None else f"{facts['disk_bytes'] / 1e6:.1f} MB on disk"))
     for name, split in facts["splits"].items():
         kind = "" if split["labeled"] else " (unlabeled)"
         click.echo(f"  split {name}: {split['count']} images{kind}")

@@ -68,6 +68,12 @@ def error_code(exc: BaseException) -> str | None:
 def classify(exc: BaseException) -> str:
     """The kind of a failed remote access (one of MISSING ... OTHER), from exc's whole chain."""
     kinds = [kind_of(one) for one in chain(exc)]
+    if isinstance(exc, FileNotFoundError) and error_code(exc) is None:
+        # fsspec's HTTP backend raises FileNotFoundError for a server it cannot reach or that
+        # times out, with that error as the cause: the cause decides (a 404 carries its code).
+        for kind in (TIMEOUT, UNREACHABLE):
+            if kind in kinds[1:] and MISSING not in kinds[1:]:
+                return kind
     for kind in (NO_BUCKET, DENIED, MISSING, TIMEOUT, UNREACHABLE, SERVER):
         if kind in kinds:
             return kind
