@@ -185,6 +185,24 @@ def test_pack_uploads_every_format_whole_and_nothing_else(fmt, image_tree, s3_bu
     assert_verifies(s3_bucket, key, image_tree, tmp_path)
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_what_pack_uploads_reads_back_by_url_byte_for_byte(fmt, split_tree, s3_bucket):
+    from packer.formats import open_reader, read_metadata
+
+    url = f"{s3_bucket.url}/rt{EXTENSION[fmt]}"
+    assert cli("pack", split_tree, "--to", fmt, "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    assert read_metadata(url, storage_options=s3_bucket.storage_options).format == fmt
+    for split in ("train", "val"):
+        reader = open_reader(url, split, storage_options=s3_bucket.storage_options)
+        try:
+            assert len(reader) == len(list((split_tree / split).rglob("*.jpg")))
+            for index in range(len(reader)):
+                data, _ = reader.read_image(index)
+                assert data == (split_tree / reader.paths[index]).read_bytes()
+        finally:
+            reader.close()
+
+
 def test_a_large_file_goes_up_in_parts(tmp_path, s3_bucket, monkeypatch):
     import re
 
