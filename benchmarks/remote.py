@@ -11,11 +11,15 @@ network (tests/servers.Link: --delay seconds each way, --rate bytes/s shared; th
 are 1 Gbit/s with a 20 ms round trip). Then, for each source (local, loopback, link):
 
   random   readers.LMDBDataset by URL, make_loader(order="random"): one ranged read per record
-  block    the same with order="block": shuffled runs of stored records, fetched ahead by blocks
+  block    the same with order="block": shuffled runs of stored records, fetched ahead by
+           blocks into a block cache (cache_dir: a new, empty one for each run)
   stream   readers.WDSDataset by URL: whole shards in sequence, the next ones in flight
 
 each in a fresh process (no cache carried over), decode="raw" (bytes only: the remote
-path is measured, not the JPEG decoder), --records records after the first batch. The
+path is measured, not the JPEG decoder): --random-records records in random order, the
+whole split (or --records) in block and stream order, so that the whole dataset crosses
+the link. records/s counts from the first batch on; "with start" and MB/s count from the
+loader's start (opening, worker start-up and read-ahead included). The
 link's own limit is measured with plain HTTP: large ranged GETs on 4 connections (MB/s)
 and record-sized ranged GETs at random offsets on --workers x 8 keep-alive connections
 (GET/s). --raw-only measures only that (no packer reader involved). Local reads run with
@@ -29,8 +33,10 @@ import concurrent.futures
 import http.client
 import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +53,7 @@ def count_batch(batch):
     return len(batch), sum(len(sample[0]) for sample in batch)
 
 
-def measure(source: str, order: str, records: int, workers: int) -> dict:
+def measure(source: str, order: str, records: int, workers: int, cache_dir: str | None) -> dict:
     """records/s reading `records` records of source in order (run in a fresh process)."""
     import readers
 
@@ -55,28 +61,37 @@ def measure(source: str, order: str, records: int, workers: int) -> dict:
         dataset = readers.WDSDataset(source, split="train", decode="raw")
         loader = readers.make_loader(dataset, BATCH, workers=workers, collate_fn=count_batch, drop_last=False)
     else:
-        dataset = readers.LMDBDataset(source, split="train", decode="raw")
+        remote = {"cache_dir": cache_dir} if cache_dir else {}
+        dataset = readers.LMDBDataset(source, split="train", decode="raw", **remote)
         loader = readers.make_loader(dataset, BATCH, workers=workers, order=order, collate_fn=count_batch,
                                      drop_last=False)
-    got = nbytes = 0
-    start = first = None
+    got = nbytes = first_count = 0
+    first = None
     start = time.perf_counter()
     for count, size in loader:
-        if first is None:  # from the first batch on: opening and worker start-up are not the rate
-            first = time.perf_counter()
-            continue
         got += count
         nbytes += size
-        if got >= records:
+        if first is None:  # opening, worker start-up and the first fetches: reported apart
+            first, first_count = time.perf_counter(), count
+        if records and got >= records:
             break
-    seconds = time.perf_counter() - (first or start)
-    return {"records": got, "seconds": seconds, "records_per_s": got / seconds, "mb_per_s": nbytes / seconds / 1e6,
-            "first_batch_s": (first or start) - start}
+    end = time.perf_counter()
+    return {"records": got, "mb": nbytes / 1e6, "seconds": end - start, "first_batch_s": first - start,
+            "records_per_s": (got - first_count) / max(end - first, 1e-9),
+            "epoch_records_per_s": got / (end - start), "mb_per_s": nbytes / 1e6 / (end - start)}
 
 
-def run_measure(source: str, order: str, records: int, workers: int) -> dict:
-    command = [sys.executable, "-m", "benchmarks.remote", "measure", source, order, str(records), str(workers)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+def run_measure(source: str, order: str, records: int, workers: int, work: Path) -> dict:
+    """measure() in a fresh process; block order over a URL reads ahead into an empty block cache."""
+    cache = ""
+    if order == "block" and "://" in source:
+        cache = tempfile.mkdtemp(prefix="cache-", dir=work)
+    command = [sys.executable, "-m", "benchmarks.remote", "measure", source, order, str(records), str(workers), cache]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -147,13 +162,15 @@ def prepare(work: Path, corpus: Path | None, images: int) -> tuple[Path, Path, d
 
 
 def table(results: dict) -> str:
-    lines = [f"{'source':<10} {'order':<8} {'records/s':>10} {'MB/s':>8} {'first batch s':>14}"]
+    lines = [f"{'source':<10} {'order':<8} {'records':>8} {'records/s':>10} {'with start':>11} {'MB/s':>7} "
+             f"{'first batch s':>14}"]
     for source, orders in results["reads"].items():
         for order, found in orders.items():
             if "error" in found:
                 lines.append(f"{source:<10} {order:<8} error: {found['error']}")
             else:
-                lines.append(f"{source:<10} {order:<8} {found['records_per_s']:>10.0f} {found['mb_per_s']:>8.1f} "
+                lines.append(f"{source:<10} {order:<8} {found['records']:>8} {found['records_per_s']:>10.0f} "
+                             f"{found['epoch_records_per_s']:>11.0f} {found['mb_per_s']:>7.1f} "
                              f"{found['first_batch_s']:>14.2f}")
     for name, limit in results["limits"].items():
         lines.append(f"{name} limit (plain HTTP): {limit['bulk_mb_per_s']:.0f} MB/s in 32 MiB ranges on 4 "
@@ -169,7 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, default=4000)
     parser.add_argument("--delay", type=float, default=0.010, help="one-way latency of the link, seconds")
     parser.add_argument("--rate", type=float, default=125e6, help="the link's bandwidth, bytes/s each way")
-    parser.add_argument("--records", type=int, default=1500)
+    parser.add_argument("--records", type=int, default=0, help="records read in block and stream order "
+                        "[default: the whole split, so that the whole dataset crosses the link]")
+    parser.add_argument("--random-records", type=int, default=600, help="records read in random order")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--raw-only", action="store_true", help="measure the link with plain HTTP only")
     args = parser.parse_args(argv)
@@ -191,8 +210,11 @@ def main(argv=None) -> int:
                        "loopback": (server.url("data.lmdb"), server.url("data.wds")),
                        "link": (link.url("data.lmdb"), link.url("data.wds"))}
             for name, (lmdb_source, wds_source) in sources.items():
-                results["reads"][name] = {order: run_measure(wds_source if order == "stream" else lmdb_source, order,
-                                                             args.records, args.workers) for order in ORDERS}
+                results["reads"][name] = {
+                    order: run_measure(wds_source if order == "stream" else lmdb_source, order,
+                                       args.random_records if order == "random" else args.records, args.workers,
+                                       args.work)
+                    for order in ORDERS}
     finally:
         link.close()
         server.close()
@@ -202,7 +224,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "measure":
-        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
+    if len(sys.argv) == 7 and sys.argv[1] == "measure":
+        print(json.dumps(measure(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] or None)))
         sys.exit(0)
     sys.exit(main())

@@ -7,14 +7,14 @@ real sockets with real HTTP, the way s3fs tests itself, and can kill one outrigh
 - S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
   endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
   takes; `s3_server` is a private server (one per test) that the test may kill and
-  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in memory, so MotoServer.kill/stop first snapshot every
-  object and restart puts them back: a restarted server serves what the dead one held.
+  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in
+  memory, so MotoServer.kill/stop first snapshot every object to disk and the restarted
+  server loads them before it takes a connection: it serves what the dead one held.
 - HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
   per-test nginx serving root_dir (Range requests are built in for static files);
   `nginx` is a factory, nginx(root, limit_rate=...) -> NginxServer, for servers with a
   per-connection bandwidth limit or to kill and restart. Tests skip, saying why, where
   nginx is not installed.
-
 - A link (Link, or the `link` fixture: link(upstream_port, delay=..., rate=...)): a TCP
   proxy in a child process that imitates a network between client and server: each byte
   arrives `delay` seconds after it left (each way, so a request's round trip is 2 x delay,
@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +117,6 @@ class MotoServer:
         self.port = port or free_port()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
         self.proc: subprocess.Popen | None = None
-        self.snapshot: dict[str, dict[str, bytes]] = {}
 
     @property
     def endpoint_url(self) -> str:
@@ -131,13 +131,13 @@ class MotoServer:
         if self.auth:  # moto checks keys and signatures once its first requests (ours: a user, a key) are done
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(len(AUTH_SETUP))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+            # The objects of a killed server are back before the new one takes a connection.
+            self.proc = subprocess.Popen([sys.executable, __file__, "moto", str(self.port), str(self.snapshot_dir)],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
         wait_listening(self.port, self.proc, "moto's S3 server", self.log)
         if self.auth:
             self.make_user()
-        self.restore()
         return self
 
     def make_user(self) -> None:
@@ -158,35 +158,33 @@ class MotoServer:
                             aws_access_key_id=self.credentials[0], aws_secret_access_key=self.credentials[1],
                             config=Config(retries={"max_attempts": 1}))
 
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.log_dir / "snapshot"
+
     def take_snapshot(self) -> None:
-        """Copy every bucket's objects out, so a restarted server holds them again."""
+        """Copy every bucket's objects to snapshot_dir/<bucket>/<quoted key>, for the next start."""
         client = self.client()
-        self.snapshot = {}
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        self.snapshot_dir.mkdir()
         for bucket in client.list_buckets().get("Buckets", []):
             name = bucket["Name"]
-            objects = self.snapshot[name] = {}
+            (self.snapshot_dir / name).mkdir()
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
                 for item in page.get("Contents", []):
-                    objects[item["Key"]] = client.get_object(Bucket=name, Key=item["Key"])["Body"].read()
-
-    def restore(self) -> None:
-        if not self.snapshot:
-            return
-        client = self.client()
-        for name, objects in self.snapshot.items():
-            client.create_bucket(Bucket=name)
-            for key, data in objects.items():
-                client.put_object(Bucket=name, Key=key, Body=data)
-        self.snapshot = {}
+                    data = client.get_object(Bucket=name, Key=item["Key"])["Body"].read()
+                    (self.snapshot_dir / name / urllib.parse.quote(item["Key"], safe="")).write_bytes(data)
 
     def kill(self, keep_objects: bool = True) -> None:
         """SIGKILL the server (after snapshotting its objects, unless keep_objects is False)."""
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         if keep_objects and self.running:
             self.take_snapshot()
         kill_process(self.proc)
         wait_closed(self.port)
 
     def stop(self, keep_objects: bool = True) -> None:
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         if keep_objects and self.running:
             self.take_snapshot()
         kill_process(self.proc, signal.SIGTERM)
@@ -313,7 +311,8 @@ class NginxServer:
     folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
 
     def __init__(self, root: str | os.PathLike, port: int | None = None, limit_rate: int | None = None,
-                 binary: str | None = None):
+                 binary: str | None = None, log_requests: bool = False):
+        self.log_requests = log_requests
         self.binary = binary or nginx_binary()
         if self.binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
@@ -334,12 +333,40 @@ class NginxServer:
     def error_log(self) -> Path:
         return self.prefix / "error.log"
 
+    @property
+    def access_log(self) -> Path:
+        return self.prefix / "access.log"
+
+    def requests(self, at_least: int = 0, timeout: float = 5.0) -> list[dict]:
+        """With log_requests: each request served so far, in order: connection (its number),
+        nth (requests on that connection so far), status, method, path, range, bytes sent.
+        nginx logs a request just after its response is sent: at_least waits for that many."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.logged()
+            if len(found) >= at_least or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    def logged(self) -> list[dict]:
+        found = []
+        if self.access_log.exists():
+            for line in self.access_log.read_text().splitlines():
+                connection, nth, status, method, path, rest = line.split(" ", 5)
+                range_, _, sent = rest.rpartition(" ")
+                found.append({"connection": int(connection), "nth": int(nth), "status": int(status), "method": method,
+                              "path": path, "range": "" if range_ == '"-"' else range_.strip('"'), "bytes": int(sent)})
+        return found
+
     def config(self) -> str:
         # As root, nginx's workers would drop to nobody, who cannot read a pytest tmp dir.
         user = "user root;" if os.geteuid() == 0 else ""
         temp = "\n".join(f"    {kind}_temp_path {self.prefix}/{kind};"
                          for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         throttle = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
+        access = (f"log_format packer '$connection $connection_requests $status $request_method $uri "
+                  f"\"$http_range\" $body_bytes_sent';\n    access_log {self.access_log} packer;"
+                  if self.log_requests else "access_log off;")
         return f"""
 {user}
 worker_processes 2;
@@ -347,7 +374,7 @@ pid {self.prefix}/nginx.pid;
 error_log {self.error_log} warn;
 events {{ worker_connections 256; }}
 http {{
-    access_log off;
+    {access}
 {temp}
     sendfile on;
     keepalive_requests 100000;
@@ -389,14 +416,15 @@ http {{
 
 @pytest.fixture
 def nginx():
-    """Factory: nginx(root, limit_rate=None, port=None) -> a started NginxServer, stopped after the test."""
+    """Factory: nginx(root, limit_rate=None, port=None, log_requests=False) -> a started NginxServer,
+    stopped after the test; with log_requests, server.requests() lists what it served."""
     if nginx_binary() is None:
         pytest.skip("nginx is not installed, so the HTTP tests cannot run a server (apt-get install nginx-light; "
                     ".ci/run installs it when run as root)")
     servers = []
 
-    def start(root, limit_rate: int | None = None, port: int | None = None) -> NginxServer:
-        server = NginxServer(root, port=port, limit_rate=limit_rate).start()
+    def start(root, limit_rate: int | None = None, port: int | None = None, log_requests: bool = False) -> NginxServer:
+        server = NginxServer(root, port=port, limit_rate=limit_rate, log_requests=log_requests).start()
         servers.append(server)
         return server
 
@@ -526,5 +554,22 @@ def run_link(port: int, upstream: int, delay: float, rate: float) -> None:
     asyncio.run(main())
 
 
+def run_moto(port: int, snapshot: Path) -> None:
+    """moto's S3 server on port, holding the objects snapshot/<bucket>/<quoted key> from the start."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+    from moto.server import main
+
+    if snapshot.is_dir():
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        for bucket in sorted(snapshot.iterdir()):
+            backend.create_bucket(bucket.name, FAKE_AWS_ENV["AWS_DEFAULT_REGION"])
+            for item in sorted(bucket.iterdir()):
+                backend.put_object(bucket.name, urllib.parse.unquote(item.name), item.read_bytes())
+    main(["-H", HOST, "-p", str(port)])
+
+
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "link":
     run_link(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "moto":
+    run_moto(int(sys.argv[2]), Path(sys.argv[3]))

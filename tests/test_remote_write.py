@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from conftest import class_sorted_tree
 from packer.cli import main
+from packer.errors import PackError
 from packer.remote import is_url, parse_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,12 @@ def test_nginx_serves_byte_ranges_and_restarts_on_its_port(http_root, nginx):
     request = urllib.request.Request(f"{base_url}/d/x.bin", headers={"Range": "bytes=10-19"})
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 206 and response.read() == bytes(range(10, 20))
-    server = nginx(root)
+    server = nginx(root, log_requests=True)
+    with urllib.request.urlopen(urllib.request.Request(server.url("d/x.bin"), headers={"Range": "bytes=5-9"})) as r:
+        assert r.read() == bytes(range(5, 10))
+    (served,) = server.requests(at_least=1)
+    assert served["path"] == "/d/x.bin" and served["range"] == "bytes=5-9" and served["bytes"] == 5
+    assert served["status"] == 206
     server.kill()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url("d/x.bin"), timeout=5)
@@ -179,6 +185,28 @@ def test_pack_uploads_every_format_whole_and_nothing_else(fmt, image_tree, s3_bu
     assert_verifies(s3_bucket, key, image_tree, tmp_path)
 
 
+def test_a_large_file_goes_up_in_parts(tmp_path, s3_bucket, monkeypatch):
+    import re
+
+    from conftest import jpeg_bytes, write
+    from packer.remote import upload
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)  # S3's smallest part
+    src = tmp_path / "large"
+    for i in range(10):  # noise JPEGs of about 1.2 MB: a 12 MB dataset
+        write(src / "c" / f"{i}.jpg", jpeg_bytes(i, size=(1000, 1000), quality=95))
+    local = tmp_path / "big.h5"
+    assert cli("pack", src, "--to", "hdf5", "-o", local).exit_code == 0
+    target = upload.open_target(f"{s3_bucket.url}/big.h5", s3_bucket.storage_options)
+    stage = upload.new_owner().path(target.path, upload.PARTIAL)
+    upload.upload(target, str(local), "hdf5", stage)
+    staged = s3_bucket.client().head_object(Bucket=s3_bucket.name, Key=stage.split("/", 1)[1] + "/big.h5")
+    assert staged["ContentLength"] == local.stat().st_size
+    assert re.fullmatch(r'"[0-9a-f]{32}-3"', staged["ETag"])  # S3's mark of a 3-part upload: 5 + 5 + 2 MB
+    upload.publish(target, stage, "hdf5", {}, replacing=False)  # a server-side copy of a multipart object
+    assert_verifies(s3_bucket, "big.h5", src, tmp_path)
+
+
 def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
     local = tmp_path / "local.lmdb"
     assert cli("pack", split_tree, "--to", "lmdb", "-o", local).exit_code == 0
@@ -190,14 +218,14 @@ def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
 
 
 def test_an_existing_dataset_is_refused_without_force_and_replaced_with_it(flat_tree, image_tree, s3_bucket, tmp_path):
-    url = f"{s3_bucket.url}/ds"
-    assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    url, options = f"{s3_bucket.url}/ds", options_json(s3_bucket)
+    assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options).exit_code == 0
     before = s3_bucket.keys()
     refused = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--storage-options", options_json(s3_bucket))
     assert refused.exit_code == 1 and "already exists" in refused.output and "--force" in refused.output
     assert s3_bucket.keys() == before
     # --force: another format replaces it, and none of the old objects stays behind.
-    replaced = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options_json(s3_bucket))
+    replaced = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options)
     assert replaced.exit_code == 0, replaced.output
     assert s3_bucket.keys() == ["ds/data.mdb", "ds/packer.json"]
     assert_verifies(s3_bucket, "ds", flat_tree, tmp_path)
@@ -231,6 +259,32 @@ def test_a_missing_staging_dir_is_named_before_packing(flat_tree, s3_bucket, tmp
 def test_remote_options_for_a_local_out_are_refused(flat_tree, tmp_path):
     result = cli("pack", flat_tree, "--to", "lmdb", "-o", tmp_path / "x.lmdb", "--staging-dir", tmp_path)
     assert result.exit_code == 2 and "--staging-dir" in result.output
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"not json", "not JSON"),
+    (b'{"packer_remote": 2, "format": "lmdb", "objects": {"data.mdb": 1}}', "packer_remote"),
+    (b'{"packer_remote": 1, "format": "zip", "objects": {"data.mdb": 1}}', "format"),
+    (b'{"packer_remote": 1, "format": "lmdb", "objects": {}}', "no objects"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"../escape": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"/abs": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"a//b": 1}}', "object name"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"index.json": -1}}', "size"),
+    (b'{"packer_remote": 1, "format": "wds", "objects": {"index.json": true}}', "size"),
+])
+def test_a_hostile_manifest_is_refused(raw, what):
+    from packer.remote.upload import parse_manifest
+
+    with pytest.raises(PackError, match=f"s3://b/x/packer.json: not a valid packer manifest .*{what}"):
+        parse_manifest(raw, "s3://b/x/packer.json")
+
+
+def test_force_refuses_a_damaged_manifest_at_out(flat_tree, s3_bucket):
+    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/x.lmdb/packer.json", b'{"packer_remote": 1, "objects": 5}')
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb", "--force",
+                 "--storage-options", options_json(s3_bucket))
+    assert result.exit_code == 1 and "not a valid packer manifest" in result.output
+    assert s3_bucket.keys() == ["x.lmdb/packer.json"]
 
 
 # --- errors name the URL and what to check ---------------------------------------------
@@ -294,6 +348,28 @@ def test_a_dead_endpoint_is_named(flat_tree):
     assert time.monotonic() - start < 30
 
 
+def test_a_server_that_never_answers_is_named(flat_tree):
+    import socket
+
+    from packer.remote.errors import RemoteError
+    from servers import storage_options
+
+    with socket.socket() as silent:  # takes connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        options = {**storage_options(endpoint), "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 0.5}}
+        with pytest.raises(RemoteError, match="did not answer in time") as caught:
+            write("s3://bucket/x.lmdb", flat_tree, options, retries=1)
+    assert endpoint in str(caught.value) and "s3://bucket/x.lmdb" in str(caught.value)
+
+
+def test_storage_options_the_store_refuses_are_named(flat_tree, s3_bucket):
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb",
+                 "--storage-options", json.dumps({**s3_bucket.storage_options, "no_such_option": 1}))
+    assert result.exit_code == 1 and "no_such_option" in result.output and "storage options" in result.output
+
+
 def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tmp_path):
     from servers import new_bucket
 
@@ -312,10 +388,11 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # --- interrupted uploads ---------------------------------------------------------------
 
 
-def start_upload(src: Path, url: str, bucket, options_from_env: bool = False) -> subprocess.Popen:
+def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: bool = False) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
     to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables."""
-    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1"]
+    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1",
+               *extra]
     env = dict(os.environ)
     if options_from_env:
         env.update(FSSPEC_S3_ENDPOINT_URL=bucket.endpoint_url, FSSPEC_S3_KEY=bucket.storage_options["key"],
@@ -335,17 +412,21 @@ def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]
         keys = bucket.keys()
         seen.append(keys)
         at_out = {k[len(out_key) + 1:] for k in keys if k.startswith(out_key + "/")}
-        if "index.json" in at_out or "packer.json" in at_out:
-            manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
-            assert set(manifest["objects"]) | {"packer.json"} == at_out
+        if "packer.json" in at_out:
+            try:
+                manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
+            except FileNotFoundError:  # deleted since the listing: a replace began
+                manifest = None
+            if manifest is not None:
+                assert set(manifest["objects"]) | {"packer.json"} == at_out
         if until(keys) or proc.poll() is not None:
             return seen
-        time.sleep(0.01)
+        time.sleep(0.03)
     raise AssertionError(f"nothing happened in a minute: {seen[-1:]}")
 
 
-def many_records(tmp_path: Path) -> Path:
-    return class_sorted_tree(tmp_path / "many", classes=3, per_class=20)
+def many_records(tmp_path: Path, per_class: int = 14) -> Path:
+    return class_sorted_tree(tmp_path / "many", classes=3, per_class=per_class)
 
 
 def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_bucket):
@@ -365,6 +446,19 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
     rerun = cli("pack", src, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket))
     assert rerun.exit_code == 0, rerun.output
     assert "left by an interrupted pack" in rerun.output
+    assert not [k for k in s3_bucket.keys() if ".partial-" in k]
+    assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
+
+
+def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, flat_tree):
+    src = many_records(tmp_path, per_class=8)
+    url = f"{s3_bucket.url}/ds.wds"
+    assert cli("pack", flat_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
+    proc = start_upload(src, url, s3_bucket, "--force")
+    seen = watch(s3_bucket, "ds.wds", proc, lambda keys: False)  # every listing checked, until it exits
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert any(".partial-" in k for keys in seen for k in keys)  # the watch saw the upload under way
     assert not [k for k in s3_bucket.keys() if ".partial-" in k]
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
 
@@ -401,3 +495,54 @@ def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tm
     assert rerun.exit_code == 1 and "already exists" in rerun.output and "finished writing" in rerun.output
     assert not [k for k in s3_bucket.keys() if ".partial-" in k]
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
+
+
+# --- the retry policy -----------------------------------------------------------------
+
+
+def test_backoff_doubles_from_the_first_wait_up_to_the_cap_with_jitter():
+    from packer.remote.retry import JITTER, Backoff
+
+    waits = list(Backoff(attempts=7, first=0.25, factor=2, cap=4).waits())
+    assert len(waits) == 6
+    for wait, base in zip(waits, [0.25, 0.5, 1, 2, 4, 4]):
+        assert base * (1 - JITTER) <= wait <= base * (1 + JITTER)
+
+
+def test_transient_errors_are_retried_and_refusals_are_not(s3_bucket):
+    from packer.remote.errors import RemoteError
+    from packer.remote.retry import with_retries
+
+    calls, slept = [], []
+
+    def refused_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return "answer"
+
+    assert with_retries("s3://b/k", refused_twice, retries=3, sleep=slept.append) == "answer"
+    assert len(calls) == 3 and len(slept) == 2
+    # A real 404 from the server: reported at once, naming the URL.
+    fs = s3fs_of(s3_bucket)
+    calls.clear()
+
+    def missing():
+        calls.append(1)
+        return fs.cat_file(f"{s3_bucket.name}/no/such/key")
+
+    with pytest.raises(RemoteError, match="no such object") as caught:
+        with_retries(f"{s3_bucket.url}/no/such/key", missing, retries=5, sleep=slept.append)
+    assert len(calls) == 1 and f"{s3_bucket.url}/no/such/key" in str(caught.value)
+    assert caught.value.kind == "missing"
+
+
+def test_giving_up_says_it_retried(s3_bucket):
+    from packer.remote.errors import RemoteError
+    from packer.remote.retry import with_retries
+
+    def down():
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(RemoteError, match=r"cannot be reached.*\(retried\)"):
+        with_retries("s3://b/k", down, retries=2, storage_options=s3_bucket.storage_options, sleep=lambda s: None)

@@ -143,6 +143,8 @@ def failure(url: str, exc: BaseException, doing: str = "reading", storage_option
         hint = f"{where} {what}: check the endpoint_url and the network, and that the server is up"
     elif kind == SERVER:
         hint = "the server kept failing (an error status or throttling): try again later"
+    elif isinstance(exc, TypeError):
+        hint = "the storage options were refused: check storage_options (--storage-options)"
     else:
         hint = f"{doing} failed"
     again = " (retried)" if retried and kind in TRANSIENT else ""

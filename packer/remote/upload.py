@@ -65,10 +65,12 @@ if TYPE_CHECKING:
 
 MANIFEST = "packer.json"
 MANIFEST_VERSION = 1
+MANIFEST_LIMIT = 64 << 20  # bytes: a manifest names each object once, in a few dozen bytes
 ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT itself
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
+PART_SIZE = 64 << 20  # multipart parts of a large object (S3: at least 5 MiB, at most 10,000 parts)
 READ_ONLY_SCHEMES = ("http", "https")
 EXTRA = "packer[remote]"
 
@@ -132,7 +134,7 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
     if parsed.scheme in READ_ONLY_SCHEMES:
         raise PackError(f"{url}: {parsed.scheme}:// URLs are read-only (a web server takes no uploads); write to "
                         "s3://bucket/key, or pack locally and serve the folder", url)
-    if not parsed.key or parsed.key.endswith(".") or any(part in ("", ".", "..") for part in parsed.key.split("/")):
+    if not parsed.key or any(part in ("", ".", "..") for part in parsed.key.split("/")):
         raise PackError(f"{url}: name the dataset inside the bucket, e.g. {parsed.scheme}://{parsed.bucket}/"
                         "imagenet.lmdb", url)
     if ".partial-" in parsed.key:
@@ -140,6 +142,8 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
     url = str(parsed)
     fs, path = filesystem(url, storage_options)
     fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
+    if hasattr(fs, "retries") and isinstance(fs.retries, int):
+        fs.retries = 1  # s3fs retries timeouts itself: leave retrying to packer.remote.retry
     return Target(url, fs, path.rstrip("/"), dict(storage_options or {}), retries)
 
 
@@ -155,9 +159,10 @@ def check_bucket(target: Target) -> None:
         target.call(target.url, lambda: target.fs.call_s3("head_bucket", Bucket=bucket))
     except RemoteError as exc:
         if exc.kind in (MISSING, NO_BUCKET):  # HEAD has no body: a 404 is all S3 says
-            raise RemoteError(f"{target.url}: the bucket {bucket} does not exist at "
-                              f"{endpoint_of(target.storage_options)}: check the bucket name and the endpoint_url (packer writes "
-                              "into an existing bucket; create it first)", target.url, NO_BUCKET) from exc
+            where = endpoint_of(target.storage_options)
+            raise RemoteError(f"{target.url}: the bucket {bucket} does not exist at {where}: check the bucket name "
+                              "and the endpoint_url (packer writes into an existing bucket; create it first)",
+                              target.url, NO_BUCKET) from exc
         raise
 
 
@@ -191,7 +196,8 @@ def read_manifest(target: Target, path: str) -> dict | None:
     where = f"{path}/{MANIFEST}"
     if not is_file(target, where):
         return None
-    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where), doing="reading")
+    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where, start=0, end=MANIFEST_LIMIT + 1),
+                      doing="reading")
     return parse_manifest(raw, target.url_of(where))
 
 
@@ -203,7 +209,7 @@ def parse_manifest(raw: bytes, url: str) -> dict:
         return PackError(f"{url}: not a valid packer manifest ({what}); the dataset is damaged or was not "
                          "written by packer", url)
 
-    if len(raw) > 64 << 20:
+    if len(raw) > MANIFEST_LIMIT:
         raise bad(f"{len(raw)} bytes")
     try:
         found = json.loads(raw)
@@ -413,7 +419,15 @@ def manifest_bytes(fmt: str, objects: dict[str, int]) -> bytes:
 
 
 def put(target: Target, local: str, path: str) -> None:
-    target.call(target.url_of(path), lambda: target.fs.put_file(local, path))
+    """Upload one file: on S3 in one PUT below two parts' size, else as a multipart upload
+    (s3fs aborts it on failure, so no parts are left behind)."""
+    options = {"chunksize": part_size(os.path.getsize(local))} if target.s3 else {}
+    target.call(target.url_of(path), lambda: target.fs.put_file(local, path, **options))
+
+
+def part_size(size: int) -> int:
+    """PART_SIZE, or larger where the object needs more than S3's 10,000 parts."""
+    return max(PART_SIZE, -(-size // 10_000))
 
 
 def put_bytes(target: Target, path: str, data: bytes) -> None:
@@ -464,15 +478,18 @@ def delete_object(target: Target, path: str) -> None:
 
 
 def upload_dataset(local: str, url: str, fmt: str, *, force: bool = False, storage_options: dict | None = None,
-                   retries: int = RETRIES, target: Target | None = None, owner: Owner | None = None) -> list[str]:
+                   retries: int = RETRIES, target: Target | None = None, checked: bool = False) -> list[str]:
     """Publish the local dataset at local (format fmt) at url with the guarantee of the module
-    docstring; the notes for the user (leftovers settled)."""
+    docstring; the notes for the user (leftovers settled). checked: the caller has just
+    checked the bucket and OUT and settled the leftovers (write_to_url)."""
     target = target or open_target(url, storage_options, retries)
-    owner = owner or new_owner()
+    owner = new_owner()
     stage = owner.path(target.path, PARTIAL)
-    check_bucket(target)
-    removed, notes = tidy(target)
-    refuse_existing(target, force, notes)
+    removed, notes = [], []
+    if not checked:
+        check_bucket(target)
+        removed, notes = tidy(target)
+        refuse_existing(target, force, notes)
     published = False
     try:
         put_bytes(target, f"{stage}/{PROBE}", owner_note(owner))
@@ -541,7 +558,7 @@ def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"],
                 raise
             raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
                             "(or TMPDIR) chooses where]", exc.path) from exc
-        notes += upload_dataset(local, url, fmt, force=force, target=target)
+        notes += upload_dataset(local, url, fmt, force=force, target=target, checked=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return dataclasses.replace(result, out=target.url, warnings=notes + result.warnings,
