@@ -445,3 +445,17 @@ def test_the_manifest_names_the_format_and_a_bad_one_is_refused(packs, s3):
                                                "objects": {"../escape": 1}}).encode())
     with pytest.raises(PackError, match="not a valid packer manifest"):
         open_reader(url, "val", storage_options=options)
+
+
+def test_refused_credentials_are_named(packs, s3_auth_server):
+    from servers import storage_options
+
+    bucket = new_bucket(s3_auth_server.endpoint_url, s3_auth_server.credentials)
+    bucket.client().put_object(Bucket=bucket.name, Key="x.h5", Body=packs["hdf5"].read_bytes())
+    url = f"{bucket.url}/x.h5"
+    # (moto's signature check refuses some of s3fs's listings even with the right keys, so
+    # only the refusal is read here)
+    wrong = {**storage_options(s3_auth_server.endpoint_url, ("AKIAWRONGWRONGWRONG0", "not-the-secret")), **FAST_FAIL}
+    with pytest.raises(remote_source.RemoteError, match=f"{url}.*access refused.*check the credentials") as info:
+        open_reader(url, "val", storage_options=wrong)
+    assert info.value.kind == "denied"
