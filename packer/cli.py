@@ -146,10 +146,56 @@ def reencode_args(max_side, quality) -> dict:
     return {"max_side": max_side, "quality": quality}
 
 
+class JSONObject(click.ParamType):
+    """A JSON object given on the command line (--storage-options)."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            found = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON ({exc}): {value!r}", param, ctx)
+        if not isinstance(found, dict):
+            self.fail(f"not a JSON object: {value!r}", param, ctx)
+        return found
+
+
+def remote_options(command):
+    """-o s3://bucket/key: where to pack before uploading, and how to reach the store."""
+    command = click.option("--storage-options", type=JSONObject(),
+                           help="With -o URL: fsspec/s3fs options as a JSON object, e.g. '{\"client_kwargs\": "
+                                "{\"endpoint_url\": \"http://minio:9000\"}}' [default: from AWS_* and "
+                                "FSSPEC_S3_* variables].")(command)
+    return click.option("--staging-dir", type=click.Path(file_okay=False),
+                        help="With -o URL: the folder to pack in before uploading; it must hold the whole "
+                             "dataset [default: $TMPDIR].")(command)
+
+
+def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResult:
+    """write(out, force) where out is local; to a URL, packed in a staging folder and uploaded
+    (packer.remote.upload)."""
+    from .remote import is_url
+
+    if out is None or not is_url(out):
+        given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options))
+                 if value is not None]
+        if given:
+            raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
+        return write(out, force)
+    from .remote.upload import write_to_url
+
+    return write_to_url(out, fmt, lambda local: write(local, False), force=force, staging_dir=staging_dir,
+                        storage_options=storage_options)
+
+
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
-@click.option("-o", "--out", type=click.Path(), help="Output path [default: SRC + .lmdb/.h5/.wds].")
+@click.option("-o", "--out", type=click.Path(), help="Output path, or s3://bucket/key to upload [default: SRC + "
+              ".lmdb/.h5/.wds].")
 @click.option("--workers", type=click.IntRange(min=1), help="Readers working ahead of the writer: threads for the "
               "header check, processes for --check full [default: the usable cores].")
 @click.option("--on-error", type=click.Choice(ON_ERROR), default="fail", show_default=True,
@@ -175,10 +221,11 @@ def reencode_args(max_side, quality) -> dict:
               "(tcp://host:8786; needs packer[dask]); SRC and OUT's folder must be on a file system every "
               "worker shares, at the same paths [--parts default: the cluster's threads].")
 @reencode_options
+@remote_options
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 part, parts, dask, max_side, quality, **shards):
+                 part, parts, dask, max_side, quality, staging_dir, storage_options, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder.
 
     Every image is stored byte for byte, except those --max-side re-encodes.
@@ -190,11 +237,15 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
     kwargs = dict(workers=workers, on_error=on_error, check=check, force=force, max_pixels=max_pixels,
                   labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
                   part=part, parts=parts, **reencode_args(max_side, quality), **writer_options(fmt, **shards))
+    kwargs.pop("force")
     if dask is not None:
         with dask_client(dask) as client:
-            result = pack(src, fmt, out, executor=client.get_executor(pure=False), **kwargs)
+            executor = client.get_executor(pure=False)
+            result = write_out(out, fmt, force, staging_dir, storage_options,
+                               lambda out, force: pack(src, fmt, out, executor=executor, force=force, **kwargs))
     else:
-        result = pack(src, fmt, out, **kwargs)
+        result = write_out(out, fmt, force, staging_dir, storage_options,
+                           lambda out, force: pack(src, fmt, out, force=force, **kwargs))
     report_pack(result)
     if as_json:
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
@@ -249,14 +300,17 @@ def pack_facts(result: PackResult) -> dict:
 @click.argument("packed", type=click.Path(exists=True))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
 @click.option("-o", "--out", type=click.Path(),
-              help="Output path [default: PACKED with its extension replaced by .lmdb/.h5/.wds].")
+              help="Output path, or s3://bucket/key to upload [default: PACKED with its extension replaced "
+                   "by .lmdb/.h5/.wds].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
               "[default: the usable cores].")
 @reencode_options
+@remote_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, max_side, quality, **shards):
+def convert_command(packed, fmt, out, force, workers, max_side, quality, staging_dir, storage_options,
+                    **shards):
     """Convert the packed dataset PACKED to another format, byte for byte (except the
     records --max-side re-encodes).
 
@@ -264,8 +318,9 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, **shard
     """
     from .convert import convert
 
-    report_pack(convert(packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality),
-                        **writer_options(fmt, **shards)), verb="converted")
+    report_pack(write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
+        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality),
+        **writer_options(fmt, **shards))), verb="converted")
 
 
 @main.command("merge")
@@ -290,21 +345,32 @@ def merge_command(parts, out, force, workers, as_json):
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
 
 
+class PathOrURL(click.Path):
+    """An existing path, or a URL (s3://, https://...) passed through unchecked."""
+
+    def convert(self, value, param, ctx):
+        from .remote import is_url
+
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
 @main.command("info")
-@click.argument("packed", type=click.Path(exists=True))
+@click.argument("packed", type=PathOrURL(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@click.option("--storage-options", type=JSONObject(),
+              help="For a URL: fsspec/s3fs options as a JSON object [default: from AWS_* variables].")
 @library_errors
-def info_command(packed, as_json):
-    """Show what the packed dataset PACKED holds."""
+def info_command(packed, as_json, storage_options):
+    """Show what the packed dataset PACKED (a path, or a URL: s3://bucket/x.lmdb) holds."""
     from .verify import info
 
-    facts = info(packed)
+    facts = info(packed, storage_options)
     if as_json:
         click.echo(json.dumps(facts, ensure_ascii=False))
         return
     click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}), "
                f"{facts['count']} images, {facts['bytes'] / 1e6:.1f} MB of images, "
-               f"{facts['disk_bytes'] / 1e6:.1f} MB on disk")
+               + ("remote, nothing listed" if facts["disk_bytes"] is None else f"{facts['disk_bytes'] / 1e6:.1f} MB on disk"))
     for name, split in facts["splits"].items():
         kind = "" if split["labeled"] else " (unlabeled)"
         click.echo(f"  split {name}: {split['count']} images{kind}")

@@ -42,14 +42,22 @@ def own_size(path: str) -> int:
         return 0
 
 
-def info(path: str) -> dict:
-    """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict."""
-    meta = read_metadata(path)
-    facts = {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+def info(path: str, storage_options: dict | None = None) -> dict:
+    """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict.
+    path may be a URL (its disk_bytes are then None: nothing is listed)."""
+    from .remote.source import remote_for
+
+    remote = remote_for(path, storage_options=storage_options)
+    if remote is None:
+        meta = read_metadata(path)
+        facts = {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+    else:
+        meta = read_metadata(path, storage_options=storage_options)
+        facts = {**meta.to_dict(), "path": path, "disk_bytes": None}
     if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to workers)
         from .formats.wds import shard_info
 
-        for split, shards in shard_info(path).items():
+        for split, shards in shard_info(path, remote).items():
             facts["splits"][split]["shards"] = shards
     return facts
 

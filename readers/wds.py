@@ -31,6 +31,7 @@ import torch.utils.data
 from packer.errors import CorruptDataError, FormatError
 from packer.formats import _tar, wds
 from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
+from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
@@ -95,19 +96,26 @@ class WDSDataset(torch.utils.data.IterableDataset):
     "drop_last"}, from which each worker works out its own samples (a DataLoader takes
     batches from its workers in turn), so one state resumes every rank. Positions count
     samples: with on_error="skip", a damaged shard shifts them.
+    Remote shards (s3://, gs://, https:// URLs; a packer folder at a URL, shard URLs, a
+    brace pattern of them; needs packer[remote]) are streamed: one sequential read per
+    shard, the next prefetch_shards shards of a worker streaming while it reads one.
+    storage_options: fsspec's (credentials, endpoint). Without a packer index, counting
+    the samples reads every shard once.
     """
 
     def __init__(self, path_or_urls, split: str | None = None, transform=None, target_transform=None,
                  decode: str = "pil", shuffle: int = 0, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, on_error: str = "fail", check_crc: bool = True,
-                 max_pixels: int = MAX_PIXELS):
+                 max_pixels: int = MAX_PIXELS, storage_options: dict | None = None, prefetch_shards: int = 2):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         on_error = ON_ERROR_ALIASES.get(on_error, on_error)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
         check_rank(rank, world_size, "WDSDataset")
-        self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split)
+        self.remote = remote_of(path_or_urls, storage_options)
+        self.prefetch_shards = int(prefetch_shards)
+        self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
         self.rank, self.world_size = rank, world_size
@@ -141,6 +149,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def count_or_skip(self, path: str) -> int:
         try:
+            if self.remote is not None:
+                return _tar.count_samples(path, self.opener([path]))
             return count_samples(path)
         except CorruptDataError as exc:
             if self.on_error == "fail":
@@ -299,15 +309,32 @@ class WDSDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"WDSDataset: the state has {skip} samples read from stream {stream_id}, which has "
                              f"{sizes[stream_id]} this epoch; it was saved over other data")
         return stream_id, skip
+    def opener(self, paths: list[str]):
+        """How _tar opens these shards, read in this order: None (local files) or streams
+        started ahead (remote)."""
+        if self.remote is None:
+            return None
+        from packer.remote.stream import ShardsAhead
+
+        return ShardsAhead(self.remote, paths, self.prefetch_shards)
 
     def read_tasks(self, tasks: Iterable[Task]) -> Iterator[tuple[str, bytes, int]]:
         """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked."""
+        tasks = list(tasks)
+        opener = self.opener([self.shards[task.shard] for task in tasks])
+        try:
+            yield from self.read_shards(tasks, opener)
+        finally:
+            if opener is not None:
+                opener.close()
+
+    def read_shards(self, tasks: list[Task], opener) -> Iterator[tuple[str, bytes, int]]:
         for task in tasks:
             path, expected = self.shards[task.shard], self.shard_counts()[task.shard]
             wanted = expected if task.limit is None else task.limit
             got = 0
             try:
-                for sample in _tar.iter_samples(path):
+                for sample in _tar.iter_samples(path, opener=opener):
                     suffix = _tar.image_suffix(sample.parts)
                     if suffix is None:
                         continue
@@ -486,8 +513,47 @@ def count_samples(path: str) -> int:
     return _tar.count_samples(path)
 
 
-def resolve(path_or_urls, split: str | None) -> tuple[list[str], list[int] | None, list[str], str | None]:
+def remote_of(path_or_urls, storage_options: dict | None):
+    """The packer.remote Remote to read remote shards with, or None for local ones (all of
+    one kind: a list mixing them is refused)."""
+    names = [path_or_urls] if isinstance(path_or_urls, (str, os.PathLike)) else list(path_or_urls)
+    remote = [remote_source.is_url(os.fspath(name)) for name in names]
+    if any(remote) and not all(remote):
+        raise FormatError("WDSDataset: the shards mix URLs and local paths; give one kind", None)
+    if not any(remote):
+        if storage_options is not None:
+            raise ValueError("storage_options only apply to shards named by URL (s3://, gs://, https://...)")
+        return None
+    return remote_source.Remote(storage_options)
+
+
+def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], list[int] | None, list[str],
+                                                                    str | None]:
+    """resolve() for URLs: a packer folder (its index.json), else shard URLs or brace patterns,
+    each checked to exist (one HEAD each)."""
+    if isinstance(path_or_urls, (str, os.PathLike)):
+        url = os.fspath(path_or_urls).rstrip("/")
+        if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
+            index, _ = wds.open_index(url, remote)
+            split = choose_split(list(index["wds"]["splits"]), split, url)
+            shards = index["wds"]["splits"][split]["shards"]
+            return ([remote_source.join(url, s["name"]) for s in shards], [s["count"] for s in shards],
+                    list(index["classes"]), split)
+        urls = expand_braces(url)
+    else:
+        urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
+    missing = [u for u in urls if not remote.exists(u)]
+    if missing:
+        raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing); check the URL and "
+                          "that the shards were uploaded", missing[0])
+    return urls, None, [], split
+
+
+def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], list[int] | None, list[str],
+                                                                   str | None]:
     """(shard paths, their sample counts or None, class names, split) for any accepted source."""
+    if remote is not None:
+        return resolve_remote(path_or_urls, split, remote)
     if isinstance(path_or_urls, (str, os.PathLike)):
         path = os.fspath(path_or_urls)
         if os.path.isdir(path) and wds.detect(path):
@@ -521,9 +587,13 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 class WDSMapDataset(ReaderDataset):
-    """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index."""
+    """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index.
+
+    path may be a URL, read by ranges as LMDBDataset reads one (storage_options,
+    cache_dir, cache_limit, block_size: docs/remote.md)."""
 
     def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
-                 max_pixels=MAX_PIXELS):
-        super().__init__(wds.Reader(str(path), split, check_crc=check_crc), transform, target_transform, decode,
-                         max_pixels)
+                 max_pixels=MAX_PIXELS, storage_options=None, cache_dir=None, cache_limit=None, block_size=None):
+        super().__init__(wds.Reader(str(path), split, check_crc=check_crc, storage_options=storage_options,
+                                    cache_dir=cache_dir, cache_limit=cache_limit, block_size=block_size),
+                         transform, target_transform, decode, max_pixels)

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from servers import *  # noqa: F401,F403  (S3 and HTTP servers on loopback: tests/servers.py)
+
 # Real data shared beside the checkout (../shared/data), or wherever PACKER_SHARED_DATA points.
 SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 

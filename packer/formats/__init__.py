@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from ..errors import FormatError
+from ..remote import source as remote_source
 from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
 from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
@@ -23,9 +24,11 @@ def format_named(name: str) -> Format:
     return FORMATS[name]
 
 
-def detect_format(path: str | os.PathLike) -> str:
-    """The name of the format stored at path."""
+def detect_format(path: str | os.PathLike, **remote) -> str:
+    """The name of the format stored at path (a URL too: remote as for open_reader)."""
     path = os.fspath(path)
+    if remote_source.is_url(path):
+        return detect_remote(path, remote_source.remote_for(path, **remote))
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or folder", path)
     for name, fmt in FORMATS.items():
@@ -35,19 +38,63 @@ def detect_format(path: str | os.PathLike) -> str:
                       "create one with `packer pack SRC --to FORMAT`)", path)
 
 
+# What marks each format at a URL, where nothing can be listed: a file inside the folder
+# (LMDB, WDS) or the file's own signature (HDF5). The extension is tried first.
+REMOTE_MARKS = (("lmdb", "data.mdb"), ("wds", "index.json"), ("hdf5", None))
+
+
+def detect_remote(url: str, remote) -> str:
+    """The name of the format stored at url: its packer.json's (the manifest packer's upload
+    writes last, checked), else by a HEAD (or an 8-byte read) per format tried, for a
+    dataset copied by hand."""
+    from ..remote.upload import MANIFEST, parse_manifest
+
+    url = url.rstrip("/")
+    try:
+        return parse_manifest(remote.read_object(remote_source.join(url, MANIFEST), 64 << 20), url)["format"]
+    except remote_source.RemoteError as exc:
+        if not remote_source.missing(exc):
+            raise
+    marks = sorted(REMOTE_MARKS, key=lambda mark: not url.endswith(FORMATS[mark[0]].extension))
+    for name, inside in marks:
+        if inside is not None:
+            if remote.exists(remote_source.join(url, inside)):
+                return name
+        elif remote.exists(url) and remote.open(url).pread(8, 0) == hdf5.HDF5_SIGNATURE:
+            return name
+    raise FormatError(f"{url}: no packed dataset there (no data.mdb or index.json under it, and not an HDF5 "
+                      "file); check the URL, and that the dataset was uploaded whole", url)
+
+
 def open_reader(path: str | os.PathLike, split: str | None = None, **options):
-    """A torch-free Reader for one split of the dataset at path, whatever its format."""
+    """A torch-free Reader for one split of the dataset at path, whatever its format.
+
+    path may be a URL (s3://, gs://, https://): storage_options, cache_dir, cache_limit
+    and block_size among options then say how to read it (packer.remote.source.Remote)."""
     path = os.fspath(path)
-    return FORMATS[detect_format(path)].Reader(path, split, **options)
+    remote = {key: options[key] for key in REMOTE_OPTIONS if key in options}
+    return FORMATS[detect_format(path, **remote)].Reader(path, split, **options)
+
+
+REMOTE_OPTIONS = ("storage_options", "cache_dir", "cache_limit", "block_size")
 
 
 def default_output(src: str, fmt: str) -> str:
     return os.path.abspath(os.fspath(src)).rstrip(os.sep) + FORMATS[fmt].extension
 
 
-def read_metadata(path: str | os.PathLike):
-    """The Metadata of the dataset at path, whatever its format."""
+def read_metadata(path: str | os.PathLike, **remote):
+    """The Metadata of the dataset at path, whatever its format (a URL too: remote as for
+    open_reader)."""
     path = os.fspath(path)
+    if remote_source.is_url(path):
+        reader = remote_source.remote_for(path, **remote)
+        fmt = detect_remote(path, reader)
+        if fmt == "lmdb":
+            return lmdb.remote_metadata(path, reader)[2]
+        if fmt == "hdf5":
+            return hdf5.remote_metadata(path, reader)[1]
+        return wds.open_index(path, reader)[1]
     return FORMATS[detect_format(path)].read_metadata(path)
 
 

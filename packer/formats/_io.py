@@ -10,6 +10,11 @@ how a block sampler fetches the blocks it is about to use in large sequential re
 how a random-order sampler keeps many record reads in flight; cached() tells whether a
 page is already there, so hints for a warm dataset can stop.
 Where posix_fadvise is missing (macOS, Windows) the advice is skipped; reads still work.
+
+A descriptor here is a file descriptor or a byte source (packer.remote: a remote object
+read by ranges through a block cache): the functions below serve both, so a format's
+reads are the same code for both. The local path stays a plain os.pread: a source is
+noticed only when os.pread refuses it (a try costs nothing in Python 3.11).
 """
 from __future__ import annotations
 
@@ -39,7 +44,12 @@ def open_for_reading(path: str, access: str) -> int:
 
 def pread(fd: int, size: int, offset: int) -> bytes:
     """size bytes at offset; shorter only at the end of the file (callers check)."""
-    data = os.pread(fd, size, offset)
+    try:
+        data = os.pread(fd, size, offset)
+    except TypeError:
+        if type(fd) is int:
+            raise
+        return fd.pread(size, offset)
     if len(data) == size or not data:
         return data
     return _pread_rest(fd, size, offset, data)
@@ -61,6 +71,8 @@ def _pread_rest(fd: int, size: int, offset: int, data: bytes) -> bytes:
 def cached(fd: int, offset: int) -> bool:
     """Whether the page holding byte offset is in the page cache: a one-byte read that may
     not wait for the disk (RWF_NOWAIT, Linux >= 4.14). False where that cannot be asked."""
+    if type(fd) is not int:
+        return fd.cached(offset)
     if not CAN_PROBE:
         return False
     try:
@@ -71,8 +83,23 @@ def cached(fd: int, offset: int) -> bool:
 
 def will_need(fd: int, offset: int, length: int) -> None:
     """Start reading [offset, offset + length) into the page cache without waiting for it."""
+    if type(fd) is not int:
+        return fd.will_need(offset, length)
     if CAN_ADVISE and length > 0:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+
+def file_size(fd) -> int:
+    """The size of the file (or byte source) fd reads."""
+    return os.fstat(fd).st_size if type(fd) is int else fd.size
+
+
+def close(fd) -> None:
+    """Close a descriptor or a byte source."""
+    if type(fd) is int:
+        os.close(fd)
+    else:
+        fd.close()
 
 
 def evict(paths) -> None:

@@ -1,6 +1,11 @@
 """The common ground of every format's Reader: split choice, count, CRC policy, record names,
 access pattern and storage order, tables loaded (and checked) once, and the identity of the
-dataset file a reader belongs to."""
+dataset file a reader belongs to.
+
+A dataset named by URL (s3://, gs://, https://) is read through packer.remote: its
+descriptors are byte sources that _io serves like file descriptors, its identity is the
+object's (ETag, size, modification time), and a record that fails its check is read once
+more past the cache before the damage is reported (read_image_refetched)."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +15,7 @@ import numpy as np
 
 from ..crc import crc32
 from ..errors import CorruptDataError, PackError
+from ..remote import source as remote_source
 from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
@@ -18,6 +24,17 @@ from ._tables import check_labels, fd_identity, file_identity, is_permutation, r
 
 
 _UNREAD = object()
+
+
+def remote_variant(cls: type) -> type:
+    """The class a format's Reader becomes when its dataset is a URL (read_remotely): the
+    same reader whose read_image re-fetches a damaged record once. Each format module
+    assigns it to a module-level name, so readers pickle into spawned workers."""
+    name = f"Remote{cls.__name__}"
+    variant = type(name, (cls,), {"read_image": SplitReader.read_image_refetched, "__module__": cls.__module__,
+                                  "__qualname__": name, "__doc__": f"{cls.__name__} of a dataset named by URL."})
+    cls.remote_class = variant
+    return variant
 
 
 class SplitReader(LazyHandle):
@@ -29,6 +46,7 @@ class SplitReader(LazyHandle):
     worker or another rank carries its paths and counts, not tens of MB of tables."""
 
     _order = _UNREAD  # storage_order(), read once
+    remote = None  # packer.remote.source.Remote where the dataset is a URL
     # index -> stored position, built from storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
     # Whether read_image finds a record by its stored position (open() builds that table).
@@ -39,7 +57,7 @@ class SplitReader(LazyHandle):
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata,
                  identity_file: str | None = None, identity: tuple | None = None):
-        self.path = os.path.abspath(path)
+        self.path = path if remote_source.is_url(path) else os.path.abspath(path)
         self.metadata = metadata
         self.split = choose_split(list(metadata.splits), split, self.path)
         self.classes = metadata.classes
@@ -63,14 +81,25 @@ class SplitReader(LazyHandle):
         """Raise if the dataset was replaced at its path since this reader read its metadata
         (identity: of a file just opened; else the file now at the path)."""
         try:
-            now = file_identity(self.identity_file) if identity is None else identity
+            if identity is not None:
+                now = identity
+            elif self.remote is not None:
+                now = self.remote.identity(self.identity_file)
+            else:
+                now = file_identity(self.identity_file)
         except OSError:
+            now = None
+        except remote_source.RemoteError as exc:
+            if not remote_source.missing(exc):
+                raise
             now = None
         if now != self.identity:
             raise replaced_error(self.identity_file)
 
     def open_identified(self) -> int:
         """A descriptor of identity_file, checked to be the file this reader read the metadata of."""
+        if self.remote is not None:
+            return self.remote.open(self.identity_file, self.identity)
         try:
             fd = open_for_reading(self.identity_file, self.access)
         except OSError as exc:
@@ -95,6 +124,39 @@ class SplitReader(LazyHandle):
         except BaseException:
             os.close(fd)
             raise
+
+    remote_class: type | None = None  # the format's remote_variant(), set by its module
+
+    def read_remotely(self, remote) -> None:
+        """Read this dataset through packer.remote (called by a format's reader for a URL):
+        the reader becomes its format's remote_class, whose read_image re-fetches. A class,
+        not an instance attribute: a bound method stored on the instance would be a cycle,
+        left to the cyclic garbage collector, which may run an h5py close in fsspec's IO
+        thread while another thread holds h5py's lock waiting on that thread."""
+        self.remote = remote
+        self.__class__ = type(self).remote_class
+
+    def read_image_refetched(self, index: int) -> tuple[bytes, int]:
+        """read_image of a remote dataset: a record found damaged is read once more, its
+        cached blocks dropped first (a block damaged on the way or in the cache is fetched
+        again); damage that persists is the stored object's, and is reported as such."""
+        read = super(type(self), self).read_image
+        remote_source.start_log()
+        try:
+            return read(index)
+        except CorruptDataError:
+            reads = remote_source.stop_log()
+            if not reads:
+                raise
+        finally:
+            remote_source.stop_log()
+        for source, offset, length in reads:
+            source.invalidate(offset, length)
+        try:
+            return read(index)
+        except CorruptDataError as exc:
+            raise CorruptDataError(f"{exc} [read twice from {self.path}, the second time past the cache: the "
+                                   "stored copy is damaged]", exc.path, exc.reason) from None
 
     def loaded(self, name: str, load):
         """Table name as load() returns it, loaded once: a damaged table's error is kept too,

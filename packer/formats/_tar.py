@@ -100,8 +100,14 @@ class Sample(NamedTuple):
     offset: int
 
 
-def open_shard(path: str) -> tuple[IO[bytes], bool]:
-    """A binary stream of the tar inside path, and whether it was gzip-compressed."""
+def open_shard(path: str, opener=None) -> tuple[IO[bytes], bool]:
+    """A binary stream of the tar inside path, and whether it was gzip-compressed.
+    opener(path): a raw binary stream of path, not seekable (a remote shard, streamed)."""
+    if opener is not None:
+        raw = io.BufferedReader(opener(path), CHUNK)
+        if raw.peek(2)[:2] == GZIP_MAGIC:
+            return gzip.GzipFile(fileobj=raw, mode="rb"), True
+        return raw, False
     try:
         raw = open(path, "rb")
     except OSError as exc:
@@ -275,13 +281,13 @@ def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Itera
             yield Member(name, data, header_at)
 
 
-def iter_samples(path: str, read_data: bool = True) -> Iterator[Sample]:
+def iter_samples(path: str, read_data: bool = True, opener=None) -> Iterator[Sample]:
     """Samples (consecutive members sharing a key) of the shard at path, webdataset's grouping.
 
     Skipped as webdataset skips them: names without a suffix and top-level `__name__`
     members. A repeated suffix within one key is an error, as in webdataset.
     """
-    stream, compressed = open_shard(path)
+    stream, compressed = open_shard(path, opener)
     where = f"{path} (gzip)" if compressed else path
     key, parts, start = None, {}, 0
     with stream:
@@ -309,6 +315,7 @@ def image_suffix(parts: dict) -> str | None:
     return None
 
 
-def count_samples(path: str) -> int:
-    """Samples with an image member in the shard at path (reads headers only when uncompressed)."""
-    return sum(image_suffix(s.parts) is not None for s in iter_samples(path, read_data=False))
+def count_samples(path: str, opener=None) -> int:
+    """Samples with an image member in the shard at path (reads headers only when uncompressed
+    and local: a stream from opener is read through)."""
+    return sum(image_suffix(s.parts) is not None for s in iter_samples(path, read_data=False, opener=opener))

@@ -54,6 +54,10 @@ would make up as zeros, is damage) within the file. Readers are tied to the file
 read the metadata of (inode, size, mtime: _tables.file_identity): a file replaced
 at its path while in use (pack --force) is refused by a reader created before, in any
 process that opens it afresh, rather than mixed with the old one.
+
+A file named by URL (`https://host/imagenet.h5`) is opened by h5py as a Python file
+object over a packer.remote byte source (its metadata reads come from cached blocks),
+and records are read at the chunk map's offsets by ranged reads, as locally.
 """
 from __future__ import annotations
 
@@ -67,9 +71,10 @@ import numpy as np
 
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
+from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, blocks, buffer_of, check_count, check_crc, dataset_identity, decode_checksums,
                       encode_checksums, expected_crc, mapped_array, replaced_error, table_crc)
 
@@ -185,6 +190,31 @@ def open_file(path: str, identity: tuple) -> h5py.File:
     return f
 
 
+def open_remote_file(source) -> h5py.File:
+    """h5py's view of a remote HDF5 file, read through source (a packer.remote byte source)."""
+    if source.pread(len(HDF5_SIGNATURE), 0) != HDF5_SIGNATURE:
+        raise FormatError(f"{source.url}: not an HDF5 file", source.url)
+    try:
+        return h5py.File(remote_source.SourceFile(source), "r", rdcc_nbytes=0)
+    except OSError as exc:
+        if isinstance(exc, remote_source.RemoteError):
+            raise
+        raise CorruptDataError(f"{source.url}: cannot open the HDF5 file ({exc}); it is damaged or was not "
+                               "fully uploaded (upload it again)", source.url) from exc
+
+
+def remote_metadata(url: str, remote) -> tuple[tuple, Metadata]:
+    """(identity, Metadata) of the HDF5 dataset at url."""
+    try:
+        identity = remote.identity(url)
+    except remote_source.RemoteError as exc:
+        if remote_source.missing(exc):
+            raise FormatError(f"{url}: no such file", url) from exc
+        raise
+    with open_remote_file(remote.open(url, identity)) as f:
+        return identity, metadata_of(f, url)
+
+
 def close_file(f: h5py.File) -> None:
     f.close()
 
@@ -192,11 +222,15 @@ def close_file(f: h5py.File) -> None:
 def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
     identity = identity or dataset_identity(path)
     with _handle.borrowed(path, functools.partial(open_file, identity=identity), close_file, identity) as f:
-        try:
-            raw = f.attrs.get(META_ATTR)
-        except OSError as exc:
-            raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
-                                   "damaged, re-pack it", path) from exc
+        return metadata_of(f, path)
+
+
+def metadata_of(f: h5py.File, path: str) -> Metadata:
+    try:
+        raw = f.attrs.get(META_ATTR)
+    except OSError as exc:
+        raise CorruptDataError(f"{path}: cannot read the {META_ATTR!r} attribute ({exc}); the file is "
+                               "damaged, re-pack it", path) from exc
     if raw is None:
         raise FormatError(f"{path}: HDF5 file without packer metadata (no {META_ATTR!r} attribute); "
                           "an interrupted pack never publishes, so this was not written by packer pack", path)
@@ -211,16 +245,25 @@ class Reader(SplitReader):
     mapped from the file (module docstring); the chunk map is small (one entry per
     CHUNK_BYTES of images), and where a record lies in the file is worked out from it
     as the record is read, not kept in a table per record.
+
+    path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
+    how to read it (packer.remote.source.Remote); its tables are then read into memory.
     """
 
     TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
 
-    def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
-        if not detect(path):
-            raise FormatError(f"{path}: not an HDF5 file", path)
-        path = os.path.abspath(path)
-        identity = dataset_identity(path)
-        super().__init__(path, split, check_crc, read_metadata(path, identity), path, identity)
+    def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
+        remote = remote_source.remote_for(path, **remote)
+        if remote is None:
+            if not detect(path):
+                raise FormatError(f"{path}: not an HDF5 file", path)
+            path = os.path.abspath(path)
+            identity = dataset_identity(path)
+            super().__init__(path, split, check_crc, read_metadata(path, identity), path, identity)
+        else:
+            identity, metadata = remote_metadata(path, remote)
+            super().__init__(path, split, check_crc, metadata, path, identity)
+            self.read_remotely(remote)
         self._offsets: np.ndarray | None = None
         self._crcs: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -228,21 +271,27 @@ class Reader(SplitReader):
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
 
     def _open(self):
-        f, fd = self.open_shared(open_file, close_file)
+        if self.remote is None:
+            f, fd = self.open_shared(open_file, close_file)
+        else:
+            fd = self.open_identified()
+            f = open_remote_file(fd)
         try:
             images = f[self.split]["images"]
             if not isinstance(images, h5py.Dataset):
                 raise KeyError("not a dataset")
         except (KeyError, OSError, ValueError) as exc:
-            os.close(fd)
-            _handle.release(self.path, self.identity)
+            self._close((f, None, fd))
             raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
                                    "the file is damaged, re-pack it", self.path) from exc
         return f, images, fd
 
     def _close(self, handle) -> None:
-        os.close(handle[2])
-        _handle.release(self.path, self.identity)
+        _io.close(handle[2])
+        if self.remote is None:
+            _handle.release(self.path, self.identity)
+        else:
+            handle[0].close()
 
     def table_checksums(self) -> dict | None:
         def load():
@@ -280,7 +329,10 @@ class Reader(SplitReader):
 
     def stored_table(self, dataset: h5py.Dataset, dtype: np.dtype, where: str) -> np.ndarray | None:
         """dataset's values mapped from the file, when it is stored contiguous, unfiltered and
-        in dtype exactly (byte order included); else None (read it instead)."""
+        in dtype exactly (byte order included); else None (read it instead, as for a URL:
+        a remote file has no map)."""
+        if self.remote is not None:
+            return None
         try:
             offset = dataset.id.get_offset()
             stored = dataset.id.get_storage_size()
@@ -325,7 +377,7 @@ class Reader(SplitReader):
         if not whole or (not filtered and stored < size):
             raise CorruptDataError(f"{where}: {size} bytes, of which the file stores only part ({stored} bytes "
                                    f"allocated); {DAMAGED}", self.path)
-        if not filtered and stored > os.fstat(self.handle()[2]).st_size:
+        if not filtered and stored > _io.file_size(self.handle()[2]):
             raise CorruptDataError(f"{where}: larger than the file that holds it (truncated?); {DAMAGED}",
                                    self.path)
         return size
@@ -492,6 +544,8 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
         raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
                                "(run packer verify; re-pack from the source)", where) from exc
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(name="hdf5", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

@@ -50,6 +50,11 @@ would kill the process with SIGBUS. Readers are tied to the data.mdb they read t
 metadata of (inode, size, mtime: _tables.file_identity): a dataset replaced at
 its path while in use (pack --force) is refused by a reader created before, in any
 process that opens it afresh, rather than mixed with the old one.
+
+A dataset named by URL (`s3://bucket/imagenet.lmdb`) is read without LMDB's map:
+packer.remote.lmdb_pages walks the B-tree by ranged reads for the metadata and tables,
+and records are read at their extents, as locally; opening fetches the meta pages and
+the pages on the path to each table, never the whole file.
 """
 from __future__ import annotations
 
@@ -66,9 +71,11 @@ import numpy as np
 
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
+from ..remote import source as remote_source
+from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
                       encode_checksums, expected_crc, fd_identity, map_region, region_view, replaced_error,
                       table_crc)
@@ -374,30 +381,61 @@ def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
     return Metadata.from_json(raw, path)
 
 
+def remote_metadata(url: str, remote) -> tuple[str, tuple, Metadata]:
+    """(data.mdb's URL, its identity, the Metadata) of the LMDB dataset at url, read by pages."""
+    where = remote_source.join(url, DATA_FILE)
+    try:
+        identity = remote.identity(where)
+    except remote_source.RemoteError as exc:
+        if remote_source.missing(exc):
+            raise FormatError(f"{url}: not an LMDB dataset (no {DATA_FILE} at {where})", url) from exc
+        raise
+    raw = LMDBPages(remote.open(where, identity), where).get(META_KEY)
+    if raw is None:
+        raise FormatError(f"{url}: LMDB without packer metadata (no {META_KEY.decode()} key)", url)
+    return where, identity, Metadata.from_json(raw, url)
+
+
 class Reader(SplitReader):
-    """Random access to one split's records; safe to pickle and to use after fork."""
+    """Random access to one split's records; safe to pickle and to use after fork.
+
+    path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
+    how to read it (packer.remote.source.Remote)."""
 
     TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None}
 
-    def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
+    def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
+        remote = remote_source.remote_for(path, **remote)
+        if remote is None:
+            self.init_local(path, split, check_crc)
+        else:
+            where, identity, metadata = remote_metadata(path, remote)
+            super().__init__(path, split, check_crc, metadata, where, identity)
+            self.read_remotely(remote)
+        self._labels: np.ndarray | None = None
+        self._paths: PathTable | None = None
+        self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
+
+    def init_local(self, path: str, split: str | None, check_crc: bool) -> None:
         if not detect(path):
             raise FormatError(f"{path}: not an LMDB dataset (no {DATA_FILE} inside)", path)
         path = os.path.abspath(path)
         identity = data_identity(path)
         super().__init__(path, split, check_crc, read_metadata(path, identity), os.path.join(path, DATA_FILE),
                          identity)
-        self._labels: np.ndarray | None = None
-        self._paths: PathTable | None = None
-        self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
 
     def _open(self):
+        if self.remote is not None:
+            source = self.open_identified()
+            pages = LMDBPages(source, self.identity_file)
+            return pages, pages, source  # the pages answer get() as the transaction does
         env, fd = self.open_shared(open_env, close_env)
         # One long-lived read transaction per process: the data never changes.
         return env, env.begin(buffers=True), fd
 
     def _close(self, handle) -> None:
         handle[1].abort()
-        os.close(handle[2])
+        _io.close(handle[2])
         _handle.release(self.path, self.identity)
 
     def read_image(self, index: int) -> tuple[bytes, int]:
@@ -447,6 +485,8 @@ class Reader(SplitReader):
         if length < 0:  # too short to hold its header: the map read reports the damage
             return None
         fd = self.handle()[2]
+        if self.remote is not None and self.check_crc:
+            return self.read_whole_value(fd, at + head, length, index)
         data = _io.pread(fd, length, at + head)
         if len(data) == length:
             if not self.check_crc:
@@ -457,11 +497,26 @@ class Reader(SplitReader):
         self.drop_extents()
         return None
 
+    def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
+        """read_at_extent for a remote dataset: header, path and image in one ranged read
+        (two reads would be two round trips to the server)."""
+        relpath = self.paths.raw(index)
+        start = at - HEADER.size - len(relpath)
+        value = _io.pread(fd, at + length - start, start) if start >= 0 else b""
+        crc = self.header_crc(value[:at - start], index, relpath) if len(value) == at + length - start else None
+        if crc is None:
+            self.drop_extents()
+            return None
+        return value[at - start:], crc
+
     def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
         """The CRC in the header at offset if that header names record index, else None."""
         if offset < 0:
             return None
-        header = _io.pread(fd, HEADER.size + len(relpath), offset)
+        return self.header_crc(_io.pread(fd, HEADER.size + len(relpath), offset), index, relpath)
+
+    def header_crc(self, header: bytes, index: int, relpath: bytes) -> int | None:
+        """The CRC in a record's header (with its path) if it names record index, else None."""
         if len(header) != HEADER.size + len(relpath):
             return None
         crc, label, n = HEADER.unpack_from(header)
@@ -485,7 +540,9 @@ class Reader(SplitReader):
                 # Views of the (mapped) table, one per field: a read looks up each once.
                 self._extent_at, self._extent_length = extents["offset"], extents["length"]
                 self._extents = extents
-                if not self._spot_check_extents():
+                # A remote read with check_crc checks each header it reads (read_whole_value):
+                # spot checks would cost a block fetch each, before the first read.
+                if not (self.remote is not None and self.check_crc) and not self._spot_check_extents():
                     self.drop_extents()
         return None if self._extents is False else self._extents
 
@@ -495,7 +552,7 @@ class Reader(SplitReader):
         if found is None:
             return None
         extents = self.records_of(found, EXTENT, "extents")
-        size = os.fstat(self.handle()[2]).st_size
+        size = _io.file_size(self.handle()[2])
         check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
         return extents
 
@@ -623,6 +680,8 @@ class Reader(SplitReader):
             self._paths = self.loaded("paths", self.load_paths)
         return self._paths
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(name="lmdb", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

@@ -57,6 +57,11 @@ shard's file, labels against the class list. A Reader is tied to the index.json 
 (inode, size, mtime: _tables.file_identity): each table and shard it opens later,
 in any process, is checked to belong to it, so a dataset replaced at its path while in
 use (pack --force) is refused rather than mixed with the old one.
+
+A folder named by URL (`s3://bucket/imagenet.wds`) is read the same way through
+packer.remote: index.json and the split's two tables are read whole, a record is a
+ranged read of its shard, and each shard is checked to be the size the index says
+when first opened.
 """
 from __future__ import annotations
 
@@ -73,9 +78,10 @@ from ..cores import available_cores
 from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
+from ..remote import source as remote_source
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
-from ._reader import SplitReader
+from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, map_region,
                       region_view, table_crc)
 
@@ -140,13 +146,21 @@ def load_index(path: str) -> dict:
     return open_index(path)[0]
 
 
-def open_index(path: str) -> tuple[dict, Metadata]:
+def open_index(path: str, remote=None) -> tuple[dict, Metadata]:
     """The parsed index.json and its Metadata, checked: the metadata field by field, and
-    every file the "wds" section names is where the writer puts it, inside path."""
+    every file the "wds" section names is where the writer puts it, inside path.
+    remote: the packer.remote Remote to read a URL with."""
     where = os.path.join(path, INDEX)
     try:
-        with open(where, "rb") as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
+        if remote is not None:
+            raw = remote.read_object(where, MAX_METADATA_BYTES)
+        else:
+            with open(where, "rb") as f:
+                raw = f.read(MAX_METADATA_BYTES + 1)
+    except remote_source.RemoteError as exc:
+        if not remote_source.missing(exc):
+            raise
+        raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} at {where})", path) from exc
     except FileNotFoundError as exc:
         raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX}); for shards written by "
                           "other tools use readers.WDSDataset, which counts samples by scanning", path) from exc
@@ -154,7 +168,7 @@ def open_index(path: str) -> tuple[dict, Metadata]:
         raise FormatError(f"{where}: cannot read the index ({exc.strerror or exc})", path) from exc
     index = parse_json(raw, where, INDEX)
     meta = Metadata.from_dict(index, where, container_keys=("wds",))
-    problem = shard_index_problem(index["wds"] if "wds" in index else None, meta, path)
+    problem = shard_index_problem(index["wds"] if "wds" in index else None, meta, None if remote else path)
     if problem:
         raise FormatError(f"{where}: {problem}; the index is damaged or was crafted, re-pack the dataset", path)
     return index, meta
@@ -186,7 +200,7 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
                 return problem
         files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
         files += [wids] if wids is not None else []
-    return outside_problem(path, files)
+    return None if path is None else outside_problem(path, files)  # None: remote, where names are just names
 
 
 def shard_entry_problem(shard, split: str) -> str | None:
@@ -372,18 +386,25 @@ class Reader(SplitReader):
     """Random access to one split's samples in ImageFolder order: one pread per sample.
 
     The handle is a dict of open shard descriptors, opened as samples need them.
+
+    path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
+    how to read it (packer.remote.source.Remote).
     """
 
     TABLES = {"_records": None, "_labels": None, "_paths": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
-    def __init__(self, path: str, split: str | None = None, check_crc: bool = True):
-        if not detect(path):
+    def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
+        remote = remote_source.remote_for(path, **remote)
+        if remote is None and not detect(path):
             raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} inside)", path)
-        index, metadata = open_index(os.path.abspath(path))
+        index, metadata = open_index(path if remote else os.path.abspath(path), remote)
         super().__init__(path, split, check_crc, metadata)
+        if remote is not None:
+            self.read_remotely(remote)
         entry = index["wds"]["splits"][self.split]
         self.shards = [s["name"] for s in entry["shards"]]
+        self.shard_bytes = [s["bytes"] for s in entry["shards"]]
         self.tables = (entry["records"], entry["paths"])
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
@@ -393,7 +414,8 @@ class Reader(SplitReader):
     def bind(self, entry: dict) -> None:
         """Tie this reader to the index.json it read, and note the table checksums its split's entry holds."""
         self.identity_file = os.path.join(self.path, INDEX)
-        self.identity = dataset_identity(self.identity_file)
+        self.identity = (dataset_identity(self.identity_file) if self.remote is None
+                         else self.remote.identity(self.identity_file))
         crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths")}
         self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
 
@@ -409,6 +431,14 @@ class Reader(SplitReader):
         checked against its CRC-32 where the index has one, and to be size bytes long where
         size is given."""
         where = os.path.join(self.path, self.tables[0 if name == "records" else 1])
+        if self.remote is not None:
+            self.check_identity()
+            raw = self.remote.read_object(where)
+            if size is not None and len(raw) != size:
+                raise CorruptDataError(f"{where}: {len(raw)} bytes, {size // RECORD.itemsize} records of "
+                                       f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
+            check_crc(raw, expected_crc(self.table_checksums(), name, where), where)
+            return raw, 0, len(raw)
         try:
             fd = os.open(where, os.O_RDONLY)
         except OSError as exc:
@@ -445,7 +475,10 @@ class Reader(SplitReader):
         return records
 
     def shard_size(self, shard: int) -> int:
-        """The size of a shard's file; for a missing one, no bound (reading it says it is missing)."""
+        """The size of a shard's file; for a missing one, no bound (reading it says it is missing).
+        Remote: the size the index gives (each shard is checked to have it when opened)."""
+        if self.remote is not None:
+            return self.shard_bytes[shard]
         try:
             return os.stat(os.path.join(self.path, self.shards[shard])).st_size
         except OSError:
@@ -482,10 +515,12 @@ class Reader(SplitReader):
 
     def _close(self, fds: dict) -> None:
         for fd in fds.values():
-            os.close(fd)
+            _io.close(fd)
 
     def shard_fd(self, shard: int) -> int:
         fds = self.handle()
+        if shard not in fds and self.remote is not None:
+            fds[shard] = self.open_remote_shard(shard)
         if shard not in fds:
             where = os.path.join(self.path, self.shards[shard])
             try:
@@ -501,6 +536,20 @@ class Reader(SplitReader):
                 raise
             fds[shard] = fd
         return fds[shard]
+
+    def open_remote_shard(self, shard: int):
+        where = os.path.join(self.path, self.shards[shard])
+        self.check_identity()
+        try:
+            source = self.remote.open(where)
+        except remote_source.RemoteError as exc:
+            if remote_source.missing(exc):
+                raise CorruptDataError(f"{where}: shard missing; upload the dataset again", self.path) from exc
+            raise
+        if source.size != self.shard_bytes[shard]:
+            raise CorruptDataError(f"{where}: {source.size} bytes, the index says {self.shard_bytes[shard]}; the "
+                                   "shard was changed or not uploaded whole (upload the dataset again)", self.path)
+        return source
 
     def load_tables(self) -> None:
         self.records  # a property: read and cached on first access
@@ -571,10 +620,10 @@ def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) 
     return []
 
 
-def shard_info(path: str) -> dict:
+def shard_info(path: str, remote=None) -> dict:
     """Per split: its shard count and the total, smallest and largest shard bytes (from the index)."""
     summary = {}
-    for split, entry in load_index(path)["wds"]["splits"].items():
+    for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():
         sizes = [shard["bytes"] for shard in entry["shards"]]
         summary[split] = {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
                           "max_bytes": max(sizes, default=0)}
@@ -598,6 +647,8 @@ def shard_problems(path: str, shard: dict) -> list[str]:
         problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
     return problems
 
+
+RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
     name="wds", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,

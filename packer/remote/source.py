@@ -1,0 +1,446 @@
+"""Byte sources for readers: ranged reads of a remote object, through a block cache.
+
+A packed dataset is read with one positional read per record at a known extent (see
+packer.formats._io), so reading one from object storage or a web server is the same
+reads as byte-range requests. A reader's descriptor slot holds either a plain file
+descriptor (local: os.pread, unchanged) or a RemoteSource, whose pread(size, offset)
+serves the range from fixed-size blocks of the object:
+
+  memory   the last few blocks fetched, per process
+  disk     cache_dir's BlockCache, shared by the workers and ranks of one machine
+  remote   one ranged GET per block (or per record: below), retried with backoff
+
+With a disk cache, reads fetch whole blocks (the next epoch reads the cache), and a
+sampler's hints (will_need) fetch the blocks ahead in a background thread pool, several
+at once, so a block-ordered epoch streams at about the link's bandwidth. Without one, a
+read fetches exactly its own bytes (random order must not pay a block per record) and
+hints do nothing.
+
+Remote is anything fsspec opens by URL (s3://, gs://, https://, ...), with the
+`packer[remote]` extra installed. An object is identified by its ETag, size and
+modification time as the store reports them: that identity is in every cache key, so a
+replaced object never mixes with blocks of the one before, and a reader opened before
+a replacement refuses the new object rather than mixing the two.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import io
+import os
+import posixpath
+import threading
+
+from ..errors import CorruptDataError
+from . import is_url as _is_url
+from .cache import BlockCache, parse_bytes
+from .errors import MISSING, RemoteError
+from .retry import RETRIES, with_retries
+
+EXTRA = "packer[remote]"
+DEFAULT_BLOCK_SIZE = 8 << 20
+DEFAULT_CACHE_LIMIT = 50 * 10**9
+MEMORY_BLOCKS = 4  # the last blocks read, kept in memory too (the page cache holds the rest)
+FETCH_THREADS = 8  # background block fetches in flight per process
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether exc says the object is not there (404), as opposed to unreachable or refused."""
+    return isinstance(exc, RemoteError) and exc.kind == MISSING
+
+
+def is_url(path) -> bool:
+    """Whether path names a remote object (scheme://...) rather than a local path."""
+    return _is_url(path)
+
+
+def join(url: str, *names: str) -> str:
+    return posixpath.join(url.rstrip("/"), *names)
+
+
+def filesystem(url: str, storage_options: dict):
+    """(fsspec filesystem, path within it) for url; an ImportError naming the extra when
+    fsspec, or the package of url's scheme (s3fs, gcsfs, aiohttp), is missing."""
+    try:
+        import fsspec.core
+    except ImportError as exc:
+        raise ImportError(f"reading {url} needs fsspec: pip install '{EXTRA}'") from exc
+    try:
+        return fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        raise ImportError(f"reading {url} needs a package packer's remote extra installs ({exc}): "
+                          f"pip install '{EXTRA}'") from exc
+
+
+def _quote(info: dict, *keys) -> str:
+    for key in keys:
+        if info.get(key) not in (None, ""):
+            return str(info[key])
+    return ""
+
+
+def identity_of(info: dict, url: str) -> tuple[str, int, str]:
+    """(ETag, size, modification time) of a remote object from fsspec's info()."""
+    size = info.get("size")
+    if type(size) is not int or size < 0:
+        raise RemoteError(f"{url}: the server does not say how large the object is (no Content-Length); "
+                          "packer reads remote objects by byte ranges and needs their size", url)
+    return (_quote(info, "ETag", "etag", "md5Hash", "Digest"), size,
+            _quote(info, "LastModified", "Last-Modified", "updated", "mtime", "generation"))
+
+
+class Remote:
+    """How to read remote objects: storage options and cache settings. Plain data that
+    pickles into DataLoader workers; each process opens its own filesystem and pools."""
+
+    def __init__(self, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, block_size: int | str | None = None,
+                 retries: int = RETRIES):
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ValueError(f"storage_options must be a dict, not {type(storage_options).__name__}")
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
+        self.block_size = DEFAULT_BLOCK_SIZE if block_size is None else parse_bytes(block_size, "block_size")
+        if self.block_size < 4096:
+            raise ValueError(f"block_size must be at least 4096 bytes, not {self.block_size}")
+        self.cache_limit = (DEFAULT_CACHE_LIMIT if cache_limit is None
+                            else parse_bytes(cache_limit, "cache_limit"))
+        self.retries = max(1, int(retries))
+
+    def fs(self, url: str):
+        return filesystem(url, self.storage_options)
+
+    def info(self, url: str) -> dict:
+        fs, path = self.fs(url)
+        return with_retries(url, lambda: fs.info(path), self.retries, storage_options=self.storage_options)
+
+    def identity(self, url: str) -> tuple[str, int, str]:
+        return identity_of(self.info(url), url)
+
+    def exists(self, url: str) -> bool:
+        """Whether url is an object (fsspec's isfile would say False for a server that is down)."""
+        try:
+            return self.info(url).get("type", "file") == "file"
+        except RemoteError as exc:
+            if exc.kind == MISSING:
+                return False
+            raise
+
+    def open(self, url: str, identity: tuple | None = None) -> "RemoteSource":
+        """A byte source of url; identity: the object it must be (else a CorruptDataError)."""
+        found = self.identity(url)
+        if identity is not None and found != identity:
+            raise CorruptDataError(f"{url} was replaced since this Dataset was created (re-create the Dataset / "
+                                   "restart the DataLoader)", url)
+        return RemoteSource(self, url, found)
+
+    def read_object(self, url: str, limit: int | None = None, identity: tuple | None = None) -> bytes:
+        """The whole of a small object (an index, a table), through the cache; RemoteError
+        when it is larger than limit."""
+        source = self.open(url, identity)
+        if limit is not None and source.size > limit:
+            raise RemoteError(f"{url}: {source.size} bytes, more than the {limit} this file may hold", url)
+        data = source.pread(source.size, 0)
+        if len(data) != source.size:
+            raise CorruptDataError(f"{url}: {len(data)} bytes read, the server says {source.size}", url)
+        return data
+
+    def __repr__(self) -> str:
+        return f"Remote(cache_dir={self.cache_dir!r}, cache_limit={self.cache_limit}, block_size={self.block_size})"
+
+
+class _Process:
+    """This process's shared state: memory blocks, fetches in flight, the fetch pool.
+    Rebuilt in a forked child (its threads do not survive fork)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.memory: collections.OrderedDict = collections.OrderedDict()  # (key, block) -> bytes
+        self.memory_bytes = 0
+        self.inflight: dict = {}  # (key, block) -> Future
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.caches: dict = {}  # (dir, limit) -> BlockCache
+        self.fetched_bytes = 0  # from servers, by every source of this process
+        self.requests = 0
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-fetch")
+        return self.pool
+
+
+_log = threading.local()  # .reads: (source, offset, size) of this thread's reads since start_log()
+
+
+def start_log() -> None:
+    """Note every remote read this thread makes from now (to re-fetch a record that failed its check)."""
+    _log.reads = []
+
+
+def stop_log() -> list:
+    """The reads noted since start_log(), and stop noting."""
+    reads = getattr(_log, "reads", None) or []
+    _log.reads = None
+    return reads
+
+
+def remote_for(path, storage_options=None, cache_dir=None, cache_limit=None, block_size=None,
+               **others) -> Remote | None:
+    """The Remote to read path with where it is a URL, else None; remote options given
+    for a local path are an error (they would be silently ignored)."""
+    if others:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(others))}")
+    options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit,
+               "block_size": block_size}
+    if is_url(path):
+        return Remote(**options)
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise ValueError(f"{path}: {', '.join(given)} only apply to a dataset named by URL (s3://, gs://, "
+                         "https://...), not to a local path")
+    return None
+
+
+_state: _Process | None = None
+_state_lock = threading.Lock()
+
+
+def fetched() -> tuple[int, int]:
+    """(bytes, requests) this process has fetched from servers for reads, all sources together."""
+    state = process_state()
+    return state.fetched_bytes, state.requests
+
+
+def in_flight() -> int:
+    """Block fetches this process has started (read-ahead included) and not finished."""
+    state = process_state()
+    with state.lock:
+        return len(state.inflight)
+
+
+def process_state() -> _Process:
+    global _state
+    state = _state
+    if state is None or state.pid != os.getpid():
+        with _state_lock:
+            if _state is None or _state.pid != os.getpid():
+                _state = _Process()
+            state = _state
+    return state
+
+
+class RemoteSource:
+    """pread(size, offset) over one remote object, by blocks (see the module docstring).
+
+    Counts what it fetched (fetched_bytes, requests) so tests and users can see that
+    opening a dataset reads its tables, not the whole object."""
+
+    def __init__(self, remote: Remote, url: str, identity: tuple):
+        self.remote, self.url, self.identity = remote, url, identity
+        self.size = identity[1]
+        self.block_size = remote.block_size
+        self.key = hashlib.sha256(repr((url, identity, self.block_size)).encode()).hexdigest()[:32]
+        self.fs, self.path = remote.fs(url)
+        state = process_state()
+        self.disk = None
+        if remote.cache_dir is not None:
+            where = (remote.cache_dir, remote.cache_limit)
+            self.disk = state.caches.get(where) or state.caches.setdefault(where, BlockCache(*where))
+        self.memory_limit = MEMORY_BLOCKS * self.block_size
+        self.fetched_bytes = 0
+        self.requests = 0
+
+    # -- reading ---------------------------------------------------------------------------
+    def pread(self, size: int, offset: int) -> bytes:
+        """size bytes at offset; shorter only at the end of the object."""
+        end = min(offset + size, self.size)
+        if end <= offset:
+            return b""
+        log = getattr(_log, "reads", None)
+        if log is not None:
+            log.append((self, offset, end - offset))
+        first, last = offset // self.block_size, (end - 1) // self.block_size
+        if self.disk is None and last > first and not all(self.cached(b * self.block_size)
+                                                          for b in range(first, last + 1)):
+            return self.fetch(offset, end)  # one request, not one per block it crosses
+        parts = []
+        for block in range(first, last + 1):
+            start = block * self.block_size
+            lo, hi = max(offset, start) - start, min(end, start + self.block_size) - start
+            parts.append(self.block_range(block, lo, hi))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def block_range(self, block: int, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of block: from memory, an in-flight fetch, disk, or the server."""
+        state = process_state()
+        key = (self.key, block)
+        with state.lock:
+            data = state.memory.get(key)
+            if data is not None:
+                state.memory.move_to_end(key)
+                return data[lo:hi]
+            future = state.inflight.get(key)
+        if future is not None:
+            return future.result()[lo:hi]
+        if self.disk is not None:
+            found = self.disk.read(self.key, block, self.block_length(block), lo, hi)
+            if found is not None:
+                return found
+            return self.fetch_block(block)[lo:hi]
+        start = block * self.block_size  # no disk cache, not hinted: exactly these bytes
+        return self.fetch(start + lo, start + hi)
+
+    def block_length(self, block: int) -> int:
+        return min(self.block_size, self.size - block * self.block_size)
+
+    def fetch_block(self, block: int) -> bytes:
+        """Block from the server (one request shared by every thread asking), kept in memory and on disk."""
+        state = process_state()
+        key = (self.key, block)
+        with state.lock:
+            future = state.inflight.get(key)
+            mine = future is None
+            if mine:
+                future = state.inflight[key] = concurrent.futures.Future()
+        if not mine:
+            return future.result()
+        return self.fill(block, future)
+
+    def fill(self, block: int, future: concurrent.futures.Future) -> bytes:
+        """Fetch block, keep it, and resolve future (registered in flight) with it."""
+        state = process_state()
+        key = (self.key, block)
+        try:
+            start = block * self.block_size
+            data = self.fetch(start, start + self.block_length(block))
+            if self.disk is not None:
+                self.disk.write(self.key, block, data)
+            self.remember(key, data)
+            future.set_result(data)
+            return data
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            with state.lock:
+                state.inflight.pop(key, None)
+
+    def remember(self, key, data: bytes) -> None:
+        state = process_state()
+        with state.lock:
+            if key not in state.memory:
+                state.memory[key] = data
+                state.memory_bytes += len(data)
+            while state.memory_bytes > self.memory_limit and state.memory:
+                _, old = state.memory.popitem(last=False)
+                state.memory_bytes -= len(old)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes [start, end) from the server: one ranged request, retried on transient errors."""
+        def get():
+            data = self.fs.cat_file(self.path, start=start, end=end)
+            if len(data) != end - start:
+                raise OSError(f"short read: {len(data)} of {end - start} bytes at {start}")
+            return data
+        data = with_retries(self.url, get, self.remote.retries, storage_options=self.remote.storage_options)
+        state = process_state()
+        with state.lock:
+            self.fetched_bytes += len(data)
+            self.requests += 1
+            state.fetched_bytes += len(data)
+            state.requests += 1
+        return data
+
+    # -- hints, state ----------------------------------------------------------------------
+    def will_need(self, offset: int, length: int) -> None:
+        """Fetch the blocks of [offset, offset + length) in the background, into the disk cache.
+
+        Nothing without a cache_dir: the sampler that hints runs in the DataLoader's main
+        process, and blocks kept in its memory would be fetched for nobody (each worker
+        reads its own records)."""
+        if length <= 0 or self.disk is None:
+            return
+        state = process_state()
+        last = min(offset + length, self.size) - 1
+        for block in range(offset // self.block_size, last // self.block_size + 1):
+            if self.cached(block * self.block_size):
+                continue
+            key = (self.key, block)
+            with state.lock:  # in flight from now, so a read waits for it rather than fetching it too
+                if key in state.inflight or key in state.memory:
+                    continue
+                future = state.inflight[key] = concurrent.futures.Future()
+            state.executor().submit(self._prefetch, block, future)
+
+    def _prefetch(self, block: int, future: concurrent.futures.Future) -> None:
+        try:
+            self.fill(block, future)
+        except Exception:  # already given to any read waiting on the future, which raises it
+            pass
+
+    def cached(self, offset: int) -> bool:
+        """Whether the block holding offset is in memory, being fetched, or in the disk cache."""
+        state = process_state()
+        block = offset // self.block_size
+        key = (self.key, block)
+        with state.lock:
+            if key in state.memory or key in state.inflight:
+                return True
+        return self.disk is not None and self.disk.has(self.key, block, self.block_length(block))
+
+    def invalidate(self, offset: int, length: int) -> None:
+        """Forget the cached blocks of a range (memory and disk), so the next read fetches them again."""
+        state = process_state()
+        last = min(offset + max(length, 1), self.size) - 1
+        for block in range(offset // self.block_size, last // self.block_size + 1):
+            with state.lock:
+                data = state.memory.pop((self.key, block), None)
+                if data is not None:
+                    state.memory_bytes -= len(data)
+            if self.disk is not None:
+                self.disk.drop(self.key, block)
+
+    def close(self) -> None:
+        """Nothing to release: blocks stay cached for the next source of this object."""
+
+    def __repr__(self) -> str:
+        return f"RemoteSource({self.url!r}, size={self.size})"
+
+
+class SourceFile(io.RawIOBase):
+    """A read-only, seekable file object over a byte source (h5py opens one)."""
+
+    def __init__(self, source: RemoteSource):
+        super().__init__()
+        self.source, self.position = source, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.source.size}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset} before the start of {self.source.url}")
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        data = self.source.pread(len(buffer), self.position)
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = max(0, self.source.size - self.position)
+        data = self.source.pread(size, self.position)
+        self.position += len(data)
+        return data

@@ -1,0 +1,585 @@
+"""Writing a dataset to object storage (s3://...) with the guarantee a local write has:
+nothing at OUT looks like a dataset until it is complete, and a failed write leaves nothing.
+
+A remote dataset at OUT (http(s):// URLs are read-only) is these objects:
+
+  hdf5   the one object OUT                                      (entry: OUT itself)
+  lmdb   OUT/data.mdb, OUT/packer.json                           (entry: OUT/data.mdb)
+  wds    OUT/index.json, OUT/<split>/shard-NNNNNN.tar,           (entry: OUT/index.json)
+         OUT/<split>/records.bin, paths.bin, wids-index.json,
+         OUT/packer.json
+
+OUT/packer.json, for the folder formats, is the completion marker and the manifest,
+written last: {"packer_remote": 1, "format": "<lmdb|wds>", "objects": {"<key relative to
+OUT/>": <size in bytes>, ...}} (itself not listed). A dataset is complete when its
+packer.json exists; one copied by hand (a local pack synced to a bucket, or served by a web
+server) has none and is known by its entry object, which this writer never leaves at OUT
+without the rest. An object whose name holds `.partial-` is a write in progress: never
+read it.
+
+How a write goes (write_to_url, upload_dataset):
+1. Check OUT before packing: a writable URL naming a key, the bucket there and the
+   credentials accepted (a probe object written into the staging prefix), OUT absent, or
+   with --force a packer dataset. Settle what dead writers left (below).
+2. Pack into a local staging folder (staging_dir, default $TMPDIR) as a local pack does.
+3. Upload every file to the staging prefix OUT.partial-<host>-<pid>-<token>/ beside OUT
+   (fsspec put: multipart for large files, several files at once), packer.json last.
+4. Publish, by server-side copies: when replacing, first delete OUT's packer.json and entry
+   object (the old dataset stops being one), then its other objects; copy the data
+   objects, then the entry object, then packer.json. An hdf5 dataset is one copy, atomic.
+5. Delete the staging prefix.
+On an error or Ctrl-C before publishing, the staging prefix is deleted and OUT is as it
+was. One during publishing a new OUT deletes what was copied; one while replacing keeps the
+complete staging (the old dataset is gone by then) and says to run again. A process killed
+outright cleans nothing: the next write to OUT from the same host removes a dead writer's
+staging prefix, or, when its staging was complete (holds packer.json, or is an hdf5
+object) and OUT is not a dataset, publishes it first (finishing the interrupted swap).
+Leftovers of other hosts are left alone, with a note.
+
+Every request goes through packer.remote.retry: transient errors are retried with backoff,
+others become a RemoteError naming the URL and what to check.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import OutputExistsError, PackError
+from ..interrupts import Interrupted
+from ..output import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
+from . import is_url, parse_url
+from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
+from .retry import RETRIES, with_retries
+
+if TYPE_CHECKING:
+    from ..pack import PackResult
+
+MANIFEST = "packer.json"
+MANIFEST_VERSION = 1
+MANIFEST_LIMIT = 64 << 20  # bytes: a manifest names each object once, in a few dozen bytes
+ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT itself
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
+THREADS = 8  # objects uploaded or copied at once
+PART_SIZE = 64 << 20  # multipart parts of a large object (S3: at least 5 MiB, at most 10,000 parts)
+READ_ONLY_SCHEMES = ("http", "https")
+EXTRA = "packer[remote]"
+
+
+@dataclass
+class Target:
+    """A remote OUT: its URL, the fsspec filesystem and the path in it, and how to retry."""
+
+    url: str
+    fs: object
+    path: str  # bucket/key, as fsspec names it
+    storage_options: dict
+    retries: int = RETRIES
+
+    def call(self, what: str, fn: Callable, doing: str = "writing"):
+        """fn(), retried (packer.remote.retry), in a worker thread: see run_all."""
+        def attempt():
+            return with_retries(what, fn, self.retries, doing, self.storage_options)
+
+        if threading.current_thread() is not threading.main_thread():
+            return attempt()
+        result = []
+        run_all([lambda: result.append(attempt())])
+        return result[0]
+
+    def url_of(self, path: str) -> str:
+        return f"{parse_url(self.url).scheme}://{path}"
+
+    @property
+    def s3(self) -> bool:
+        return parse_url(self.url).scheme in ("s3", "s3a")
+
+
+def filesystem(url: str, storage_options: dict | None):
+    """(fsspec filesystem, path) for url; s3 requests get one attempt each from botocore,
+    since packer's retry policy (packer.remote.retry) is the one that retries."""
+    try:
+        import fsspec.core
+    except ImportError as exc:
+        raise PackError(f"{url}: writing to object storage needs fsspec and s3fs: pip install '{EXTRA}'",
+                        url) from exc
+    options = dict(storage_options or {})
+    if parse_url(url).scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        options["config_kwargs"] = config
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise PackError(f"{url}: writing there needs a package packer's remote extra installs ({exc}): "
+                        f"pip install '{EXTRA}'", url) from exc
+
+
+def open_target(url: str, storage_options: dict | None = None, retries: int = RETRIES) -> Target:
+    """The Target for OUT url, or a PackError saying why packer cannot write there."""
+    if not is_url(url):
+        raise PackError(f"{url}: not a URL (s3://bucket/key)", url)
+    parsed = parse_url(url)
+    if parsed.scheme in READ_ONLY_SCHEMES:
+        raise PackError(f"{url}: {parsed.scheme}:// URLs are read-only (a web server takes no uploads); write to "
+                        "s3://bucket/key, or pack locally and serve the folder", url)
+    if not parsed.key or any(part in ("", ".", "..") for part in parsed.key.split("/")):
+        raise PackError(f"{url}: name the dataset inside the bucket, e.g. {parsed.scheme}://{parsed.bucket}/"
+                        "imagenet.lmdb", url)
+    if ".partial-" in parsed.key:
+        raise PackError(f"{url}: names with '.partial-' are reserved for uploads in progress; choose another", url)
+    url = str(parsed)
+    fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
+    if hasattr(fs, "retries") and isinstance(fs.retries, int):
+        fs.retries = 1  # s3fs retries timeouts itself: leave retrying to packer.remote.retry
+    return Target(url, fs, path.rstrip("/"), dict(storage_options or {}), retries)
+
+
+# --- what is at OUT ------------------------------------------------------------------
+
+
+def check_bucket(target: Target) -> None:
+    """Fail now, before packing, if the bucket is missing or the credentials are refused."""
+    bucket = target.path.split("/", 1)[0]
+    if not target.s3:
+        return
+    try:
+        target.call(target.url, lambda: target.fs.call_s3("head_bucket", Bucket=bucket))
+    except RemoteError as exc:
+        if exc.kind in (MISSING, NO_BUCKET):  # HEAD has no body: a 404 is all S3 says
+            where = endpoint_of(target.storage_options)
+            raise RemoteError(f"{target.url}: the bucket {bucket} does not exist at {where}: check the bucket name "
+                              "and the endpoint_url (packer writes into an existing bucket; create it first)",
+                              target.url, NO_BUCKET) from exc
+        raise
+
+
+def exists(target: Target, path: str) -> bool:
+    return bool(target.call(target.url_of(path), lambda: target.fs.exists(path)))
+
+
+def is_file(target: Target, path: str) -> bool:
+    return bool(target.call(target.url_of(path), lambda: target.fs.isfile(path)))
+
+
+def remote_dataset(target: Target, path: str | None = None) -> str | None:
+    """The format of the complete dataset at path (default OUT), or None if there is none:
+    its packer.json, else its entry object (a dataset copied by hand), else an hdf5 object."""
+    path = path or target.path
+    manifest = read_manifest(target, path)
+    if manifest is not None:
+        return manifest["format"]
+    for fmt, entry in ENTRY.items():
+        if is_file(target, f"{path}/{entry}"):
+            return fmt
+    if is_file(target, path):
+        head = target.call(target.url_of(path), lambda: target.fs.cat_file(path, start=0, end=len(HDF5_SIGNATURE)))
+        if head == HDF5_SIGNATURE:
+            return "hdf5"
+    return None
+
+
+def read_manifest(target: Target, path: str) -> dict | None:
+    """path/packer.json, checked, or None where there is none."""
+    where = f"{path}/{MANIFEST}"
+    if not is_file(target, where):
+        return None
+    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where, start=0, end=MANIFEST_LIMIT + 1),
+                      doing="reading")
+    return parse_manifest(raw, target.url_of(where))
+
+
+def parse_manifest(raw: bytes, url: str) -> dict:
+    """A packer.json's content, checked: an untrusted file (see the module docstring)."""
+    from ..formats import FORMATS
+
+    def bad(what: str) -> PackError:
+        return PackError(f"{url}: not a valid packer manifest ({what}); the dataset is damaged or was not "
+                         "written by packer", url)
+
+    if len(raw) > MANIFEST_LIMIT:
+        raise bad(f"{len(raw)} bytes")
+    try:
+        found = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"not JSON: {exc}") from exc
+    if not isinstance(found, dict) or found.get("packer_remote") != MANIFEST_VERSION:
+        raise bad(f"packer_remote is not {MANIFEST_VERSION}")
+    if found.get("format") not in FORMATS or found["format"] == "hdf5":
+        raise bad(f"format {found.get('format')!r}")
+    objects = found.get("objects")
+    if not isinstance(objects, dict) or not objects:
+        raise bad("no objects")
+    for key, size in objects.items():
+        if not safe_key(key):
+            raise bad(f"object name {key!r}")
+        if type(size) is not int or size < 0:
+            raise bad(f"size {size!r} of {key!r}")
+    return found
+
+
+def safe_key(key) -> bool:
+    """A relative object name that stays inside the dataset."""
+    return (isinstance(key, str) and 0 < len(key) <= 1024 and not key.startswith("/") and "\\" not in key
+            and "\0" not in key and all(part not in ("", ".", "..") for part in key.split("/"))
+            and key != MANIFEST)
+
+
+def refuse_existing(target: Target, force: bool, notes: list[str] = ()) -> None:
+    """As packer.output.refuse_existing: no OUT without force, and force replaces only a dataset."""
+    if not exists(target, target.path):
+        return
+    if not force:
+        settled = "".join(f"; {note}" for note in notes)
+        raise OutputExistsError(f"{target.url} already exists (pass --force to replace it, or -o to write "
+                                f"elsewhere){settled}", target.url)
+    if remote_dataset(target) is None:
+        raise OutputExistsError(f"{target.url} exists and is not a packer dataset: --force replaces only a "
+                                "dataset, never other objects; remove it yourself if it is not needed, or choose "
+                                "-o elsewhere", target.url)
+
+
+# --- leftovers of dead writers ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A staging prefix beside OUT: OUT.partial-<host>-<pid>-<token>."""
+
+    path: str
+    host: str
+    pid: int
+
+    @property
+    def here(self) -> bool:
+        return self.host == HOST
+
+    def owner_gone(self) -> bool:
+        return self.here and not pid_alive(self.pid)
+
+
+def stagings(target: Target) -> list[Staging]:
+    """The staging prefixes beside OUT, whoever left them."""
+    parent, name = posixpath.split(target.path)
+    if target.s3:
+        bucket, _, key = target.path.partition("/")
+        prefix = key + ".partial-"
+        found = []
+        for page in target.call(target.url, lambda: list_prefixes(target, bucket, prefix), doing="reading"):
+            found.append(f"{bucket}/{page.rstrip('/')}")
+    else:
+        found = [path.rstrip("/") for path in
+                 target.call(target.url, lambda: target.fs.glob(f"{target.path}.partial-*"), doing="reading")]
+    result = []
+    for path in found:
+        rest = posixpath.basename(path)[len(name):]
+        match = OWNED.fullmatch(rest)
+        if match and match["stage"] == PARTIAL and posixpath.dirname(path) == parent:
+            result.append(Staging(path, match["host"], int(match["pid"])))
+    return result
+
+
+def list_prefixes(target: Target, bucket: str, prefix: str) -> list[str]:
+    """The 'folders' under bucket/prefix* (one level), by S3's delimiter listing."""
+    found, token = [], None
+    while True:
+        kwargs = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        if token:
+            kwargs["ContinuationToken"] = token
+        page = target.fs.call_s3("list_objects_v2", **kwargs)
+        found.extend(item["Prefix"] for item in page.get("CommonPrefixes", []))
+        if not page.get("IsTruncated"):
+            return found
+        token = page.get("NextContinuationToken")
+
+
+def staged_dataset(target: Target, stage: str) -> tuple[str, dict] | None:
+    """(format, objects) of a complete staging prefix, or None if its upload did not finish."""
+    manifest = read_manifest(target, stage)
+    if manifest is not None:
+        return manifest["format"], manifest["objects"]
+    single = f"{stage}/{posixpath.basename(target.path)}"
+    if is_file(target, single):  # an hdf5 object appears whole, or not at all
+        return "hdf5", {}
+    return None
+
+
+def tidy(target: Target) -> tuple[list[str], list[str]]:
+    """Settle what dead writers left beside OUT; (URLs removed, notes for the user)."""
+    removed, notes = [], []
+    found = stagings(target)
+    notes.extend(f"left {target.url_of(stage.path)} alone: it belongs to a pack on host {stage.host} "
+                 f"(pid {stage.pid}); if no pack to {target.url} is running there, delete it"
+                 for stage in found if not stage.here)
+    gone = [stage for stage in found if stage.owner_gone()]
+    if gone and remote_dataset(target) is None:
+        for stage in gone:
+            staged = staged_dataset(target, stage.path)
+            if staged is not None:
+                publish(target, stage.path, staged[0], staged[1], replacing=exists(target, target.path))
+                notes.append(f"finished writing {target.url}: published the complete upload "
+                             f"{target.url_of(stage.path)}, left by an interrupted pack")
+                break
+    for stage in gone:
+        remove(target, stage.path)
+        removed.append(target.url_of(stage.path))
+    return removed, notes
+
+
+# --- upload and publish --------------------------------------------------------------
+
+
+def remove(target: Target, path: str) -> None:
+    """Delete path and everything under it, if there is anything."""
+    def rm():
+        with contextlib.suppress(FileNotFoundError):
+            target.fs.rm(path, recursive=True)
+        target.fs.invalidate_cache(path)
+
+    target.call(target.url_of(path), rm)
+    if exists(target, path):  # S3 lists are consistent, but a store that is not says so here
+        target.call(target.url_of(path), rm)
+
+
+def local_files(local: str) -> dict[str, str]:
+    """{key relative to the dataset: local file} of the dataset at local (a file or a folder)."""
+    if os.path.isfile(local):
+        return {"": local}
+    files = {}
+    for folder, dirnames, filenames in os.walk(local):
+        dirnames.sort()
+        for filename in sorted(filenames):
+            path = os.path.join(folder, filename)
+            key = os.path.relpath(path, local).replace(os.sep, "/")
+            if os.path.islink(path) or not os.path.isfile(path) or not safe_key(key):
+                raise PackError(f"{path}: not a file packer writes into a dataset; cannot upload {local}", path)
+            files[key] = path
+    return files
+
+
+def ordered(fmt: str, keys) -> list[str]:
+    """Data objects first, the entry object last: a reader that finds the entry finds the rest."""
+    entry = ENTRY.get(fmt)
+    return sorted(keys, key=lambda key: (key == entry, key))
+
+
+def run_all(jobs: list[Callable[[], None]]) -> None:
+    """Run jobs THREADS at a time in worker threads; the first error cancels what has not
+    started and is raised once the running ones end.
+
+    Every request runs in a worker thread, never in the main thread (Target.call): a Ctrl-C
+    there would stop only the waiting, and fsspec would finish a request it had started
+    after the clean-up. Leaving the pool waits for those, so the clean-up comes after them.
+    """
+    if not jobs:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="packer-upload") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def upload(target: Target, local: str, fmt: str, stage: str) -> dict[str, int]:
+    """Put the dataset at local under stage, packer.json last; the manifest's objects."""
+    files = local_files(local)
+    if fmt == "hdf5" or "" in files:
+        key = posixpath.basename(target.path)
+        put(target, files[""], f"{stage}/{key}")
+        return {}
+    objects = {key: os.path.getsize(path) for key, path in files.items()}
+    keys = ordered(fmt, objects)
+    entry = ENTRY.get(fmt)
+    run_all([lambda key=key: put(target, files[key], f"{stage}/{key}") for key in keys if key != entry])
+    if entry in files:
+        put(target, files[entry], f"{stage}/{entry}")
+    put_bytes(target, f"{stage}/{MANIFEST}", manifest_bytes(fmt, objects))
+    return objects
+
+
+def manifest_bytes(fmt: str, objects: dict[str, int]) -> bytes:
+    return json.dumps({"packer_remote": MANIFEST_VERSION, "format": fmt, "objects": objects},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def put(target: Target, local: str, path: str) -> None:
+    """Upload one file: on S3 in one PUT below two parts' size, else as a multipart upload
+    (s3fs aborts it on failure, so no parts are left behind)."""
+    options = {"chunksize": part_size(os.path.getsize(local))} if target.s3 else {}
+    target.call(target.url_of(path), lambda: target.fs.put_file(local, path, **options))
+
+
+def part_size(size: int) -> int:
+    """PART_SIZE, or larger where the object needs more than S3's 10,000 parts."""
+    return max(PART_SIZE, -(-size // 10_000))
+
+
+def put_bytes(target: Target, path: str, data: bytes) -> None:
+    target.call(target.url_of(path), lambda: target.fs.pipe_file(path, data))
+
+
+def copy(target: Target, source: str, path: str) -> None:
+    target.call(target.url_of(path), lambda: target.fs.copy(source, path))
+
+
+def publish(target: Target, stage: str, fmt: str, objects: dict[str, int], replacing: bool) -> None:
+    """Copy the complete upload at stage into OUT, entry object and packer.json last (step 4)."""
+    out = target.path
+    if replacing:
+        remove_old(target, keep_object=fmt == "hdf5")
+    if fmt == "hdf5":  # one copy: the object at OUT is the old one or the new one, never neither
+        copy(target, f"{stage}/{posixpath.basename(out)}", out)
+        return
+    entry = ENTRY.get(fmt)
+    keys = ordered(fmt, objects)
+    run_all([lambda key=key: copy(target, f"{stage}/{key}", f"{out}/{key}") for key in keys if key != entry])
+    if entry in objects:
+        copy(target, f"{stage}/{entry}", f"{out}/{entry}")
+    copy(target, f"{stage}/{MANIFEST}", f"{out}/{MANIFEST}")
+
+
+def remove_old(target: Target, keep_object: bool) -> None:
+    """Delete the dataset at OUT, packer.json and entry object first so that it stops being
+    one at once; keep_object keeps an object at OUT itself (a copy is about to replace it)."""
+    out = target.path
+    for first in (MANIFEST, *ENTRY.values()):
+        delete_object(target, f"{out}/{first}")
+    rest = target.call(target.url, lambda: target.fs.find(out + "/"), doing="reading")
+    if rest:
+        target.call(target.url, lambda: target.fs.rm(rest))
+    if not keep_object:
+        delete_object(target, out)
+    target.fs.invalidate_cache(out)
+
+
+def delete_object(target: Target, path: str) -> None:
+    """Delete one object if it is there (deleting a missing key is no error in S3)."""
+    def rm():
+        with contextlib.suppress(FileNotFoundError):
+            target.fs.rm_file(path)
+
+    target.call(target.url_of(path), rm)
+
+
+def upload_dataset(local: str, url: str, fmt: str, *, force: bool = False, storage_options: dict | None = None,
+                   retries: int = RETRIES, target: Target | None = None, checked: bool = False) -> list[str]:
+    """Publish the local dataset at local (format fmt) at url with the guarantee of the module
+    docstring; the notes for the user (leftovers settled). checked: the caller has just
+    checked the bucket and OUT and settled the leftovers (write_to_url)."""
+    target = target or open_target(url, storage_options, retries)
+    owner = new_owner()
+    stage = owner.path(target.path, PARTIAL)
+    removed, notes = [], []
+    if not checked:
+        check_bucket(target)
+        removed, notes = tidy(target)
+        refuse_existing(target, force, notes)
+    published = False
+    try:
+        put_bytes(target, f"{stage}/{PROBE}", owner_note(owner))
+        objects = upload(target, local, fmt, stage)
+        refuse_existing(target, force)  # it may have appeared while we were uploading
+        replacing = exists(target, target.path)
+        published = replacing  # from the first deletion on, the old dataset is gone: keep the upload
+        try:
+            publish(target, stage, fmt, objects, replacing)
+        except BaseException:
+            if not replacing:
+                with contextlib.suppress(Exception):
+                    remove(target, target.path)
+            raise
+        published = False
+        remove(target, stage)
+    except BaseException as exc:
+        if published:
+            raise interrupted_swap(target, stage, exc) from exc
+        with contextlib.suppress(Exception):
+            remove(target, stage)
+        raise
+    return [f"removed {url}, left by an interrupted pack" for url in removed] + notes
+
+
+def interrupted_swap(target: Target, stage: str, exc: BaseException) -> BaseException:
+    """The error for a replace cut short: the new dataset is whole in the staging prefix."""
+    again = (f"{target.url}: replacing the dataset was cut short ({type(exc).__name__}); the new one is complete "
+             f"at {target.url_of(stage)}, and running the same command again from this host finishes it")
+    if isinstance(exc, KeyboardInterrupt):
+        return SwapInterrupted(target.url, again)
+    return PackError(f"{again} ({exc})", target.url)
+
+
+class SwapInterrupted(Interrupted):
+    """Ctrl-C while replacing a remote dataset: the old one is gone, the new one is staged."""
+
+    def __init__(self, out: str, message: str):
+        KeyboardInterrupt.__init__(self, message)
+        self.out = out
+
+
+def owner_note(owner: Owner) -> bytes:
+    return json.dumps({"host": owner.host, "pid": owner.pid, "token": owner.token}).encode()
+
+
+def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"], *, force: bool = False,
+                 staging_dir: str | None = None, storage_options: dict | None = None,
+                 retries: int = RETRIES):
+    """Pack with write_local(local_out) into a folder under staging_dir, then upload_dataset
+    it to url; the local result with out=url. Fails before packing if url cannot take it."""
+    target = open_target(url, storage_options, retries)
+    check_bucket(target)
+    removed, notes = tidy(target)
+    refuse_existing(target, force, notes)
+    check_writable(target)
+    folder = make_staging_dir(staging_dir, target)
+    try:
+        local = os.path.join(folder, posixpath.basename(target.path))
+        try:
+            result = write_local(local)
+        except Interrupted:
+            raise Interrupted(url) from None
+        except PackError as exc:
+            if folder not in str(exc):
+                raise
+            raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
+                            "(or TMPDIR) chooses where]", exc.path) from exc
+        notes += upload_dataset(local, url, fmt, force=force, target=target, checked=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return dataclasses.replace(result, out=target.url, warnings=notes + result.warnings,
+                               removed_stale=removed + result.removed_stale)
+
+
+def check_writable(target: Target) -> None:
+    """Write and delete a probe object beside OUT: refused credentials fail now, not after the pack."""
+    probe = new_owner().path(target.path, PARTIAL)
+    put_bytes(target, f"{probe}/{PROBE}", b"")
+    remove(target, probe)
+
+
+def make_staging_dir(staging_dir: str | None, target: Target) -> str:
+    parent = staging_dir or tempfile.gettempdir()
+    if not os.path.isdir(parent):
+        raise PackError(f"{parent}: the staging folder to pack {target.url} in before uploading does not exist; "
+                        "create it or pass --staging-dir (or TMPDIR) elsewhere", parent)
+    try:
+        return tempfile.mkdtemp(prefix="packer-upload-", dir=parent)
+    except OSError as exc:
+        raise PackError(f"{parent}: cannot make a staging folder there ({exc.strerror}); pass --staging-dir "
+                        "with a writable folder that can hold the whole dataset", parent) from exc
+

@@ -1,0 +1,575 @@
+"""Real object-storage servers on loopback for the remote tests: moto's S3 server and nginx.
+
+Both run as child processes on 127.0.0.1 at a free port, so a test talks to them over
+real sockets with real HTTP, the way s3fs tests itself, and can kill one outright
+(SIGKILL: the next connection is refused) and restart it on the same port.
+
+- S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
+  endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
+  takes; `s3_server` is a private server (one per test) that the test may kill and
+  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in
+  memory, so MotoServer.kill/stop first snapshot every object to disk and the restarted
+  server loads them before it takes a connection: it serves what the dead one held.
+- HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
+  per-test nginx serving root_dir (Range requests are built in for static files);
+  `nginx` is a factory, nginx(root, limit_rate=...) -> NginxServer, for servers with a
+  per-connection bandwidth limit or to kill and restart. Tests skip, saying why, where
+  nginx is not installed.
+- A link (Link, or the `link` fixture: link(upstream_port, delay=..., rate=...)): a TCP
+  proxy in a child process that imitates a network between client and server: each byte
+  arrives `delay` seconds after it left (each way, so a request's round trip is 2 x delay,
+  and a new connection's handshake one more round trip), and all connections together
+  move at most `rate` bytes/s each way, with enough in flight to fill that link. (netem
+  would do this in the kernel, but needs the sch_netem module, which some kernels lack.)
+
+The classes work without pytest too (benchmarks/remote.py starts them the same way).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx", "link",
+           "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
+
+HOST = "127.0.0.1"
+AUTH_SETUP = ("create_user", "create_access_key", "put_user_policy")  # the requests moto lets through unsigned
+AUTH_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
+START_TIMEOUT = 30.0
+# Credentials moto accepts (it checks none); set so no real ones are ever picked up.
+FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "packer-test-key",
+    "AWS_SECRET_ACCESS_KEY": "packer-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata lookup, which would wait on a timeout
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
+    """Return once port accepts connections; fail naming what and its log if it never does."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    detail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+    kill_process(proc)
+    raise RuntimeError(f"{what} did not start listening on {HOST}:{port} (exit code {proc.returncode}); "
+                       f"log:\n{detail}")
+
+
+def wait_closed(port: int) -> None:
+    """Return once nothing accepts on port any more (a killed server's socket is gone)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
+def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        # The server leads its own process group: nginx's workers die with its master.
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# --- S3: moto ------------------------------------------------------------------------
+
+
+class MotoServer:
+    """moto's S3-compatible server as a child process on 127.0.0.1:port."""
+
+    def __init__(self, port: int | None = None, log_dir: str | None = None, auth: bool = False):
+        self.auth = auth
+        self.credentials = (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
+        self.port = port or free_port()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"moto-{self.port}.log"
+
+    def start(self) -> "MotoServer":
+        env = {**os.environ, **FAKE_AWS_ENV}
+        if self.auth:  # moto checks keys and signatures once its first requests (ours: a user, a key) are done
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(len(AUTH_SETUP))
+        with open(self.log, "ab") as log:
+            # The objects of a killed server are back before the new one takes a connection.
+            self.proc = subprocess.Popen([sys.executable, __file__, "moto", str(self.port), str(self.snapshot_dir)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        wait_listening(self.port, self.proc, "moto's S3 server", self.log)
+        if self.auth:
+            self.make_user()
+        return self
+
+    def make_user(self) -> None:
+        """With auth: an IAM user allowed all of S3, whose key pair becomes self.credentials."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"])
+        iam.create_user(UserName="packer")
+        key = iam.create_access_key(UserName="packer")["AccessKey"]
+        iam.put_user_policy(UserName="packer", PolicyName="s3", PolicyDocument=AUTH_POLICY)
+        self.credentials = (key["AccessKeyId"], key["SecretAccessKey"])
+
+    def client(self):
+        import boto3  # moto depends on it
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
+                            aws_access_key_id=self.credentials[0], aws_secret_access_key=self.credentials[1],
+                            config=Config(retries={"max_attempts": 1}))
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.log_dir / "snapshot"
+
+    def take_snapshot(self) -> None:
+        """Copy every bucket's objects to snapshot_dir/<bucket>/<quoted key>, for the next start."""
+        client = self.client()
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        self.snapshot_dir.mkdir()
+        for bucket in client.list_buckets().get("Buckets", []):
+            name = bucket["Name"]
+            (self.snapshot_dir / name).mkdir()
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                for item in page.get("Contents", []):
+                    data = client.get_object(Bucket=name, Key=item["Key"])["Body"].read()
+                    (self.snapshot_dir / name / urllib.parse.quote(item["Key"], safe="")).write_bytes(data)
+
+    def kill(self, keep_objects: bool = True) -> None:
+        """SIGKILL the server (after snapshotting its objects, unless keep_objects is False)."""
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if keep_objects and self.running:
+            self.take_snapshot()
+        kill_process(self.proc)
+        wait_closed(self.port)
+
+    def stop(self, keep_objects: bool = True) -> None:
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if keep_objects and self.running:
+            self.take_snapshot()
+        kill_process(self.proc, signal.SIGTERM)
+        wait_closed(self.port)
+
+    def restart(self) -> "MotoServer":
+        """Start again on the same port (a dead server's clients reconnect to the same URL)."""
+        kill_process(self.proc)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+@dataclass
+class S3Bucket:
+    """A fresh bucket on a moto server: s3fs.S3FileSystem(**storage_options) reaches it."""
+
+    name: str
+    endpoint_url: str
+    storage_options: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.name}"
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
+                            aws_access_key_id=self.storage_options["key"],
+                            aws_secret_access_key=self.storage_options["secret"],
+                            config=Config(retries={"max_attempts": 1}))
+
+    def keys(self) -> list[str]:
+        keys = []
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=self.name):
+            keys.extend(item["Key"] for item in page.get("Contents", []))
+        return sorted(keys)
+
+
+def storage_options(endpoint_url: str, credentials: tuple[str, str] | None = None) -> dict:
+    key, secret = credentials or (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
+    return {"key": key, "secret": secret,
+            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": FAKE_AWS_ENV["AWS_DEFAULT_REGION"]}}
+
+
+def new_bucket(endpoint_url: str, credentials: tuple[str, str] | None = None) -> S3Bucket:
+    """A fresh bucket; credentials: a key pair the server knows (MotoServer(auth=True).credentials)."""
+    bucket = S3Bucket(f"packer-test-{uuid.uuid4().hex[:12]}", endpoint_url, storage_options(endpoint_url, credentials))
+    bucket.client().create_bucket(Bucket=bucket.name)
+    return bucket
+
+
+def require_moto() -> None:
+    for module in ("moto.server", "boto3", "s3fs"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            pytest.skip(f"the S3 tests need moto[server] and s3fs ({exc}); install them with "
+                        "python -m pip install -e '.[test]'")
+
+
+@pytest.fixture(scope="session")
+def fake_aws_env():
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in FAKE_AWS_ENV.items():
+            patch.setenv(name, value)
+        patch.delenv("AWS_PROFILE", raising=False)
+        patch.delenv("AWS_SESSION_TOKEN", raising=False)
+        patch.setenv("NO_PROXY", ",".join(filter(None, [os.environ.get("NO_PROXY"), HOST])))
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(fake_aws_env) -> str:
+    """endpoint_url of a moto S3 server shared by the session (do not kill it: see s3_server)."""
+    require_moto()
+    server = MotoServer().start()
+    yield server.endpoint_url
+    server.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> S3Bucket:
+    """A fresh, empty bucket on the session's server."""
+    return new_bucket(s3_endpoint)
+
+
+@pytest.fixture
+def s3_server(fake_aws_env) -> MotoServer:
+    """A moto server for this test alone, to kill (server.kill()) and restart (server.restart())."""
+    require_moto()
+    server = MotoServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def s3_auth_server(fake_aws_env) -> MotoServer:
+    """A moto server that checks credentials: server.credentials are accepted, other keys refused (403)."""
+    require_moto()
+    server = MotoServer(auth=True).start()
+    yield server
+    server.close()
+
+
+# --- HTTP: nginx ---------------------------------------------------------------------
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                                          if os.access(p, os.X_OK)), None)
+
+
+class NginxServer:
+    """nginx serving root read-only over HTTP on 127.0.0.1:port, from a config in its own
+    folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
+
+    def __init__(self, root: str | os.PathLike, port: int | None = None, limit_rate: int | None = None,
+                 binary: str | None = None, log_requests: bool = False):
+        self.log_requests = log_requests
+        self.binary = binary or nginx_binary()
+        if self.binary is None:
+            raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
+        self.root = Path(root).resolve()
+        self.port = port or free_port()
+        self.limit_rate = limit_rate
+        self.prefix = Path(tempfile.mkdtemp(prefix="packer-nginx-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def url(self, relative: str) -> str:
+        return f"{self.base_url}/{relative.lstrip('/')}"
+
+    @property
+    def error_log(self) -> Path:
+        return self.prefix / "error.log"
+
+    @property
+    def access_log(self) -> Path:
+        return self.prefix / "access.log"
+
+    def requests(self, at_least: int = 0, timeout: float = 5.0) -> list[dict]:
+        """With log_requests: each request served so far, in order: connection (its number),
+        nth (requests on that connection so far), status, method, path, range, bytes sent.
+        nginx logs a request just after its response is sent: at_least waits for that many."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.logged()
+            if len(found) >= at_least or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    def logged(self) -> list[dict]:
+        found = []
+        if self.access_log.exists():
+            for line in self.access_log.read_text().splitlines():
+                connection, nth, status, method, path, rest = line.split(" ", 5)
+                range_, _, sent = rest.rpartition(" ")
+                found.append({"connection": int(connection), "nth": int(nth), "status": int(status), "method": method,
+                              "path": path, "range": "" if range_ == '"-"' else range_.strip('"'), "bytes": int(sent)})
+        return found
+
+    def config(self) -> str:
+        # As root, nginx's workers would drop to nobody, who cannot read a pytest tmp dir.
+        user = "user root;" if os.geteuid() == 0 else ""
+        temp = "\n".join(f"    {kind}_temp_path {self.prefix}/{kind};"
+                         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        throttle = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
+        access = (f"log_format packer '$connection $connection_requests $status $request_method $uri "
+                  f"\"$http_range\" $body_bytes_sent';\n    access_log {self.access_log} packer;"
+                  if self.log_requests else "access_log off;")
+        return f"""
+{user}
+worker_processes 2;
+pid {self.prefix}/nginx.pid;
+error_log {self.error_log} warn;
+events {{ worker_connections 256; }}
+http {{
+    {access}
+{temp}
+    sendfile on;
+    keepalive_requests 100000;
+    server {{
+        listen {HOST}:{self.port} reuseport;
+        root {self.root};
+        location / {{ autoindex off; {throttle} }}
+    }}
+}}
+"""
+
+    def start(self) -> "NginxServer":
+        conf = self.prefix / "nginx.conf"
+        conf.write_text(self.config())
+        self.proc = subprocess.Popen([self.binary, "-p", str(self.prefix), "-e", str(self.error_log), "-c", str(conf),
+                                      "-g", "daemon off;"],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.error_log, "ab"),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_listening(self.port, self.proc, "nginx", self.error_log)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL nginx and its workers: open connections drop, new ones are refused."""
+        kill_process(self.proc)
+        wait_closed(self.port)
+
+    def restart(self) -> "NginxServer":
+        kill_process(self.proc)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+@pytest.fixture
+def nginx():
+    """Factory: nginx(root, limit_rate=None, port=None, log_requests=False) -> a started NginxServer,
+    stopped after the test; with log_requests, server.requests() lists what it served."""
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed, so the HTTP tests cannot run a server (apt-get install nginx-light; "
+                    ".ci/run installs it when run as root)")
+    servers = []
+
+    def start(root, limit_rate: int | None = None, port: int | None = None, log_requests: bool = False) -> NginxServer:
+        server = NginxServer(root, port=port, limit_rate=limit_rate, log_requests=log_requests).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def http_root(tmp_path, nginx) -> tuple[Path, str]:
+    """(root_dir, base_url): files written under root_dir are served at base_url/<relative path>."""
+    root = tmp_path / "http-root"
+    root.mkdir()
+    return root, nginx(root).base_url
+
+
+# --- a slow link: latency and bandwidth between client and server ---------------------
+
+
+class Link:
+    """A TCP proxy on 127.0.0.1:port to 127.0.0.1:upstream with delay seconds of one-way
+    latency and rate bytes/s (each way, shared by all connections): see run_link."""
+
+    def __init__(self, upstream: int, delay: float = 0.010, rate: float = 125e6, port: int | None = None):
+        self.upstream, self.delay, self.rate = upstream, delay, rate
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = Path(tempfile.mkstemp(prefix="packer-link-", suffix=".log")[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def url(self, relative: str) -> str:
+        return f"{self.base_url}/{relative.lstrip('/')}"
+
+    def start(self) -> "Link":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "link", str(self.port), str(self.upstream),
+                                          repr(self.delay), repr(self.rate)],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        wait_listening(self.port, self.proc, "the link proxy", self.log)
+        return self
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def link():
+    """Factory: link(upstream_port, delay=0.010, rate=125e6) -> a started Link, closed after the test."""
+    links = []
+
+    def start(upstream: int, delay: float = 0.010, rate: float = 125e6) -> Link:
+        started = Link(upstream, delay, rate).start()
+        links.append(started)
+        return started
+
+    yield start
+    for started in links:
+        started.close()
+
+
+CHUNK = 256 << 10
+IN_FLIGHT = 64  # chunks queued per direction of a connection: 16 MiB, over a 1 Gbit/s x 20 ms link's 2.5 MB
+
+
+def run_link(port: int, upstream: int, delay: float, rate: float) -> None:
+    """Serve the link until killed. A chunk read from one side leaves when the link (one per
+    direction, shared by every connection) has sent what was queued before it, taking
+    len/rate seconds, and is written to the other side delay seconds after it left."""
+    import asyncio
+
+    free_at = {"up": 0.0, "down": 0.0}  # when each direction of the link is next idle
+
+    async def pipe(reader, writer, direction: str) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(IN_FLIGHT)
+
+        async def send() -> None:
+            while True:
+                arrival, data = await queue.get()
+                if data is None:
+                    break
+                wait = arrival - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+            with contextlib.suppress(OSError):
+                writer.write_eof()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                leaves = max(loop.time(), free_at[direction]) + len(data) / rate
+                free_at[direction] = leaves
+                await queue.put((leaves + delay, data))
+        except OSError:
+            pass
+        await queue.put((0.0, None))
+        with contextlib.suppress(OSError):
+            await sender
+
+    async def handle(client_reader, client_writer) -> None:
+        await asyncio.sleep(2 * delay)  # the handshake's round trip
+        try:
+            server_reader, server_writer = await asyncio.open_connection(HOST, upstream)
+        except OSError:
+            client_writer.close()
+            return
+        await asyncio.gather(pipe(client_reader, server_writer, "up"), pipe(server_reader, client_writer, "down"),
+                             return_exceptions=True)
+        for writer in (client_writer, server_writer):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, HOST, port, reuse_address=True, backlog=512)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def run_moto(port: int, snapshot: Path) -> None:
+    """moto's S3 server on port, holding the objects snapshot/<bucket>/<quoted key> from the start."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+    from moto.server import main
+
+    if snapshot.is_dir():
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        for bucket in sorted(snapshot.iterdir()):
+            backend.create_bucket(bucket.name, FAKE_AWS_ENV["AWS_DEFAULT_REGION"])
+            for item in sorted(bucket.iterdir()):
+                backend.put_object(bucket.name, urllib.parse.unquote(item.name), item.read_bytes())
+    main(["-H", HOST, "-p", str(port)])
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "link":
+    run_link(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "moto":
+    run_moto(int(sys.argv[2]), Path(sys.argv[3]))

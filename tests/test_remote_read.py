@@ -1,0 +1,461 @@
+"""Reading packed datasets by URL: moto's S3 server and nginx on loopback (tests/servers.py),
+compared byte for byte with the same packs read locally."""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.utils.data
+
+from conftest import jpeg_bytes, write
+from packer import pack
+from packer.errors import CorruptDataError, FormatError
+from packer.formats import hdf5, open_reader, read_metadata
+from packer.remote import source as remote_source
+from packer.remote.cache import BlockCache, parse_bytes
+from readers import HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset
+from servers import NginxServer, new_bucket, nginx_binary, require_moto
+
+FORMATS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
+BLOCK = "32KiB"
+# One try per request inside s3fs/botocore, so a dead server is reported in seconds.
+FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5}}
+
+
+def tree(root: Path) -> Path:
+    """train/val splits, 3 classes, images of 10-60 KB: tens of 32 KiB blocks per dataset."""
+    seed = iter(range(5000, 6000))
+    for split, per_class in (("train", 20), ("val", 3)):
+        for c in ("ant", "bee", "cat"):
+            for i in range(per_class):
+                size = (96 + 40 * (i % 5), 80 + 40 * (i % 3))
+                write(root / split / c / f"{c}{i}.jpg", jpeg_bytes(next(seed), size=size, quality=95))
+    return root
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("remote-packs")
+    src = tree(base / "src")
+    out = {}
+    for fmt, ext in FORMATS.items():
+        out[fmt] = base / f"data{ext}"
+        options = {"max_count": 10} if fmt == "wds" else None
+        pack(str(src), fmt, str(out[fmt]), progress=False, options=options, shuffle=fmt != "hdf5", shuffle_seed=1)
+    return out
+
+
+def upload(fs, local: Path, url: str) -> None:
+    fs.put(str(local), url, recursive=local.is_dir())
+
+
+@pytest.fixture(scope="module")
+def s3(packs, s3_endpoint):
+    """(bucket URL, storage_options) holding every pack, uploaded with s3fs's put."""
+    require_moto()
+    import s3fs
+
+    bucket = new_bucket(s3_endpoint)
+    options = {**bucket.storage_options, **FAST_FAIL}
+    fs = s3fs.S3FileSystem(**options)
+    for fmt, local in packs.items():
+        upload(fs, local, f"{bucket.name}/{local.name}")
+    return bucket.url, options
+
+
+@pytest.fixture(scope="module")
+def http(packs):
+    """Base URL of an nginx serving the packs' folder."""
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx-light)")
+    server = NginxServer(next(iter(packs.values())).parent).start()
+    yield server.base_url
+    server.close()
+
+
+def same_as_local(remote, local) -> None:
+    """Every record, label, path and class of a remote Reader equal the local one's."""
+    assert (remote.count, remote.split, remote.classes) == (local.count, local.split, local.classes)
+    assert np.array_equal(remote.labels, local.labels)
+    assert list(remote.paths) == list(local.paths)
+    for i in range(local.count):
+        assert remote.read(i) == local.read(i), i
+
+
+def splits_of(local_path: Path) -> list[str]:
+    return sorted(read_metadata(str(local_path)).splits)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_reads_byte_exact_from_s3(packs, s3, fmt, tmp_path):
+    bucket, options = s3
+    url = f"{bucket}/{packs[fmt].name}"
+    for split in splits_of(packs[fmt]):
+        remote = open_reader(url, split, storage_options=options, cache_dir=tmp_path / "cache", block_size=BLOCK)
+        assert remote.path == url
+        same_as_local(remote, open_reader(str(packs[fmt]), split))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_reads_byte_exact_over_http(packs, http, fmt):
+    url = f"{http}/{packs[fmt].name}"
+    for split in splits_of(packs[fmt]):
+        same_as_local(open_reader(url, split, block_size=BLOCK), open_reader(str(packs[fmt]), split))
+
+
+@pytest.mark.parametrize("Dataset, fmt", [(LMDBDataset, "lmdb"), (HDF5Dataset, "hdf5"), (WDSMapDataset, "wds")])
+def test_datasets_take_urls_and_storage_options(packs, s3, Dataset, fmt):
+    bucket, options = s3
+    remote = Dataset(f"{bucket}/{packs[fmt].name}", "val", decode="raw", storage_options=options, block_size=BLOCK)
+    local = Dataset(str(packs[fmt]), "val", decode="raw")
+    assert remote.classes == local.classes and np.array_equal(remote.targets, local.targets)
+    for i in range(len(local)):
+        assert remote[i][0] == local[i][0] and remote[i][1] == local[i][1]
+
+
+def dataset_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cached", [False, True], ids=["exact-reads", "block-cache"])
+def test_opening_reads_the_tables_not_the_whole_dataset(packs, http, fmt, cached, tmp_path):
+    """Opening (metadata, tables, chunk map) fetches a small part of the dataset; reading
+    every record then fetches the rest, counted by the sources themselves."""
+    before = remote_source.fetched()[0]
+    cache = {"cache_dir": tmp_path / "cache"} if cached else {}
+    reader = open_reader(f"{http}/{packs[fmt].name}", "train", block_size=BLOCK, **cache).open()
+    opened = remote_source.fetched()[0] - before
+    total = dataset_bytes(packs[fmt])
+    assert 0 < opened < total / 4, (opened, total)
+    for i in range(reader.count):
+        reader.read_image(i)
+    assert remote_source.fetched()[0] - before > total / 2  # the records did come over the wire
+
+
+def cache_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and f.name != ".lock")
+
+
+def test_cache_limit_holds_and_a_second_epoch_reads_the_cache(packs, s3, tmp_path):
+    bucket, options = s3
+    url = f"{bucket}/{packs['hdf5'].name}"
+    limit = 5 * parse_bytes(BLOCK, "block")
+    small = open_reader(url, "train", storage_options=options, cache_dir=tmp_path / "small", cache_limit=limit,
+                        block_size=BLOCK)
+    local = open_reader(str(packs["hdf5"]), "train")
+    for i in range(small.count):
+        assert small.read_image(i) == local.read_image(i)
+        assert cache_bytes(tmp_path / "small") <= limit
+    assert cache_bytes(tmp_path / "small") > limit // 2  # it was used, up to its limit
+
+    big = open_reader(url, "train", storage_options=options, cache_dir=tmp_path / "big", cache_limit="1GB",
+                      block_size=BLOCK)
+    for i in range(big.count):
+        big.read_image(i)
+    before = remote_source.fetched()
+    again = open_reader(url, "train", storage_options=options, cache_dir=tmp_path / "big", cache_limit="1GB",
+                        block_size=BLOCK)
+    for i in range(again.count):
+        assert again.read_image(i) == local.read_image(i)
+    assert remote_source.fetched()[0] == before[0]  # every byte from the cache (only HEADs went out)
+
+
+def test_a_replaced_object_never_reads_old_blocks(packs, s3, tmp_path):
+    """The object's identity is in the cache key: new content at the URL, new blocks."""
+    import s3fs
+
+    bucket, options = s3
+    fs = s3fs.S3FileSystem(**options)
+    url = f"{bucket}/replaced.h5"
+    fs.put(str(packs["hdf5"]), url)
+    cache = {"storage_options": options, "cache_dir": tmp_path / "cache", "block_size": BLOCK}
+    first = open_reader(url, "val", **cache)
+    first.read_image(0)
+    keys_before = {p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()}
+    other = tree(tmp_path / "other-src")
+    write(other / "val" / "ant" / "extra.jpg", jpeg_bytes(1, size=(200, 150)))
+    pack(str(other), "hdf5", str(tmp_path / "other.h5"), progress=False)
+    fs.put(str(tmp_path / "other.h5"), url)
+    second = open_reader(url, "val", **cache)
+    same_as_local(second, open_reader(str(tmp_path / "other.h5"), "val"))
+    assert {p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()} - keys_before
+    first.close()
+    with pytest.raises(CorruptDataError, match="replaced"):
+        first.read_image(0)  # reopening the old reader finds another object at its URL
+
+
+def read_all_records(url: str, options: dict, cache_dir: str, limit: int, first: int) -> list[str]:
+    """In a child process: every record of the split, in storage order from position first
+    on (round), as SHA-256 by index."""
+    reader = open_reader(url, "val", storage_options=options, cache_dir=cache_dir, cache_limit=limit,
+                         block_size=BLOCK)
+    digests = [""] * reader.count
+    for position in np.roll(np.arange(reader.count), -first).tolist():
+        index = int(reader.storage_order()[position])
+        digests[index] = hashlib.sha256(reader.read_image(index)[0]).hexdigest()
+    return digests
+
+
+def check_blocks(cache: Path, local_file: Path, block: int) -> int:
+    """Every block file in cache equals its range of local_file (one object cached); count them."""
+    data = local_file.read_bytes()
+    blocks = [p for p in cache.rglob("*") if p.is_file() and p.name != ".lock"]
+    assert not [p for p in blocks if ".tmp." in p.name]
+    for p in blocks:
+        k = int(p.name)
+        assert p.read_bytes() == data[k * block:(k + 1) * block], p
+    return len(blocks)
+
+
+def test_two_processes_share_the_cache_under_eviction(packs, s3, tmp_path):
+    bucket, options = s3
+    url = f"{bucket}/{packs['lmdb'].name}"
+    block = parse_bytes(BLOCK, "block")
+    limit = 3 * block  # far less than the split: the two evict each other's blocks all along
+    local = open_reader(str(packs["lmdb"]), "val")
+    expected = [hashlib.sha256(local.read_image(i)[0]).hexdigest() for i in range(local.count)]
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.starmap(read_all_records, [(url, options, str(tmp_path / "cache"), limit, first)
+                                                  for first in (0, local.count // 2)])
+    assert results == [expected, expected]
+    assert cache_bytes(tmp_path / "cache") <= limit
+    assert check_blocks(tmp_path / "cache", packs["lmdb"] / "data.mdb", block) > 0
+
+
+def test_dataloader_workers_share_the_cache(packs, s3, tmp_path):
+    bucket, options = s3
+    cache = tmp_path / "cache"
+    remote = HDF5Dataset(f"{bucket}/{packs['hdf5'].name}", "train", decode="raw", storage_options=options,
+                         cache_dir=cache, cache_limit="10MB", block_size=BLOCK)
+    local = HDF5Dataset(str(packs["hdf5"]), "train", decode="raw")
+    loader = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2, shuffle=True,
+                                         multiprocessing_context="fork")
+    seen = {}
+    for (data, label) in loader:
+        seen[hashlib.sha256(bytes(data)).hexdigest()] = int(label)
+    assert seen == {hashlib.sha256(local[i][0]).hexdigest(): local[i][1] for i in range(len(local))}
+    assert check_blocks(cache, packs["hdf5"], parse_bytes(BLOCK, "block")) > 0
+
+
+def test_block_order_hints_fetch_ahead_into_the_cache(packs, s3, tmp_path):
+    """will_need (BlockShuffleSampler's hint) fetches the blocks in the background; the
+    reads that follow are served from the cache, with no request of their own."""
+    bucket, options = s3
+    reader = open_reader(f"{bucket}/{packs['lmdb'].name}", "train", storage_options=options,
+                         cache_dir=tmp_path / "cache", block_size=BLOCK).open()
+    before = remote_source.fetched()
+    reader.will_need(0, reader.count)
+    assert remote_source.in_flight() > 0
+    deadline = time.monotonic() + 60
+    while remote_source.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote_source.fetched()[1] > before[1]  # fetched by the background threads
+    before = remote_source.fetched()
+    local = open_reader(str(packs["lmdb"]), "train")
+    for position in range(reader.count):
+        index = int(reader.storage_order()[position])
+        assert reader.read_image(index) == local.read_image(index)
+    assert remote_source.fetched() == before
+
+
+def test_a_damaged_cache_block_is_fetched_again(packs, s3, tmp_path):
+    bucket, options = s3
+    url = f"{bucket}/{packs['wds'].name}"
+    cache = tmp_path / "cache"
+    reader = open_reader(url, "train", storage_options=options, cache_dir=cache, block_size=BLOCK)
+    local = open_reader(str(packs["wds"]), "train")
+    for i in range(reader.count):
+        reader.read_image(i)
+    shards = [p for p in cache.rglob("*") if p.is_file() and p.name.isdigit() and p.stat().st_size > 4096]
+    for p in shards:  # flip a byte in the middle of every cached block (same length: looks whole)
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        p.write_bytes(bytes(raw))
+    before = remote_source.fetched()[1]
+    for i in range(reader.count):
+        assert reader.read_image(i) == local.read_image(i)
+    assert remote_source.fetched()[1] > before  # damaged records were fetched again, past the cache
+
+
+def test_a_damaged_remote_record_is_reported_after_one_more_fetch(packs, s3, tmp_path):
+    import s3fs
+
+    bucket, options = s3
+    local = hdf5.Reader(str(packs["hdf5"]), "val")
+    position = local.position(2)
+    at = int(local.file_offsets()[position]) + 10
+    raw = bytearray(packs["hdf5"].read_bytes())
+    raw[at] ^= 0xFF
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    url = f"{bucket}/bad-{tmp_path.name}.h5"
+    s3fs.S3FileSystem(**options).put(str(tmp_path / "bad.h5"), url)
+    reader = open_reader(url, "val", storage_options=options, block_size=BLOCK).open()  # tables loaded
+    assert reader.read_image(1) == local.read_image(1)
+    before = remote_source.fetched()[1]
+    with pytest.raises(CorruptDataError, match="checksum mismatch.*read twice"):
+        reader.read_image(2)
+    assert remote_source.fetched()[1] - before == 2  # the record, and once more past the cache
+
+
+def test_missing_datasets_and_objects_name_the_url(s3, http):
+    bucket, options = s3
+    with pytest.raises(FormatError, match=f"{bucket}/nothing.lmdb: no packed dataset there"):
+        open_reader(f"{bucket}/nothing.lmdb", storage_options=options)
+    with pytest.raises(FormatError, match=f"{http}/nothing.h5: no such file"):
+        hdf5.Reader(f"{http}/nothing.h5")
+    with pytest.raises(remote_source.RemoteError, match="no such object: check the URL") as info:
+        remote_source.Remote(options).open(f"{bucket}/nothing")
+    assert info.value.kind == "missing"
+
+
+def test_remote_options_for_a_local_path_are_refused(packs):
+    with pytest.raises(ValueError, match="only apply to a dataset named by URL"):
+        open_reader(str(packs["lmdb"]), cache_dir="/tmp/x")
+
+
+def test_without_fsspec_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    monkeypatch.setitem(sys.modules, "fsspec.core", None)
+    with pytest.raises(ImportError, match=r"pip install 'packer\[remote\]'"):
+        open_reader("s3://bucket/x.lmdb")
+
+
+def test_cache_sizes_parse():
+    assert parse_bytes("50GB", "x") == 50 * 10**9 and parse_bytes("512MiB", "x") == 512 << 20
+    assert parse_bytes(4096, "x") == 4096 and parse_bytes("1.5 KB", "x") == 1500
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots", "cache_limit")
+
+
+def test_a_block_larger_than_the_limit_is_not_kept(tmp_path):
+    cache = BlockCache(str(tmp_path), 100)
+    cache.write("k", 0, b"x" * 101)
+    cache.write("k", 1, b"y" * 60)
+    cache.write("k", 2, b"z" * 60)  # evicts block 1, the least recently used
+    assert not cache.has("k", 0, 101) and not cache.has("k", 1, 60) and cache.has("k", 2, 60)
+    assert cache.read("k", 2, 60, 10, 20) == b"z" * 10
+    assert cache.read("k", 2, 61, 0, 10) is None  # a block of the wrong length is not trusted
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_a_server_dying_mid_epoch_gives_a_clear_error_and_a_restart_resumes(packs, s3_server, nginx, kind):
+    if kind == "s3":
+        import s3fs
+
+        bucket = new_bucket(s3_server.endpoint_url)
+        options = {**bucket.storage_options, **FAST_FAIL}
+        s3fs.S3FileSystem(**options).put(str(packs["lmdb"]), f"{bucket.name}/data.lmdb", recursive=True)
+        url, server = f"{bucket.url}/data.lmdb", s3_server
+    else:
+        server = nginx(packs["lmdb"].parent)
+        url, options = f"{server.base_url}/data.lmdb", {}
+    reader = open_reader(url, "train", storage_options=options)  # no cache: every record is a request
+    reader.remote.retries = 2
+    local = open_reader(str(packs["lmdb"]), "train")
+    half = reader.count // 2
+    for i in range(half):
+        assert reader.read_image(i) == local.read_image(i)
+    server.kill()
+    with pytest.raises(remote_source.RemoteError, match=f"{url}/data.mdb: .*cannot be reached") as info:
+        reader.read_image(half)
+    assert "check the endpoint_url and the network" in str(info.value) and "(retried)" in str(info.value)
+    server.restart()
+    for i in range(half, reader.count):
+        assert reader.read_image(i) == local.read_image(i)
+
+
+def test_transient_failures_are_retried(packs, nginx):
+    """The server is down when a read starts and back a moment later: the read succeeds."""
+    server = nginx(packs["hdf5"].parent)
+    reader = open_reader(f"{server.base_url}/{packs['hdf5'].name}", "val").open()
+    local = open_reader(str(packs["hdf5"]), "val")
+    server.kill()
+    threading.Timer(0.4, server.start).start()
+    assert reader.read_image(0) == local.read_image(0)  # retried with backoff: 0.25 s, 0.5 s, ...
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_wdsdataset_streams_remote_shards(packs, s3, http, kind):
+    bucket, options = s3
+    base, options = (bucket, options) if kind == "s3" else (http, None)
+    url = f"{base}/{packs['wds'].name}"
+    local = [(bytes(x), y) for x, y in WDSDataset(str(packs["wds"]), "train", decode="raw")]
+    remote = WDSDataset(url, "train", decode="raw", storage_options=options, prefetch_shards=2)
+    assert len(remote) == len(local) and len(remote.shards) > 2
+    assert [(bytes(x), y) for x, y in remote] == local
+    shard_urls = [f"{url}/train/shard-{{000000..{len(remote.shards) - 1:06d}}}.tar"]
+    counted = WDSDataset(shard_urls, decode="raw", storage_options=options)  # no index: counted by streaming
+    assert counted.counts == remote.counts
+    assert sorted(bytes(x) for x, _ in counted) == sorted(x for x, _ in local)
+
+
+def test_wdsdataset_reports_a_dead_server_naming_the_shard(packs, nginx):
+    server = nginx(packs["wds"].parent)
+    dataset = WDSDataset(f"{server.base_url}/{packs['wds'].name}", "train", decode="raw")
+    dataset.remote.retries = 1
+    server.kill()
+    with pytest.raises(remote_source.RemoteError, match=r"shard-000000\.tar: the server cannot be reached"):
+        list(dataset)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packer_info_reads_a_remote_dataset(packs, s3, fmt):
+    import json
+
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    bucket, options = s3
+    url = f"{bucket}/{packs[fmt].name}"
+    result = CliRunner().invoke(main, ["info", url, "--json", "--storage-options", json.dumps(options)])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    local = json.loads(CliRunner().invoke(main, ["info", str(packs[fmt]), "--json"]).output)
+    assert facts["path"] == url and facts["disk_bytes"] is None
+    assert {k: v for k, v in facts.items() if k not in ("path", "disk_bytes")} == \
+        {k: v for k, v in local.items() if k not in ("path", "disk_bytes")}
+
+
+def test_the_manifest_names_the_format_and_a_bad_one_is_refused(packs, s3):
+    import json
+
+    import s3fs
+
+    from packer.errors import PackError
+    from packer.formats import detect_format
+
+    bucket, options = s3
+    fs = s3fs.S3FileSystem(**options)
+    url = f"{bucket}/with-manifest.lmdb"
+    upload(fs, packs["lmdb"], url)
+    size = (packs["lmdb"] / "data.mdb").stat().st_size
+    fs.pipe(f"{url}/packer.json", json.dumps({"packer_remote": 1, "format": "lmdb",
+                                               "objects": {"data.mdb": size}}).encode())
+    assert detect_format(url, storage_options=options) == "lmdb"
+    same_as_local(open_reader(url, "val", storage_options=options), open_reader(str(packs["lmdb"]), "val"))
+    fs.pipe(f"{url}/packer.json", json.dumps({"packer_remote": 1, "format": "lmdb",
+                                               "objects": {"../escape": 1}}).encode())
+    with pytest.raises(PackError, match="not a valid packer manifest"):
+        open_reader(url, "val", storage_options=options)
+
+
+def test_refused_credentials_are_named(packs, s3_auth_server):
+    from servers import storage_options
+
+    bucket = new_bucket(s3_auth_server.endpoint_url, s3_auth_server.credentials)
+    bucket.client().put_object(Bucket=bucket.name, Key="x.h5", Body=packs["hdf5"].read_bytes())
+    url = f"{bucket.url}/x.h5"
+    # (moto's signature check refuses some of s3fs's listings even with the right keys, so
+    # only the refusal is read here)
+    wrong = {**storage_options(s3_auth_server.endpoint_url, ("AKIAWRONGWRONGWRONG0", "not-the-secret")), **FAST_FAIL}
+    with pytest.raises(remote_source.RemoteError, match=f"{url}.*access refused.*check the credentials") as info:
+        open_reader(url, "val", storage_options=wrong)
+    assert info.value.kind == "denied"
