@@ -190,8 +190,23 @@ def open_file(path: str, identity: tuple) -> h5py.File:
     return f
 
 
+# Handles of remote readers that were garbage-collected: closed by the next thread that opens
+# a remote file. A finalizer runs in whatever thread the collector runs in, fsspec's IO thread
+# included, and closing an h5py file there deadlocks when another thread holds h5py's lock
+# while it waits for that IO thread to fetch bytes for h5py.
+_orphans: list = []
+
+
+def close_orphans() -> None:
+    while _orphans:
+        handle = _orphans.pop()
+        with contextlib.suppress(Exception):
+            handle[0].close()
+
+
 def open_remote_file(source) -> h5py.File:
     """h5py's view of a remote HDF5 file, read through source (a packer.remote byte source)."""
+    close_orphans()
     if source.pread(len(HDF5_SIGNATURE), 0) != HDF5_SIGNATURE:
         raise FormatError(f"{source.url}: not an HDF5 file", source.url)
     try:
@@ -285,6 +300,13 @@ class Reader(SplitReader):
             raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
                                    "the file is damaged, re-pack it", self.path) from exc
         return f, images, fd
+
+    def __del__(self):
+        if self.remote is not None and self.is_open:
+            _orphans.append(self._handle)  # see _orphans
+            self._handle = None
+            return
+        super().__del__()
 
     def _close(self, handle) -> None:
         _io.close(handle[2])
