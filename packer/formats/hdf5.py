@@ -220,12 +220,7 @@ def open_remote_file(source) -> h5py.File:
 
 def remote_metadata(url: str, remote) -> tuple[tuple, Metadata]:
     """(identity, Metadata) of the HDF5 dataset at url."""
-    try:
-        identity = remote.identity(url)
-    except remote_source.RemoteError as exc:
-        if remote_source.missing(exc):
-            raise FormatError(f"{url}: no such file", url) from exc
-        raise
+    identity = remote_source.dataset_object_identity(remote, url, url, "no such file")
     with open_remote_file(remote.open(url, identity)) as f:
         return identity, metadata_of(f, url)
 

@@ -384,12 +384,8 @@ def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
 def remote_metadata(url: str, remote) -> tuple[str, tuple, Metadata]:
     """(data.mdb's URL, its identity, the Metadata) of the LMDB dataset at url, read by pages."""
     where = remote_source.join(url, DATA_FILE)
-    try:
-        identity = remote.identity(where)
-    except remote_source.RemoteError as exc:
-        if remote_source.missing(exc):
-            raise FormatError(f"{url}: not an LMDB dataset (no {DATA_FILE} at {where})", url) from exc
-        raise
+    identity = remote_source.dataset_object_identity(remote, where, url,
+                                                     f"not an LMDB dataset (no {DATA_FILE} at {where})")
     raw = LMDBPages(remote.open(where, identity), where).get(META_KEY)
     if raw is None:
         raise FormatError(f"{url}: LMDB without packer metadata (no {META_KEY.decode()} key)", url)

@@ -32,7 +32,7 @@ import os
 import posixpath
 import threading
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, FormatError
 from . import is_url as _is_url
 from .cache import BlockCache, parse_bytes
 from .errors import MISSING, RemoteError
@@ -48,6 +48,17 @@ FETCH_THREADS = 8  # background block fetches in flight per process
 def missing(exc: BaseException) -> bool:
     """Whether exc says the object is not there (404), as opposed to unreachable or refused."""
     return isinstance(exc, RemoteError) and exc.kind == MISSING
+
+
+def dataset_object_identity(remote, where: str, url: str, absent: str) -> tuple:
+    """The identity of the object at where, the one a dataset at url is read from; a
+    FormatError saying `absent` where there is no such object."""
+    try:
+        return remote.identity(where)
+    except RemoteError as exc:
+        if missing(exc):
+            raise FormatError(f"{url}: {absent}", url) from exc
+        raise
 
 
 def is_url(path) -> bool:
