@@ -108,7 +108,30 @@ def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> No
 # --- S3: moto ------------------------------------------------------------------------
 
 
-class MotoServer:
+class ServerProcess:
+    """A server run as a child process on a fixed port: restartable there, closed with its files."""
+
+    proc: subprocess.Popen | None = None
+    files: Path  # the folder its config, logs and state live in
+
+    def start(self):
+        raise NotImplementedError
+
+    def restart(self):
+        """Start again on the same port (a dead server's clients reconnect to the same URL)."""
+        kill_process(self.proc)
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+class MotoServer(ServerProcess):
     """moto's S3-compatible server as a child process on 127.0.0.1:port."""
 
     def __init__(self, port: int | None = None, log_dir: str | None = None, auth: bool = False):
@@ -190,18 +213,9 @@ class MotoServer:
         kill_process(self.proc, signal.SIGTERM)
         wait_closed(self.port)
 
-    def restart(self) -> "MotoServer":
-        """Start again on the same port (a dead server's clients reconnect to the same URL)."""
-        kill_process(self.proc)
-        return self.start()
-
     @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        kill_process(self.proc)
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+    def files(self) -> Path:
+        return self.log_dir
 
 
 @dataclass
@@ -306,7 +320,7 @@ def nginx_binary() -> str | None:
                                           if os.access(p, os.X_OK)), None)
 
 
-class NginxServer:
+class NginxServer(ServerProcess):
     """nginx serving root read-only over HTTP on 127.0.0.1:port, from a config in its own
     folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
 
@@ -401,17 +415,9 @@ http {{
         kill_process(self.proc)
         wait_closed(self.port)
 
-    def restart(self) -> "NginxServer":
-        kill_process(self.proc)
-        return self.start()
-
     @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        kill_process(self.proc)
-        shutil.rmtree(self.prefix, ignore_errors=True)
+    def files(self) -> Path:
+        return self.prefix
 
 
 @pytest.fixture
