@@ -66,19 +66,61 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
-    """Return once port accepts connections; fail naming what and its log if it never does."""
+class PortTaken(RuntimeError):
+    """Another process listens on the port a server was to take (free_port's port was
+    taken between its check and the server's bind: other test sessions run beside this one)."""
+
+
+def listening_sockets(port: int) -> set[str] | None:
+    """The inodes of the sockets listening on HOST:port, from /proc/net/tcp; None without /proc."""
+    try:
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    local = f"{socket.inet_aton(HOST)[::-1].hex().upper()}:{port:04X}"
+    return {fields[9] for fields in map(str.split, table) if fields[1] == local and fields[3] == "0A"}
+
+
+def holds_socket(pid: int, inodes: set[str]) -> bool:
+    """Whether process pid has one of the sockets inodes open."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+    return False
+
+
+def is_listening(port: int, proc: subprocess.Popen) -> bool:
+    """Whether proc itself listens on port: a connection there reaches proc, not some other
+    server that took the port (then this is False however many connections succeed)."""
+    inodes = listening_sockets(port)
+    if inodes is None:  # no /proc: any listener will do
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+            return True
+        return False
+    return bool(inodes) and holds_socket(proc.pid, inodes)
+
+
+def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | None = None, log_from: int = 0) -> None:
+    """Return once proc listens on port; fail naming what and its log (from byte log_from)
+    if it never does, with PortTaken if the port was in use."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
-        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+        if is_listening(port, proc):
             return
-        time.sleep(0.05)
-    detail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+        time.sleep(0.01)
+    detail = log.read_bytes()[log_from:][-2000:].decode(errors="replace") if log and log.exists() else ""
     kill_process(proc)
-    raise RuntimeError(f"{what} did not start listening on {HOST}:{port} (exit code {proc.returncode}); "
-                       f"log:\n{detail}")
+    error = PortTaken if "Address already in use" in detail else RuntimeError
+    raise error(f"{what} did not start listening on {HOST}:{port} (exit code {proc.returncode}); log:\n{detail}")
+
+
+def log_size(log: Path) -> int:
+    return log.stat().st_size if log.exists() else 0
 
 
 def wait_closed(port: int) -> None:
@@ -109,13 +151,33 @@ def kill_process(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> No
 
 
 class ServerProcess:
-    """A server run as a child process on a fixed port: restartable there, closed with its files."""
+    """A server run as a child process on a fixed port: restartable there, closed with its files.
+
+    A server given no port takes a free one, and another if that one is taken before the
+    server binds it; once it has listened, its port is fixed (restart() comes back there)."""
 
     proc: subprocess.Popen | None = None
     files: Path  # the folder its config, logs and state live in
+    port: int
+    port_fixed: bool = False  # True once given or once listened on
+
+    def launch(self) -> None:
+        """Start the process and return once it listens on self.port (PortTaken if in use)."""
+        raise NotImplementedError
 
     def start(self):
-        raise NotImplementedError
+        for _ in range(5):
+            try:
+                self.launch()
+                break
+            except PortTaken:
+                if self.port_fixed:
+                    raise
+                self.port = free_port()
+        else:
+            raise PortTaken(f"{type(self).__name__}: five free ports in a row were taken before the server bound them")
+        self.port_fixed = True
+        return self
 
     def restart(self):
         """Start again on the same port (a dead server's clients reconnect to the same URL)."""
@@ -137,7 +199,7 @@ class MotoServer(ServerProcess):
     def __init__(self, port: int | None = None, log_dir: str | None = None, auth: bool = False):
         self.auth = auth
         self.credentials = (FAKE_AWS_ENV["AWS_ACCESS_KEY_ID"], FAKE_AWS_ENV["AWS_SECRET_ACCESS_KEY"])
-        self.port = port or free_port()
+        self.port, self.port_fixed = port or free_port(), port is not None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="packer-moto-"))
         self.proc: subprocess.Popen | None = None
 
@@ -150,18 +212,22 @@ class MotoServer(ServerProcess):
         return self.log_dir / f"moto-{self.port}.log"
 
     def start(self) -> "MotoServer":
+        super().start()
+        if self.auth:
+            self.make_user()
+        return self
+
+    def launch(self) -> None:
         env = {**os.environ, **FAKE_AWS_ENV}
         if self.auth:  # moto checks keys and signatures once its first requests (ours: a user, a key) are done
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(len(AUTH_SETUP))
+        log_from = log_size(self.log)
         with open(self.log, "ab") as log:
             # The objects of a killed server are back before the new one takes a connection.
             self.proc = subprocess.Popen([sys.executable, __file__, "moto", str(self.port), str(self.snapshot_dir)],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
-        wait_listening(self.port, self.proc, "moto's S3 server", self.log)
-        if self.auth:
-            self.make_user()
-        return self
+        wait_listening(self.port, self.proc, "moto's S3 server", self.log, log_from)
 
     def make_user(self) -> None:
         """With auth: an IAM user allowed all of S3, whose key pair becomes self.credentials."""
@@ -225,19 +291,25 @@ class S3Bucket:
     name: str
     endpoint_url: str
     storage_options: dict = field(default_factory=dict)
+    _client: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def url(self) -> str:
         return f"s3://{self.name}"
 
     def client(self):
+        """A boto3 client of the bucket's server, made once (making one takes a good part of a CPU second
+        under load, and tests that watch an upload list the bucket many times a second)."""
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
-                            aws_access_key_id=self.storage_options["key"],
-                            aws_secret_access_key=self.storage_options["secret"],
-                            config=Config(retries={"max_attempts": 1}))
+        if self._client is None:
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url,
+                                        region_name=FAKE_AWS_ENV["AWS_DEFAULT_REGION"],
+                                        aws_access_key_id=self.storage_options["key"],
+                                        aws_secret_access_key=self.storage_options["secret"],
+                                        config=Config(retries={"max_attempts": 1}))
+        return self._client
 
     def keys(self) -> list[str]:
         keys = []
@@ -331,7 +403,7 @@ class NginxServer(ServerProcess):
         if self.binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
         self.root = Path(root).resolve()
-        self.port = port or free_port()
+        self.port, self.port_fixed = port or free_port(), port is not None
         self.limit_rate = limit_rate
         self.prefix = Path(tempfile.mkdtemp(prefix="packer-nginx-"))
         self.proc: subprocess.Popen | None = None
@@ -393,22 +465,23 @@ http {{
     sendfile on;
     keepalive_requests 100000;
     server {{
-        listen {HOST}:{self.port} reuseport;
+        listen {HOST}:{self.port};
         root {self.root};
         location / {{ autoindex off; {throttle} }}
     }}
 }}
 """
 
-    def start(self) -> "NginxServer":
+    def launch(self) -> None:
         conf = self.prefix / "nginx.conf"
         conf.write_text(self.config())
-        self.proc = subprocess.Popen([self.binary, "-p", str(self.prefix), "-e", str(self.error_log), "-c", str(conf),
-                                      "-g", "daemon off;"],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.error_log, "ab"),
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_listening(self.port, self.proc, "nginx", self.error_log)
-        return self
+        log_from = log_size(self.error_log)
+        with open(self.error_log, "ab") as log:
+            self.proc = subprocess.Popen([self.binary, "-p", str(self.prefix), "-e", str(self.error_log),
+                                          "-c", str(conf), "-g", "daemon off;"],
+                                         stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        wait_listening(self.port, self.proc, "nginx", self.error_log, log_from)
 
     def kill(self) -> None:
         """SIGKILL nginx and its workers: open connections drop, new ones are refused."""
@@ -450,13 +523,13 @@ def http_root(tmp_path, nginx) -> tuple[Path, str]:
 # --- a slow link: latency and bandwidth between client and server ---------------------
 
 
-class Link:
+class Link(ServerProcess):
     """A TCP proxy on 127.0.0.1:port to 127.0.0.1:upstream with delay seconds of one-way
     latency and rate bytes/s (each way, shared by all connections): see run_link."""
 
     def __init__(self, upstream: int, delay: float = 0.010, rate: float = 125e6, port: int | None = None):
         self.upstream, self.delay, self.rate = upstream, delay, rate
-        self.port = port or free_port()
+        self.port, self.port_fixed = port or free_port(), port is not None
         self.proc: subprocess.Popen | None = None
         self.log = Path(tempfile.mkstemp(prefix="packer-link-", suffix=".log")[1])
 
@@ -467,14 +540,14 @@ class Link:
     def url(self, relative: str) -> str:
         return f"{self.base_url}/{relative.lstrip('/')}"
 
-    def start(self) -> "Link":
+    def launch(self) -> None:
+        log_from = log_size(self.log)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, __file__, "link", str(self.port), str(self.upstream),
                                           repr(self.delay), repr(self.rate)],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
-        wait_listening(self.port, self.proc, "the link proxy", self.log)
-        return self
+        wait_listening(self.port, self.proc, "the link proxy", self.log, log_from)
 
     def close(self) -> None:
         kill_process(self.proc)

@@ -249,12 +249,19 @@ def test_an_existing_dataset_is_refused_without_force_and_replaced_with_it(flat_
     assert_verifies(s3_bucket, "ds", flat_tree, tmp_path)
 
 
+def force_over_an_object(bucket, src: Path, out_key: str, key: str, data: bytes):
+    """The result of packer pack SRC -o s3://bucket/out_key --force where the bucket holds
+    only key (data); it must leave that object alone."""
+    s3fs_of(bucket).pipe_file(f"{bucket.name}/{key}", data)
+    result = cli("pack", src, "--to", "lmdb", "-o", f"{bucket.url}/{out_key}", "--force",
+                 "--storage-options", options_json(bucket))
+    assert bucket.keys() == [key]
+    return result
+
+
 def test_force_replaces_only_a_dataset(flat_tree, s3_bucket):
-    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/notes/readme.txt", b"mine")
-    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/notes", "--force",
-                 "--storage-options", options_json(s3_bucket))
+    result = force_over_an_object(s3_bucket, flat_tree, "notes", "notes/readme.txt", b"mine")
     assert result.exit_code == 1 and "not a packer dataset" in result.output
-    assert s3_bucket.keys() == ["notes/readme.txt"]
 
 
 @pytest.mark.parametrize("url, expected", [
@@ -298,11 +305,9 @@ def test_a_hostile_manifest_is_refused(raw, what):
 
 
 def test_force_refuses_a_damaged_manifest_at_out(flat_tree, s3_bucket):
-    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/x.lmdb/packer.json", b'{"packer_remote": 1, "objects": 5}')
-    result = cli("pack", flat_tree, "--to", "lmdb", "-o", f"{s3_bucket.url}/x.lmdb", "--force",
-                 "--storage-options", options_json(s3_bucket))
+    result = force_over_an_object(s3_bucket, flat_tree, "x.lmdb", "x.lmdb/packer.json",
+                                  b'{"packer_remote": 1, "objects": 5}')
     assert result.exit_code == 1 and "not a valid packer manifest" in result.output
-    assert s3_bucket.keys() == ["x.lmdb/packer.json"]
 
 
 # --- errors name the URL and what to check ---------------------------------------------
@@ -406,18 +411,58 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # --- interrupted uploads ---------------------------------------------------------------
 
 
-def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: bool = False) -> subprocess.Popen:
+# `packer pack` as `python -m packer.cli` runs it, but each upload thread stops for good once
+# PAUSE_AFTER objects are up, after printing "paused" once: the upload is then under way
+# and stays so until the test kills it, however fast or slow the machine is.
+PAUSED_CLI = """
+import sys, threading
+from packer.remote import upload
+from packer.cli import main
+
+pause_after, done, lock = int(sys.argv.pop(1)), [0], threading.Lock()
+put = upload.put
+
+def put_then_pause(target, local, path):
+    put(target, local, path)
+    with lock:
+        done[0] += 1
+        if done[0] == pause_after:
+            print("paused", flush=True)
+        pausing = done[0] >= pause_after
+    if pausing:
+        threading.Event().wait()
+
+upload.put = put_then_pause
+main(sys.argv[1:], prog_name="packer")
+"""
+
+
+def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: bool = False,
+                 pause_after: int | None = None) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
-    to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables."""
-    command = [sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1",
-               *extra]
+    to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables.
+    pause_after: the upload stops (for good) once that many objects are up, and the child
+    prints "paused" on its stdout."""
+    runner = [sys.executable, "-m", "packer.cli"] if pause_after is None else \
+        [sys.executable, "-c", PAUSED_CLI, str(pause_after)]
+    command = [*runner, "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1", *extra]
     env = dict(os.environ)
     if options_from_env:
         env.update(FSSPEC_S3_ENDPOINT_URL=bucket.endpoint_url, FSSPEC_S3_KEY=bucket.storage_options["key"],
                    FSSPEC_S3_SECRET=bucket.storage_options["secret"])
     else:
         command += ["--storage-options", json.dumps(bucket.storage_options)]
-    return subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    return subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+                            stdout=None if pause_after is None else subprocess.PIPE)
+
+
+def wait_until_paused(proc: subprocess.Popen) -> None:
+    """Return once a child started with pause_after says its upload paused; fail if it ends first."""
+    for line in proc.stdout:
+        if line == "paused\n":
+            return
+    proc.wait()
+    raise AssertionError(f"the upload ended (exit code {proc.returncode}) before it paused: {proc.stderr.read()}")
 
 
 def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]]:
@@ -450,8 +495,9 @@ def many_records(tmp_path: Path, per_class: int = 14) -> Path:
 def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_bucket):
     src = many_records(tmp_path)
     url = f"{s3_bucket.url}/ds.wds"
-    proc = start_upload(src, url, s3_bucket)
+    proc = start_upload(src, url, s3_bucket, pause_after=10)
     try:
+        wait_until_paused(proc)  # ten objects up, the rest waiting
         watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
         assert proc.poll() is None, proc.stderr.read()
         os.killpg(proc.pid, signal.SIGKILL)
