@@ -7,7 +7,7 @@ real sockets with real HTTP, the way s3fs tests itself, and can kill one outrigh
 - S3 (moto's standalone server, `moto[server]`): `s3_endpoint` (session) is its
   endpoint_url; `s3_bucket` is a fresh, empty bucket with the `storage_options` s3fs
   takes; `s3_server` is a private server (one per test) that the test may kill and
-  restart; `s3_auth_server` checks credentials (others get 403). moto keeps objects in
+  restart; `s3_auth_server` (session) checks credentials (others get 403). moto keeps objects in
   memory, so MotoServer.kill/stop first snapshot every object to disk and the restarted
   server loads them before it takes a connection: it serves what the dead one held.
 - HTTP (nginx, Debian's nginx or nginx-light): `http_root` is (root_dir, base_url) of a
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx", "link",
+__all__ = ["bounded_http_waits", "fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx", "link",
            "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
 
 HOST = "127.0.0.1"
@@ -340,6 +340,32 @@ def require_moto() -> None:
                         "python -m pip install -e '.[test]'")
 
 
+# fsspec's HTTP filesystem leaves aiohttp's timeout at its default, 5 minutes for a whole
+# request: a request stuck on a loopback server would stall the suite that long (and
+# packer's retries, one stall per try). No test waits half a minute for a byte on loopback.
+HTTP_TIMEOUTS = {"sock_connect": 5, "sock_read": 30}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bounded_http_waits():
+    """HTTP filesystems that fsspec makes without client_kwargs of their own give up on a
+    connection after HTTP_TIMEOUTS seconds without progress (a transient error: retried)."""
+    try:
+        import aiohttp
+        import fsspec.config
+    except ImportError:
+        yield
+        return
+    before = fsspec.config.conf.get("http")
+    fsspec.config.conf["http"] = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, **HTTP_TIMEOUTS)},
+                                  **(before or {})}
+    yield
+    if before is None:
+        fsspec.config.conf.pop("http", None)
+    else:
+        fsspec.config.conf["http"] = before
+
+
 @pytest.fixture(scope="session")
 def fake_aws_env():
     with pytest.MonkeyPatch.context() as patch:
@@ -375,9 +401,10 @@ def s3_server(fake_aws_env) -> MotoServer:
     server.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def s3_auth_server(fake_aws_env) -> MotoServer:
-    """A moto server that checks credentials: server.credentials are accepted, other keys refused (403)."""
+    """A moto server that checks credentials: server.credentials are accepted, other keys refused (403).
+    Shared by the session (do not kill it); make a bucket of your own on it with new_bucket."""
     require_moto()
     server = MotoServer(auth=True).start()
     yield server
