@@ -411,16 +411,17 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # --- interrupted uploads ---------------------------------------------------------------
 
 
-# `packer pack` as `python -m packer.cli` runs it, but each upload thread stops for good once
+# `packer pack` as `python -m packer.cli` runs it, but each upload thread stops once
 # PAUSE_AFTER objects are up, after printing "paused" once: the upload is then under way
-# and stays so until the test kills it, however fast or slow the machine is.
+# and stays so until the test kills it or sends SIGINT (Ctrl-C: the threads go on, as they
+# would have, and the main thread gets its KeyboardInterrupt), however fast the machine is.
 PAUSED_CLI = """
-import sys, threading
+import signal, sys, threading
 from packer.remote import upload
 from packer.cli import main
 
-pause_after, done, lock = int(sys.argv.pop(1)), [0], threading.Lock()
-put = upload.put
+pause_after, done, lock, resume = int(sys.argv.pop(1)), [0], threading.Lock(), threading.Event()
+put, upload_all = upload.put, upload.upload
 
 def put_then_pause(target, local, path):
     put(target, local, path)
@@ -430,9 +431,20 @@ def put_then_pause(target, local, path):
             print("paused", flush=True)
         pausing = done[0] >= pause_after
     if pausing:
-        threading.Event().wait()
+        resume.wait()
 
-upload.put = put_then_pause
+def interrupt(signum, frame):
+    resume.set()
+    signal.default_int_handler(signum, frame)
+
+def upload_resuming_on_sigint(*args, **kwargs):
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        return upload_all(*args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+upload.put, upload.upload = put_then_pause, upload_resuming_on_sigint
 main(sys.argv[1:], prog_name="packer")
 """
 
@@ -441,8 +453,8 @@ def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: boo
                  pause_after: int | None = None) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
     to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables.
-    pause_after: the upload stops (for good) once that many objects are up, and the child
-    prints "paused" on its stdout."""
+    pause_after: the upload stops once that many objects are up (until SIGINT), and the
+    child prints "paused" on its stdout."""
     runner = [sys.executable, "-m", "packer.cli"] if pause_after is None else \
         [sys.executable, "-c", PAUSED_CLI, str(pause_after)]
     command = [*runner, "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1", *extra]
@@ -529,7 +541,8 @@ def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, f
 
 def test_ctrl_c_during_upload_deletes_the_staging(tmp_path, s3_bucket):
     src = many_records(tmp_path)
-    proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket, options_from_env=True)
+    proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket, options_from_env=True, pause_after=10)
+    wait_until_paused(proc)  # ten objects up, the rest waiting
     watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGINT)
