@@ -115,7 +115,7 @@ def wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path | Non
         time.sleep(0.01)
     detail = log.read_bytes()[log_from:][-2000:].decode(errors="replace") if log and log.exists() else ""
     kill_process(proc)
-    error = PortTaken if "Address already in use" in detail else RuntimeError
+    error = PortTaken if "address already in use" in detail.lower() else RuntimeError
     raise error(f"{what} did not start listening on {HOST}:{port} (exit code {proc.returncode}); log:\n{detail}")
 
 
