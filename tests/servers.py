@@ -42,8 +42,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["bounded_http_waits", "fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root", "nginx", "link",
-           "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
+__all__ = ["bounded_http_waits", "fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root",
+           "nginx", "link", "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
 
 HOST = "127.0.0.1"
 AUTH_SETUP = ("create_user", "create_access_key", "put_user_policy")  # the requests moto lets through unsigned
