@@ -2,6 +2,7 @@
 compared byte for byte with the same packs read locally."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import multiprocessing
 import sys
@@ -19,7 +20,7 @@ from packer.errors import CorruptDataError, FormatError
 from packer.formats import hdf5, open_reader, read_metadata
 from packer.remote import source as remote_source
 from packer.remote.cache import BlockCache, parse_bytes
-from readers import HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset
+from readers import HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset, make_loader
 from servers import NginxServer, new_bucket, nginx_binary, require_moto
 
 FORMATS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
@@ -459,3 +460,57 @@ def test_refused_credentials_are_named(packs, s3_auth_server):
     with pytest.raises(remote_source.RemoteError, match=f"{url}.*access refused.*check the credentials") as info:
         open_reader(url, "val", storage_options=wrong)
     assert info.value.kind == "denied"
+
+
+def hold_fetch_lock(root: str, held, release) -> None:
+    """In a child process: hold block 0's fetch lock until told to let go."""
+    cache = BlockCache(root, 1 << 20)
+    fd = cache.lock_fetch("k", 0)
+    held.set()
+    release.wait(30)
+    cache.write("k", 0, b"x" * 10)
+    cache.unlock_fetch("k", 0, fd)
+
+
+def test_one_process_at_a_time_fetches_a_block(tmp_path):
+    """A block's fetch lock is held across processes: a read-ahead (wait=False) leaves the
+    block to the holder, a read waits for it and then finds the block published; the
+    lock's file is gone once released, so no stray file stays in the cache."""
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    child = context.Process(target=hold_fetch_lock, args=(str(tmp_path), held, release))
+    child.start()
+    try:
+        assert held.wait(30)
+        cache = BlockCache(str(tmp_path), 1 << 20)
+        assert cache.lock_fetch("k", 0, wait=False) is None
+        threading.Timer(0.2, release.set).start()
+        fd = cache.lock_fetch("k", 0)  # waits for the child to publish the block and let go
+        assert release.is_set()
+        assert cache.read("k", 0, 10, 0, 10) == b"x" * 10
+        cache.unlock_fetch("k", 0, fd)
+    finally:
+        release.set()
+        child.join(30)
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["0000000000"]
+    assert cache.used() == 10
+
+
+def test_block_order_over_a_slow_link_fetches_each_block_once(packs, nginx, link, tmp_path):
+    """make_loader(order="block") with two workers: the main process's read-ahead and the
+    workers' own reads and hints share one cache_dir, and no block crosses the link twice
+    (each ranged GET of data.mdb is asked once); the cached blocks equal the local file."""
+    server = nginx(packs["lmdb"].parent, log_requests=True)
+    slow = link(server.port, delay=0.02, rate=20e6)  # fetches long enough to overlap
+    cache = tmp_path / "cache"
+    remote = LMDBDataset(slow.url(packs["lmdb"].name), "train", decode="raw", cache_dir=cache, block_size=BLOCK)
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    loader = make_loader(remote, 4, workers=2, order="block", collate_fn=list, drop_last=False,
+                         multiprocessing_context="fork")
+    seen = sorted(hashlib.sha256(bytes(data)).hexdigest() for batch in loader for data, _ in batch)
+    assert seen == sorted(hashlib.sha256(local[i][0]).hexdigest() for i in range(len(local)))
+    ranges = [r["range"] for r in server.requests() if r["method"] == "GET" and r["path"].endswith("/data.mdb")]
+    assert ranges and all(ranges)
+    twice = [r for r, n in collections.Counter(ranges).items() if n > 1]
+    assert not twice, f"fetched more than once: {twice}"
+    assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) == len(ranges)
