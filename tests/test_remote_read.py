@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import multiprocessing
 import sys
 import threading
@@ -20,7 +21,7 @@ from packer.errors import CorruptDataError, FormatError
 from packer.formats import hdf5, open_reader, read_metadata
 from packer.remote import source as remote_source
 from packer.remote.cache import BlockCache, parse_bytes
-from readers import HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset, make_loader
+from readers import BlockShuffleSampler, HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset, make_loader
 from servers import NginxServer, new_bucket, nginx_binary, require_moto
 
 FORMATS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
@@ -514,3 +515,26 @@ def test_block_order_over_a_slow_link_fetches_each_block_once(packs, nginx, link
     twice = [r for r, n in collections.Counter(ranges).items() if n > 1]
     assert not twice, f"fetched more than once: {twice}"
     assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) == len(ranges)
+
+
+def test_block_order_starts_fetching_when_the_epoch_is_set(packs, s3, tmp_path):
+    """BlockShuffleSampler.set_epoch (which make_loader's loader calls before it starts its
+    workers) starts fetching the pass's first two windows: their records then read from
+    the cache, with no request of their own."""
+    bucket, options = s3
+    dataset = LMDBDataset(f"{bucket}/{packs['lmdb'].name}", "train", decode="raw", storage_options=options,
+                          cache_dir=tmp_path / "cache", block_size=BLOCK)
+    dataset.open()
+    sampler = BlockShuffleSampler(dataset, block_size=4, window=2, seed=3)
+    before = remote_source.fetched()
+    sampler.set_epoch(1)
+    deadline = time.monotonic() + 60
+    while remote_source.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote_source.fetched()[1] > before[1]
+    first_two_windows = list(itertools.islice(iter(sampler), 2 * 2 * 4))
+    fetched = remote_source.fetched()
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    for index in first_two_windows:
+        assert dataset[index][0] == local[index][0]
+    assert remote_source.fetched() == fetched
