@@ -538,3 +538,26 @@ def test_block_order_starts_fetching_when_the_epoch_is_set(packs, s3, tmp_path):
     for index in first_two_windows:
         assert dataset[index][0] == local[index][0]
     assert remote_source.fetched() == fetched
+
+
+def test_a_fetch_lock_is_released_though_a_child_forked_while_it_was_held(tmp_path):
+    """A DataLoader forks its workers while read-ahead threads hold fetch locks: each child
+    shares the locked file, and closing it in the parent alone would leave the lock held
+    (and whoever waits on it stuck) for as long as the child lives."""
+    cache = BlockCache(str(tmp_path), 1 << 20)
+    fd = cache.lock_fetch("k", 0)
+    context = multiprocessing.get_context("fork")
+    done = context.Event()
+    child = context.Process(target=done.wait, args=(60,))
+    child.start()
+    try:
+        waiter = threading.Thread(target=lambda: cache.unlock_fetch("k", 0, cache.lock_fetch("k", 0)))
+        waiter.start()
+        time.sleep(0.2)  # the waiter is blocked on the held lock
+        cache.write("k", 0, b"y" * 5)
+        cache.unlock_fetch("k", 0, fd)
+        waiter.join(10)
+        assert not waiter.is_alive(), "the lock stayed held by the forked child"
+    finally:
+        done.set()
+        child.join(30)

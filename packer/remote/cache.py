@@ -137,17 +137,17 @@ class BlockCache:
             except FileNotFoundError:  # the holder removed it as it finished: lock the next one
                 pass
             except BlockingIOError:
-                os.close(fd)
+                os.close(fd)  # never locked
                 return None
             except BaseException:
-                os.close(fd)
+                release(fd)
                 raise
-            os.close(fd)
+            release(fd)  # locked a file its holder removed since: lock the next one
 
     def unlock_fetch(self, key: str, block: int, fd: int) -> None:
         """Release a fetch lock: the file goes first, so no one locks it after this."""
         _unlink(self.path(key, block) + FETCH_SUFFIX)
-        os.close(fd)  # releases the flock: a waiter wakes, sees the file gone, and looks in the cache
+        release(fd)  # a waiter wakes, sees the file gone, and looks in the cache
 
     def locked(self):
         cache = self
@@ -164,7 +164,7 @@ class BlockCache:
 
             def __exit__(self, *exc):
                 try:
-                    os.close(self.fd)  # releases the flock
+                    release(self.fd)
                 finally:
                     cache.thread_lock.release()
         return Held()
@@ -207,6 +207,15 @@ class BlockCache:
 
     def drop(self, key: str, block: int) -> None:
         _unlink(self.path(key, block))
+
+
+def release(fd: int) -> None:
+    """Unlock an flock'ed descriptor and close it. Closing alone would not do: a child forked
+    while the lock was held shares the open file, and the lock would last as long as it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _unlink(where: str) -> None:
