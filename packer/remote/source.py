@@ -12,7 +12,9 @@ serves the range from fixed-size blocks of the object:
 
 With a disk cache, reads fetch whole blocks (the next epoch reads the cache), and a
 sampler's hints (will_need) fetch the blocks ahead in a background thread pool, several
-at once, so a block-ordered epoch streams at about the link's bandwidth. Without one, a
+at once, so a block-ordered epoch streams at about the link's bandwidth. One process at a
+time fetches a block (BlockCache.lock_fetch): the read-ahead, run in the DataLoader's main
+process, and the workers' own reads and hints share each fetch. Without a cache, a
 read fetches exactly its own bytes (random order must not pay a block per record) and
 hints do nothing.
 
