@@ -561,3 +561,25 @@ def test_a_fetch_lock_is_released_though_a_child_forked_while_it_was_held(tmp_pa
     finally:
         done.set()
         child.join(30)
+
+
+def test_block_order_read_ahead_keeps_the_cache_limit(packs, s3, tmp_path):
+    """Read-ahead in the main process and two workers, through a cache far smaller than the
+    split: blocks are evicted before some are read (a reader that waited for a block's
+    fetch then fetches it again), every record still reads byte-exact, the limit holds
+    and no fetch lock is left behind."""
+    bucket, options = s3
+    cache = tmp_path / "cache"
+    limit = 4 * parse_bytes(BLOCK, "block")
+    remote = LMDBDataset(f"{bucket}/{packs['lmdb'].name}", "train", decode="raw", storage_options=options,
+                         cache_dir=cache, cache_limit=limit, block_size=BLOCK)
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    loader = make_loader(remote, 4, workers=2, order="block", collate_fn=list, drop_last=False,
+                         multiprocessing_context="fork")
+    seen = sorted(hashlib.sha256(bytes(data)).hexdigest() for batch in loader for data, _ in batch)
+    assert seen == sorted(hashlib.sha256(local[i][0]).hexdigest() for i in range(len(local)))
+    deadline = time.monotonic() + 60
+    while remote_source.in_flight() and time.monotonic() < deadline:  # the main process's read-ahead
+        time.sleep(0.05)
+    assert cache_bytes(cache) <= limit
+    assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) > 0
