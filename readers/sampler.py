@@ -33,6 +33,7 @@ torchdata's StatefulDataLoader record the position of the batches consumed inste
 """
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from typing import Iterable, Iterator
@@ -312,6 +313,15 @@ class BlockShuffleSampler(RankedSampler):
         if deficit > 0:  # padding: repeat this rank's first records (any rank's, if it has none)
             own = np.concatenate([np.arange(a, b) for a, b in blocks]) if blocks else np.arange(self.count)
             yield [], np.resize(own, deficit)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch n, and start reading its first windows now: a DataLoader
+        starts its workers before it draws the first index, and the fetches overlap that."""
+        super().set_epoch(epoch)
+        if self.reader is not None:
+            start = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+            for group, _ in itertools.islice(self.windows_from(start), 2):
+                self.hint(group)
 
     def positions(self) -> np.ndarray:
         """Every stored position this rank reads in the current epoch, in order."""

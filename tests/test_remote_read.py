@@ -2,7 +2,9 @@
 compared byte for byte with the same packs read locally."""
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import multiprocessing
 import sys
 import threading
@@ -19,7 +21,7 @@ from packer.errors import CorruptDataError, FormatError
 from packer.formats import hdf5, open_reader, read_metadata
 from packer.remote import source as remote_source
 from packer.remote.cache import BlockCache, parse_bytes
-from readers import HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset
+from readers import BlockShuffleSampler, HDF5Dataset, LMDBDataset, WDSDataset, WDSMapDataset, make_loader
 from servers import NginxServer, new_bucket, nginx_binary, require_moto
 
 FORMATS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
@@ -459,3 +461,125 @@ def test_refused_credentials_are_named(packs, s3_auth_server):
     with pytest.raises(remote_source.RemoteError, match=f"{url}.*access refused.*check the credentials") as info:
         open_reader(url, "val", storage_options=wrong)
     assert info.value.kind == "denied"
+
+
+def hold_fetch_lock(root: str, held, release) -> None:
+    """In a child process: hold block 0's fetch lock until told to let go."""
+    cache = BlockCache(root, 1 << 20)
+    fd = cache.lock_fetch("k", 0)
+    held.set()
+    release.wait(30)
+    cache.write("k", 0, b"x" * 10)
+    cache.unlock_fetch("k", 0, fd)
+
+
+def test_one_process_at_a_time_fetches_a_block(tmp_path):
+    """A block's fetch lock is held across processes: a read-ahead (wait=False) leaves the
+    block to the holder, a read waits for it and then finds the block published; the
+    lock's file is gone once released, so no stray file stays in the cache."""
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    child = context.Process(target=hold_fetch_lock, args=(str(tmp_path), held, release))
+    child.start()
+    try:
+        assert held.wait(30)
+        cache = BlockCache(str(tmp_path), 1 << 20)
+        assert cache.lock_fetch("k", 0, wait=False) is None
+        threading.Timer(0.2, release.set).start()
+        fd = cache.lock_fetch("k", 0)  # waits for the child to publish the block and let go
+        assert release.is_set()
+        assert cache.read("k", 0, 10, 0, 10) == b"x" * 10
+        cache.unlock_fetch("k", 0, fd)
+    finally:
+        release.set()
+        child.join(30)
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["0000000000"]
+    assert cache.used() == 10
+
+
+def test_block_order_over_a_slow_link_fetches_each_block_once(packs, nginx, link, tmp_path):
+    """make_loader(order="block") with two workers: the main process's read-ahead and the
+    workers' own reads and hints share one cache_dir, and no block crosses the link twice
+    (each ranged GET of data.mdb is asked once); the cached blocks equal the local file."""
+    server = nginx(packs["lmdb"].parent, log_requests=True)
+    slow = link(server.port, delay=0.02, rate=20e6)  # fetches long enough to overlap
+    cache = tmp_path / "cache"
+    remote = LMDBDataset(slow.url(packs["lmdb"].name), "train", decode="raw", cache_dir=cache, block_size=BLOCK)
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    loader = make_loader(remote, 4, workers=2, order="block", collate_fn=list, drop_last=False,
+                         multiprocessing_context="fork")
+    seen = sorted(hashlib.sha256(bytes(data)).hexdigest() for batch in loader for data, _ in batch)
+    assert seen == sorted(hashlib.sha256(local[i][0]).hexdigest() for i in range(len(local)))
+    ranges = [r["range"] for r in server.requests() if r["method"] == "GET" and r["path"].endswith("/data.mdb")]
+    assert ranges and all(ranges)
+    twice = [r for r, n in collections.Counter(ranges).items() if n > 1]
+    assert not twice, f"fetched more than once: {twice}"
+    assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) == len(ranges)
+
+
+def test_block_order_starts_fetching_when_the_epoch_is_set(packs, s3, tmp_path):
+    """BlockShuffleSampler.set_epoch (which make_loader's loader calls before it starts its
+    workers) starts fetching the pass's first two windows: their records then read from
+    the cache, with no request of their own."""
+    bucket, options = s3
+    dataset = LMDBDataset(f"{bucket}/{packs['lmdb'].name}", "train", decode="raw", storage_options=options,
+                          cache_dir=tmp_path / "cache", block_size=BLOCK)
+    dataset.open()
+    sampler = BlockShuffleSampler(dataset, block_size=4, window=2, seed=3)
+    before = remote_source.fetched()
+    sampler.set_epoch(1)
+    deadline = time.monotonic() + 60
+    while remote_source.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote_source.fetched()[1] > before[1]
+    first_two_windows = list(itertools.islice(iter(sampler), 2 * 2 * 4))
+    fetched = remote_source.fetched()
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    for index in first_two_windows:
+        assert dataset[index][0] == local[index][0]
+    assert remote_source.fetched() == fetched
+
+
+def test_a_fetch_lock_is_released_though_a_child_forked_while_it_was_held(tmp_path):
+    """A DataLoader forks its workers while read-ahead threads hold fetch locks: each child
+    shares the locked file, and closing it in the parent alone would leave the lock held
+    (and whoever waits on it stuck) for as long as the child lives."""
+    cache = BlockCache(str(tmp_path), 1 << 20)
+    fd = cache.lock_fetch("k", 0)
+    context = multiprocessing.get_context("fork")
+    done = context.Event()
+    child = context.Process(target=done.wait, args=(60,))
+    child.start()
+    try:
+        waiter = threading.Thread(target=lambda: cache.unlock_fetch("k", 0, cache.lock_fetch("k", 0)))
+        waiter.start()
+        time.sleep(0.2)  # the waiter is blocked on the held lock
+        cache.write("k", 0, b"y" * 5)
+        cache.unlock_fetch("k", 0, fd)
+        waiter.join(10)
+        assert not waiter.is_alive(), "the lock stayed held by the forked child"
+    finally:
+        done.set()
+        child.join(30)
+
+
+def test_block_order_read_ahead_keeps_the_cache_limit(packs, s3, tmp_path):
+    """Read-ahead in the main process and two workers, through a cache far smaller than the
+    split: blocks are evicted before some are read (a reader that waited for a block's
+    fetch then fetches it again), every record still reads byte-exact, the limit holds
+    and no fetch lock is left behind."""
+    bucket, options = s3
+    cache = tmp_path / "cache"
+    limit = 4 * parse_bytes(BLOCK, "block")
+    remote = LMDBDataset(f"{bucket}/{packs['lmdb'].name}", "train", decode="raw", storage_options=options,
+                         cache_dir=cache, cache_limit=limit, block_size=BLOCK)
+    local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
+    loader = make_loader(remote, 4, workers=2, order="block", collate_fn=list, drop_last=False,
+                         multiprocessing_context="fork")
+    seen = sorted(hashlib.sha256(bytes(data)).hexdigest() for batch in loader for data, _ in batch)
+    assert seen == sorted(hashlib.sha256(local[i][0]).hexdigest() for i in range(len(local)))
+    deadline = time.monotonic() + 60
+    while remote_source.in_flight() and time.monotonic() < deadline:  # the main process's read-ahead
+        time.sleep(0.05)
+    assert cache_bytes(cache) <= limit
+    assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) > 0

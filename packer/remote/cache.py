@@ -1,7 +1,8 @@
 """A directory of fixed-size blocks of remote objects, bounded in bytes, shared by processes.
 
-  <cache_dir>/<object key>/<block:010d>   one block of one object, exactly its length
-  <cache_dir>/.lock                       flock'ed around eviction and publishing
+  <cache_dir>/<object key>/<block:010d>        one block of one object, exactly its length
+  <cache_dir>/<object key>/<block:010d>.fetch  empty; flock'ed while one process fetches the block
+  <cache_dir>/.lock                            flock'ed around eviction and publishing
 
 The object key (RemoteSource.key) hashes the URL, the object's identity (ETag, size,
 modification time) and the block size, so a replaced object, or another block size,
@@ -17,6 +18,11 @@ use one cache_dir at once:
   at every moment outside that lock. A block larger than the whole limit is not kept.
 - a reader of a block another process evicts keeps its open descriptor or finds the
   block missing and fetches it again; removing a file never breaks a read in progress.
+- a block is fetched by one process at a time: the fetcher holds an flock on the block's
+  .fetch file (the kernel releases it if the process dies) and removes the file once the
+  block is published; a process wanting the same block waits on that lock, then finds
+  the block cached, so the main process's read-ahead and the workers' reads never fetch
+  a block twice. A waiter that wakes on a file already removed locks the new one instead.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import threading
 import time
 
 LOCK_NAME = ".lock"
+FETCH_SUFFIX = ".fetch"
 TOUCH_EVERY = 1.0  # seconds between mtime updates of one block by one process
 STALE_TEMP = 3600.0  # a temporary file this old belongs to a process that died
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -113,6 +120,35 @@ class BlockCache:
                 pass
             raise
 
+    def lock_fetch(self, key: str, block: int, wait: bool = True) -> int | None:
+        """Hold the block's fetch lock, waiting while another process (or thread) holds it;
+        returns the descriptor to give unlock_fetch. The caller then looks in the cache
+        first: the holder it waited for has usually just published the block. With
+        wait=False: None at once where another holds it (a read-ahead leaves it to them)."""
+        where = self.path(key, block) + FETCH_SUFFIX
+        mode = fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB
+        while True:
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+            fd = os.open(where, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, mode)
+                if os.fstat(fd).st_ino == os.stat(where).st_ino:
+                    return fd
+            except FileNotFoundError:  # the holder removed it as it finished: lock the next one
+                pass
+            except BlockingIOError:
+                os.close(fd)  # never locked
+                return None
+            except BaseException:
+                release(fd)
+                raise
+            release(fd)  # locked a file its holder removed since: lock the next one
+
+    def unlock_fetch(self, key: str, block: int, fd: int) -> None:
+        """Release a fetch lock: the file goes first, so no one locks it after this."""
+        _unlink(self.path(key, block) + FETCH_SUFFIX)
+        release(fd)  # a waiter wakes, sees the file gone, and looks in the cache
+
     def locked(self):
         cache = self
 
@@ -128,7 +164,7 @@ class BlockCache:
 
             def __exit__(self, *exc):
                 try:
-                    os.close(self.fd)  # releases the flock
+                    release(self.fd)
                 finally:
                     cache.thread_lock.release()
         return Held()
@@ -145,8 +181,8 @@ class BlockCache:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if ".tmp." in entry.name:
-                    if now - st.st_mtime > STALE_TEMP:
+                if ".tmp." in entry.name or entry.name.endswith(FETCH_SUFFIX):
+                    if now - st.st_mtime > STALE_TEMP:  # left by a process that died
                         _unlink(entry.path)
                     continue
                 found.append((st.st_mtime, st.st_size, entry.path))
@@ -171,6 +207,15 @@ class BlockCache:
 
     def drop(self, key: str, block: int) -> None:
         _unlink(self.path(key, block))
+
+
+def release(fd: int) -> None:
+    """Unlock an flock'ed descriptor and close it. Closing alone would not do: a child forked
+    while the lock was held shares the open file, and the lock would last as long as it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _unlink(where: str) -> None:

@@ -12,7 +12,9 @@ serves the range from fixed-size blocks of the object:
 
 With a disk cache, reads fetch whole blocks (the next epoch reads the cache), and a
 sampler's hints (will_need) fetch the blocks ahead in a background thread pool, several
-at once, so a block-ordered epoch streams at about the link's bandwidth. Without one, a
+at once, so a block-ordered epoch streams at about the link's bandwidth. One process at a
+time fetches a block (BlockCache.lock_fetch): the read-ahead, run in the DataLoader's main
+process, and the workers' own reads and hints share each fetch. Without a cache, a
 read fetches exactly its own bytes (random order must not pay a block per record) and
 hints do nothing.
 
@@ -294,7 +296,10 @@ class RemoteSource:
                 return data[lo:hi]
             future = state.inflight.get(key)
         if future is not None:
-            return future.result()[lo:hi]
+            data = future.result()
+            if data is not None:
+                return data[lo:hi]
+            # a read-ahead that left the block to another process fetching it: look again
         if self.disk is not None:
             found = self.disk.read(self.key, block, self.block_length(block), lo, hi)
             if found is not None:
@@ -310,25 +315,25 @@ class RemoteSource:
         """Block from the server (one request shared by every thread asking), kept in memory and on disk."""
         state = process_state()
         key = (self.key, block)
-        with state.lock:
-            future = state.inflight.get(key)
-            mine = future is None
-            if mine:
-                future = state.inflight[key] = concurrent.futures.Future()
-        if not mine:
-            return future.result()
-        return self.fill(block, future)
+        while True:
+            with state.lock:
+                future = state.inflight.get(key)
+                mine = future is None
+                if mine:
+                    future = state.inflight[key] = concurrent.futures.Future()
+            data = self.fill(block, future) if mine else future.result()
+            if data is not None:  # None: a read-ahead left it to another process; wait for that one
+                return data
 
-    def fill(self, block: int, future: concurrent.futures.Future) -> bytes:
-        """Fetch block, keep it, and resolve future (registered in flight) with it."""
+    def fill(self, block: int, future: concurrent.futures.Future, wait: bool = True) -> bytes | None:
+        """Fetch block, keep it, and resolve future (registered in flight) with it. With
+        wait=False (read-ahead), None where another process is fetching the block."""
         state = process_state()
         key = (self.key, block)
         try:
-            start = block * self.block_size
-            data = self.fetch(start, start + self.block_length(block))
-            if self.disk is not None:
-                self.disk.write(self.key, block, data)
-            self.remember(key, data)
+            data = self.fetch_whole(block) if self.disk is None else self.fetch_once(block, wait)
+            if data is not None:
+                self.remember(key, data)
             future.set_result(data)
             return data
         except BaseException as exc:
@@ -337,6 +342,27 @@ class RemoteSource:
         finally:
             with state.lock:
                 state.inflight.pop(key, None)
+
+    def fetch_whole(self, block: int) -> bytes:
+        start = block * self.block_size
+        return self.fetch(start, start + self.block_length(block))
+
+    def fetch_once(self, block: int, wait: bool = True) -> bytes | None:
+        """Block from the disk cache, or fetched and published there by this process alone:
+        a process fetching it already is waited for (BlockCache.lock_fetch), or with
+        wait=False left to it (None)."""
+        length = self.block_length(block)
+        fd = self.disk.lock_fetch(self.key, block, wait)
+        if fd is None:
+            return None
+        try:
+            data = self.disk.read(self.key, block, length, 0, length)
+            if data is None:
+                data = self.fetch_whole(block)
+                self.disk.write(self.key, block, data)
+            return data
+        finally:
+            self.disk.unlock_fetch(self.key, block, fd)
 
     def remember(self, key, data: bytes) -> None:
         state = process_state()
@@ -387,7 +413,7 @@ class RemoteSource:
 
     def _prefetch(self, block: int, future: concurrent.futures.Future) -> None:
         try:
-            self.fill(block, future)
+            self.fill(block, future, wait=False)
         except Exception:  # already given to any read waiting on the future, which raises it
             pass
 
