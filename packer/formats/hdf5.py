@@ -4,7 +4,10 @@
                                 classes          class names, variable-length UTF-8 strings
   /<split>/images        uint8[total bytes]   every record's original file bytes, back to back
   /<split>/offsets       int64[count + 1]     the record at position j is images[offsets[j]:offsets[j + 1]]
-  /<split>/crc32         uint32[count]        CRC-32 (zlib) of the record at position j
+  /<split>/crc32         uint32[count]        the checksum of the record at position j, of the kind
+                                              the metadata's "checksum" names (packer.checksum;
+                                              CRC-32 (zlib) where absent: the dataset's name is
+                                              kept for every kind, so the layout is unchanged)
   /<split>/labels        int32[count]         label of record i (-1 = unlabeled)
   /<split>/paths         uint8[n]             relative paths of records 0..count-1, UTF-8,
                                               "/"-separated, joined by NUL
