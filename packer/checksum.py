@@ -20,6 +20,7 @@ from typing import Callable
 
 from xxhash import xxh3_64_intdigest
 
+from . import crc
 from .crc import crc32
 from .errors import PackError
 
@@ -36,6 +37,10 @@ def xxh3_32(data) -> int:
 
 FUNCTIONS: dict[str, Callable[[bytes], int]] = {CRC32: crc32, XXH3: xxh3_32}
 KINDS = tuple(FUNCTIONS)
+MASK = 0xFFFFFFFF
+# Per kind, a function written in C whose result's low 32 bits (result & MASK) are the
+# kind's checksum: a reader calls it on every record, without a Python frame around it.
+DIGESTS: dict[str, Callable[[bytes], int]] = {CRC32: crc._crc32, XXH3: xxh3_64_intdigest}
 
 
 def check_kind(kind, where: str = "") -> str:
@@ -50,6 +55,11 @@ def check_kind(kind, where: str = "") -> str:
 def function(kind: str) -> Callable[[bytes], int]:
     """The function computing kind's 32-bit checksum of a record's image bytes."""
     return FUNCTIONS[check_kind(kind)]
+
+
+def digest(kind: str) -> Callable[[bytes], int]:
+    """kind's DIGESTS function (for hot read paths: compare its result & MASK)."""
+    return DIGESTS[check_kind(kind)]
 
 
 def record_checksum(data, kind: str = DEFAULT) -> int:

@@ -4,7 +4,7 @@ With max_side (convert --max-side) the records over it are re-encoded on the way
 (packer.reencode), by the same worker processes; every other record keeps its bytes.
 
 The records come from the packed dataset's Reader instead of the source folder (which is
-never opened, and need not exist any more): worker processes read and CRC-check them,
+never opened, and need not exist any more): worker processes read and check them (each record against its checksum),
 and the parent feeds them in order to the target format's Writer, staged and published
 atomically exactly as `pack` does, and stopped by Ctrl-C as `pack` is.
 """

@@ -89,8 +89,9 @@ _SLASH_TO_NUL = bytes.maketrans(b"/", b"\x00")
 
 
 def checksum(data: bytes) -> int:
-    """CRC-32 (zlib polynomial) of the image bytes: in every language's stdlib, and computed
-    here at memory speed (packer.crc)."""
+    """CRC-32 (zlib polynomial) of data: the metadata's checksum, and the "crc32" record
+    checksum kind (packer.checksum computes every kind); in every language's stdlib, and
+    computed here at memory speed (packer.crc)."""
     return crc32(data)
 
 

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from .. import checksum as record_checksums
+from ..checksum import MASK
 from ..errors import CorruptDataError, PackError
 from ..remote import source as remote_source
 from ..records import Metadata, choose_split
@@ -63,8 +64,10 @@ class SplitReader(LazyHandle):
         self.classes = metadata.classes
         self.count = metadata.splits[self.split].count
         self.check_crc = check_crc
-        # The function computing the pack's record checksum kind (packer.checksum).
+        # The pack's record checksum kind (packer.checksum): the function computing it, and
+        # the C function whose result & MASK it is, which reads call (no Python frame).
         self.record_checksum = record_checksums.function(metadata.checksum)
+        self.record_digest = record_checksums.digest(metadata.checksum)
         self.access = "random"
         # The file whose identity (_tables.file_identity) ties this reader to the dataset it
         # read the metadata of: every handle opened later, in any process, must be of it.
@@ -298,7 +301,7 @@ class SplitReader(LazyHandle):
         (of the pack's kind, Metadata.checksum).
 
         The message (record, path) is only formatted on a mismatch: reads are hot."""
-        if self.check_crc and self.record_checksum(data) != crc:
+        if self.check_crc and self.record_digest(data) & MASK != crc:
             self.checksum_mismatch(index)
 
     def checksum_mismatch(self, index: int):

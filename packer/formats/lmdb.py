@@ -77,6 +77,7 @@ from array import array
 import lmdb
 import numpy as np
 
+from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
@@ -122,7 +123,7 @@ def encode_record(data: bytes, label: int, relpath: str, crc: int) -> bytes:
 
 
 def decode_record(value, where: str) -> tuple[bytes, int, str, int]:
-    """Split a record value into (image bytes, label, relative path, stored CRC)."""
+    """Split a record value into (image bytes, label, relative path, stored checksum)."""
     if len(value) < HEADER.size:
         raise CorruptDataError(f"{where}: record is {len(value)} bytes, shorter than its header", where)
     crc, label, n = HEADER.unpack_from(value)
@@ -452,7 +453,7 @@ class Reader(SplitReader):
         found = self.read_at_extent(position, index)
         if found is not None:
             data, crc = found
-            if crc is None or self.record_checksum(data) == crc:
+            if crc is None or self.record_digest(data) & MASK == crc:
                 return data, self.labels.item(index)
             self.check_extent_header(position, index)  # stale extents are dropped; damage is reported below
         data, crc = self.read_through_map(position, index)
@@ -501,15 +502,13 @@ class Reader(SplitReader):
         if length < 0:  # too short to hold its header: the map read reports the damage
             return None
         fd = self.handle()[2]
-        sums = self._sums if self.check_crc else None
-        if sums is None and self.check_crc:
-            sums = self.record_sums()
         if self.remote is not None and self.check_crc:
             return self.read_whole_value(fd, at + head, length, index)
         data = _io.pread(fd, length, at + head)
         if len(data) == length:
             if not self.check_crc:
                 return data, None
+            sums = self._sums if self._sums is not None else self.record_sums()
             if sums is not False:
                 return data, sums.item(position)
             crc = self._header_crc(fd, at, index, paths.raw(index))
@@ -551,13 +550,13 @@ class Reader(SplitReader):
         return value[at - start:], crc
 
     def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
-        """The CRC in the header at offset if that header names record index, else None."""
+        """The checksum in the header at offset if that header names record index, else None."""
         if offset < 0:
             return None
         return self.header_crc(_io.pread(fd, HEADER.size + len(relpath), offset), index, relpath)
 
     def header_crc(self, header: bytes, index: int, relpath: bytes) -> int | None:
-        """The CRC in a record's header (with its path) if it names record index, else None."""
+        """The checksum in a record's header (with its path) if it names record index, else None."""
         if len(header) != HEADER.size + len(relpath):
             return None
         crc, label, n = HEADER.unpack_from(header)
@@ -614,7 +613,7 @@ class Reader(SplitReader):
 
     def load_tables(self) -> None:
         self.extents()
-        if self.check_crc:
+        if self.check_crc and self.remote is None:  # remote reads take the header's (read_whole_value)
             self.record_sums()
 
     def read_order(self) -> np.ndarray | None:
