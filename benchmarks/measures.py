@@ -33,7 +33,7 @@ class Options:
     seed: int = 0
 
 
-RAW_MODES = ("raw", "checked")  # bytes only; "checked" with each record's CRC-32 checked
+RAW_MODES = ("raw", "checked")  # bytes only; "checked" with each record's checksum checked
 
 
 class ItemLoop:
@@ -424,7 +424,7 @@ class BareRead:
 MEASURES = {
     "raw": ItemLoop("raw", "raw read: bytes only (random order for map-style, shard order for shards)"),
     "block": ItemLoop("raw", "raw read in readers.BlockShuffleSampler order (map-style sources)", order="block"),
-    "checked": ItemLoop("checked", "raw read with each record's CRC-32 checked, the readers' default (packed "
+    "checked": ItemLoop("checked", "raw read with each record's checksum checked, the readers' default (packed "
                                    "map-style sources; raw turns the check off)"),
     "loader": PlainLoaderRead("raw read through a plain DataLoader(shuffle=True, num_workers=W) (map-style sources)"),
     "decode": ItemLoop("decode", "read + decode to uint8 RGB"),

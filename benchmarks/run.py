@@ -123,7 +123,7 @@ def pack_formats(formats: list[str], folder: str, workdir: str, workers: int, re
 
 def takes(source, measure: str) -> bool:
     """Whether source has a row for measure: block order and the plain DataLoader need a
-    map-style source, checked reads a packed one (its records carry a CRC-32)."""
+    map-style source, checked reads a packed one (its records carry a checksum)."""
     if measure in MAP_ONLY:
         return getattr(source, "blocks", False)
     return {"checked": getattr(source, "checks", False)}.get(measure, True)

@@ -85,7 +85,7 @@ class PackerMap:
 
     def __init__(self, fmt: str | None, dataset: str):
         self.fmt, self.dataset_name = fmt, dataset
-        self.checks = fmt is not None  # packed records carry a CRC-32; the folder's files none
+        self.checks = fmt is not None  # packed records carry a checksum; the folder's files none
 
     def missing(self, ctx: dict) -> str | None:
         if self.fmt is not None:

@@ -140,6 +140,16 @@ def reencode_options(command):
                              "image byte for byte]", metavar="N")(command)
 
 
+def checksum_option(command):
+    """--checksum, which pack and convert share (packer.checksum)."""
+    from .checksum import DEFAULT, KINDS
+
+    return click.option("--checksum", type=click.Choice(KINDS), default=DEFAULT, show_default=True,
+                        help="Each record's checksum, checked on every read: xxh3 (the low 32 bits of XXH3-64, "
+                             "the cheapest to check) or crc32 (zlib's CRC-32, for other tools that check "
+                             "CRC-32).")(command)
+
+
 def reencode_args(max_side, quality) -> dict:
     if quality is not None and max_side is None:
         raise click.UsageError("--quality sets the JPEG quality of the images --max-side re-encodes: pass --max-side")
@@ -221,11 +231,12 @@ def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResul
               "(tcp://host:8786; needs packer[dask]); SRC and OUT's folder must be on a file system every "
               "worker shares, at the same paths [--parts default: the cluster's threads].")
 @reencode_options
+@checksum_option
 @remote_options
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 part, parts, dask, max_side, quality, staging_dir, storage_options, **shards):
+                 part, parts, dask, max_side, quality, checksum, staging_dir, storage_options, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder.
 
     Every image is stored byte for byte, except those --max-side re-encodes.
@@ -236,7 +247,8 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
         raise click.UsageError("--part packs one part; --parts and --dask pack them all: pass one or the other")
     kwargs = dict(workers=workers, on_error=on_error, check=check, force=force, max_pixels=max_pixels,
                   labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  part=part, parts=parts, **reencode_args(max_side, quality), **writer_options(fmt, **shards))
+                  part=part, parts=parts, **reencode_args(max_side, quality), checksum=checksum,
+                  **writer_options(fmt, **shards))
     kwargs.pop("force")
     if dask is not None:
         with dask_client(dask) as client:
@@ -306,10 +318,11 @@ def pack_facts(result: PackResult) -> dict:
 @click.option("--workers", type=click.IntRange(min=1), help="Processes reading and checking the records "
               "[default: the usable cores].")
 @reencode_options
+@checksum_option
 @remote_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, max_side, quality, staging_dir, storage_options,
+def convert_command(packed, fmt, out, force, workers, max_side, quality, checksum, staging_dir, storage_options,
                     **shards):
     """Convert the packed dataset PACKED to another format, byte for byte (except the
     records --max-side re-encodes).
@@ -319,7 +332,7 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, staging
     from .convert import convert
 
     report_pack(write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
-        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality),
+        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality), checksum=checksum,
         **writer_options(fmt, **shards))), verb="converted")
 
 
@@ -368,7 +381,8 @@ def info_command(packed, as_json, storage_options):
     if as_json:
         click.echo(json.dumps(facts, ensure_ascii=False))
         return
-    click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}), "
+    click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}, "
+               f"{facts.get('checksum', 'crc32')} record checksums), "
                f"{facts['count']} images, {facts['bytes'] / 1e6:.1f} MB of images, "
                + ("remote, nothing listed" if facts["disk_bytes"] is None else f"{facts['disk_bytes'] / 1e6:.1f} MB on disk"))
     for name, split in facts["splits"].items():

@@ -4,7 +4,7 @@ With max_side (convert --max-side) the records over it are re-encoded on the way
 (packer.reencode), by the same worker processes; every other record keeps its bytes.
 
 The records come from the packed dataset's Reader instead of the source folder (which is
-never opened, and need not exist any more): worker processes read and CRC-check them,
+never opened, and need not exist any more): worker processes read and check them (each record against its checksum),
 and the parent feeds them in order to the target format's Writer, staged and published
 atomically exactly as `pack` does, and stopped by Ctrl-C as `pack` is.
 """
@@ -22,7 +22,8 @@ from .interrupts import InterruptGuard
 from .output import check_target
 from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, split_order, write_dataset,
                    write_listings, write_order)
-from .records import Metadata, checksum
+from . import checksum as record_checksums
+from .records import Metadata
 from .reencode import Reencode, combined, reencode_spec
 from .verify import packed_max_pixels
 from .scan import SplitListing
@@ -35,16 +36,18 @@ class RecordLoader:
     """load((split, index)) -> Loaded for one packed dataset; picklable, so each pool
     worker opens its own readers once."""
 
-    def __init__(self, path: str, reencode: Reencode | None = None, max_pixels: int = MAX_PIXELS):
+    def __init__(self, path: str, reencode: Reencode | None = None, max_pixels: int = MAX_PIXELS,
+                 kind: str = record_checksums.DEFAULT):
         self.readers = ReaderCache(path)
         self.reencode, self.max_pixels = reencode, max_pixels
+        self.kind = kind  # the output's record checksum kind
 
     def __call__(self, job: tuple[str, int]) -> Loaded:
         split, index = job
         data, _, _ = self.readers[split].read(index)  # raises CorruptDataError on a checksum mismatch
         if self.reencode is not None:
-            return loaded_under(self.reencode, data, self.max_pixels)
-        return Loaded(data, checksum(data), None)
+            return loaded_under(self.reencode, data, self.max_pixels, self.kind)
+        return Loaded(data, record_checksums.record_checksum(data, self.kind), None)
 
     def close(self) -> None:
         self.readers.close()
@@ -62,12 +65,14 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
-            quality: int | None = None) -> PackResult:
+            quality: int | None = None, checksum: str = record_checksums.DEFAULT) -> PackResult:
     """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
 
     shuffle and shuffle_seed as for pack(): wds output is shuffled by default. max_side and
     quality as for pack(): the records over max_side are re-encoded, the others kept.
+    checksum as for pack(): the output's record checksum kind, whatever the input's.
     """
+    record_checksums.check_kind(checksum)
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     reencode = reencode_spec(max_side, quality)
     options = format_named(fmt).writer_options(options)
@@ -94,7 +99,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
-            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta))
+            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta), checksum)
             try:
                 loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
                 written = write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, orders,
@@ -105,7 +110,8 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
             return Metadata(format=fmt, classes=src_meta.classes, splits=written.splits, source=src_meta.source,
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=src_meta.skipped + written.skipped,
-                            reencode=combined(src_meta.reencode, reencode, written.reencoded))
+                            reencode=combined(src_meta.reencode, reencode, written.reencoded),
+                            checksum=checksum)
 
-        meta = write_dataset(fmt, out, force, options, fill)
+        meta = write_dataset(fmt, out, force, options, fill, checksum)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)

@@ -1,6 +1,6 @@
 """Merges the parts of one source (packer.parts) into the dataset a single pack of it gives.
 
-The merge copies: worker processes read and CRC-check the parts' records, and the parent
+The merge copies: worker processes read and checksum-check the parts' records, and the parent
 hands them to the format's Writer in the single pack's write order (ImageFolder order, or
 its seeded permutation per split), through pack's own write path, staged and published
 atomically and stopped by Ctrl-C as `pack` is. The result has the indexes, labels,
@@ -10,7 +10,7 @@ and "parts", which names each part it was merged from.
 
 Parts are refused, each by name, when one is not a part, is half-written (a staging name
 of packer.output: OUT.partial-*, OUT.complete-*), is given twice, is of another source,
-format or options, or of another count of parts, when two hold the same slice, or when
+format, options or record checksum kind, or of another count of parts, when two hold the same slice, or when
 one is missing.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from .engine import load_in_processes
 from .interrupts import InterruptGuard
 from .output import COMPLETE, LEGACY, OWNED, PARTIAL, check_target
 from .pack import Loaded, PackResult, now_utc, split_order, write_dataset, write_listings, write_order
-from .records import UNLABELED, Metadata, PathTable, checksum, path_offsets
+from . import checksum as record_checksums
+from .records import UNLABELED, Metadata, PathTable, path_offsets
 from .scan import SplitListing
 
 # params that may differ between the parts of one pack: how each machine ran it.
@@ -145,6 +146,10 @@ def refuse_mismatch(parts: list[Part]) -> None:
             shown = ", ".join(f"{k}={part.options.get(k)!r} vs {first.options.get(k)!r}" for k in differ[:5])
             raise PackError(f"{part.path}: packed with other options than {first.path} ({shown}); pack every "
                             "part with the same options", part.path)
+        if part.meta.checksum != first.meta.checksum:
+            raise PackError(f"{part.path}: its records carry {part.meta.checksum} checksums, but {first.path}'s carry "
+                            f"{first.meta.checksum}; pack every part with the same --checksum (or `packer convert` "
+                            f"this one with --checksum {first.meta.checksum})", part.path)
         if reencode_options(part) != reencode_options(first):
             raise PackError(f"{part.path}: re-encoded with other --max-side/--quality than {first.path} "
                             f"({reencode_options(part)} vs {reencode_options(first)}); pack every part with the "
@@ -281,15 +286,16 @@ class PartsLoader:
     """load((split, part, index)) -> Loaded, a Loaded job as it is; picklable, so each pool
     worker opens its own readers of each part once."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], kind: str):
         self.caches = [ReaderCache(path) for path in paths]
+        self.kind = kind  # the parts' record checksum kind, and the merged dataset's
 
     def __call__(self, job) -> Loaded:
         if isinstance(job, Loaded):
             return job
         split, part, index = job
         data, _, _ = self.caches[part][split].read(index)  # CorruptDataError on a checksum mismatch
-        return Loaded(data, checksum(data), None)
+        return Loaded(data, record_checksums.record_checksum(data, self.kind), None)
 
     def close(self) -> None:
         for cache in self.caches:
@@ -343,7 +349,7 @@ def merge(paths: list[str], out: str, *, force: bool = False, workers: int | Non
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
-            load = PartsLoader([part.path for part in parts])
+            load = PartsLoader([part.path for part in parts], first.meta.checksum)
             try:
                 loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
                 written = write_listings(writer, {name: plan.listing for name, plan in plans.items()},
@@ -354,7 +360,7 @@ def merge(paths: list[str], out: str, *, force: bool = False, workers: int | Non
             return Metadata(format=fmt, classes=first.meta.classes, splits=written.splits, source=first.meta.source,
                             created=now_utc(), packer_version=__version__, params=first.meta.params,
                             skipped=first.scan_skipped + written.skipped, parts=provenance(parts),
-                            reencode=merged_reencode(parts))
+                            reencode=merged_reencode(parts), checksum=first.meta.checksum)
 
-        meta = write_dataset(fmt, out, force, options, fill)
+        meta = write_dataset(fmt, out, force, options, fill, first.meta.checksum)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)

@@ -37,7 +37,8 @@ from .formats import FORMATS, default_output, format_named
 from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .parts import cut_source, pack_in_parts, part_spec
-from .records import Metadata, SplitInfo, checksum
+from . import checksum as record_checksums
+from .records import Metadata, SplitInfo
 from .reencode import Reencode, reencode_image, reencode_spec
 from .scan import ON_ERROR, Source, SplitListing, scan_source
 from .source_io import read_regular_file
@@ -81,11 +82,12 @@ class PackResult:
 
 
 def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
-              reencode: Reencode | None = None) -> Loaded:
+              reencode: Reencode | None = None, kind: str = record_checksums.LEGACY) -> Loaded:
     """Read and check one file; errors become a reason, so the parent decides the policy.
 
     job is the file's path, or a Loaded already decided without opening it (a refused file).
-    reencode: re-encode the file when it is over its max_side (packer.reencode).
+    reencode: re-encode the file when it is over its max_side (packer.reencode). kind: the
+    record checksum kind to compute (packer.checksum).
     """
     if isinstance(job, Loaded):
         return job
@@ -99,19 +101,20 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
     if reason is not None:
         return Loaded(None, 0, reason)
     if reencode is not None:
-        return loaded_under(reencode, data, max_pixels)
-    return Loaded(data, checksum(data), None)
+        return loaded_under(reencode, data, max_pixels, kind)
+    return Loaded(data, record_checksums.record_checksum(data, kind), None)
 
 
-def loaded_under(spec: Reencode, data: bytes, max_pixels: int) -> Loaded:
-    """data as stored under spec: re-encoded when over its max_side, else as it is."""
+def loaded_under(spec: Reencode, data: bytes, max_pixels: int, kind: str = record_checksums.LEGACY) -> Loaded:
+    """data as stored under spec: re-encoded when over its max_side, else as it is; with
+    its checksum of kind."""
     try:
         smaller = reencode_image(data, spec, max_pixels)
     except BadImageError as exc:
         return Loaded(None, 0, exc.reason)
     if smaller is None:
-        return Loaded(data, checksum(data), None)
-    return Loaded(smaller, checksum(smaller), None, reencoded=True)
+        return Loaded(data, record_checksums.record_checksum(data, kind), None)
+    return Loaded(smaller, record_checksums.record_checksum(smaller, kind), None, reencoded=True)
 
 
 class Progress:
@@ -170,7 +173,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
          shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS,
          labels: str | os.PathLike | None = None, labels_index_base: int | None = None,
          max_side: int | None = None, quality: int | None = None,
-         part=None, parts: int | None = None, executor=None) -> PackResult:
+         part=None, parts: int | None = None, executor=None,
+         checksum: str = record_checksums.DEFAULT) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
@@ -189,7 +193,11 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     MPIPoolExecutor...), runs the N parts on it and merges them into out; without an
     executor they run on local processes. Workers must see src and out's folder at the
     same paths.
+
+    checksum: the kind of every record's checksum (packer.checksum): "xxh3", the default
+    and the cheapest to check on each read, or "crc32", for other tools that check CRC-32.
     """
+    record_checksums.check_kind(checksum)
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
     reencode = reencode_spec(max_side, quality)
     options = format_named(fmt).writer_options(options)
@@ -205,7 +213,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
         return pack_in_parts(src, fmt, out, parts=parts, executor=executor, force=force, progress=progress,
                              workers=workers, on_error=on_error, check=check, options=options, shuffle=shuffle,
                              shuffle_seed=shuffle_seed, max_pixels=max_pixels, labels=labels,
-                             labels_index_base=labels_index_base, max_side=max_side, quality=quality)
+                             labels_index_base=labels_index_base, max_side=max_side, quality=quality,
+                             checksum=checksum)
     spec = None if part is None else part_spec(part)
     start = time.perf_counter()
     out = os.path.abspath(out or (spec.output(src, fmt) if spec else default_output(src, fmt)))
@@ -223,15 +232,16 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
 
         def fill(writer) -> Metadata:
             written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard,
-                                   reencode)
+                                   reencode, checksum)
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
                             skipped=source.skipped + written.skipped,
                             parts=None if cut is None else cut.facts(source.splits, written.skipped),
-                            reencode=None if reencode is None else reencode.record(written.reencoded))
+                            reencode=None if reencode is None else reencode.record(written.reencoded),
+                            checksum=checksum)
 
-        meta = write_dataset(fmt, out, force, options, fill)
+        meta = write_dataset(fmt, out, force, options, fill, checksum)
     return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + advice, tidied.removed)
 
 
@@ -246,10 +256,11 @@ def label_params(source: Source, index_base: int | None) -> dict:
 
 
 def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
-                  fill: Callable[[Any], Metadata]) -> Metadata:
+                  fill: Callable[[Any], Metadata], checksum: str = record_checksums.LEGACY) -> Metadata:
     """Create a `fmt` Writer on a staging path, fill(writer) it, finish it and publish it at out.
 
-    options are the writer's, checked (Format.writer_options). On any error the writer is
+    options are the writer's, checked (Format.writer_options); the writer is also told the
+    record checksum kind its records' crcs are of (checksum). On any error the writer is
     aborted and nothing appears at out (packer.output.staged). An I/O error becomes a
     PackError that says what failed; anything else (a bug) is raised as it is.
     """
@@ -257,7 +268,7 @@ def write_dataset(fmt: str, out: str, force: bool, options: dict | None,
     options = target.writer_options(options)
     try:
         with staged(out, force, directory=target.directory) as stage:
-            return fill_writer(target.Writer, stage, options, fill)
+            return fill_writer(target.Writer, stage, {**options, "checksum": checksum}, fill)
     except IO_ERRORS as exc:
         raise write_error(exc, out, fmt) from exc
 
@@ -279,12 +290,13 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None, max_pixels: int = MAX_PIXELS,
-                 guard: InterruptGuard | None = None, reencode: Reencode | None = None) -> Written:
-    """Stream every split of the source folder through writer."""
+                 guard: InterruptGuard | None = None, reencode: Reencode | None = None,
+                 kind: str = record_checksums.LEGACY) -> Written:
+    """Stream every split of the source folder through writer, with checksums of kind."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
     jobs = source_jobs(source.root, listings, orders)
-    load = functools.partial(load_file, level=check, max_pixels=max_pixels, reencode=reencode)
+    load = functools.partial(load_file, level=check, max_pixels=max_pixels, reencode=reencode, kind=kind)
     # Decoding (--check full, re-encoding) is CPU-bound: processes. Reading and the header
     # check are I/O-bound: threads, which skip the pipe that processes send every file through.
     cpu_bound = check == "full" or reencode is not None

@@ -41,6 +41,12 @@ Its absence (every pack before it existed, and every pack without --max-side) me
 record was re-encoded. It changes no byte layout, so format_version stays; a packer that
 predates it reads such a dataset (the key is covered by "crc32") and only its
 `verify --against` would report the re-encoded records as differing from the source.
+"checksum" names the kind of every record's checksum (packer.checksum: "crc32" or
+"xxh3"); absent, in every pack written before kinds existed and every pack written with
+"crc32" (whose metadata is then what any packer wrote), it is "crc32". A dataset
+whose kind is not "crc32" is written with format_version 2, so a packer that predates
+kinds refuses it by version rather than reading every record as damaged; one with
+"crc32" keeps format_version 1, readable by any packer.
 """
 from __future__ import annotations
 
@@ -51,11 +57,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from . import checksum as record_checksums
 from .crc import crc32
 from .errors import CorruptDataError, FormatError
 
 # Bumped when a layout changes incompatibly; readers refuse newer versions by name.
-FORMAT_VERSION = 1
+# 2: the record checksum may be of another kind than CRC-32 ("checksum").
+FORMAT_VERSION = 2
 UNLABELED = -1
 # Filenames that are not valid UTF-8 (possible on Linux) survive as surrogate escapes.
 PATH_ENCODING_ERRORS = "surrogateescape"
@@ -81,8 +89,9 @@ _SLASH_TO_NUL = bytes.maketrans(b"/", b"\x00")
 
 
 def checksum(data: bytes) -> int:
-    """CRC-32 (zlib polynomial) of the image bytes: in every language's stdlib, and computed
-    here at memory speed (packer.crc)."""
+    """CRC-32 (zlib polynomial) of data: the metadata's checksum, and the "crc32" record
+    checksum kind (packer.checksum computes every kind); in every language's stdlib, and
+    computed here at memory speed (packer.crc)."""
     return crc32(data)
 
 
@@ -294,6 +303,19 @@ def _check_crc(d: dict, container_keys: Sequence[str]) -> None:
         raise _Invalid(f"checksum mismatch (crc32 says {stored:08x}, the content gives {actual:08x})")
 
 
+def _checksum_kind(value, version: int, where: str) -> str:
+    """The record checksum kind: a string is one this packer computes, or the dataset was
+    written by a newer packer (FormatError: upgrade); anything else is damage."""
+    if not isinstance(value, str):
+        raise _Invalid(f"checksum is {_show(value)}, not the name of a record checksum kind")
+    if value not in record_checksums.KINDS:
+        raise FormatError(f"{where or 'dataset'}: its records carry {_show(value)} checksums, a kind this packer does not know "
+                          f"(it knows {', '.join(record_checksums.KINDS)}); upgrade packer to read it", where or None)
+    if value != record_checksums.CRC32 and version < 2:
+        raise _Invalid(f"checksum is {value!r} in format version {version} (it needs version 2)")
+    return value
+
+
 def _classes(value) -> list[str]:
     if not isinstance(value, list):
         raise _Invalid(f"classes is {_show(value)}, not a list")
@@ -492,6 +514,12 @@ class Metadata:
     format_version: int = FORMAT_VERSION
     parts: dict | None = None  # a part, or a merge of parts (module docstring); None: packed in one piece
     reencode: dict | None = None  # records stored re-encoded (the module docstring), None: none
+    checksum: str = record_checksums.LEGACY  # the kind of every record's checksum (packer.checksum)
+
+    @property
+    def written_version(self) -> int:
+        """The format_version this metadata is written with: the oldest that reads it right."""
+        return 1 if self.checksum == record_checksums.CRC32 else 2
 
     @property
     def count(self) -> int:
@@ -505,7 +533,7 @@ class Metadata:
         """The metadata object, with its crc32; refused if from_dict would refuse it."""
         d = {
             "format": self.format,
-            "format_version": self.format_version,
+            "format_version": self.written_version,
             "count": self.count,
             "bytes": self.bytes,
             "classes": list(self.classes),
@@ -524,6 +552,8 @@ class Metadata:
             d["parts"] = self.parts
         if self.reencode is not None:  # absent otherwise: metadata without it reads as before
             d["reencode"] = self.reencode
+        if self.checksum != record_checksums.LEGACY:  # absent: crc32, metadata as every packer wrote it
+            d["checksum"] = self.checksum
         try:
             d["crc32"] = metadata_crc(d)
             self._parse(d, ())
@@ -579,6 +609,7 @@ class Metadata:
                               f"{FORMAT_VERSION} (upgrade packer to read it)", where)
         if _count(version, "format_version", FORMAT_VERSION) < 1:
             raise _Invalid("format_version is 0")
+        kind = _checksum_kind(d.get("checksum", record_checksums.LEGACY), version, where)
         if d.get("format") not in FORMAT_NAMES:
             raise _Invalid(f"format is {_show(d.get('format'))}, not one of {', '.join(FORMAT_NAMES)}")
         classes = _classes(d.get("classes"))
@@ -592,7 +623,7 @@ class Metadata:
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
                    format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None,
-                   reencode=_reencode(d.get("reencode"), splits))
+                   reencode=_reencode(d.get("reencode"), splits), checksum=kind)
 
 
 def parse_json(raw: bytes | str, where: str, what: str):

@@ -12,7 +12,7 @@ class LMDBDataset(ReaderDataset):
 
     The environment is opened read-only (lock=False) on first access in each process;
     a handle inherited through fork is closed and reopened, and pickling drops it.
-    Set check_crc=False to skip the per-read CRC-32 check.
+    Set check_crc=False to skip the per-read record checksum check (of the pack's kind, xxh3 or crc32).
 
     path may be a URL (s3://bucket/x.lmdb, https://host/x.lmdb, gs://...; needs
     packer[remote]): storage_options (credentials, endpoint: fsspec's), cache_dir and

@@ -30,7 +30,8 @@ import torch.utils.data
 
 from packer.errors import CorruptDataError, FormatError
 from packer.formats import _tar, wds
-from packer.records import PATH_ENCODING_ERRORS, checksum, choose_split
+from packer import checksum as record_checksums
+from packer.records import PATH_ENCODING_ERRORS, choose_split
 from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
@@ -73,7 +74,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
     a DataLoader (readers.make_loader does it for you); the epoch lives in shared memory,
     so persistent DataLoader workers see it too.
 
-    check_crc: packer's shards carry a `<key>.json` member with the image's CRC-32 (and,
+    check_crc: packer's shards carry a `<key>.json` member with the image's checksum (and,
     in newer packs, its label); each sample is checked against it, as the map readers
     check theirs, and a mismatch is a CorruptDataError naming the shard, key and path.
     Samples without that member (shards from other tools) are read unchecked.
@@ -395,25 +396,41 @@ def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool) ->
             raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label; the "
                                    "shard is damaged (re-create it, or read with on_error='skip')", where) from exc
     meta = parts.get("json")
-    # Other tools' .json members hold their own fields: only packer's (with "crc32") are checked.
-    if check_crc and meta is not None and b'"crc32"' in meta:
+    # Other tools' .json members hold their own fields: only packer's (with a checksum kind's key) are checked.
+    if check_crc and meta is not None and any(key in meta for key in KIND_KEYS):
         check_stored(where, parts[image_suffix], label, meta)
     return label
 
 
-def check_stored(where: str, image: bytes, label: int, meta: bytes) -> None:
-    """Raise unless the image's CRC-32, and the label when the json has one, match packer's json.
+# The .json keys that name a record checksum kind (packer.checksum), as they appear in the member.
+KIND_KEYS = tuple(b'"%s"' % kind.encode() for kind in record_checksums.KINDS)
 
-    A json whose crc32 (or label) is not an integer is another tool's, and is not checked."""
+
+def stored_checksum(stored) -> tuple[str, int] | None:
+    """(kind, value) of the record checksum a parsed .json member holds; None in another tool's."""
+    if isinstance(stored, dict):
+        for kind in record_checksums.KINDS:
+            if type(stored.get(kind)) is int:
+                return kind, stored[kind]
+    return None
+
+
+def check_stored(where: str, image: bytes, label: int, meta: bytes) -> None:
+    """Raise unless the image's checksum (of the kind its key names: crc32 or xxh3), and the
+    label when the json has one, match packer's json.
+
+    A json whose checksum (or label) is not an integer is another tool's, and is not checked."""
     try:
         stored = json.loads(meta.decode("utf-8", PATH_ENCODING_ERRORS))
     except (ValueError, RecursionError) as exc:
         raise CorruptDataError(f"{where}: the .json member is damaged ({exc}; {meta[:60]!r}), so the image "
                                "cannot be checked (re-create the shard, or read with on_error='skip')", where) from exc
-    if not isinstance(stored, dict) or type(stored.get("crc32")) is not int:
+    found = stored_checksum(stored)
+    if found is None:
         return
+    kind, value = found
     path = stored.get("path")
-    if checksum(image) != stored["crc32"]:
+    if record_checksums.record_checksum(image, kind) != value:
         raise CorruptDataError(f"{where} ({path}): checksum mismatch, the stored image is damaged (run packer verify; "
                                "re-pack from the source, or read with on_error='skip')", where)
     if type(stored.get("label")) is int and stored["label"] != label:

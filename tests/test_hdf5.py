@@ -12,6 +12,7 @@ import zlib
 import h5py
 import numpy as np
 import pytest
+import xxhash
 from click.testing import CliRunner
 
 import readers
@@ -23,17 +24,24 @@ from conftest import jpeg_bytes
 
 
 
-def packed(src, tmp_path, name="d.h5", workers=1):
+def packed(src, tmp_path, name="d.h5", workers=1, **kwargs):
     out = tmp_path / name
-    pack(str(src), "hdf5", str(out), progress=False, workers=workers)
+    pack(str(src), "hdf5", str(out), progress=False, workers=workers, **kwargs)
     return out
 
 
-def test_layout_is_readable_with_h5py_and_json_alone(split_tree, tmp_path):
-    out = packed(split_tree, tmp_path)
+# Each record checksum kind as another tool computes it, and the format version it is written with.
+KINDS = {"crc32": (zlib.crc32, 1), "xxh3": (lambda b: xxhash.xxh3_64_intdigest(b) & 0xFFFFFFFF, 2)}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_layout_is_readable_with_h5py_and_json_alone(split_tree, tmp_path, kind):
+    out = packed(split_tree, tmp_path, checksum=kind)
+    record_sum, version = KINDS[kind]
     with h5py.File(out, "r", locking=False, rdcc_nbytes=0) as f:
         meta = json.loads(f.attrs["packer_metadata"])
-        assert meta["format"] == "hdf5" and meta["format_version"] == 1
+        assert meta["format"] == "hdf5" and meta["format_version"] == version
+        assert meta.get("checksum", "crc32") == kind
         assert list(f.attrs["classes"]) == meta["classes"] == ["a", "b", "c"]
         assert sorted(f) == sorted(meta["splits"]) == ["train", "val"]
         for split, info in meta["splits"].items():
@@ -48,7 +56,7 @@ def test_layout_is_readable_with_h5py_and_json_alone(split_tree, tmp_path):
             for i, relpath in enumerate(paths):
                 image = images[offsets[i]:offsets[i + 1]].tobytes()
                 assert image == (split_tree / relpath).read_bytes()
-                assert zlib.crc32(image) == crcs[i]
+                assert record_sum(image) == crcs[i]
                 assert meta["classes"][labels[i]] == relpath.split("/")[1]
 
 

@@ -327,7 +327,8 @@ def test_wds_sample_json_carries_the_label(tmp_path):
     by_path = {meta["path"]: meta for meta in metas.values()}
     for i in range(len(reader)):
         assert by_path[reader.paths[i]]["label"] == reader.labels[i]
-    assert all(list(meta) == ["crc32", "label", "path"] for meta in metas.values())
+    kind = reader.metadata.checksum  # the member names the record checksum kind, keys sorted
+    assert kind == "xxh3" and all(list(meta) == ["label", "path", "xxh3"] for meta in metas.values())
 
 
 # Case 16: a dataset replaced while in use (pack --force) ----------------------------------------

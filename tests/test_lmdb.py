@@ -9,6 +9,7 @@ import zlib
 import lmdb
 import numpy as np
 import pytest
+import xxhash
 
 import readers
 from packer import pack
@@ -17,24 +18,32 @@ from packer.formats import lmdb as lmdb_format
 from conftest import jpeg_bytes, write
 
 
-def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path):
+# Each record checksum kind as another tool computes it, and the format version it is written with.
+KINDS = {"crc32": (zlib.crc32, 1), "xxh3": (lambda b: xxhash.xxh3_64_intdigest(b) & 0xFFFFFFFF, 2)}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path, kind):
     out = tmp_path / "s.lmdb"
-    pack(str(split_tree), "lmdb", str(out), progress=False)
+    pack(str(split_tree), "lmdb", str(out), progress=False, checksum=kind)
+    record_sum, version = KINDS[kind]
     assert sorted(os.listdir(out)) == ["data.mdb"]  # no lock file: read-only data, lock=False
     env = lmdb.open(str(out), readonly=True, lock=False)
     accounted = 0
     with env.begin() as txn:
         meta = json.loads(txn.get(b"__meta__"))
         accounted += 1
-        assert meta["format"] == "lmdb" and meta["format_version"] == 1
+        assert meta["format"] == "lmdb" and meta["format_version"] == version
+        assert meta.get("checksum", "crc32") == kind and ("checksum" in meta) == (kind != "crc32")
         for split, info in meta["splits"].items():
             labels = np.frombuffer(txn.get(f"{split}/labels".encode()), "<i4")
             paths = txn.get(f"{split}/paths".encode()).decode().split("\0")
             extents = np.frombuffer(txn.get(f"{split}/extents".encode()), [("offset", "<u8"), ("length", "<u4")])
+            sums = np.frombuffer(txn.get(f"{split}/sums".encode()), "<u4")
             checksums = json.loads(txn.get(f"{split}/checksums".encode()))
-            accounted += 4
-            assert len(labels) == len(paths) == len(extents) == info["count"]
-            assert sorted(checksums) == ["extents", "labels", "paths"]
+            accounted += 5
+            assert len(labels) == len(paths) == len(extents) == len(sums) == info["count"]
+            assert sorted(checksums) == ["extents", "labels", "paths", "sums"]
             for table, crc in checksums.items():
                 assert zlib.crc32(txn.get(f"{split}/{table}".encode())) == crc
             for i in range(info["count"]):
@@ -43,7 +52,7 @@ def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path):
                 relpath = value[10:10 + n].decode()
                 image = value[10 + n:]
                 accounted += 1
-                assert zlib.crc32(image) == crc
+                assert record_sum(image) == crc == sums[i]
                 assert (label, relpath) == (labels[i], paths[i])
                 assert image == (split_tree / relpath).read_bytes()
                 assert meta["classes"][label] == relpath.split("/")[1]

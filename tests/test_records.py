@@ -230,10 +230,10 @@ def test_format_version_too_large_for_a_float_is_a_format_error(fmt, copy_of):
 
 def test_newer_format_version_asks_for_an_upgrade_unless_the_checksum_says_damage(copy_of):
     packed = copy_of("lmdb")
-    rewrite_metadata("lmdb", packed, lambda obj: obj.update(format_version=2))
-    with pytest.raises(FormatError, match=r"format version 2, this packer reads up to 1 \(upgrade packer to read it\)$"):
+    rewrite_metadata("lmdb", packed, lambda obj: obj.update(format_version=3))
+    with pytest.raises(FormatError, match=r"format version 3, this packer reads up to 2 \(upgrade packer to read it\)$"):
         read_metadata(packed)
-    raw = read_raw("lmdb", str(packed)).replace(b'"format_version": 2', b'"format_version": 3')  # one bit
+    raw = read_raw("lmdb", str(packed)).replace(b'"format_version": 3', b'"format_version": 7')  # one bit
     write_raw("lmdb", str(packed), raw)
     with pytest.raises(FormatError, match=r"\(upgrade packer to read it\), or damaged \(checksum mismatch"):
         read_metadata(packed)

@@ -13,7 +13,8 @@ import os
 
 import numpy as np
 
-from ..crc import crc32
+from .. import checksum as record_checksums
+from ..checksum import MASK
 from ..errors import CorruptDataError, PackError
 from ..remote import source as remote_source
 from ..records import Metadata, choose_split
@@ -63,6 +64,10 @@ class SplitReader(LazyHandle):
         self.classes = metadata.classes
         self.count = metadata.splits[self.split].count
         self.check_crc = check_crc
+        # The pack's record checksum kind (packer.checksum): the function computing it, and
+        # the C function whose result & MASK it is, which reads call (no Python frame).
+        self.record_checksum = record_checksums.function(metadata.checksum)
+        self.record_digest = record_checksums.digest(metadata.checksum)
         self.access = "random"
         # The file whose identity (_tables.file_identity) ties this reader to the dataset it
         # read the metadata of: every handle opened later, in any process, must be of it.
@@ -292,9 +297,14 @@ class SplitReader(LazyHandle):
         raise NotImplementedError
 
     def check_data(self, data: bytes, crc: int | None, index: int) -> None:
-        """Raise if check_crc is on and data does not match the CRC stored with it.
+        """Raise if check_crc is on and data does not match the checksum stored with it
+        (of the pack's kind, Metadata.checksum).
 
         The message (record, path) is only formatted on a mismatch: reads are hot."""
-        if self.check_crc and crc32(data) != crc:
-            raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): checksum mismatch, the stored "
-                                   "image is damaged (run packer verify; re-pack from the source)", self.path)
+        if self.check_crc and self.record_digest(data) & MASK != crc:
+            self.checksum_mismatch(index)
+
+    def checksum_mismatch(self, index: int):
+        raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): checksum mismatch, the stored image is "
+                               f"damaged (its {self.metadata.checksum} differs from the one stored; run packer "
+                               "verify; re-pack from the source)", self.path)

@@ -4,7 +4,8 @@ Keys are ASCII; all integers are little-endian.
 
   b"__meta__"                 UTF-8 JSON metadata (packer.records.Metadata)
   b"<split>/<position:010d>"  one record, position 0..count-1 in storage order:
-      bytes 0..3   uint32  CRC-32 (zlib) of the image bytes
+      bytes 0..3   uint32  checksum of the image bytes, of the kind the metadata's
+                           "checksum" names (packer.checksum; CRC-32 (zlib) where absent)
       bytes 4..7   int32   label (-1 = unlabeled)
       bytes 8..9   uint16  n = length of the relative path in bytes
       bytes 10..   n bytes relative path, UTF-8, "/"-separated
@@ -16,10 +17,13 @@ Keys are ASCII; all integers are little-endian.
                               small enough to live inside B-tree pages, which move)
   b"<split>/order"            int32[count], only in shuffled packs: the index of the record
                               stored at each position
+  b"<split>/sums"             uint32[count] by position: each record's checksum, the value
+                              its header holds (format version 2; missing in packs written
+                              before it, whose checked reads take the header's)
   b"<split>/checksums"        UTF-8 JSON {table: CRC-32 (zlib) of its value}, for each of the
                               tables above the split holds ("labels", "paths", "extents",
-                              "order"); missing in packs written before table checksums,
-                              whose tables are then only range-checked
+                              "order", "sums"); missing in packs written before table
+                              checksums, whose tables are then only range-checked
 
 A record's index is its ImageFolder rank. Storage order is ImageFolder order (position =
 index, no order key) unless the pack was shuffled (--shuffle-seed), when order says which
@@ -33,11 +37,15 @@ looking a record up faults in B-tree and overflow-header pages scattered through
 each a random read of the kernel's whole read-around window, which made cold random reads
 slower than a folder of files (docs/cold-storage.md). Extents are taken while packing
 from where writemap puts each value (overflow pages never move once written). A reader
-checks a few records' headers against their labels and paths when it loads the extents,
-and then, with check_crc on, each record's header as it reads it (the CRC is there); if
-any differ (the database was rewritten, e.g. by mdb_copy -c) it uses the map instead.
-With check_crc off a read is one pread of the image bytes alone. A record read through
-the map (no extent) has its header's label and path checked against the tables.
+checks a few records' headers against their labels and paths when it loads the extents;
+if any differ (the database was rewritten, e.g. by mdb_copy -c) it uses the map instead.
+A read is one pread of the image bytes alone, checked (check_crc) against the sums
+table; only when that check fails is the record's header read, to tell extents gone
+stale (the header does not name the record: the map is used from then on) from a
+damaged record, which the map read then reports. In packs without sums a checked read
+also preads the header (the checksum is there) and checks that it names the record. A
+record read through the map (no extent) has its header's label and path checked
+against the tables, and its image against the header's checksum.
 
 Every table is checked once, when it loads: its CRC-32, its length against the metadata's
 count, labels against the class list, extents against the size of data.mdb. Tables with a
@@ -69,6 +77,7 @@ from array import array
 import lmdb
 import numpy as np
 
+from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
@@ -114,7 +123,7 @@ def encode_record(data: bytes, label: int, relpath: str, crc: int) -> bytes:
 
 
 def decode_record(value, where: str) -> tuple[bytes, int, str, int]:
-    """Split a record value into (image bytes, label, relative path, stored CRC)."""
+    """Split a record value into (image bytes, label, relative path, stored checksum)."""
     if len(value) < HEADER.size:
         raise CorruptDataError(f"{where}: record is {len(value)} bytes, shorter than its header", where)
     crc, label, n = HEADER.unpack_from(value)
@@ -159,15 +168,16 @@ class Writer:
         self.split = ""
         self.index = 0
         self.map_base = self.locate_map()
-        self.offsets, self.lengths = array("Q"), array("I")
+        self.offsets, self.lengths, self.sums = array("Q"), array("I"), array("I")
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         self.split, self.index = split, 0
-        self.offsets, self.lengths = array("Q"), array("I")
+        self.offsets, self.lengths, self.sums = array("Q"), array("I"), array("I")
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         value = encode_record(data, label, relpath, crc)
+        self.sums.append(crc)
         self.put(record_key(self.split, self.index), value, append=True)
         offset = 0
         if self.map_base is not None and len(value) >= EXTENT_MIN:
@@ -183,9 +193,10 @@ class Writer:
         extents = np.empty(len(self.offsets), EXTENT)
         extents["offset"], extents["length"] = self.offsets, self.lengths
         self.offsets, self.lengths = array("Q"), array("I")  # the table holds them now
+        sums, self.sums = np.frombuffer(self.sums, np.uint32).astype("<u4", copy=False), array("I")
         # Put as buffers of the arrays (uint8 views), not copies: a few bytes a record less at peak.
         tables = {"labels": labels.astype("<i4").view(np.uint8), "paths": paths.to_nul_separated(),
-                  "extents": extents.view(np.uint8)}
+                  "extents": extents.view(np.uint8), "sums": sums.view(np.uint8)}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4").view(np.uint8)
         for name, raw in tables.items():
@@ -398,7 +409,8 @@ class Reader(SplitReader):
     path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
     how to read it (packer.remote.source.Remote)."""
 
-    TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None}
+    TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None,
+              "_sums": None}
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
         remote = remote_source.remote_for(path, **remote)
@@ -411,6 +423,7 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
+        self._sums: np.ndarray | None | bool = None  # False: none stored
 
     def init_local(self, path: str, split: str | None, check_crc: bool) -> None:
         if not detect(path):
@@ -438,45 +451,53 @@ class Reader(SplitReader):
         self.check_index(index)
         position = self.position(index)
         found = self.read_at_extent(position, index)
-        if found is None:
-            value = self.handle()[1].get(record_key(self.split, position))
-            if value is None:
-                raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
-                                       "re-pack it or restore it from a copy)", self.path)
-            data, label, relpath, crc = decode_record(value, self.where(index))
-            if label != self.labels.item(index) or relpath != self.paths[index]:
-                raise CorruptDataError(f"{self.where(index)}: the record's header says label {label}, path "
-                                       f"{relpath!r}; the tables say {self.labels.item(index)}, "
-                                       f"{self.paths[index]!r}; {DAMAGED}", self.path)
-        else:
-            (data, crc), label = found, self.labels.item(index)
+        if found is not None:
+            data, crc = found
+            if crc is None or self.record_digest(data) & MASK == crc:
+                return data, self.labels.item(index)
+            self.check_extent_header(position, index)  # stale extents are dropped; damage is reported below
+        data, crc = self.read_through_map(position, index)
         self.check_data(data, crc, index)
-        return data, label
+        return data, self.labels.item(index)
+
+    def read_through_map(self, position: int, index: int) -> tuple[bytes, int]:
+        """(image bytes, the checksum its header holds) of the record at position, read
+        through LMDB's map, its header checked to name record index."""
+        value = self.handle()[1].get(record_key(self.split, position))
+        if value is None:
+            raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
+                                   "re-pack it or restore it from a copy)", self.path)
+        data, label, relpath, crc = decode_record(value, self.where(index))
+        if label != self.labels.item(index) or relpath != self.paths[index]:
+            raise CorruptDataError(f"{self.where(index)}: the record's header says label {label}, path "
+                                   f"{relpath!r}; the tables say {self.labels.item(index)}, "
+                                   f"{self.paths[index]!r}; {DAMAGED}", self.path)
+        return data, crc
 
     def read_at_extent(self, position: int, index: int) -> tuple[bytes, int | None] | None:
-        """(image bytes, stored CRC) of the record at position by pread of its extent, or
-        None where there is none.
+        """(image bytes, the checksum to check them against: None with check_crc off) of the
+        record at position by pread of its extent, or None where there is none.
 
         The image is read straight into the bytes returned (slicing it out of the whole
         value would cost a second copy, a quarter of a warm read), from past the header
-        and path, whose length the path table gives. With check_crc on, the header and
-        path are read too: they end where the image starts and share its first page (a
-        value in overflow pages starts 16 bytes into one), so that read is served from the
-        page cache, and a header that does not name record index means the extents are
-        stale: they are dropped. With check_crc off the header is not read (the crc
-        returned is None): the extents were checked when loaded.
+        and path, whose length the path table gives. Its checksum comes from the sums
+        table: a checked read is one pread, like an unchecked one (a check that fails has
+        read_image look at the header, check_extent_header). In a pack without sums, with
+        check_crc on, the header and path are read too: they end where the image starts
+        and share its first page (a value in overflow pages starts 16 bytes into one), so
+        that read is served from the page cache, and a header that does not name record
+        index means the extents are stale: they are dropped.
         """
-        if self.extents() is None:
+        if self._extents is None:
+            self.extents()
+        if self._extents is False:
             return None
         at = self._extent_at.item(position)
         if not at:
             return None
-        paths = self.paths
-        if self.check_crc:
-            relpath = paths.raw(index)
-            head = HEADER.size + len(relpath)
-        else:
-            head = HEADER.size + paths.offsets.item(index + 1) - paths.offsets.item(index) - 1
+        paths = self._paths if self._paths is not None else self.paths
+        offsets = paths.offsets
+        head = HEADER.size + offsets.item(index + 1) - offsets.item(index) - 1
         length = self._extent_length.item(position) - head
         if length < 0:  # too short to hold its header: the map read reports the damage
             return None
@@ -487,11 +508,34 @@ class Reader(SplitReader):
         if len(data) == length:
             if not self.check_crc:
                 return data, None
-            crc = self._header_crc(fd, at, index, relpath)
+            sums = self._sums if self._sums is not None else self.record_sums()
+            if sums is not False:
+                return data, sums.item(position)
+            crc = self._header_crc(fd, at, index, paths.raw(index))
             if crc is not None:
                 return data, crc
         self.drop_extents()
         return None
+
+    def check_extent_header(self, position: int, index: int) -> None:
+        """After a record read at its extent failed its check: drop the extents if the
+        header there does not name record index (they are stale, the database was
+        rewritten); if it does, the record itself is damaged, which the map read reports."""
+        if self._header_crc(self.handle()[2], self._extent_at.item(position), index,
+                            self.paths.raw(index)) is None:
+            self.drop_extents()
+
+    def record_sums(self) -> np.ndarray | bool:
+        """The sums table (uint32 by position), loaded and checked once; False in a pack
+        written before it."""
+        if self._sums is None:
+            found = self.loaded("sums", self.load_sums)
+            self._sums = False if found is None else found
+        return self._sums
+
+    def load_sums(self) -> np.ndarray | None:
+        found = self.table(b"sums", required=False)
+        return None if found is None else self.records_of(found, "<u4", "sums")
 
     def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
         """read_at_extent for a remote dataset: header, path and image in one ranged read
@@ -506,13 +550,13 @@ class Reader(SplitReader):
         return value[at - start:], crc
 
     def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
-        """The CRC in the header at offset if that header names record index, else None."""
+        """The checksum in the header at offset if that header names record index, else None."""
         if offset < 0:
             return None
         return self.header_crc(_io.pread(fd, HEADER.size + len(relpath), offset), index, relpath)
 
     def header_crc(self, header: bytes, index: int, relpath: bytes) -> int | None:
-        """The CRC in a record's header (with its path) if it names record index, else None."""
+        """The checksum in a record's header (with its path) if it names record index, else None."""
         if len(header) != HEADER.size + len(relpath):
             return None
         crc, label, n = HEADER.unpack_from(header)
@@ -569,6 +613,8 @@ class Reader(SplitReader):
 
     def load_tables(self) -> None:
         self.extents()
+        if self.check_crc and self.remote is None:  # remote reads take the header's (read_whole_value)
+            self.record_sums()
 
     def read_order(self) -> np.ndarray | None:
         found = self.loaded("order", lambda: self.table(b"order", required=False))

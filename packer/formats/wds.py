@@ -6,7 +6,9 @@
                                      written before table checksums: tables only range-checked)
   OUT.wds/<split>/shard-000000.tar   standard tar, readable by webdataset and by `tar`
   OUT.wds/<split>/records.bin        28 bytes per sample, little-endian, in ImageFolder order:
-                                     uint32 shard, uint32 CRC-32, uint64 data offset,
+                                     uint32 shard, uint32 record checksum (of the kind the
+                                     metadata's "checksum" names, packer.checksum: CRC-32
+                                     where absent), uint64 data offset,
                                      uint64 data size, int32 label
   OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
   OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
@@ -29,8 +31,11 @@ A sample is three consecutive members (see _tar for the header rules):
                  content sniff does not know (--check none) the file's extension, lowercased;
                  layout 1 always used the lowercased extension (ImageNet's .JPEG -> jpeg)
   <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
-  <key>.json     {"crc32": <int>, "label": <int>, "path": "<relative path>"}, keys sorted, no
-                 spaces (label -1 = unlabeled; packs written before it have no "label")
+  <key>.json     {"<kind>": <int>, "label": <int>, "path": "<relative path>"}, keys sorted, no
+                 spaces (label -1 = unlabeled; packs written before it have no "label");
+                 <kind> is the record checksum kind ("crc32" or "xxh3", packer.checksum) and
+                 its value the record's checksum, so a tool that checks "crc32" never
+                 mistakes another kind for it
 
 webdataset keys end at the first dot of the last path component, so a key keeps the
 relative path's folders and turns the file name into <stem>_<ext> with "%" and "." in
@@ -74,6 +79,7 @@ import re
 import numpy as np
 
 from ..check import sniff
+from ..checksum import LEGACY, MASK
 from ..cores import available_cores
 from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
@@ -250,6 +256,7 @@ class Writer:
         self.splits: dict[str, dict] = {}
         self.file = None
         self.warnings: list[str] = []
+        self.kind = options.get("checksum", LEGACY)  # names each sample's checksum in its .json
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         """expected_count: the samples pack() will add at most, for the auto shard size."""
@@ -268,7 +275,7 @@ class Writer:
         parts = [image]
         if label >= 0:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
-        meta = json.dumps({"crc32": crc, "label": label, "path": relpath}, ensure_ascii=False, sort_keys=True,
+        meta = json.dumps({self.kind: crc, "label": label, "path": relpath}, ensure_ascii=False, sort_keys=True,
                           separators=(",", ":"))
         parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
         blob = b"".join(parts)
@@ -580,7 +587,8 @@ class Reader(SplitReader):
         if len(data) != size:
             raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): shard truncated, {size} bytes "
                                    f"expected at byte {offset} (re-pack, or restore the shard from a copy)", self.path)
-        self.check_data(data, crc, index)
+        if self.check_crc and self.record_digest(data) & MASK != crc:  # check_data, inlined: a call less per read
+            self.checksum_mismatch(index)
         return data, label
 
     def where(self, index: int) -> str:
