@@ -6,6 +6,7 @@ import collections
 import hashlib
 import itertools
 import multiprocessing
+import socket
 import sys
 import threading
 import time
@@ -583,3 +584,35 @@ def test_block_order_read_ahead_keeps_the_cache_limit(packs, s3, tmp_path):
         time.sleep(0.05)
     assert cache_bytes(cache) <= limit
     assert check_blocks(cache, packs["lmdb"] / "data.mdb", parse_bytes(BLOCK, "block")) > 0
+
+
+@pytest.fixture
+def readers_own_http_timeouts(monkeypatch):
+    """The suite's fsspec HTTP configuration (servers.bounded_http_waits) taken away, so
+    the readers' own default applies, as it does for users."""
+    import fsspec.config
+    for name in ("http", "https"):
+        monkeypatch.delitem(fsspec.config.conf, name, raising=False)
+
+
+def test_a_silent_http_server_is_reported_as_a_timeout_not_waited_on(readers_own_http_timeouts, monkeypatch):
+    """A server that takes the connection and never answers: the read gives up after
+    HTTP_TIMEOUTS (aiohttp alone would wait 5 minutes a try) and names the URL."""
+    monkeypatch.setattr(remote_source, "HTTP_TIMEOUTS", {"sock_connect": 2.0, "sock_read": 0.5})
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/silent.lmdb/data.mdb"
+        start = time.monotonic()
+        with pytest.raises(remote_source.RemoteError) as caught:
+            remote_source.Remote(retries=2).info(url)
+    assert time.monotonic() - start < 20
+    assert caught.value.kind == "timeout" and url in str(caught.value)
+
+
+def test_the_http_read_timeouts_give_way_to_the_callers_client_kwargs(readers_own_http_timeouts):
+    timeout = remote_source.with_http_timeouts("https://host/x.h5", {})["client_kwargs"]["timeout"]
+    assert (timeout.total, timeout.sock_connect, timeout.sock_read) == (None, 10.0, 60.0)
+    own = {"client_kwargs": {"headers": {"Authorization": "Bearer t"}}}
+    assert remote_source.with_http_timeouts("https://host/x.h5", own) is own
+    assert remote_source.with_http_timeouts("s3://bucket/x.h5", {}) == {}

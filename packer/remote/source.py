@@ -45,6 +45,10 @@ DEFAULT_BLOCK_SIZE = 8 << 20
 DEFAULT_CACHE_LIMIT = 50 * 10**9
 MEMORY_BLOCKS = 4  # the last blocks read, kept in memory too (the page cache holds the rest)
 FETCH_THREADS = 8  # background block fetches in flight per process
+# Seconds to connect, and seconds without a byte, before an HTTP(S) read gives up (a
+# transient error: retried with backoff). aiohttp's own default waits 5 minutes on a
+# stuck server, each try, so a dead one would take half an hour to report.
+HTTP_TIMEOUTS = {"sock_connect": 10.0, "sock_read": 60.0}
 
 
 def missing(exc: BaseException) -> bool:
@@ -80,10 +84,23 @@ def filesystem(url: str, storage_options: dict):
     except ImportError as exc:
         raise ImportError(f"reading {url} needs fsspec: pip install '{EXTRA}'") from exc
     try:
-        return fsspec.core.url_to_fs(url, **storage_options)
+        return fsspec.core.url_to_fs(url, **with_http_timeouts(url, storage_options))
     except ImportError as exc:
         raise ImportError(f"reading {url} needs a package packer's remote extra installs ({exc}): "
                           f"pip install '{EXTRA}'") from exc
+
+
+def with_http_timeouts(url: str, storage_options: dict) -> dict:
+    """storage_options for reading url: an HTTP(S) URL gets HTTP_TIMEOUTS, unless the
+    caller's options or fsspec's configuration already give its client_kwargs."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("http", "https") or "client_kwargs" in storage_options:
+        return storage_options
+    import fsspec.config
+    if any("client_kwargs" in (fsspec.config.conf.get(name) or {}) for name in ("http", "https")):
+        return storage_options
+    import aiohttp  # fsspec's HTTP filesystem needs it too: url_to_fs names the extra if missing
+    return {**storage_options, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, **HTTP_TIMEOUTS)}}
 
 
 def _quote(info: dict, *keys) -> str:
