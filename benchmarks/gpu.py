@@ -161,13 +161,16 @@ def child_env() -> dict:
 def versions() -> dict:
     """What the machine offers, and which of packer's needs are missing (None = not importable)."""
     import importlib
+    import warnings
 
     found = {}
     for name in ("torch", "torchvision", "numpy", "PIL", "lmdb", "h5py", "simplejpeg", "deflate", "webdataset",
                  "wids", "braceexpand", "pynvml", "matplotlib", "pytest", "click", "tqdm"):
         try:
             module = importlib.import_module(name)
-            found[name] = getattr(module, "__version__", "present")
+            with warnings.catch_warnings():  # click deprecates __version__
+                warnings.simplefilter("ignore")
+                found[name] = getattr(module, "__version__", "present")
         except Exception as exc:  # ImportError, or a broken binary wheel
             found[name] = None if isinstance(exc, ImportError) else f"broken: {type(exc).__name__}: {exc}"
     return found
@@ -279,7 +282,7 @@ def step_corpus(run: Run, args, ctx: dict) -> None:
 
         folder = args.corpus or os.path.join(args.workdir, f"corpus-{args.images}")
         stamp = folder + ".json"
-        tool = None if args.corpus else corpus_tool(args)
+        tool = None if args.corpus or args.synthetic else corpus_tool(args)
         want = {"images": args.images, "seed": args.seed, "tool": os.path.basename(tool) if tool else "packer.synth"}
         if args.corpus:
             entry["made_by"] = f"given: {folder}"
@@ -301,8 +304,9 @@ def step_corpus(run: Run, args, ctx: dict) -> None:
                 make_corpus(folder, classes=classes, per_class=per_class, seed=args.seed,
                             workers=os.cpu_count() or 1)
                 entry["made_by"] = "packer.synth (synthetic images)"
-                entry["note"] = ("make_corpus.py was not found (.carry/tools/ or --corpus-tool): the corpus is "
-                                 "synthetic, not made from the shared photos as issue 20 asks")
+                if not args.synthetic:
+                    entry["note"] = ("make_corpus.py was not found (.carry/tools/ or --corpus-tool): the corpus is "
+                                     "synthetic, not made from the shared photos as issue 20 asks")
             entry["make_seconds"] = round(time.monotonic() - t0, 1)
             with open(stamp, "w") as f:
                 json.dump(want, f)
@@ -352,28 +356,29 @@ def step_feed(run: Run, args, ctx: dict, summary: dict) -> None:
 
 # ------------------------------------------------------------------ nvjpeg
 
+def loaded_nvjpeg() -> str | None:
+    """The libnvjpeg this process has loaded (torchvision's, once it has decoded), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libnvjpeg" in line}
+    except OSError:
+        return None
+    return sorted(paths)[0] if paths else None
+
+
 def nvjpeg_library() -> dict:
     """libnvjpeg's version and whether its hardware backend (the A100/H100 JPEG engines) can be
     created on this GPU: the same nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE) call torchvision's
-    batched decoder makes first (it falls back to the default backend on ARCH_MISMATCH)."""
+    batched decoder makes first (it falls back to the default backend on ARCH_MISMATCH), made
+    through the library torchvision loaded. Call it after a decode_jpeg on the GPU."""
     import ctypes
-    import glob
 
-    import torch
-
-    candidates = []
-    for base in {os.path.dirname(torch.__file__), *(p for p in sys.path if p.endswith("site-packages"))}:
-        candidates += glob.glob(os.path.join(base, "**", "libnvjpeg.so*"), recursive=True)
-    candidates += ["libnvjpeg.so", "libnvjpeg.so.13", "libnvjpeg.so.12"]
-    for name in candidates:
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        return {"library": None, "reason": "libnvjpeg not found"}
-    out = {"library": getattr(lib, "_name", name)}
+    path = loaded_nvjpeg()
+    try:
+        lib = ctypes.CDLL(path or "libnvjpeg.so")
+    except OSError as exc:
+        return {"library": path, "reason": f"libnvjpeg not loadable: {exc}"}
+    out = {"library": path or "libnvjpeg.so (torchvision had not loaded one)"}
     version = []
     for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
         value = ctypes.c_int()
@@ -383,8 +388,8 @@ def nvjpeg_library() -> dict:
     handle = ctypes.c_void_p()
     status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(handle))  # 3 = NVJPEG_BACKEND_HARDWARE
     out["hardware_backend"] = status == 0
-    out["hardware_backend_status"] = {0: "success", 7: "arch mismatch (no hardware decoder)",
-                                      8: "internal error"}.get(status, f"status {status}")
+    out["hardware_backend_status"] = {0: "available", 7: "arch mismatch: no hardware decoder on this GPU",
+                                      8: "internal error"}.get(status, f"nvjpeg status {status}")
     if status == 0:
         lib.nvjpegDestroy(handle)
     return out
@@ -404,23 +409,29 @@ def timed(fn, seconds: float, warm: int = 1) -> tuple[float, int, float]:
 
 
 def loader_rate(loader, seconds: float, skip: int) -> float:
-    """samples/s of batches arriving on the device, after `skip` batches of start-up."""
+    """samples/s of batches arriving on the device over about `seconds`, epoch after epoch,
+    after `skip` batches of start-up."""
     import torch
 
-    it = iter(loader)
-    try:
-        for _ in range(skip):
-            next(it)
-        torch.cuda.synchronize()
-        n, start = 0, time.perf_counter()
-        for images, labels in it:
-            torch.cuda.current_stream().synchronize()
-            n += len(labels)
-            if time.perf_counter() - start >= seconds:
-                break
-        return n / (time.perf_counter() - start)
-    finally:
-        del it
+    n, start, seen = 0, None, 0
+    while start is None or time.perf_counter() - start < seconds:
+        it = iter(loader)
+        try:
+            for images, labels in it:
+                torch.cuda.current_stream().synchronize()
+                seen += 1
+                if start is None:
+                    if seen >= skip:
+                        start = time.perf_counter()
+                    continue
+                n += len(labels)
+                if time.perf_counter() - start >= seconds:
+                    break
+        finally:
+            del it  # shuts the workers down
+        if seen == 0:
+            raise RuntimeError("the loader yielded no batch")
+    return n / (time.perf_counter() - start)
 
 
 def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
@@ -438,7 +449,6 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         from .suites.feed import Utilisation
 
         device = torch.device(args.device)
-        entry["library"] = nvjpeg_library()
         entry["torchvision"] = __import__("torchvision").__version__
         seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / 5))
         dataset = readers.LMDBDataset(ctx["lmdb"], decode="raw")
@@ -473,8 +483,10 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
             torch.cuda.synchronize(device)
             return len(out)
 
-        measure("bare_decode_jpeg", bare, what="torchvision.io.decode_jpeg(list of 256 tensors, device='cuda'), "
-                                             "decode only, tensors made beforehand")
+        measure("bare_decode_jpeg", bare, what=f"torchvision.io.decode_jpeg(list of {batch} tensors, "
+                                             f"device='cuda'), decode only, tensors made beforehand")
+        entry["library"] = nvjpeg_library()
+        run.log(f"nvjpeg library: {json.dumps(entry['library'])}")
         decoder = GPUDecoder(readers.RandomResizedCrop(224, flip=0.5), device)
 
         def gpu_decoder():
@@ -489,21 +501,22 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
                 ("make_loader_gpu_decode", {"decode": "raw"}, {"gpu_decode": True}),
                 ("make_loader_cpu_workers", {"decode": "raw", "transform": readers.RandomResizedCrop(224, flip=0.5)},
                  {})):
-            ds = readers.LMDBDataset(ctx["lmdb"], **dataset_args)
-            loader = readers.make_loader(ds, batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
-                                         std=readers.IMAGENET_STD, **extra)
-            util = Utilisation(device)
+            util, ds = Utilisation(device), None
             try:
+                ds = readers.LMDBDataset(ctx["lmdb"], **dataset_args)
+                loader = readers.make_loader(ds, batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
+                                             std=readers.IMAGENET_STD, **extra)
                 util.start()
                 rate = loader_rate(loader, seconds, skip=max(2, workers))
                 rates[name] = {"samples_per_s": rate, "workers": workers, **util.stop(),
                                "what": f"make_loader(LMDB, {workers} workers, device='cuda', "
                                        f"{'gpu_decode=True' if extra else 'RandomResizedCrop in the workers'})"}
-            except Exception as exc:
+            except Exception as exc:  # one path failing is a result; the next is still measured
                 util.stop()
                 rates[name] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
-                ds.close()
+                if ds is not None:
+                    ds.close()
             run.save()
             run.log(f"nvjpeg {name}: {json.dumps(rates[name])}")
         bare_rate = rates.get("bare_decode_jpeg", {}).get("samples_per_s")
@@ -526,7 +539,8 @@ def nvjpeg_table(entry: dict) -> str:
             lines.append(f"| {name} | error: {r['error']} | | | |")
             continue
         util, jpg = r.get("gpu_util"), r.get("jpg_util")
-        lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {r.get('vs_bare', 1.0 if name.startswith('bare') else 0):.2f} "
+        vs_bare = r.get("vs_bare", 1.0 if name.startswith("bare") else None)
+        lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {'–' if vs_bare is None else format(vs_bare, '.2f')} "
                      f"| {'–' if not util else format(util['mean'], '.0f') + '%'} "
                      f"| {'–' if not jpg else format(jpg['mean'], '.0f') + '%'} |")
     lib = entry.get("library", {})
@@ -693,8 +707,9 @@ def download_wheel(name: str, version: str, dest: str) -> str:
         cmd = base + [a for p in platforms for a in ("--platform", p)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode == 0:
+            prefix = normalise_name(name) + "-"
             new = sorted(set(os.listdir(dest)) - before) or [f for f in os.listdir(dest)
-                                                              if normalise_name(f).startswith(normalise_name(name) + "-")]
+                                                              if normalise_name(f).startswith(prefix)]
             return os.path.join(dest, new[0])
     raise RuntimeError(f"pip download {name}=={version} for cp312 manylinux failed: {proc.stderr.strip()[-800:]}")
 
@@ -873,6 +888,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="/var/tmp/packer-gpu", help="corpus, packs and suite data (kept)")
     p.add_argument("--corpus", help="an ImageFolder tree to use instead of making one")
     p.add_argument("--corpus-tool", help="make_corpus.py (default: .carry/tools/make_corpus.py)")
+    p.add_argument("--synthetic", action="store_true", help="make the corpus with packer.synth, not from photos")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared", help="prepare: the shared data folder (default: $PACKER_SHARED_DATA, ../shared/data)")
     p.add_argument("--root", default=ROOT, help="prepare: the checkout to fill (default: this one)")

@@ -13,8 +13,9 @@ Per step, data wait (next() plus any copy, until the batch is on the device: the
 stream is synchronized after next()) and step time (forward, backward, optimizer, then a
 device sync so GPU time counts) are measured; the first `--warmup` steps are left out, and
 a case also ends after `--max-seconds`. GPU utilisation is sampled with NVML (pynvml, from
-nvidia-ml-py; optional) every 0.1 s over the timed steps. Without CUDA it runs the same code on the CPU with a small model (a smoke test of
-the plumbing, not a measurement of the claim).
+nvidia-ml-py; optional) every 0.1 s over the timed steps. Without CUDA it runs the same
+code on the CPU with a small model (a smoke test of the plumbing, not a measurement of the
+claim).
 """
 from __future__ import annotations
 
