@@ -14,9 +14,9 @@ Steps, in this order (`--steps` picks some; `corpus` runs whenever a later step 
            make_loader vs torch's DataLoader defaults (and + workers), GPU utilisation by NVML
   nvjpeg   decode + crop + resize through gpu_decode against bare batched
            torchvision.io.decode_jpeg(device="cuda") on the same bytes and the CPU workers
+  suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
   scaling  e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the per-core
            decode + crop rate (the suite's own cases, in fresh processes)
-  suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
 
 Each step is timed, logged and recorded whatever happens to it: a failed step records its
 error and the next one runs. `--time-budget` (seconds for the whole command) skips a step
@@ -44,7 +44,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARRY = ".carry"  # photos and the corpus tool, ignored by git, carried to the GPU machine
 WHEELS = ".whl"
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "scaling", "suite")
+# The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
+# scaling saves each row as it goes, so it takes what is left.
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "suite", "scaling")
 NEEDS_CORPUS = ("feed", "nvjpeg", "scaling", "suite")
 # The tests that do something different where CUDA is present (grep tests/ for cuda).
 CUDA_TESTS = ["tests/test_gpu.py", "tests/test_nvjpeg.py", "tests/test_collate.py", "tests/test_loader.py",
@@ -631,9 +633,13 @@ def suite_seconds(preset: dict, case_start: float = 4.0, pack_s: float = 6.0) ->
     return cases * per_case + (len(formats) * preset["repeat"] + 1) * pack_s
 
 
+SCALING_RESERVE_S = 120  # what scaling needs after the suite (a per-core case and five e2e cases)
+
+
 def step_suite(run: Run, args, ctx: dict, summary: dict) -> None:
     with run.step("suite") as entry:
-        left = run.left() - MARGIN_S - 15
+        reserve = SCALING_RESERVE_S * (0.2 if args.quick else 1.0) if "scaling" in args.steps else 0.0
+        left = run.left() - MARGIN_S - 15 - reserve
         name = args.suite
         if name == "auto":
             fitting = [k for k, p in SUITE_PRESETS.items() if suite_seconds(p) <= 0.8 * left]
@@ -651,7 +657,8 @@ def step_suite(run: Run, args, ctx: dict, summary: dict) -> None:
         if not preset["peers"]:
             cmd.append("--no-peers")
         entry.update(preset=name, estimated_s=round(suite_seconds(preset)), command=cmd[1:])
-        code = run.stream(cmd, left, stdout_path=os.path.join(run.out, "suite.md"))
+        # Sized to leave scaling its time, but not stopped for it: a stopped suite writes nothing.
+        code = run.stream(cmd, run.left() - MARGIN_S, stdout_path=os.path.join(run.out, "suite.md"))
         entry["exit_code"] = code
         if code != 0:
             entry["status"] = "error"
@@ -675,7 +682,7 @@ SETUP = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache
          "PYTHONUNBUFFERED=1; ")
 # Two commands of at most 10 minutes each; a fresh machine each time (it stays warm 30 s only).
 COMMANDS = (SETUP + "python3 -m benchmarks gpu --out $OUT --steps tests,feed,nvjpeg --time-budget 560",
-            SETUP + "python3 -m benchmarks gpu --out $OUT --steps scaling,suite --time-budget 560")
+            SETUP + "python3 -m benchmarks gpu --out $OUT --steps suite,scaling --time-budget 560")
 
 
 def normalise_name(name: str) -> str:
