@@ -487,8 +487,6 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
 
         measure("bare_decode_jpeg", bare, what=f"torchvision.io.decode_jpeg(list of {batch} tensors, "
                                              f"device='cuda'), decode only, tensors made beforehand")
-        entry["library"] = nvjpeg_library()
-        run.log(f"nvjpeg library: {json.dumps(entry['library'])}")
         decoder = GPUDecoder(readers.RandomResizedCrop(224, flip=0.5), device)
 
         def gpu_decoder():
@@ -521,6 +519,9 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
                     ds.close()
             run.save()
             run.log(f"nvjpeg {name}: {json.dumps(rates[name])}")
+        # Last: a C call through ctypes, so that if it crashed the rates are already saved.
+        entry["library"] = nvjpeg_library()
+        run.log(f"nvjpeg library: {json.dumps(entry['library'])}")
         bare_rate = rates.get("bare_decode_jpeg", {}).get("samples_per_s")
         for name in ("gpu_decoder", "make_loader_gpu_decode", "make_loader_cpu_workers"):
             if bare_rate and "samples_per_s" in rates.get(name, {}):
