@@ -1,4 +1,4 @@
-"""`python -m benchmarks run|compare`: the command line of the suite."""
+"""`python -m benchmarks run|compare|gpu`: the command line of the suite."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("old", metavar="OLD.json")
     cmp.add_argument("new", metavar="NEW.json")
     cmp.add_argument("--tolerance", type=float, default=0.1, help="allowed relative change (default: 0.1)")
+    from . import gpu
+
+    gpu.add_arguments(sub.add_parser("gpu", help="the GPU proof: tests, feed, nvJPEG, scaling and the CUDA suite "
+                                                 "into one folder (gpu prepare: make it portable)"))
     return p
 
 
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import compare
 
         return compare.main(args)
+    if args.command == "gpu":
+        from . import gpu
+
+        return gpu.main(args, argv[1:])
     from . import run
 
     args.argv = argv

@@ -186,3 +186,42 @@ def test_gpu_decode_matches_the_cpu_decode_and_falls_back_for_cmyk_and_png():
     assert out.shape == (4, 3, 48, 48) and out.dtype == torch.uint8 and out.is_cuda
     # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a few levels
     assert (out.cpu().float() - cpu.float()).abs().mean() < 3
+
+
+
+def delayed_reads_of_freed_batches() -> list[int]:
+    """Per batch, how many values a read queued behind a held-back consumer stream got wrong.
+
+    The consumer never synchronizes: each step spins its stream (torch.cuda._sleep), queues a
+    read of the batch behind the spin, and drops the batch. The prefetcher lets go of batch i
+    when asked for batch i+1, and at once copies batch i+2 on its side stream, which the
+    consumer's spin does not hold back. With record_stream the allocator keeps batch i's
+    memory until the consumer's queued read is done; without it the memory goes straight
+    back to the side stream's pool, batch i+2 lands in it, and the read sees batch i+2."""
+    device = torch.device("cuda")
+    # float32 batches of 1.5 MiB come from the allocator's large pool, where a freed block of
+    # the same size is the best fit for the next one: the reuse is certain, not likely.
+    batches = [torch.full((8, 3, 128, 128), 10 * i, dtype=torch.uint8).pin_memory() for i in range(8)]
+    scale, shift = normalize_coefficients(IMAGENET_MEAN, IMAGENET_STD, 3)
+    expected = [normalize(b, scale, shift) for b in batches]
+    seen = []
+    torch.cuda.synchronize()
+    for images in CUDAPrefetcher(batches, device, IMAGENET_MEAN, IMAGENET_STD):
+        torch.cuda._sleep(20_000_000)  # about 10 ms of the consumer stream spinning
+        seen.append(images * 1)  # queued behind the spin: reads the batch's memory later
+        del images
+    torch.cuda.synchronize()
+    return [int((s.cpu() != e).sum()) for s, e in zip(seen, expected)]
+
+
+@cuda
+def test_a_freed_batch_is_not_reused_while_the_consumer_still_reads_it():
+    assert delayed_reads_of_freed_batches() == [0] * 8
+
+
+@cuda
+def test_the_check_above_fails_without_record_stream(monkeypatch):
+    """The control: with record_stream made a no-op the same steps read overwritten memory, so
+    the test above can fail (it does not pass by luck of the allocator)."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    assert sum(delayed_reads_of_freed_batches()) > 0

@@ -1,0 +1,163 @@
+"""`python -m benchmarks gpu` on the CPU: the results folder, failures recorded, the time budget,
+and `gpu prepare`'s pieces (wheel needs, git's exclude file, the carried layout)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import zipfile
+
+import pytest
+import torch
+
+from benchmarks import gpu
+from benchmarks.__main__ import main as bench_main
+
+def bench_gpu(*args: str) -> subprocess.CompletedProcess:
+    """`python -m benchmarks gpu ARGS`, in this process (its own steps start their subprocesses)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = bench_main(["gpu", *args])
+        except SystemExit as exc:  # argparse refusing the arguments
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, "", err.getvalue())
+
+
+def results(out) -> dict:
+    return json.loads((out / "gpu-results.json").read_text())
+
+
+def test_a_cpu_run_fills_one_flat_folder_and_skips_the_cuda_only_step(tmp_path):
+    passing_test = tmp_path / "test_passes.py"  # outside tests/: no conftest to load, so seconds
+    passing_test.write_text("def test_passes():\n    assert 1 + 1 == 2\n")
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "tests,corpus,nvjpeg",
+                     "--images", "20", "--synthetic", "--quick", "--device", "cpu", "--tests", str(passing_test))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["gpu-results.json", "gpu.log", "summary.md", "tests.xml"]  # flat, well under 8 files
+    steps = results(out)["steps"]
+    assert list(steps) == ["env", "tests", "corpus", "nvjpeg"]
+    assert steps["env"]["status"] == "ok" and steps["env"]["packages"]["lmdb"]
+    assert steps["tests"]["status"] == "ok" and (steps["tests"]["tests"], steps["tests"]["failures"]) == (1, 0)
+    assert steps["corpus"]["status"] == "ok" and steps["corpus"]["images"] == 20
+    assert os.path.isdir(steps["corpus"]["lmdb"]) or os.path.isfile(steps["corpus"]["lmdb"])
+    assert steps["nvjpeg"] == {"status": "skipped", "reason": "no CUDA"}
+    assert all(steps[name]["seconds"] >= 0 for name in ("env", "tests", "corpus"))  # each step timed
+    summary = (out / "summary.md").read_text()
+    assert "| nvjpeg | skipped |" in summary and "| tests | ok |" in summary
+    assert "--- corpus" in (out / "gpu.log").read_text()
+
+
+def test_a_failed_step_is_recorded_and_the_next_steps_still_run(tmp_path):
+    failing_test = tmp_path / "test_fails.py"
+    failing_test.write_text("def test_fails():\n    assert 1 == 2\n")
+    broken_tool = tmp_path / "make_corpus.py"
+    broken_tool.write_text("import sys\nsys.exit(3)\n")
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "tests,feed",
+                     "--images", "20", "--quick", "--device", "cpu", "--corpus-tool", str(broken_tool),
+                     "--tests", str(failing_test))
+    assert proc.returncode == 1
+    steps = results(out)["steps"]
+    assert steps["tests"]["status"] == "error" and steps["tests"]["failed"] == ["test_fails::test_fails"]
+    assert steps["corpus"]["status"] == "error" and "make_corpus.py exited 3" in steps["corpus"]["error"]
+    assert steps["feed"] == {"status": "skipped", "reason": "no corpus (the corpus step failed or was skipped)"}
+    assert "FAILED: tests, corpus" in proc.stderr
+
+
+def test_steps_that_cannot_fit_the_time_budget_are_skipped_saying_so(tmp_path):
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "tests,scaling",
+                     "--time-budget", "25", "--quick", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = results(out)["steps"]
+    for name in ("tests", "corpus", "scaling"):
+        assert steps[name]["status"] == "skipped" and "of --time-budget 25" in steps[name]["reason"]
+
+
+def test_unknown_steps_and_a_missing_out_are_refused(tmp_path):
+    proc = bench_gpu("--steps", "tests,gpu-magic", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "unknown step(s) gpu-magic" in proc.stderr
+    proc = bench_gpu("--steps", "tests")
+    assert proc.returncode == 2 and "--out DIR is required" in proc.stderr
+
+
+def test_utilisation_without_cuda_says_why():
+    from benchmarks.suites.feed import Utilisation
+
+    util = Utilisation(torch.device("cpu")).start()
+    assert util.stop() == {"gpu_util": None, "reason": "no CUDA device"}
+
+
+def test_the_suite_size_fits_the_time_left():
+    estimates = [gpu.suite_seconds(p) for p in gpu.SUITE_PRESETS.values()]
+    assert estimates == sorted(estimates, reverse=True)  # presets run largest first
+    assert all(e > 0 for e in estimates)
+
+
+def make_wheel(path, requires: list[str]) -> str:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("pkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: pkg\n" +
+                   "".join(f"Requires-Dist: {r}\n" for r in requires))
+    return str(path)
+
+
+def test_wheel_requirements_leave_extras_out(tmp_path):
+    wheel = make_wheel(tmp_path / "pkg-1.0-py3-none-any.whl",
+                       ["numpy>=1.19", "PyYAML", "Brace_Expand ; python_version >= '3'", "pytest ; extra == 'test'"])
+    assert gpu.wheel_requirements(wheel) == ["numpy", "pyyaml", "brace-expand"]
+
+
+@pytest.fixture
+def repo(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "tracked.txt").write_bytes(b"x" * 1000)
+    subprocess.run(["git", "-C", str(root), "add", "tracked.txt"], check=True)
+    return root
+
+
+def test_git_exclude_adds_each_pattern_once(repo):
+    path = gpu.git_exclude(str(repo), ["/.whl/", "/.carry/"])
+    gpu.git_exclude(str(repo), ["/.whl/", "/.carry/"])
+    lines = open(path).read().splitlines()
+    assert lines.count("/.whl/") == 1 and lines.count("/.carry/") == 1
+    (repo / ".whl").mkdir()
+    (repo / ".whl" / "a.whl").write_bytes(b"y" * 500)
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    assert ".whl" not in status.stdout  # ignored, so only `carry` makes it travel
+    assert gpu.travelling_bytes(str(repo), [".whl"]) == 1500
+
+
+def test_prepare_carries_the_photos_and_tool_and_prints_the_run_calls(repo, tmp_path, capsys):
+    shared = tmp_path / "shared" / "data"
+    (shared / "imagenet-sample" / "n0").mkdir(parents=True)
+    (shared / "imagenet-sample" / "n0" / "a.JPEG").write_bytes(b"\xff\xd8\xff")
+    (tmp_path / "shared" / "tools").mkdir()
+    (tmp_path / "shared" / "tools" / "make_corpus.py").write_text("print('tool')\n")
+    parser = gpu.argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(["prepare", "--root", str(repo), "--shared", str(shared), "--no-download"])
+    assert gpu.main(args, []) == 0
+    carry = repo / ".carry"
+    assert (carry / "data" / "imagenet-sample" / "n0" / "a.JPEG").read_bytes() == b"\xff\xd8\xff"
+    assert (carry / "tools" / "make_corpus.py").exists()  # ../data/imagenet-sample, as the tool expects
+    calls = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(calls) == 2
+    for call in calls:
+        assert call["carry"] == [".whl", ".carry"] and len(call["command"]) <= 2000
+        assert call["command"].startswith("python3 -m pip install") and "--out $OUT" in call["command"]
+
+
+def test_prepare_without_the_shared_photos_says_where_it_looked(repo, tmp_path, capsys):
+    parser = gpu.argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(["prepare", "--root", str(repo), "--shared", str(tmp_path / "nowhere")])
+    assert gpu.main(args, []) == 2
+    assert "imagenet-sample is missing" in capsys.readouterr().err
+    assert not (repo / ".carry").exists()
