@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -209,7 +209,9 @@ class EndToEnd:
         return self
 
     def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
-        loader = source.loader(ctx, opts)  # untimed: datasets and loader objects, no data read
+        # Untimed: datasets and loader objects, no data read. The run's seed fixes the shuffle and (below) the
+        # workers' seeds, so sources run with one seed decode the same images with the same crops.
+        loader = source.loader(ctx, replace(opts, seed=seed))
         torch.manual_seed(seed)
         fill = max(1, opts.workers)
         counts = {"all": [0, 0.0], "window": [0, 0.0]}  # samples, seconds waited
