@@ -136,6 +136,17 @@ def add_round_ratios(results: list[dict]) -> None:
         if result is folder or result["status"] != "ok" or len(result["runs"]) != len(folder["runs"]):
             continue
         result["vs_folder"] = summarise([a / b for a, b in zip(result["runs"], folder["runs"])])
+        ours, theirs = cpu_per_sample(result), cpu_per_sample(folder)
+        if ours and theirs:  # the folder's CPU per sample over this source's, round by round: > 1 is cheaper
+            result["cpu_vs_folder"] = summarise([b / a for a, b in zip(ours, theirs)])
+
+
+def cpu_per_sample(result: dict) -> list[float] | None:
+    """Each timed run's CPU ms per sample, main process and workers together, or None."""
+    cpu = result.get("cpu_ms_per_sample") or {}
+    if not cpu.get("main") or not cpu.get("workers"):
+        return None
+    return [a + b for a, b in zip(cpu["main"]["runs"], cpu["workers"]["runs"])]
 
 
 def summarise_case(case: dict, measure, source, state, runs: list[dict], resident: list, resident_after: list,
@@ -159,6 +170,11 @@ def summarise_case(case: dict, measure, source, state, runs: list[dict], residen
         startups = [r["startup_s"] for r in runs if r["startup_s"] is not None]
         result["startup_s"] = summarise(startups) if startups else None
         result["how"], result["step"] = runs[0]["how"], runs[0]["step"]
+        cpu = [r["cpu_ms_per_sample"] for r in runs if r.get("cpu_ms_per_sample")]
+        if len(cpu) == len(runs):
+            result["cpu_ms_per_sample"] = {part: summarise([c[part] for c in cpu])
+                                           if None not in [c[part] for c in cpu] else None
+                                           for part in ("main", "workers")}
     notes = sorted({r["note"] for r in runs if r.get("note")})
     if state:
         verified, note = cache.verdict(state, resident, resident_after)

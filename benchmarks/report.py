@@ -80,6 +80,16 @@ def round_ratio_note(results: dict) -> list[str]:
             lines.append(f"{measure} ×folder: the sources of each cell ran interleaved, round by round (each round "
                          "one seed, so the map-style sources read the same images with the same crops); the ratio "
                          f"is the median of the per-round ratios, whose range (cold / warm) was: {', '.join(ranges)}.")
+    cpu = [(name, c) for name, entry in results["sources"].items()
+           if (c := case_of(entry, "e2e", "warm").get("cpu_ms_per_sample")) and c.get("workers")]
+    if cpu:
+        shares = [f"{name} {case['cpu_vs_folder']['median']:.2f} ({case['cpu_vs_folder']['min']:.2f}-"
+                  f"{case['cpu_vs_folder']['max']:.2f})" for name, entry in results["sources"].items()
+                  if (case := case_of(entry, "e2e", "warm")).get("cpu_vs_folder")]
+        lines.append("e2e warm, CPU per sample over the timed window (ms, median; main process + loader workers): "
+                     + ", ".join(f"{name} {c['main']['median']:.2f} + {c['workers']['median']:.2f}" for name, c in cpu)
+                     + "." + (f" The folder's CPU per sample over each source's, round by round (median, range; "
+                              f"> 1: the source costs less): {', '.join(shares)}." if shares else ""))
     return lines
 
 

@@ -401,8 +401,33 @@ def test_an_e2e_cell_runs_round_by_round_and_rates_each_round_against_the_folder
     assert folder_case["status"] == lmdb_case["status"] == "ok" and "vs_folder" not in folder_case
     rounds = [a / b for a, b in zip(lmdb_case["runs"], folder_case["runs"])]
     assert lmdb_case["vs_folder"]["runs"] == pytest.approx(rounds)
+    for case in (folder_case, lmdb_case):  # CPU time over the window: here all in the main process (no workers)
+        assert len(case["cpu_ms_per_sample"]["main"]["runs"]) == 3 and case["cpu_ms_per_sample"]["main"]["min"] > 0
+        assert case["cpu_ms_per_sample"]["workers"]["max"] == 0
+    cpu = [sum(c["cpu_ms_per_sample"][part]["runs"][r] for part in ("main", "workers"))
+           for r in range(3) for c in (folder_case, lmdb_case)]
+    assert lmdb_case["cpu_vs_folder"]["runs"] == pytest.approx([cpu[2 * r] / cpu[2 * r + 1] for r in range(3)])
     results = {"config": {"workers": 0, "cache": ["warm"]},
                "sources": {s: {"available": True, "measures": {"e2e": {"warm": c}}}
                            for s, c in (("folder", folder_case), ("lmdb", lmdb_case))}}
     assert report.ratios(results)["lmdb"]["e2e_warm_vs_folder"] == pytest.approx(sorted(rounds)[1])
-    assert "the median of the per-round ratios" in " ".join(report.round_ratio_note(results))
+    note = " ".join(report.round_ratio_note(results))
+    assert "the median of the per-round ratios" in note and "CPU per sample" in note
+
+
+def test_children_cpu_counts_a_busy_childs_cpu_seconds():
+    from benchmarks.measures import children_cpu
+
+    if children_cpu() is None:
+        pytest.skip("no /proc/<pid>/task/<tid>/children here (not Linux)")
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE)
+    try:
+        deadline, seen = time.time() + 60, 0.0
+        while seen < 0.25 and time.time() < deadline:  # the child spins 0.3 s of CPU (/proc counts ticks), then waits
+            time.sleep(0.05)
+            seen = children_cpu().get(child.pid, 0.0)
+        assert 0.25 <= seen < 5
+    finally:
+        child.communicate(b"\n", timeout=30)
+    assert child.pid not in children_cpu()  # reaped: no longer a child
