@@ -9,6 +9,11 @@ reference on the same cached pages (measures.BareRead), timed in the same state 
 machine. Failures are
 recorded per case, never raised.
 
+The cases of an e2e cell (one cache state, every source) run in one process, round by
+round (run_cell): their rows differ by a few percent, less than a shared machine's speed
+drifts between cases run minutes apart, so each round runs every source once with one
+seed, and each source's ratio to the folder is taken within the round.
+
 A cold run reads the data once: a second pass would find it cached. A warm single-process
 run reads epoch after epoch (each its own order) until its budget is spent, as training
 does on a warm cache, and mincore checks afterwards that the data stayed resident: one
@@ -37,30 +42,116 @@ def summarise(values: list[float]) -> dict:
             "runs": values}
 
 
+class CaseRun:
+    """One (source, measure, cache state) case, taken a timed run at a time, so the cases of
+    a cell can be run round by round (run_cell) as well as one after the other (run_case)."""
+
+    def __init__(self, case: dict, ctx: dict, opts: Options):
+        self.case, self.ctx, self.opts = case, ctx, opts
+        self.source = SOURCES.get(case["source"]) if case["source"] else None
+        self.measure = {"ceiling": CEILING, "disk": DISK}.get(case["measure"]) or MEASURES[case["measure"]]
+        self.state = case.get("cache")
+        self.runs, self.resident, self.resident_after, self.copies, self.bare = [], [], [], [], []
+        self.failure: dict | None = None
+
+    def attempt(self, work) -> bool:
+        """work() unless the case has failed; a failure is recorded, never raised: one broken
+        case must not take the others down."""
+        if self.failure is None:
+            try:
+                work()
+            except Exception as exc:
+                self.failure = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc(limit=-4)}
+        return self.failure is None
+
+    def setup(self) -> None:
+        """The untimed setup, then the untimed warm-up run."""
+        source, ctx, opts, state = self.source, self.ctx, self.opts, self.state
+        self.bench = self.measure.setup(source, ctx, opts)
+        self.files = source.files(ctx) if (source is not None and state) else []
+        warm_raw = (self.case["measure"], state) == ("raw", "warm")
+        self.reference = MemoryCopy.of_corpus(ctx["folder"]) if warm_raw else None
+        self.passes = {"epochs": None} if state == "warm" and isinstance(self.measure, ItemLoop) else {}
+        self.bench.run(source, ctx, opts, opts.warmup, opts.seed)  # warm-up, excluded
+
+    def timed(self, r: int) -> None:
+        """Timed run r (seed opts.seed + 1 + r), after putting the cache in the case's state."""
+        source, ctx, opts, state = self.source, self.ctx, self.opts, self.state
+        seed = opts.seed + 1 + r
+        if state:
+            self.resident.append(cache.prepare(self.files, state))
+        if self.reference is not None:
+            self.copies.append(self.reference.rate(min(REFERENCE_S, opts.budget), seed))
+            self.bare.append(BareRead.rate_of(source, ctx, min(REFERENCE_S, opts.budget), seed))
+        self.runs.append(self.bench.run(source, ctx, opts, opts.budget, seed, **self.passes))
+        if state == "warm":
+            self.resident_after.append(cache.resident_fraction(self.files))
+
+    def result(self) -> dict:
+        if self.failure is not None:
+            return {**self.case, **self.failure}
+        return summarise_case(self.case, self.measure, self.source, self.state, self.runs, self.resident,
+                              self.resident_after, self.copies, self.bare)
+
+
 def run_case(case: dict, ctx: dict, opts: Options) -> dict:
     """One (source, measure, cache state) case -> its figures, or the reason it failed."""
-    source = SOURCES.get(case["source"]) if case["source"] else None
-    measure = {"ceiling": CEILING, "disk": DISK}.get(case["measure"]) or MEASURES[case["measure"]]
-    state = case.get("cache")
-    try:
-        bench = measure.setup(source, ctx, opts)
-        files = source.files(ctx) if (source is not None and state) else []
-        reference = MemoryCopy.of_corpus(ctx["folder"]) if (case["measure"], state) == ("raw", "warm") else None
-        passes = {"epochs": None} if state == "warm" and isinstance(measure, ItemLoop) else {}
-        bench.run(source, ctx, opts, opts.warmup, opts.seed)  # warm-up, excluded
-        runs, resident, resident_after, copies, bare = [], [], [], [], []
-        for r in range(opts.repeat):
-            if state:
-                resident.append(cache.prepare(files, state))
-            if reference is not None:
-                copies.append(reference.rate(min(REFERENCE_S, opts.budget), opts.seed + 1 + r))
-                bare.append(BareRead.rate_of(source, ctx, min(REFERENCE_S, opts.budget), opts.seed + 1 + r))
-            runs.append(bench.run(source, ctx, opts, opts.budget, opts.seed + 1 + r, **passes))
-            if state == "warm":
-                resident_after.append(cache.resident_fraction(files))
-    except Exception as exc:  # one broken case must not take the run down
-        return {**case, "status": "error", "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=-4)}
+    run = CaseRun(case, ctx, opts)
+    run.attempt(run.setup)
+    for r in range(opts.repeat):
+        if not run.attempt(lambda: run.timed(r)):
+            break
+    return run.result()
+
+
+def run_cell(cases: list[dict], ctx: dict, opts: Options) -> list[dict]:
+    """The cases of one cell (one measure and cache state, every source), interleaved: after
+    each case's setup and warm-up, round r runs every source's timed run r, starting one
+    source further along each round (A B C, B C A, ...), so a drift in the machine's speed
+    over minutes falls on every source alike instead of on whichever ran last.
+
+    Every run of a round has the same seed: with the e2e measure, the map-style sources
+    then read the same records in the same order and draw the same crops, so a round's
+    ratio compares one workload read different ways. Each source's ratio to the folder
+    is computed round by round; its median and range are the result's "vs_folder".
+    """
+    runs = [CaseRun(case, ctx, opts) for case in cases]
+    for run in runs:
+        run.attempt(run.setup)
+    for r in range(opts.repeat):
+        for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+            run.attempt(lambda: run.timed(r))
+    results = [run.result() for run in runs]
+    add_round_ratios(results)
+    return results
+
+
+def add_round_ratios(results: list[dict]) -> None:
+    """Each ok case's rate over the folder's of the same round, summarised as "vs_folder"."""
+    folder = next((r for r in results if r["source"] == "folder" and r["status"] == "ok"), None)
+    if folder is None:
+        return
+    for result in results:
+        if result is folder or result["status"] != "ok" or len(result["runs"]) != len(folder["runs"]):
+            continue
+        result["vs_folder"] = summarise([a / b for a, b in zip(result["runs"], folder["runs"])])
+        ours, theirs = cpu_per_sample(result), cpu_per_sample(folder)
+        if ours and theirs:  # the folder's CPU per sample over this source's, round by round: > 1 is cheaper
+            result["cpu_vs_folder"] = summarise([b / a for a, b in zip(ours, theirs)])
+
+
+def cpu_per_sample(result: dict) -> list[float] | None:
+    """Each timed run's CPU ms per sample, main process and workers together, or None."""
+    cpu = result.get("cpu_ms_per_sample") or {}
+    if not cpu.get("main") or not cpu.get("workers"):
+        return None
+    return [a + b for a, b in zip(cpu["main"]["runs"], cpu["workers"]["runs"])]
+
+
+def summarise_case(case: dict, measure, source, state, runs: list[dict], resident: list, resident_after: list,
+                   copies: list, bare: list) -> dict:
+    """A case's figures from its timed runs: the rates' median and range, and what qualifies them."""
     result = {**case, "status": "ok", "unit": "MB/s" if measure is DISK else "samples/s",
               **summarise([r["samples"] / r["seconds"] for r in runs]),
               "samples": [r["samples"] for r in runs]}
@@ -79,6 +170,11 @@ def run_case(case: dict, ctx: dict, opts: Options) -> dict:
         startups = [r["startup_s"] for r in runs if r["startup_s"] is not None]
         result["startup_s"] = summarise(startups) if startups else None
         result["how"], result["step"] = runs[0]["how"], runs[0]["step"]
+        cpu = [r["cpu_ms_per_sample"] for r in runs if r.get("cpu_ms_per_sample")]
+        if len(cpu) == len(runs):
+            result["cpu_ms_per_sample"] = {part: summarise([c[part] for c in cpu])
+                                           if None not in [c[part] for c in cpu] else None
+                                           for part in ("main", "workers")}
     notes = sorted({r["note"] for r in runs if r.get("note")})
     if state:
         verified, note = cache.verdict(state, resident, resident_after)
@@ -101,7 +197,10 @@ def main(argv: list[str]) -> int:
     # The single-process measures are per core; intra-op threads would blur that.
     torch.set_num_threads(1)
     opts = Options(**spec["opts"])
-    results = [run_case(case, spec["ctx"], opts) for case in spec["cases"]]
+    if spec.get("interleave"):
+        results = run_cell(spec["cases"], spec["ctx"], opts)
+    else:
+        results = [run_case(case, spec["ctx"], opts) for case in spec["cases"]]
     with open(out_path, "w") as f:
         json.dump(results, f)
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -191,11 +191,50 @@ def batch_len(batch) -> int:
     return len(batch)
 
 
+def children_cpu() -> dict[int, float] | None:
+    """{pid: user + system CPU seconds} of this process's live children (the loader's
+    workers), from /proc; None where /proc cannot say (not Linux)."""
+    try:
+        pids = set()
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+    except OSError:
+        return None
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the name, which may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+class CPUClock:
+    """CPU seconds spent by this process and by its children over a window: a run's cost
+    in CPU, which on a shared machine moves far less than its wall time."""
+
+    def __init__(self):
+        self.main, self.children = time.process_time(), children_cpu()
+
+    def since(self) -> tuple[float, float | None]:
+        """(main process, children alive at both ends) CPU seconds since the clock started."""
+        main = time.process_time() - self.main
+        now = children_cpu()
+        if self.children is None or now is None:
+            return main, None
+        return main, sum(now[pid] - cpu for pid, cpu in self.children.items() if pid in now)
+
+
 class EndToEnd:
     """Batches through the training loader onto the device, each followed by a fixed step.
 
-    Reports samples/s arriving on the device and the fraction of wall time the step loop
-    spent waiting for the next batch. The timed window opens once every worker has
+    Reports samples/s arriving on the device, the fraction of wall time the step loop
+    spent waiting for the next batch, and the CPU time per sample over the timed window,
+    of the main process and of the loader workers (CPUClock): on a machine shared with
+    other work, wall time moves with the neighbours, CPU time per sample far less. The timed window opens once every worker has
     delivered a batch: start-up (forking workers, opening files, filling the pipeline)
     is excluded like the warm-up and reported apart as startup_s, since it is paid once
     per epoch and would otherwise weigh more the shorter the budget.
@@ -209,7 +248,9 @@ class EndToEnd:
         return self
 
     def run(self, source, ctx: dict, opts: Options, budget: float, seed: int) -> dict:
-        loader = source.loader(ctx, opts)  # untimed: datasets and loader objects, no data read
+        # Untimed: datasets and loader objects, no data read. The run's seed fixes the shuffle and (below) the
+        # workers' seeds, so sources run with one seed decode the same images with the same crops.
+        loader = source.loader(ctx, replace(opts, seed=seed))
         torch.manual_seed(seed)
         fill = max(1, opts.workers)
         counts = {"all": [0, 0.0], "window": [0, 0.0]}  # samples, seconds waited
@@ -222,7 +263,7 @@ class EndToEnd:
             while True:
                 t0 = time.perf_counter()
                 if batches == fill:
-                    opened = t0
+                    opened, clock = t0, CPUClock()
                 try:
                     batch = next(it)
                 except StopIteration:
@@ -242,6 +283,7 @@ class EndToEnd:
                 if opened is not None and time.perf_counter() - opened >= budget:
                     break
             end = time.perf_counter()
+            cpu = clock.since() if opened is not None else None
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -250,9 +292,11 @@ class EndToEnd:
             loader.close()
         out = {"batches": batches, "how": loader.how, "step": self.step_description}
         if opened is not None and counts["window"][0]:
-            seconds = end - opened
-            return {**out, "samples": counts["window"][0], "seconds": seconds,
-                    "wait_fraction": counts["window"][1] / seconds, "startup_s": opened - start}
+            seconds, n = end - opened, counts["window"][0]
+            main, workers = cpu
+            return {**out, "samples": n, "seconds": seconds, "wait_fraction": counts["window"][1] / seconds,
+                    "startup_s": opened - start, "cpu_ms_per_sample": {
+                        "main": 1e3 * main / n, "workers": None if workers is None else 1e3 * workers / n}}
         # Too few batches to leave start-up out: time the whole pass and say so.
         seconds = end - start
         return {**out, "samples": counts["all"][0], "seconds": seconds, "wait_fraction": counts["all"][1] / seconds,

@@ -38,7 +38,7 @@ def ratios(results: dict) -> dict:
         if name != "folder":
             for m in MEASURES:
                 for s in CACHE_STATES:
-                    r[f"{m}_{s}_vs_folder"] = divide(figure(results, name, m, s), figure(results, "folder", m, s))
+                    r[f"{m}_{s}_vs_folder"] = vs_folder(results, name, m, s)
         if name in PACKED:
             r["pack_vs_tar"] = divide(median(results.get("pack", {}).get(name)), tar)
         for s in CACHE_STATES:
@@ -55,6 +55,42 @@ def ratios(results: dict) -> dict:
             r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
         out[name] = r
     return out
+
+
+def vs_folder(results: dict, name: str, measure: str, state: str) -> float | None:
+    """A source's figure over the folder's: the median of the per-round ratios where the cell
+    ran round by round (case.run_cell), else the ratio of the two medians."""
+    rounds = case_of(results["sources"][name], measure, state).get("vs_folder")
+    if rounds and figure(results, name, measure, state) is not None:
+        return rounds["median"]
+    return divide(figure(results, name, measure, state), figure(results, "folder", measure, state))
+
+
+def round_ratio_note(results: dict) -> list[str]:
+    """How the ratios of interleaved cells were taken, with each source's range of per-round ratios."""
+    lines = []
+    for measure in MEASURES:
+        ranges = []
+        for name, entry in results["sources"].items():
+            cases = [case_of(entry, measure, s).get("vs_folder") for s in results["config"]["cache"]]
+            if any(cases):
+                ranges.append(f"{name} " + " / ".join("–" if not c else f"{c['min']:.2f}-{c['max']:.2f}"
+                                                      for c in cases))
+        if ranges:
+            lines.append(f"{measure} ×folder: the sources of each cell ran interleaved, round by round (each round "
+                         "one seed, so the map-style sources read the same images with the same crops); the ratio "
+                         f"is the median of the per-round ratios, whose range (cold / warm) was: {', '.join(ranges)}.")
+    cpu = [(name, c) for name, entry in results["sources"].items()
+           if (c := case_of(entry, "e2e", "warm").get("cpu_ms_per_sample")) and c.get("workers")]
+    if cpu:
+        shares = [f"{name} {case['cpu_vs_folder']['median']:.2f} ({case['cpu_vs_folder']['min']:.2f}-"
+                  f"{case['cpu_vs_folder']['max']:.2f})" for name, entry in results["sources"].items()
+                  if (case := case_of(entry, "e2e", "warm")).get("cpu_vs_folder")]
+        lines.append("e2e warm, CPU per sample over the timed window (ms, median; main process + loader workers): "
+                     + ", ".join(f"{name} {c['main']['median']:.2f} + {c['workers']['median']:.2f}" for name, c in cpu)
+                     + "." + (f" The folder's CPU per sample over each source's, round by round (median, range; "
+                              f"> 1: the source costs less): {', '.join(shares)}." if shares else ""))
+    return lines
 
 
 def checked_ratios(results: dict, name: str) -> dict:
@@ -184,6 +220,7 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    "random order, one core (records/s, median; raw warm as a share of it): "
                    + ", ".join(f"{name} {rate(floor)} ({one(share)})" for name, floor, share in bare) + ".")
     out += checked_note(results)
+    out += round_ratio_note(results)
     mix = results.get("mixing")
     if mix:
         out.append(f"Batch mixing (mean class entropy per batch of {mix['batch_size']}, bits, on the packed "

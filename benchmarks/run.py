@@ -72,7 +72,7 @@ def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: st
     for i, cases in enumerate(groups):
         spec, out = os.path.join(workdir, f"case-{i}.json"), os.path.join(workdir, f"case-{i}.out.json")
         with open(spec, "w") as f:
-            json.dump({"cases": cases, "ctx": ctx, "opts": asdict(opts)}, f)
+            json.dump({"cases": cases, "ctx": ctx, "opts": asdict(opts), "interleave": interleaved(cases)}, f)
         limit = 120 + len(cases) * 4 * (opts.warmup + opts.repeat * (opts.budget + 30))
         try:
             # Child stdout goes to our stderr: stdout carries only the table.
@@ -146,7 +146,7 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
                  if takes(source, m)]
         groups += [cases] if args.isolation == "source" else [[c] for c in cases]
     if args.isolation == "case":
-        groups = cell_major(groups, args.measures, args.cache)
+        groups = join_cells(cell_major(groups, args.measures, args.cache))
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
     if args.isolation == "source" and groups:
         groups[0].insert(0, ceiling)  # one process start fewer
@@ -167,6 +167,31 @@ def cell_major(groups: list[list[dict]], measures: list[str], states: list[str])
         return measures.index(case["measure"]), states.index(case["cache"])
 
     return sorted(groups, key=cell)  # stable: sources keep their order within a cell
+
+
+# Measures whose cells run as one process, the sources interleaved round by round (case.run_cell).
+# e2e: its timed runs fork their own loader workers, so sharing the parent process shares little,
+# and its rows differ by a few percent, less than the machine drifts between cases run apart.
+INTERLEAVED = ("e2e",)
+
+
+def interleaved(cases: list[dict]) -> bool:
+    """Whether a group is one cell of an INTERLEAVED measure (one measure and cache state)."""
+    return len(cases) > 1 and len({(c["measure"], c["cache"]) for c in cases}) == 1 \
+        and cases[0]["measure"] in INTERLEAVED
+
+
+def join_cells(groups: list[list[dict]]) -> list[list[dict]]:
+    """Cell-major one-case groups with each INTERLEAVED cell's cases joined into one group."""
+    joined: list[list[dict]] = []
+    for group in groups:
+        case, last = group[0], joined[-1][0] if joined else None
+        if case["measure"] in INTERLEAVED and last is not None and \
+                (last["measure"], last["cache"]) == (case["measure"], case["cache"]):
+            joined[-1] = joined[-1] + group
+        else:
+            joined.append(list(group))
+    return joined
 
 
 def mixing(ctx: dict, batch_size: int, seed: int) -> dict | None:

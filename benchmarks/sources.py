@@ -63,8 +63,9 @@ def packer_loader(dataset, opts, how_augment: str) -> Loader:
     """readers.make_loader (a CUDAPrefetcher on CUDA) over dataset, as packer users feed a GPU."""
     # Fresh workers for every timed run: a persistent worker would keep LMDB's map, and so its
     # pages, alive across the eviction that makes the next run cold.
+    # The run's seed fixes the shuffle: every map-style source of a round reads the same records in the same order.
     batches = readers.make_loader(dataset, opts.batch_size, device=opts.device, train=True, workers=opts.workers,
-                                  persistent_workers=False)
+                                  persistent_workers=False, seed=opts.seed)
     return Loader(batches, f"readers.make_loader(device={opts.device!r}); {how_augment}", True, dataset)
 
 
@@ -137,7 +138,8 @@ class PackerMap:
 
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
-        return packer_loader(self.open(ctx, decode, transform), opts, how)
+        # The readers' defaults, as training runs them: packed records' CRC-32 checked (as WDSDataset's are).
+        return packer_loader(self.open(ctx, decode, transform, checked=True), opts, how)
 
 
 class PackerShards:

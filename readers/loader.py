@@ -10,7 +10,8 @@ What it sets and why:
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
 - for shuffled packed data a ShuffleSampler (DistributedSampler's permutation and rank
-  shares, with the next records hinted to the kernel so cold random reads overlap), else
+  shares, with the next records hinted to the kernel so cold random reads overlap; a
+  FolderDataset gets the same seeded permutation, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
   an epoch counter that advances by itself so shuffles differ per epoch;
@@ -35,6 +36,7 @@ import torch.utils.data as tud
 
 from packer.cores import available_cores
 
+from ._dataset import ReaderDataset
 from .collate import Normalise, NormalisedCollate, collate
 from .gpu import CUDAPrefetcher, resolve_device
 from .ranks import local_world_size, world
@@ -144,8 +146,8 @@ class EpochLoader(tud.DataLoader):
         elif batches:
             raise ValueError(f"EpochLoader.state_dict: the loader's {type(self.sampler).__name__} has no seeded, "
                              "stateful order, so a pass cannot be resumed mid-epoch; use make_loader over packed "
-                             "data (readers.LMDBDataset, HDF5Dataset, WDSMapDataset: a ShuffleSampler), or save "
-                             "at an epoch's end")
+                             "data (readers.LMDBDataset, HDF5Dataset, WDSMapDataset) or a readers.FolderDataset "
+                             "(a ShuffleSampler), or save at an epoch's end")
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -316,7 +318,9 @@ def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, 
                                         world_size=world_size), None, False)
     if shuffle is None:
         shuffle = train or order == "random"
-    if shuffle and packed:  # packed data: the permutation, read ahead
+    # Packed data: the permutation, read ahead. A FolderDataset takes the same seeded permutation
+    # (no hints): the same order as its packed copy, and resumable mid-epoch.
+    if shuffle and (packed or isinstance(dataset, ReaderDataset)):
         return walk(ShuffleSampler(dataset, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last),
                     None, True)
     if world_size > 1:

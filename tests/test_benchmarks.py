@@ -363,3 +363,71 @@ def test_cases_of_one_cell_run_back_to_back():
     order = [(g[0]["measure"], g[0]["cache"], g[0]["source"]) for g in cell_major(groups, ["raw", "e2e"],
                                                                                    ["cold", "warm"])]
     assert order == [(m, c, s) for m in ("raw", "e2e") for c in ("cold", "warm") for s in ("folder", "lmdb")]
+
+
+def test_cells_of_interleaved_measures_are_joined_into_one_group():
+    from benchmarks.run import cell_major, interleaved, join_cells
+
+    groups = [[{"source": s, "measure": m, "cache": c}] for s in ("folder", "lmdb", "hdf5")
+              for m in ("raw", "e2e") for c in ("cold", "warm")]
+    joined = join_cells(cell_major(groups, ["raw", "e2e"], ["cold", "warm"]))
+    cells = [[(g["measure"], g["cache"], g["source"]) for g in group] for group in joined]
+    assert cells[:6] == [[("raw", c, s)] for c in ("cold", "warm") for s in ("folder", "lmdb", "hdf5")]
+    assert cells[6:] == [[("e2e", c, s) for s in ("folder", "lmdb", "hdf5")] for c in ("cold", "warm")]
+    assert [interleaved(group) for group in joined] == [False] * 6 + [True] * 2
+
+
+def test_an_e2e_cell_runs_round_by_round_and_rates_each_round_against_the_folder(tmp_path, monkeypatch):
+    """Round r runs every source with seed r, starting one source further each round; each
+    source's ratio to the folder is taken round by round, and the report uses its median."""
+    from benchmarks import case as C, report
+    from benchmarks.measures import Options
+    from packer.pack import pack
+    from packer.synth import make_corpus
+
+    folder, packed = tmp_path / "src", tmp_path / "data.lmdb"
+    make_corpus(str(folder), classes=2, per_class=6, seed=0)
+    pack(str(folder), "lmdb", str(packed), workers=1, progress=False)
+    ctx = {"folder": str(folder), "packed": {"lmdb": str(packed)}}
+    opts = Options(budget=0.05, warmup=0.01, repeat=3, batch_size=4, workers=0, step_ms=0)
+    timed, original = [], C.CaseRun.timed
+    monkeypatch.setattr(C.CaseRun, "timed", lambda self, r: timed.append((self.case["source"], r)) or original(self, r))
+    cases = [{"source": s, "measure": "e2e", "cache": "warm"} for s in ("folder", "lmdb", "wds")]
+    results = C.run_cell(cases, ctx, opts)
+
+    assert timed == [("folder", 0), ("lmdb", 0), ("lmdb", 1), ("folder", 1), ("folder", 2), ("lmdb", 2)]
+    folder_case, lmdb_case, wds_case = results
+    assert wds_case["status"] == "error" and "wds" in wds_case["error"]  # not packed: its case fails alone
+    assert folder_case["status"] == lmdb_case["status"] == "ok" and "vs_folder" not in folder_case
+    rounds = [a / b for a, b in zip(lmdb_case["runs"], folder_case["runs"])]
+    assert lmdb_case["vs_folder"]["runs"] == pytest.approx(rounds)
+    for case in (folder_case, lmdb_case):  # CPU time over the window: here all in the main process (no workers)
+        assert len(case["cpu_ms_per_sample"]["main"]["runs"]) == 3 and case["cpu_ms_per_sample"]["main"]["min"] > 0
+        assert case["cpu_ms_per_sample"]["workers"]["max"] == 0
+    cpu = [sum(c["cpu_ms_per_sample"][part]["runs"][r] for part in ("main", "workers"))
+           for r in range(3) for c in (folder_case, lmdb_case)]
+    assert lmdb_case["cpu_vs_folder"]["runs"] == pytest.approx([cpu[2 * r] / cpu[2 * r + 1] for r in range(3)])
+    results = {"config": {"workers": 0, "cache": ["warm"]},
+               "sources": {s: {"available": True, "measures": {"e2e": {"warm": c}}}
+                           for s, c in (("folder", folder_case), ("lmdb", lmdb_case))}}
+    assert report.ratios(results)["lmdb"]["e2e_warm_vs_folder"] == pytest.approx(sorted(rounds)[1])
+    note = " ".join(report.round_ratio_note(results))
+    assert "the median of the per-round ratios" in note and "CPU per sample" in note
+
+
+def test_children_cpu_counts_a_busy_childs_cpu_seconds():
+    from benchmarks.measures import children_cpu
+
+    if children_cpu() is None:
+        pytest.skip("no /proc/<pid>/task/<tid>/children here (not Linux)")
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE)
+    try:
+        deadline, seen = time.time() + 60, 0.0
+        while seen < 0.25 and time.time() < deadline:  # the child spins 0.3 s of CPU (/proc counts ticks), then waits
+            time.sleep(0.05)
+            seen = children_cpu().get(child.pid, 0.0)
+        assert 0.25 <= seen < 5
+    finally:
+        child.communicate(b"\n", timeout=30)
+    assert child.pid not in children_cpu()  # reaped: no longer a child

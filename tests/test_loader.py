@@ -176,6 +176,22 @@ def test_packed_and_folder_data_load_the_same_under_fork_and_spawn(context, corp
             assert torch.equal(x, ex) and torch.equal(y, ey)
 
 
+def test_a_shuffled_folder_reads_in_its_packed_copys_seeded_order(corpus, lmdb_path):
+    """A FolderDataset is shuffled by make_loader's seed, as packed data is: the same
+    seed gives the folder and its LMDB copy the same order, a new seed another."""
+    folder = FolderDataset(str(corpus), decode="raw", transform=ResizeCenterCrop(64, 72))
+    lmdb = LMDBDataset(str(lmdb_path), decode="raw", transform=ResizeCenterCrop(64, 72))
+    loaders = [make_loader(dataset, 2, workers=0, seed=seed, drop_last=False)
+               for dataset, seed in ((folder, 3), (lmdb, 3), (folder, 4))]
+    sampler = loaders[0].sampler
+    assert isinstance(sampler, L.ShuffleSampler) and sampler.reader is None  # the folder's reader takes no hints
+    orders = [list(loader.sampler) for loader in loaders]
+    assert orders[0] == orders[1] != orders[2]
+    assert sorted(orders[0]) == list(range(len(folder)))
+    for (x, y), (ex, ey) in zip(loaders[0], loaders[1]):  # the same images, in the same batches
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
 def test_device_and_stats_wrap_the_loader():
     result = make_loader(Numbers(8), 4, workers=0, device="cpu", mean=(0.5,), std=(0.25,), stats={"window": 2})
     assert isinstance(result, LoaderStats) and isinstance(result.loader, CUDAPrefetcher)
