@@ -64,7 +64,6 @@ import mmap
 import os
 import struct
 import warnings
-from array import array
 
 import lmdb
 import numpy as np
@@ -76,9 +75,9 @@ from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
-                      encode_checksums, expected_crc, fd_identity, map_region, region_view, replaced_error,
-                      table_crc)
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity,
+                      decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, map_region,
+                      region_view, replaced_error, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -159,12 +158,14 @@ class Writer:
         self.split = ""
         self.index = 0
         self.map_base = self.locate_map()
-        self.offsets, self.lengths = array("Q"), array("I")
+        self.stage = stage
+        self.extents: SpillTable | None = None
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         self.split, self.index = split, 0
-        self.offsets, self.lengths = array("Q"), array("I")
+        # Each record's extent, spilled to an unlinked file as it comes: the table as stored.
+        self.extents = SpillTable(EXTENT, self.stage)
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         value = encode_record(data, label, relpath, crc)
@@ -173,24 +174,27 @@ class Writer:
         if self.map_base is not None and len(value) >= EXTENT_MIN:
             # With writemap the cursor's value is the record in the map, where it stays.
             offset = np.frombuffer(self.cursor.value(), np.uint8).ctypes.data - self.map_base
-        self.offsets.append(offset)
-        self.lengths.append(len(value) if offset else 0)
+        self.extents.append((offset, len(value) if offset else 0))
         self.index += 1
 
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         prefix = self.split.encode()
-        extents = np.empty(len(self.offsets), EXTENT)
-        extents["offset"], extents["length"] = self.offsets, self.lengths
-        self.offsets, self.lengths = array("Q"), array("I")  # the table holds them now
-        # Put as buffers of the arrays (uint8 views), not copies: a few bytes a record less at peak.
-        tables = {"labels": labels.astype("<i4").view(np.uint8), "paths": paths.to_nul_separated(),
-                  "extents": extents.view(np.uint8)}
+        # Put as buffers, not copies: the arrays' bytes; the extents and the paths (where pack
+        # spilled them) straight from the maps of their files, whose pages are dropped after.
+        extents = self.extents.map()
+        tables = {"labels": np.asarray(labels, "<i4").view(np.uint8), "paths": nul_separated_view(paths),
+                  "extents": extents}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4").view(np.uint8)
+        crcs = {}
         for name, raw in tables.items():
             self.put(prefix + b"/" + name.encode(), raw, append=False)
-        crcs = {name: table_crc(raw) for name, raw in tables.items()}
+            crcs[name] = table_crc(raw)
+            drop_pages(raw.obj if isinstance(raw, memoryview) else raw)
+        tables.clear()
+        self.extents.close()
+        self.extents = None
         self.put(prefix + b"/checksums", encode_checksums(crcs), append=False)
 
     def finish(self, meta: Metadata) -> None:
@@ -262,6 +266,13 @@ class Writer:
             finally:
                 os.close(fd)
             self.reserved = end
+
+
+def nul_separated_view(paths: PathTable):
+    """A path table's on-disk form (NUL-joined) as a view of its buffer, not a copy."""
+    if not len(paths):
+        return b""
+    return memoryview(paths.data)[paths.offsets.item(0):paths.offsets.item(len(paths)) - 1]
 
 
 def release_pages(address: int, length: int) -> None:

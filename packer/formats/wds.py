@@ -65,7 +65,6 @@ when first opened.
 """
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import os
@@ -75,6 +74,7 @@ import numpy as np
 
 from ..check import sniff
 from ..cores import available_cores
+from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
@@ -82,8 +82,8 @@ from ..remote import source as remote_source
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, map_region,
-                      region_view, table_crc)
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity, expected_crc,
+                      map_region, nul_separated_chunks, region_view)
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -259,8 +259,8 @@ class Writer:
         self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
-        self.rows = {name: array.array(code) for name, code in
-                     (("shard", "I"), ("crc", "I"), ("offset", "Q"), ("size", "Q"), ("label", "i"))}
+        # The split's records in write order, spilled to an unlinked file as they come, not held.
+        self.rows = SpillTable(RECORD, self.stage)
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         key = sample_key(relpath)
@@ -278,8 +278,7 @@ class Writer:
         if self.file is None or full:
             self.next_shard()
         self.split_bytes += len(blob)
-        for name, value in zip(self.rows, (len(self.shards), crc, self.bytes + data_at, len(data), label)):
-            self.rows[name].append(value)
+        self.rows.append((len(self.shards), crc, self.bytes + data_at, len(data), label))
         self.file.write(blob)
         self.digest.update(blob)
         self.bytes += len(blob)
@@ -291,7 +290,7 @@ class Writer:
             return self.shard_size
         if not self.expected_count:
             return MAX_AUTO_SHARD_SIZE
-        added = len(self.rows["crc"]) + 1
+        added = len(self.rows) + 1
         return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
 
     def next_shard(self) -> None:
@@ -315,27 +314,23 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added sample."""
         self.close_shard()
-        count = len(self.rows["crc"])
+        count = len(self.rows)
         if count != len(labels):
             raise ValueError(f"split {self.split}: {count} samples added but {len(labels)} labels given")
-        # Each column straight into its place in ImageFolder order, its row array freed as it
-        # goes: one table in memory at a time, not the rows, a table in write order and another.
-        records = np.empty(count, RECORD)
-        at = slice(None) if order is None else np.asarray(order)
-        for name in list(self.rows):
-            values = self.rows.pop(name)
-            records[name][at] = np.frombuffer(values, np.dtype(values.typecode)) if count else []
-            del values
         folder = os.path.join(self.stage, self.split)
-        table, blob = records.view(np.uint8), paths.to_nul_separated()  # the bytes as stored, not copied again
-        # Synced, as the shards are: on disk before the dataset is published.
-        write_synced(os.path.join(folder, "records.bin"), table)
-        write_synced(os.path.join(folder, "paths.bin"), blob)
-        self.splits[self.split] = {"count": len(records), "shards": self.shards,
+        # Written a chunk at a time from the spilled rows, rearranged into ImageFolder order:
+        # neither table is ever whole in memory. Synced, as the shards are: on disk before the
+        # dataset is published.
+        chunks = self.rows.chunks() if order is None else self.rows.chunks_in(order)
+        records_crc = write_synced_chunks(os.path.join(folder, "records.bin"),
+                                          (rows.view(np.uint8) for rows in chunks))
+        self.rows.close()
+        paths_crc = write_synced_chunks(os.path.join(folder, "paths.bin"), nul_separated_chunks(paths))
+        self.splits[self.split] = {"count": count, "shards": self.shards,
                                    "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
                                    "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                   "records_crc32": table_crc(table), "paths_crc32": table_crc(blob)}
-        self.note_few_shards(len(records))
+                                   "records_crc32": records_crc, "paths_crc32": paths_crc}
+        self.note_few_shards(count)
 
     def note_few_shards(self, count: int) -> None:
         """Warn when a split has fewer shards than this machine's cores though it could have more:
@@ -373,6 +368,18 @@ def wids_index(split: str, entry: dict, classes: list[str]) -> dict:
 def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
     return json.dumps(wids_index(split, entry, classes), ensure_ascii=False, indent=1).encode(
         "utf-8", PATH_ENCODING_ERRORS)
+
+
+def write_synced_chunks(where: str, chunks) -> int:
+    """Write the chunks (bytes-like) to a new file at where, synced; their CRC-32 as one table."""
+    value = 0
+    with open(where, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            value = crc32(chunk, value)
+        f.flush()
+        os.fsync(f.fileno())
+    return value
 
 
 def write_synced(where: str, data: bytes) -> None:
