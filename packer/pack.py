@@ -45,7 +45,7 @@ from .source_io import read_regular_file
 
 
 # Records written between two drops of the pages a mapped path table has had read (write_split).
-RELEASE_EVERY = 1 << 15
+RELEASE_EVERY = 1 << 10
 
 
 @dataclass
