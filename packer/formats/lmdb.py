@@ -183,7 +183,7 @@ class Writer:
         # Put as buffers, not copies: the arrays' bytes; the extents and the paths (where pack
         # spilled them) straight from the maps of their files, whose pages are dropped after.
         extents = self.extents.map()
-        tables = {"labels": np.asarray(labels, "<i4").view(np.uint8), "paths": nul_separated_view(paths),
+        tables = {"labels": np.ascontiguousarray(labels, "<i4").view(np.uint8), "paths": nul_separated_view(paths),
                   "extents": extents}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4").view(np.uint8)
