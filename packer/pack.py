@@ -40,7 +40,7 @@ from .output import IO_ERRORS, check_target, staged, write_error
 from .parts import cut_source, pack_in_parts, part_spec
 from .records import Metadata, SplitInfo, checksum
 from .reencode import Reencode, reencode_image, reencode_spec
-from .scan import ON_ERROR, Source, SplitListing, scan_source
+from .scan import ON_ERROR, Source, SplitListing, kept_paths, scan_source
 from .source_io import read_regular_file
 
 
@@ -408,7 +408,7 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         bar.update(len(item.data))
     all_kept = bool(kept.all())
     labels = listing.labels if all_kept else listing.labels[kept]
-    paths = listing.paths.subset(kept)
+    paths = kept_paths(listing.paths, kept, listing.spill_dir)
     if order is not None:  # list skipped files in ImageFolder order whatever the write order
         skipped[first_skipped:] = [skipped[first_skipped:][j] for j in np.argsort(order[~kept[order]])]
     release_listing(listing, order)

@@ -27,7 +27,7 @@ import numpy as np
 
 from .check import IMAGE_EXTENSIONS
 from .errors import PackError, SourceError
-from .formats._tables import spilled_array
+from .formats._tables import drop_pages, spilled_array
 from .labels import LabelFile, read_label_file
 from .records import UNLABELED, PathTable, encode_path
 from .source_io import not_regular_reason
@@ -47,6 +47,8 @@ class SplitListing:
     # Listing index -> why that file is refused without being opened (a FIFO, a device):
     # kept in the listing, so that the on_error policy treats it like any other bad file.
     refused: dict[int, str] = field(default_factory=dict)
+    # Where its tables were spilled (scan_source's spill_dir), for tables derived from them.
+    spill_dir: str | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -250,7 +252,7 @@ def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[s
         scan.warnings.append(f"{relative(root, split_root) or '.'}: {loose} image(s) beside the class "
                              "folders ignored, as ImageFolder does (move them into a class folder to pack them)")
     labels = np.repeat(np.array([class_to_idx[c] for c in class_names], np.int32), counts)
-    return SplitListing(blob.table(), spilled_array(labels, spill_dir), True, refused)
+    return SplitListing(blob.table(), spilled_array(labels, spill_dir), True, refused, spill_dir)
 
 
 class PathBlob:
@@ -278,6 +280,18 @@ class PathBlob:
             self.file.write(piece)
         self.size += len(piece)
 
+    def extend_table(self, table: PathTable) -> None:
+        """Append the paths of a PathTable."""
+        if not len(table):
+            return
+        self.ends.append(self.size + (table.offsets[1:].astype(np.int64) - table.offsets.item(0)))
+        piece = table.to_nul_separated() + b"\0"
+        if self.file is None:
+            self.pieces.append(piece)
+        else:
+            self.file.write(piece)
+        self.size += len(piece)
+
     def table(self) -> PathTable:
         dtype = np.uint32 if self.size < 2**32 else np.int64
         offsets = np.concatenate([np.zeros(1, dtype)] + [e.astype(dtype) for e in self.ends])
@@ -294,6 +308,22 @@ class PathBlob:
             self.file.close()  # the map keeps the (nameless) file alive
         self.pieces = []
         return PathTable(data, offsets)
+
+
+def kept_paths(paths: PathTable, kept: np.ndarray, folder: str | None, block: int = 1 << 16) -> PathTable:
+    """The paths where kept (a bool per path) is true: paths itself when all are, else a new
+    table built a block of paths at a time (spilled to folder, if given, as scan_source's)."""
+    if kept.all():
+        return paths
+    blob = PathBlob(folder)
+    offsets = paths.offsets
+    for start in range(0, len(paths), block):
+        stop = min(len(paths), start + block)
+        low = offsets.item(start)
+        part = PathTable(paths.data[low:offsets.item(stop)], offsets[start:stop + 1].astype(np.int64) - low)
+        blob.extend_table(part.subset(kept[start:stop]))
+        drop_pages(paths.data)
+    return blob.table()
 
 
 def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:

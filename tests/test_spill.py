@@ -170,3 +170,17 @@ def test_streamed_listing_comparison_equals_the_dictionary_one(image_tree, tmp_p
     with pytest.raises(_Unordered):  # a listing in no known order is not joined as a stream
         listing_changes("all", iter(entries(before, classes)[::-1]), iter(entries(after, source.classes)))
 
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_kept_paths_equals_subset_block_by_block(image_tree, tmp_path, spill):
+    from packer.scan import kept_paths
+
+    listing = scan_source(image_tree, spill_dir=str(tmp_path) if spill else None).splits["all"]
+    kept = np.arange(len(listing.paths)) % 3 != 1
+    expected = listing.paths.subset(kept)
+    for block in (1, 2, 5, 1 << 16):
+        got = kept_paths(listing.paths, kept, str(tmp_path) if spill else None, block=block)
+        assert list(got) == list(expected) and got.to_nul_separated() == expected.to_nul_separated()
+    assert kept_paths(listing.paths, np.ones(len(kept), bool), None) is listing.paths
+    assert len(kept_paths(listing.paths, np.zeros(len(kept), bool), None)) == 0
