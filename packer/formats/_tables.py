@@ -12,6 +12,11 @@ by every process that reads the dataset, and the checks at load (CRC-32 included
 read them, so they stay shared. A mapped file must not shrink while in use (touching a page
 past its end kills the process with SIGBUS): packed data is never rewritten in place, and
 a re-pack (--force) writes a new file, leaving the old one whole for readers that map it.
+
+Writers keep their per-record rows out of memory the same way (SpillTable, spilled_array):
+appended to an unlinked file in the output's folder as records arrive, written into the
+pack a chunk at a time when the split ends. A mapped table's pages count in the RSS of the
+process that touched them until it drops them (drop_pages), as pack does as it goes.
 """
 from __future__ import annotations
 
