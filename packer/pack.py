@@ -44,8 +44,10 @@ from .scan import ON_ERROR, Source, SplitListing, kept_paths, scan_source
 from .source_io import read_regular_file
 
 
-# Records written between two drops of the pages a mapped path table has had read (write_split).
-RELEASE_EVERY = 1 << 10
+# Records written between two drops of the pages the mapped tables (paths, offsets, labels,
+# order) have had read (write_split). Small: each fault on a map brings in the pages around
+# it (the kernel's fault-around, 64 KB), so shuffled reads make 16 pages resident apiece.
+RELEASE_EVERY = 32
 
 
 @dataclass
