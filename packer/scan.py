@@ -262,8 +262,12 @@ class PathBlob:
     drops the ones it has read (packer.formats._tables.drop_pages) to keep them out of its RSS."""
 
     def __init__(self, folder: str | None):
-        self.folder = folder
-        self.file = None if folder is None else tempfile.TemporaryFile(dir=folder)
+        self.folder, self.file = folder, None
+        if folder is not None:
+            try:
+                self.file = tempfile.TemporaryFile(dir=folder)
+            except OSError:  # a folder we cannot write to (pack then says so, clearly): kept in memory
+                self.folder = None
         self.pieces: list[bytes] = []
         self.ends: list[np.ndarray] = []  # per batch: where each path ends, NUL included
         self.size = 0

@@ -184,3 +184,15 @@ def test_kept_paths_equals_subset_block_by_block(image_tree, tmp_path, spill):
         assert list(got) == list(expected) and got.to_nul_separated() == expected.to_nul_separated()
     assert kept_paths(listing.paths, np.ones(len(kept), bool), None) is listing.paths
     assert len(kept_paths(listing.paths, np.zeros(len(kept), bool), None)) == 0
+
+
+def test_a_folder_that_cannot_take_a_spill_file_keeps_the_table_in_memory(tmp_path):
+    missing = str(tmp_path / "no such folder")
+    values = np.arange(10, dtype=np.int32)
+    assert spilled_array(values, missing) is values
+    from packer.scan import PathBlob
+
+    blob = PathBlob(missing)
+    blob.extend([b"a/b.jpg", b"a/c.jpg"])
+    table = blob.table()
+    assert list(table) == ["a/b.jpg", "a/c.jpg"] and isinstance(table.data, bytes)

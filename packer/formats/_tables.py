@@ -284,10 +284,13 @@ def spilled_array(values: np.ndarray, folder: str | None) -> np.ndarray:
     on, out of the heap. Its reader drops the pages it touched now and then (drop_pages)."""
     if folder is None or not values.size:
         return values
-    with tempfile.TemporaryFile(dir=folder) as f:
-        f.write(memoryview(np.ascontiguousarray(values)).cast("B"))
-        f.flush()
-        region = mmap.mmap(f.fileno(), values.nbytes, access=mmap.ACCESS_READ)
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(memoryview(np.ascontiguousarray(values)).cast("B"))
+            f.flush()
+            region = mmap.mmap(f.fileno(), values.nbytes, access=mmap.ACCESS_READ)
+    except OSError:  # a folder we cannot write to (the write itself then says so, clearly): kept in memory
+        return values
     return np.frombuffer(region, values.dtype, values.size).reshape(values.shape)
 
 
