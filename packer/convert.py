@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from . import __version__
 from .check import MAX_PIXELS
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
@@ -20,9 +22,10 @@ from .cores import available_cores
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
-from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, split_order, write_dataset,
-                   write_listings, write_order)
 from . import checksum as record_checksums
+from .formats._tables import spilled_array
+from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, write_dataset, write_listings,
+                   write_order)
 from .records import Metadata
 from .reencode import Reencode, combined, reencode_spec
 from .verify import packed_max_pixels
@@ -51,6 +54,28 @@ class RecordLoader:
 
     def close(self) -> None:
         self.readers.close()
+
+
+class RecordJobs:
+    """RecordLoader's jobs, (split, index), in write order, made as the engine asks for them:
+    a sequence (len, index, slice), not a list of a million tuples."""
+
+    def __init__(self, listings: dict[str, SplitListing], orders: dict[str, np.ndarray | None]):
+        self.parts = [(split, orders[split]) for split in listings]
+        self.starts = np.cumsum([0] + [len(listing) for listing in listings.values()])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if not 0 <= k < len(self):
+            raise IndexError(f"job {k} out of range for {len(self)} jobs")
+        part = int(np.searchsorted(self.starts, k, side="right")) - 1
+        split, order = self.parts[part]
+        j = k - int(self.starts[part])
+        return split, (j if order is None else order.item(j))
 
 
 def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
@@ -91,7 +116,9 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
         finally:
             reader.close()
     orders = {split: write_order(len(listing), split, seed) for split, listing in listings.items()}
-    jobs = [(split, i) for split, listing in listings.items() for i in split_order(len(listing), orders[split])]
+    orders = {split: None if order is None else spilled_array(order, os.path.dirname(out))
+              for split, order in orders.items()}
+    jobs = RecordJobs(listings, orders)
     params = {"format": fmt, "workers": workers, **options, "shuffle_seed": seed,
               "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
                                  "params": src_meta.params}}

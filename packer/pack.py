@@ -34,14 +34,21 @@ from .cores import available_cores
 from .engine import load_in_processes, load_in_threads
 from .errors import BadImageError, PackError
 from .formats import FORMATS, default_output, format_named
+from .formats._tables import array_chunks, drop_pages, spilled_array
 from .interrupts import InterruptGuard
 from .output import IO_ERRORS, check_target, staged, write_error
 from .parts import cut_source, pack_in_parts, part_spec
 from . import checksum as record_checksums
 from .records import Metadata, SplitInfo
 from .reencode import Reencode, reencode_image, reencode_spec
-from .scan import ON_ERROR, Source, SplitListing, scan_source
+from .scan import ON_ERROR, Source, SplitListing, kept_paths, scan_source
 from .source_io import read_regular_file
+
+
+# Records written between two drops of the pages the mapped tables (paths, offsets, labels,
+# order) have had read (write_split). Small: each fault on a map brings in the pages around
+# it (the kernel's fault-around, 64 KB), so shuffled reads make 16 pages resident apiece.
+RELEASE_EVERY = 32
 
 
 @dataclass
@@ -148,7 +155,8 @@ def write_order(count: int, split: str, seed: int | None) -> np.ndarray | None:
     """
     if seed is None:
         return None
-    return np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(count)
+    order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(count)
+    return order.astype(np.int32) if count < 2**31 else order  # half the memory, the same values
 
 
 def shuffle_seed_for(fmt: str, shuffle: bool | None, shuffle_seed: int) -> int | None:
@@ -221,7 +229,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     workers = workers or available_cores()
     with InterruptGuard(out) as guard:
         tidied = check_target(out, sources=[src], force=force)
-        source = scan_source(src, on_error, labels, labels_index_base)
+        # The source's paths wait in an unlinked file beside OUT, mapped, not in memory.
+        source = scan_source(src, on_error, labels, labels_index_base, spill_dir=os.path.dirname(out))
         cut = None
         if spec is not None:
             source, cut = cut_source(source, spec)
@@ -232,7 +241,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
 
         def fill(writer) -> Metadata:
             written = write_source(writer, source, check, on_error, workers, progress, seed, max_pixels, guard,
-                                   reencode, checksum)
+                                   reencode, checksum, spill_dir=os.path.dirname(out))
             advice.extend(written.warnings)
             return Metadata(format=fmt, classes=source.classes, splits=written.splits, source=source.root,
                             created=now_utc(), packer_version=__version__, params=params,
@@ -291,10 +300,13 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None, max_pixels: int = MAX_PIXELS,
                  guard: InterruptGuard | None = None, reencode: Reencode | None = None,
-                 kind: str = record_checksums.LEGACY) -> Written:
-    """Stream every split of the source folder through writer, with checksums of kind."""
+                 kind: str = record_checksums.LEGACY, spill_dir: str | None = None) -> Written:
+    """Stream every split of the source folder through writer, with checksums of kind.
+    spill_dir: where the write orders wait, in unlinked files, mapped
+    (packer.formats._tables.spilled_array)."""
     listings = {name: source.splits[name] for name in sorted(source.splits)}
     orders = {name: write_order(len(listing), name, seed) for name, listing in listings.items()}
+    orders = {name: None if order is None else spilled_array(order, spill_dir) for name, order in orders.items()}
     jobs = source_jobs(source.root, listings, orders)
     load = functools.partial(load_file, level=check, max_pixels=max_pixels, reencode=reencode, kind=kind)
     # Decoding (--check full, re-encoding) is CPU-bound: processes. Reading and the header
@@ -390,7 +402,9 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
     kept = np.ones(len(listing), dtype=bool)
     nbytes = 0
     first_skipped = len(skipped)
-    for i in split_order(len(listing), order):
+    for k, i in enumerate(split_order(len(listing), order)):
+        if k % RELEASE_EVERY == RELEASE_EVERY - 1:
+            release_listing(listing, order)
         relpath = listing.paths[i]
         item = next(loaded)
         guard.check()
@@ -406,17 +420,42 @@ def write_split(writer, name: str, listing: SplitListing, n_classes: int, loaded
         writer.add(item.data, label, relpath, item.crc)
         nbytes += len(item.data)
         bar.update(len(item.data))
-    labels = listing.labels[kept]
-    paths = listing.paths.subset(kept)
+    all_kept = bool(kept.all())
+    labels = listing.labels if all_kept else listing.labels[kept]
+    paths = kept_paths(listing.paths, kept, listing.spill_dir)
     if order is not None:  # list skipped files in ImageFolder order whatever the write order
         skipped[first_skipped:] = [skipped[first_skipped:][j] for j in np.argsort(order[~kept[order]])]
+    release_listing(listing, order)
     if order is None:
         writer.end_split(labels, paths)
     else:
-        rank = np.cumsum(kept) - 1  # ImageFolder position -> index among the kept samples
-        writer.end_split(labels, paths, order=rank[order[kept[order]]])
-    counts = np.bincount(labels[labels >= 0], minlength=n_classes) if listing.labeled else np.zeros(0)
+        writer.end_split(labels, paths, order=kept_order(order, kept))
+    counts = class_counts(labels, n_classes) if listing.labeled else np.zeros(0)
     return SplitInfo(int(kept.sum()), nbytes, [int(c) for c in counts], listing.labeled)
+
+
+def class_counts(labels: np.ndarray, n_classes: int) -> np.ndarray:
+    """How many of labels name each class (-1 counts for none), a block at a time."""
+    counts = np.zeros(n_classes, np.int64)
+    for block in array_chunks(labels):
+        counts += np.bincount(block[block >= 0], minlength=n_classes)[:n_classes]
+    return counts
+
+
+def release_listing(listing: SplitListing, order: np.ndarray | None) -> None:
+    """Drop the pages of a listing's spilled tables read so far: page cache, not this process's RSS."""
+    for table in (listing.paths.data, listing.paths.offsets, listing.labels, order):
+        drop_pages(table)
+
+
+def kept_order(order: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """The write order among the kept samples: for each kept sample in write order, its index
+    among the kept ones in ImageFolder order (order itself when all were kept)."""
+    if kept.all():
+        return order
+    dtype = np.int32 if len(kept) < 2**31 else np.int64
+    rank = (np.cumsum(kept, dtype=dtype) - 1).astype(dtype)  # ImageFolder position -> index among the kept
+    return rank[order[kept[order]]]
 
 
 def now_utc() -> str:

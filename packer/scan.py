@@ -18,13 +18,16 @@ refused, so that packing applies its on_error policy to them without ever openin
 """
 from __future__ import annotations
 
+import mmap
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .check import IMAGE_EXTENSIONS
 from .errors import PackError, SourceError
+from .formats._tables import drop_pages, spilled_array
 from .labels import LabelFile, read_label_file
 from .records import UNLABELED, PathTable, encode_path
 from .source_io import not_regular_reason
@@ -44,6 +47,8 @@ class SplitListing:
     # Listing index -> why that file is refused without being opened (a FIFO, a device):
     # kept in the listing, so that the on_error policy treats it like any other bad file.
     refused: dict[int, str] = field(default_factory=dict)
+    # Where its tables were spilled (scan_source's spill_dir), for tables derived from them.
+    spill_dir: str | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -165,13 +170,14 @@ class Scanner:
 
 
 def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFile | None = None,
-                labels_index_base: int | None = None) -> Source:
+                labels_index_base: int | None = None, spill_dir: str | None = None) -> Source:
     """List every image of SRC with its split and label.
 
     on_error decides what a folder that cannot be read does: "fail" raises SourceError,
     "skip" leaves it out and lists it in Source.skipped. labels, a label file's path (or a
     parsed LabelFile), labels the flat splits (packer.labels); a file it gives no label
-    follows on_error too.
+    follows on_error too. spill_dir: keep the labeled splits' paths in unlinked files in
+    that folder, mapped, rather than in memory (PathBlob; pack puts them beside OUT).
     """
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
@@ -200,7 +206,8 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
     splits = {}
     for name, (class_names, images) in listed.items():
         if class_names:
-            splits[name] = list_labeled(scan, name, split_roots[name], class_names, class_to_idx, len(images))
+            splits[name] = list_labeled(scan, name, split_roots[name], class_names, class_to_idx, len(images),
+                                         spill_dir)
         else:
             splits[name] = list_unlabeled(root, split_roots[name], images)
     if labels is not None:
@@ -216,14 +223,15 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
 
 
 def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[str],
-                 class_to_idx: dict[str, int], loose: int) -> SplitListing:
+                 class_to_idx: dict[str, int], loose: int, spill_dir: str | None = None) -> SplitListing:
     """The images of each class folder; `loose` images beside them are ignored, as ImageFolder does.
 
-    Streams: one class's file names are Python strings at a time; the split keeps only
-    each class's paths as one NUL-joined blob and its count, so a million-file split
-    never holds a million Python objects."""
+    Streams: one class's file names are Python strings at a time; the split keeps its paths
+    as one NUL-joined blob (with spill_dir, in an unlinked file there, mapped: PathBlob)
+    plus offsets, and its labels as one array, so a million-file split never holds a
+    million Python objects, nor with spill_dir its paths' bytes."""
     root = scan.root
-    blobs: list[bytes] = []  # per class: its paths, NUL-joined
+    blob = PathBlob(spill_dir)
     counts: list[int] = []
     refused: dict[int, str] = {}
     listed = 0
@@ -237,15 +245,89 @@ def list_labeled(scan: Scanner, split: str, split_root: str, class_names: list[s
         for k, (_, why) in enumerate(files):
             if why is not None:
                 refused[listed + k] = why
-        if files:
-            blobs.append(b"\0".join(encode_path(relative_below(root, path)) for path, _ in files))
+        blob.extend([encode_path(relative_below(root, path)) for path, _ in files])
         counts.append(len(files))
         listed += len(files)
     if loose:
         scan.warnings.append(f"{relative(root, split_root) or '.'}: {loose} image(s) beside the class "
                              "folders ignored, as ImageFolder does (move them into a class folder to pack them)")
     labels = np.repeat(np.array([class_to_idx[c] for c in class_names], np.int32), counts)
-    return SplitListing(PathTable.from_nul_separated(b"\0".join(blobs), root), labels, True, refused)
+    return SplitListing(blob.table(), spilled_array(labels, spill_dir), True, refused, spill_dir)
+
+
+class PathBlob:
+    """A split's paths as they are listed, joined by NUL: in memory, or with folder given
+    appended to an unlinked file there (nothing is left behind if the process dies) and
+    mapped read-only once listed. A mapped table's pages are the page cache's: its holder
+    drops the ones it has read (packer.formats._tables.drop_pages) to keep them out of its RSS."""
+
+    def __init__(self, folder: str | None):
+        self.folder, self.file = folder, None
+        if folder is not None:
+            try:
+                self.file = tempfile.TemporaryFile(dir=folder)
+            except OSError:  # a folder we cannot write to (pack then says so, clearly): kept in memory
+                self.folder = None
+        self.pieces: list[bytes] = []
+        self.ends: list[np.ndarray] = []  # per batch: where each path ends, NUL included
+        self.size = 0
+
+    def extend(self, names: list[bytes]) -> None:
+        if not names:
+            return
+        piece = b"\0".join(names) + b"\0"
+        ends = self.size + np.cumsum(np.fromiter(map(len, names), np.int64, len(names)) + 1)
+        self.ends.append(ends)
+        if self.file is None:
+            self.pieces.append(piece)
+        else:
+            self.file.write(piece)
+        self.size += len(piece)
+
+    def extend_table(self, table: PathTable) -> None:
+        """Append the paths of a PathTable."""
+        if not len(table):
+            return
+        self.ends.append(self.size + (table.offsets[1:].astype(np.int64) - table.offsets.item(0)))
+        piece = table.to_nul_separated() + b"\0"
+        if self.file is None:
+            self.pieces.append(piece)
+        else:
+            self.file.write(piece)
+        self.size += len(piece)
+
+    def table(self) -> PathTable:
+        dtype = np.uint32 if self.size < 2**32 else np.int64
+        offsets = np.concatenate([np.zeros(1, dtype)] + [e.astype(dtype) for e in self.ends])
+        self.ends = []
+        if self.file is not None:
+            offsets = spilled_array(offsets, self.folder)
+        # The data ends at the last path, without its NUL: the on-disk form, as before.
+        if self.file is None or not self.size:
+            data = b"".join(self.pieces)[:-1]
+        else:
+            self.file.flush()
+            data = mmap.mmap(self.file.fileno(), self.size - 1, access=mmap.ACCESS_READ)
+        if self.file is not None:
+            self.file.close()  # the map keeps the (nameless) file alive
+        self.pieces = []
+        return PathTable(data, offsets)
+
+
+def kept_paths(paths: PathTable, kept: np.ndarray, folder: str | None, block: int = 1 << 16) -> PathTable:
+    """The paths where kept (a bool per path) is true: paths itself when all are, else a new
+    table built a block of paths at a time (spilled to folder, if given, as scan_source's)."""
+    if kept.all():
+        return paths
+    blob = PathBlob(folder)
+    offsets = paths.offsets
+    for start in range(0, len(paths), block):
+        stop = min(len(paths), start + block)
+        low = offsets.item(start)
+        part = PathTable(paths.data[low:offsets.item(stop)], offsets[start:stop + 1].astype(np.int64) - low)
+        blob.extend_table(part.subset(kept[start:stop]))
+        drop_pages(paths.data)
+    return blob.table()
 
 
 def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:

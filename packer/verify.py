@@ -23,7 +23,7 @@ from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
 from .reencode import expected_size, stored_size
-from .scan import Source, scan_source
+from .scan import DEFAULT_SPLIT, Source, scan_source
 
 BLOCK = 256  # records per verification task
 
@@ -323,31 +323,95 @@ def class_of(label: int, classes: list[str]) -> str | None:
 
 
 def compare_listings(meta: Metadata, tables: dict, source: Source, report: VerifyReport) -> None:
-    """Files added to or removed from SRC since packing, and label changes."""
+    """Files added to or removed from SRC since packing, and label changes.
+
+    Streams: the packed and the current listing are both in ImageFolder order, so they are
+    joined as two sorted streams (listing_changes), a path at a time, not held as
+    dictionaries of every path. Problems are reported sorted by path, as they always were."""
     if sorted(meta.splits) != sorted(source.splits):
         report.add(SPLITS_DIFFER, [f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}"])
     skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
     for split in sorted(set(tables) & set(source.splits)):
         paths, labels = tables[split]
-        packed = {p: class_of(l, meta.classes) for p, l in zip(paths, labels.tolist())}
         listing = source.splits[split]
-        current = {p: source.classes[l] if l >= 0 else None for p, l in zip(listing.paths, listing.labels)}
-        for relpath in sorted(current.keys() - packed.keys()):
+        packed = ((p, class_of(l, meta.classes)) for p, l in zip(paths, labels_of(labels)))
+        current = ((p, source.classes[l] if l >= 0 else None) for p, l in zip(listing.paths, labels_of(listing.labels)))
+        try:
+            added, removed, changed = listing_changes(split, packed, current)
+        except _Unordered:  # not in ImageFolder order (a pack by another tool): compared the long way
+            added, removed, changed = listing_changes_unordered(paths, labels, listing, source.classes, meta.classes)
+        for relpath in added:
             reason = skipped.get((split, relpath))
             if reason is None:
                 report.add(NOT_PACKED, [f"{relpath}: in SRC but not packed (added since packing?)"])
             else:
                 report.notes.append(f"{relpath}: skipped at pack time ({reason})")
-        for relpath in sorted(packed.keys() - current.keys()):
+        for relpath in removed:
             report.add(NOT_IN_SRC, [f"{relpath}: packed but no longer in SRC (removed since packing?)"])
         if labeled_from_file(meta, split, listing):
             report.notes.append(f"split {split}: labels came from {meta.params['labels'].get('file')} at pack "
                                 "time, not from folders; only file contents and names were compared")
             continue
-        for relpath in sorted(packed.keys() & current.keys()):
-            if packed[relpath] != current[relpath]:
-                report.add(CLASS_CHANGED, [f"{relpath}: packed with class {packed[relpath]!r}, "
-                                           f"SRC now has it under {current[relpath]!r}"])
+        for relpath, was, now in changed:
+            report.add(CLASS_CHANGED, [f"{relpath}: packed with class {was!r}, SRC now has it under {now!r}"])
+
+
+class _Unordered(Exception):
+    """A listing that is not in ImageFolder order."""
+
+
+def imagefolder_key(split: str, relpath: str) -> tuple[str, str, str]:
+    """Where relpath comes in its split's ImageFolder order (packer.scan): by class folder,
+    then by the folder it is in, then by name."""
+    top, _, name = relpath.rpartition("/")
+    parts = top.split("/")
+    cls = parts[0] if split == DEFAULT_SPLIT else (parts[1] if len(parts) > 1 else "")
+    return cls, top, name
+
+
+def keyed(split: str, entries):
+    """(key, path, class) of each (path, class) of a listing, raising _Unordered if the keys go down."""
+    last = None
+    for relpath, cls in entries:
+        key = imagefolder_key(split, relpath)
+        if last is not None and key <= last:
+            raise _Unordered
+        last = key
+        yield key, relpath, cls
+
+
+def listing_changes(split: str, packed, current) -> tuple[list, list, list]:
+    """(paths only in current, paths only in packed, (path, packed class, current class) of
+    those whose class changed), each sorted by path, from two listings of (path, class) in
+    ImageFolder order, joined as they stream."""
+    added, removed, changed = [], [], []
+    packed, current = keyed(split, packed), keyed(split, current)
+    p, c = next(packed, None), next(current, None)
+    while p is not None or c is not None:
+        if c is None or (p is not None and p[0] < c[0]):
+            removed.append(p[1])
+            p = next(packed, None)
+        elif p is None or c[0] < p[0]:
+            added.append(c[1])
+            c = next(current, None)
+        else:
+            if p[2] != c[2]:
+                changed.append((p[1], p[2], c[2]))
+            p, c = next(packed, None), next(current, None)
+    return sorted(added), sorted(removed), sorted(changed)
+
+
+def listing_changes_unordered(paths, labels, listing, classes: list[str], packed_classes: list[str]):
+    """listing_changes for listings in no known order: through dictionaries of every path."""
+    packed = {p: class_of(l, packed_classes) for p, l in zip(paths, labels_of(labels))}
+    current = {p: classes[l] if l >= 0 else None for p, l in zip(listing.paths, labels_of(listing.labels))}
+    changed = [(p, packed[p], current[p]) for p in sorted(packed.keys() & current.keys()) if packed[p] != current[p]]
+    return sorted(current.keys() - packed.keys()), sorted(packed.keys() - current.keys()), changed
+
+
+def labels_of(labels: np.ndarray, block: int = 1 << 16):
+    """The labels as Python ints, a block at a time (not a list of them all)."""
+    return (label for start in range(0, len(labels), block) for label in labels[start:start + block].tolist())
 
 
 def labeled_from_file(meta: Metadata, split: str, listing) -> bool:

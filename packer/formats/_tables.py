@@ -12,12 +12,18 @@ by every process that reads the dataset, and the checks at load (CRC-32 included
 read them, so they stay shared. A mapped file must not shrink while in use (touching a page
 past its end kills the process with SIGBUS): packed data is never rewritten in place, and
 a re-pack (--force) writes a new file, leaving the old one whole for readers that map it.
+
+Writers keep their per-record rows out of memory the same way (SpillTable, spilled_array):
+appended to an unlinked file in the output's folder as records arrive, written into the
+pack a chunk at a time when the split ends. A mapped table's pages count in the RSS of the
+process that touched them until it drops them (drop_pages), as pack does as it goes.
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import tempfile
 
 import numpy as np
 
@@ -192,3 +198,137 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
 def replaced_error(what: str) -> CorruptDataError:
     return CorruptDataError(f"{what} was replaced since this Dataset was created (re-create the Dataset / "
                             "restart the DataLoader)", what)
+
+
+# ------------------------------------------------------------------ spilled tables (writers)
+
+# Rows a spill table buffers before appending them to its file, and rows read back per chunk:
+# a few MB at most, whatever the record count.
+SPILL_BLOCK = 1 << 16
+
+
+class SpillTable:
+    """A per-record table a writer fills as records arrive, kept in an unlinked file (in the
+    output's staging folder) instead of memory, and read back a chunk at a time.
+
+    At a million records a writer's tables (extents, sizes, CRCs) are tens of MB; held
+    whole, the packer's memory would grow with the dataset. Rows go to a small buffer,
+    appended to the file when it fills; the file has no name (O_TMPFILE where the OS has
+    it), so an interrupted pack leaves nothing behind."""
+
+    def __init__(self, dtype, folder: str, block: int = SPILL_BLOCK):
+        self.dtype = np.dtype(dtype)
+        self.file = tempfile.TemporaryFile(dir=folder)
+        self.buffer = np.empty(block, self.dtype)
+        self.filled = 0  # rows in the buffer
+        self.count = 0   # rows appended in all
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, row) -> None:
+        """One row: a value, or a tuple of the fields' values for a structured dtype."""
+        self.buffer[self.filled] = row
+        self.filled += 1
+        self.count += 1
+        if self.filled == len(self.buffer):
+            self.flush()
+
+    def flush(self) -> None:
+        if self.filled:
+            self.file.write(memoryview(self.buffer[:self.filled]).cast("B"))
+            self.filled = 0
+        self.file.flush()  # to the file itself, where chunks() and map() read it
+
+    def chunks(self, size: int = SPILL_BLOCK):
+        """The rows in order, as arrays of at most size rows (each a new array: read, not mapped)."""
+        self.flush()
+        for start in range(0, self.count, size):
+            rows = np.empty(min(size, self.count - start), self.dtype)
+            got = os.preadv(self.file.fileno(), [memoryview(rows).cast("B")], start * self.dtype.itemsize)
+            if got != rows.nbytes:
+                raise OSError(f"spilled table: read {got} of {rows.nbytes} bytes")
+            yield rows
+
+    def chunks_in(self, order: np.ndarray, size: int = 2 * SPILL_BLOCK):
+        """The rows rearranged so that row j lands at position order[j] (order: a permutation),
+        as arrays of at most size rows in position order: one pass over the file per output
+        chunk, a chunk of each in memory at a time, not the whole table."""
+        for low in range(0, self.count, size):
+            high = min(self.count, low + size)
+            out = np.empty(high - low, self.dtype)
+            start = 0
+            for rows in self.chunks():
+                at = order[start:start + len(rows)]
+                mine = (at >= low) & (at < high)
+                out[at[mine] - low] = rows[mine]
+                start += len(rows)
+            drop_pages(order)
+            yield out
+
+    def map(self):
+        """The whole table's bytes as a read-only map of its file (b"" when empty), for a writer
+        that must hand its store one buffer; drop_pages(it) after use."""
+        self.flush()
+        if not self.count:
+            return b""
+        return mmap.mmap(self.file.fileno(), self.count * self.dtype.itemsize, access=mmap.ACCESS_READ)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def spilled_array(values: np.ndarray, folder: str | None) -> np.ndarray:
+    """values moved to an unlinked file in folder and mapped read-only from it (values
+    itself with no folder, or when empty): a per-record array that is only read from now
+    on, out of the heap. Its reader drops the pages it touched now and then (drop_pages)."""
+    if folder is None or not values.size:
+        return values
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(memoryview(np.ascontiguousarray(values)).cast("B"))
+            f.flush()
+            region = mmap.mmap(f.fileno(), values.nbytes, access=mmap.ACCESS_READ)
+    except OSError:  # a folder we cannot write to (the write itself then says so, clearly): kept in memory
+        return values
+    return np.frombuffer(region, values.dtype, values.size).reshape(values.shape)
+
+
+def drop_pages(buffer) -> None:
+    """Drop a file map's pages from this process's resident memory (madvise MADV_DONTNEED):
+    they stay in the page cache and fault back in if touched, but no longer count in RSS. A
+    no-op for anything but an mmap (or an array mapped by spilled_array or mapped_array), or
+    where madvise is unavailable."""
+    if isinstance(buffer, np.ndarray):
+        buffer = mapped_region(buffer)
+    if isinstance(buffer, mmap.mmap) and len(buffer) and hasattr(mmap, "MADV_DONTNEED"):
+        buffer.madvise(mmap.MADV_DONTNEED)
+
+
+def mapped_region(values: np.ndarray):
+    """The mmap a numpy array (or its view) was made from with frombuffer, or None."""
+    base = values
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base if isinstance(base, mmap.mmap) else None
+
+
+def array_chunks(values: np.ndarray, size: int = SPILL_BLOCK):
+    """values in slices of at most size entries, the pages of a mapped array dropped after each."""
+    for start in range(0, len(values), size):
+        yield values[start:start + size]
+        drop_pages(values)
+
+
+def nul_separated_chunks(paths, size: int = 1 << 20):
+    """A PathTable's on-disk form (packer.records: paths joined by NUL) in pieces of about size
+    bytes, each a new bytes object, so that a table mapped from a spill file is written out
+    without being read into memory whole; the map's pages are dropped as it goes."""
+    if not len(paths):
+        return
+    low, high = paths.offsets.item(0), paths.offsets.item(len(paths)) - 1
+    for start in range(low, high, size):
+        yield bytes(paths.data[start:min(high, start + size)])
+        drop_pages(paths.data)

@@ -66,27 +66,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
-from array import array
 
 import h5py
 import numpy as np
 
 from ..checksum import MASK
+from ..crc import crc32
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, encode_path
 from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, blocks, buffer_of, check_count, check_crc, dataset_identity, decode_checksums,
-                      encode_checksums, expected_crc, mapped_array, replaced_error, table_crc)
+from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
+                      dataset_identity, decode_checksums, encode_checksums, expected_crc, mapped_array, nul_separated_chunks,
+                      replaced_error)
 
 EXTENSION = ".h5"
 DIRECTORY = False
 META_ATTR = "packer_metadata"
 CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
+# What the writer keeps of each record until its split ends (spilled, not in memory): where
+# it ends in images and its CRC-32.
+SPILLED_ROW = np.dtype([("end", "<i8"), ("crc", "<u4")])
 FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
 LIBVER = ("v110", "v110")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -112,8 +117,7 @@ class Writer:
         self.group: h5py.Group | None = None
         self.buffer: list[bytes] = []
         self.buffered = 0
-        self.ends = array("q")  # each record's end in images, 8 bytes a record, not a Python int
-        self.crcs = array("I")
+        self.rows: SpillTable | None = None  # each record's end in images and CRC, spilled (begin_split)
         self.size = 0  # bytes of the current split, written or buffered
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
@@ -121,33 +125,35 @@ class Writer:
         g = self.group = self.file.create_group(split)
         g.create_dataset("images", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(CHUNK_BYTES,))
         self.size = 0
-        self.ends, self.crcs = array("q"), array("I")
+        self.rows = SpillTable(SPILLED_ROW, os.path.dirname(os.path.abspath(self.stage)))
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         self.buffer.append(data)
         self.buffered += len(data)
         self.size += len(data)
-        self.ends.append(self.size)
-        self.crcs.append(crc)
+        self.rows.append((self.size, crc))
         if self.buffered >= FLUSH_BYTES:
             self.flush()
 
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         self.flush()
-        tables = {"offsets": np.concatenate((np.zeros(1, "<i8"), np.frombuffer(self.ends, np.int64)), dtype="<i8"),
-                  "crc32": np.frombuffer(self.crcs, np.uint32).astype("<u4", copy=False),
-                  "labels": labels.astype("<i4"), "paths": np.frombuffer(paths.to_nul_separated(), np.uint8)}
+        count = len(self.rows)
+        table_crcs = {
+            # Written a chunk at a time from the spilled rows: never whole in memory.
+            "offsets": write_table(self.group, "offsets", "<i8", count + 1, itertools.chain(
+                [np.zeros(1, "<i8")], (rows["end"] for rows in self.rows.chunks()))),
+            "crc32": write_table(self.group, "crc32", "<u4", count, (rows["crc"] for rows in self.rows.chunks())),
+            "labels": write_table(self.group, "labels", "<i4", len(labels), array_chunks(labels)),
+            "paths": write_table(self.group, "paths", np.uint8, paths_bytes(paths),
+                                 (np.frombuffer(piece, np.uint8) for piece in nul_separated_chunks(paths))),
+        }
+        self.rows.close()
         if order is not None:
-            tables["order"] = np.asarray(order, "<i4")
-        table_crcs = {}
-        for name, values in tables.items():
-            self.group.create_dataset(name, data=values)  # contiguous: readers map it
-            table_crcs[name] = table_crc(values)  # the array's own bytes (little-endian), not a copy
+            table_crcs["order"] = write_table(self.group, "order", "<i4", len(order), array_chunks(order))
         self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(table_crcs).decode(),
                                 dtype=h5py.string_dtype("utf-8"))
-        self.group = None
-        self.ends, self.crcs = array("q"), array("I")
+        self.group = self.rows = None
 
     def finish(self, meta: Metadata) -> None:
         # Written as bytes: a class name that is not valid UTF-8 (possible on Linux) is kept
@@ -171,6 +177,28 @@ class Writer:
             return
         append(self.group["images"], np.frombuffer(b"".join(self.buffer), np.uint8))
         self.buffer, self.buffered = [], 0
+
+
+def write_table(group: h5py.Group, name: str, dtype, count: int, chunks) -> int:
+    """A contiguous dataset (readers map it) of count entries written from chunks (arrays,
+    in order, as many entries as count in all); its CRC-32, over the entries as stored."""
+    dataset = group.create_dataset(name, shape=(count,), dtype=dtype)
+    value, at = 0, 0
+    for chunk in chunks:
+        chunk = np.ascontiguousarray(chunk, dtype)  # the stored byte order, so the CRC is of the stored bytes
+        if not len(chunk):
+            continue
+        dataset[at:at + len(chunk)] = chunk
+        value = crc32(chunk, value)
+        at += len(chunk)
+    if at != count:
+        raise ValueError(f"{name}: {at} entries written, {count} expected")
+    return value
+
+
+def paths_bytes(paths: PathTable) -> int:
+    """The size of a path table's on-disk form."""
+    return paths.offsets.item(len(paths)) - 1 - paths.offsets.item(0) if len(paths) else 0
 
 
 def append(dataset: h5py.Dataset, values: np.ndarray) -> None:

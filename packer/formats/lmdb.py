@@ -72,7 +72,6 @@ import mmap
 import os
 import struct
 import warnings
-from array import array
 
 import lmdb
 import numpy as np
@@ -85,9 +84,9 @@ from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, decode_checksums,
-                      encode_checksums, expected_crc, fd_identity, map_region, region_view, replaced_error,
-                      table_crc)
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity,
+                      decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, map_region,
+                      region_view, replaced_error, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -104,6 +103,7 @@ MAX_READERS = 2048
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
 WRITEMAP = hasattr(os, "posix_fallocate")
 EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
+SUM = np.dtype("<u4")  # a record's checksum, as the sums table stores it
 # Values at least a page long always live in overflow pages, which never move once written.
 EXTENT_MIN = 4096
 # LMDB 0.9's meta page (lmdb/mdb.c): a 16-byte page header (uint16 flags at byte 10), then
@@ -168,12 +168,16 @@ class Writer:
         self.split = ""
         self.index = 0
         self.map_base = self.locate_map()
-        self.offsets, self.lengths, self.sums = array("Q"), array("I"), array("I")
+        self.stage = stage
+        self.extents: SpillTable | None = None
+        self.sums: SpillTable | None = None
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         check_split_name(split)
         self.split, self.index = split, 0
-        self.offsets, self.lengths, self.sums = array("Q"), array("I"), array("I")
+        # Each record's extent and checksum, spilled to unlinked files as they come: the tables as stored.
+        self.extents = SpillTable(EXTENT, self.stage)
+        self.sums = SpillTable(SUM, self.stage)
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         value = encode_record(data, label, relpath, crc)
@@ -183,25 +187,27 @@ class Writer:
         if self.map_base is not None and len(value) >= EXTENT_MIN:
             # With writemap the cursor's value is the record in the map, where it stays.
             offset = np.frombuffer(self.cursor.value(), np.uint8).ctypes.data - self.map_base
-        self.offsets.append(offset)
-        self.lengths.append(len(value) if offset else 0)
+        self.extents.append((offset, len(value) if offset else 0))
         self.index += 1
 
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added record."""
         prefix = self.split.encode()
-        extents = np.empty(len(self.offsets), EXTENT)
-        extents["offset"], extents["length"] = self.offsets, self.lengths
-        self.offsets, self.lengths = array("Q"), array("I")  # the table holds them now
-        sums, self.sums = np.frombuffer(self.sums, np.uint32).astype("<u4", copy=False), array("I")
-        # Put as buffers of the arrays (uint8 views), not copies: a few bytes a record less at peak.
-        tables = {"labels": labels.astype("<i4").view(np.uint8), "paths": paths.to_nul_separated(),
-                  "extents": extents.view(np.uint8), "sums": sums.view(np.uint8)}
+        # Put as buffers, not copies: the arrays' bytes; the extents, sums and the paths (where
+        # pack spilled them) straight from the maps of their files, whose pages are dropped after.
+        tables = {"labels": np.ascontiguousarray(labels, "<i4").view(np.uint8), "paths": nul_separated_view(paths),
+                  "extents": self.extents.map(), "sums": self.sums.map()}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4").view(np.uint8)
+        crcs = {}
         for name, raw in tables.items():
             self.put(prefix + b"/" + name.encode(), raw, append=False)
-        crcs = {name: table_crc(raw) for name, raw in tables.items()}
+            crcs[name] = table_crc(raw)
+            drop_pages(raw.obj if isinstance(raw, memoryview) else raw)
+        tables.clear()
+        for table in (self.extents, self.sums):
+            table.close()
+        self.extents = self.sums = None
         self.put(prefix + b"/checksums", encode_checksums(crcs), append=False)
 
     def finish(self, meta: Metadata) -> None:
@@ -273,6 +279,13 @@ class Writer:
             finally:
                 os.close(fd)
             self.reserved = end
+
+
+def nul_separated_view(paths: PathTable):
+    """A path table's on-disk form (NUL-joined) as a view of its buffer, not a copy."""
+    if not len(paths):
+        return b""
+    return memoryview(paths.data)[paths.offsets.item(0):paths.offsets.item(len(paths)) - 1]
 
 
 def release_pages(address: int, length: int) -> None:

@@ -70,26 +70,27 @@ when first opened.
 """
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..check import sniff
 from ..checksum import LEGACY, MASK
 from ..cores import available_cores
-from ..errors import CorruptDataError, FormatError
+from ..crc import crc32
+from ..errors import CorruptDataError, FormatError, PackError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
 from ..remote import source as remote_source
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, check_count, check_crc, check_within, dataset_identity, expected_crc, map_region,
-                      region_view, table_crc)
+from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_crc, check_within, dataset_identity,
+                      expected_crc, map_region, nul_separated_chunks, region_view)
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -266,8 +267,8 @@ class Writer:
         self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
-        self.rows = {name: array.array(code) for name, code in
-                     (("shard", "I"), ("crc", "I"), ("offset", "Q"), ("size", "Q"), ("label", "i"))}
+        # The split's records in write order, spilled to an unlinked file as they come, not held.
+        self.rows = SpillTable(RECORD, self.stage)
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         key = sample_key(relpath)
@@ -285,8 +286,7 @@ class Writer:
         if self.file is None or full:
             self.next_shard()
         self.split_bytes += len(blob)
-        for name, value in zip(self.rows, (len(self.shards), crc, self.bytes + data_at, len(data), label)):
-            self.rows[name].append(value)
+        self.rows.append((len(self.shards), crc, self.bytes + data_at, len(data), label))
         self.file.write(blob)
         self.digest.update(blob)
         self.bytes += len(blob)
@@ -298,7 +298,7 @@ class Writer:
             return self.shard_size
         if not self.expected_count:
             return MAX_AUTO_SHARD_SIZE
-        added = len(self.rows["crc"]) + 1
+        added = len(self.rows) + 1
         return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
 
     def next_shard(self) -> None:
@@ -322,27 +322,23 @@ class Writer:
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:
         """Write the split's tables; order[j] is the ImageFolder rank of the j-th added sample."""
         self.close_shard()
-        count = len(self.rows["crc"])
+        count = len(self.rows)
         if count != len(labels):
             raise ValueError(f"split {self.split}: {count} samples added but {len(labels)} labels given")
-        # Each column straight into its place in ImageFolder order, its row array freed as it
-        # goes: one table in memory at a time, not the rows, a table in write order and another.
-        records = np.empty(count, RECORD)
-        at = slice(None) if order is None else np.asarray(order)
-        for name in list(self.rows):
-            values = self.rows.pop(name)
-            records[name][at] = np.frombuffer(values, np.dtype(values.typecode)) if count else []
-            del values
         folder = os.path.join(self.stage, self.split)
-        table, blob = records.view(np.uint8), paths.to_nul_separated()  # the bytes as stored, not copied again
-        # Synced, as the shards are: on disk before the dataset is published.
-        write_synced(os.path.join(folder, "records.bin"), table)
-        write_synced(os.path.join(folder, "paths.bin"), blob)
-        self.splits[self.split] = {"count": len(records), "shards": self.shards,
+        # Written a chunk at a time from the spilled rows, rearranged into ImageFolder order:
+        # neither table is ever whole in memory. Synced, as the shards are: on disk before the
+        # dataset is published.
+        chunks = self.rows.chunks() if order is None else self.rows.chunks_in(order)
+        records_crc = write_synced_chunks(os.path.join(folder, "records.bin"),
+                                          (rows.view(np.uint8) for rows in chunks))
+        self.rows.close()
+        paths_crc = write_synced_chunks(os.path.join(folder, "paths.bin"), nul_separated_chunks(paths))
+        self.splits[self.split] = {"count": count, "shards": self.shards,
                                    "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
                                    "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                   "records_crc32": table_crc(table), "paths_crc32": table_crc(blob)}
-        self.note_few_shards(len(records))
+                                   "records_crc32": records_crc, "paths_crc32": paths_crc}
+        self.note_few_shards(count)
 
     def note_few_shards(self, count: int) -> None:
         """Warn when a split has fewer shards than this machine's cores though it could have more:
@@ -380,6 +376,18 @@ def wids_index(split: str, entry: dict, classes: list[str]) -> dict:
 def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
     return json.dumps(wids_index(split, entry, classes), ensure_ascii=False, indent=1).encode(
         "utf-8", PATH_ENCODING_ERRORS)
+
+
+def write_synced_chunks(where: str, chunks) -> int:
+    """Write the chunks (bytes-like) to a new file at where, synced; their CRC-32 as one table."""
+    value = 0
+    with open(where, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            value = crc32(chunk, value)
+        f.flush()
+        os.fsync(f.fileno())
+    return value
 
 
 def write_synced(where: str, data: bytes) -> None:
@@ -596,18 +604,45 @@ class Reader(SplitReader):
 
 
 def check_files(path: str) -> list[str]:
-    """Shard-level problems verify adds to the per-sample ones: size, SHA-256, tar structure."""
-    problems = []
+    """Shard-level problems verify adds to the per-sample ones: size, SHA-256, tar structure.
+
+    Shards are hashed by threads (hashlib releases the GIL). A shard whose size and SHA-256
+    match the index holds the bytes the writer wrote; its sample count is then checked
+    against records.bin (which records each sample's shard, CRC-checked as it loads)
+    rather than by parsing its millions of tar headers in Python again. A damaged shard,
+    or one of a split whose records.bin does not load, is parsed, to say what is wrong."""
     index = load_index(path)
+    problems, checks = [], []
     for split, entry in index["wds"]["splits"].items():
         if "wids_index" in entry:
             problems += wids_index_problems(path, split, entry, index["classes"])
-        for shard in entry["shards"]:
-            try:
-                problems += shard_problems(path, shard)
-            except OSError as exc:
-                problems.append(f"{shard['name']}: cannot read the shard ({exc.strerror or exc})")
+        counts = table_shard_counts(path, split, len(entry["shards"]))
+        checks += [(shard, None if counts is None else int(counts[k])) for k, shard in enumerate(entry["shards"])]
+    with ThreadPoolExecutor(max(1, available_cores())) as pool:
+        for found in pool.map(lambda check: checked_shard(path, *check), checks):
+            problems += found
     return problems
+
+
+def table_shard_counts(path: str, split: str, shards: int) -> np.ndarray | None:
+    """How many of the split's samples records.bin puts in each shard, or None when it does not load."""
+    try:
+        reader = Reader(path, split)
+        records = reader.records
+    except PackError:
+        return None
+    counts = np.zeros(shards, np.int64)
+    for block in array_chunks(records["shard"]):
+        counts += np.bincount(block, minlength=shards)[:shards]
+    reader.close()
+    return counts
+
+
+def checked_shard(path: str, shard: dict, table_count: int | None) -> list[str]:
+    try:
+        return shard_problems(path, shard, table_count)
+    except OSError as exc:
+        return [f"{shard['name']}: cannot read the shard ({exc.strerror or exc})"]
 
 
 def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) -> list[str]:
@@ -638,7 +673,9 @@ def shard_info(path: str, remote=None) -> dict:
     return summary
 
 
-def shard_problems(path: str, shard: dict) -> list[str]:
+def shard_problems(path: str, shard: dict, table_count: int | None = None) -> list[str]:
+    """A shard's problems; table_count, the samples records.bin puts in it, stands in for
+    parsing the tar when the shard is intact (size and SHA-256 as indexed)."""
     where = os.path.join(path, shard["name"])
     if not os.path.isfile(where):
         return [f"{shard['name']}: shard missing"]
@@ -647,10 +684,13 @@ def shard_problems(path: str, shard: dict) -> list[str]:
         problems.append(f"{shard['name']}: {os.path.getsize(where)} bytes, the index says {shard['bytes']}")
     elif shard_digest(where) != shard["sha256"]:
         problems.append(f"{shard['name']}: SHA-256 differs from the index (the shard changed or is damaged)")
-    try:
-        found = _tar.count_samples(where)
-    except CorruptDataError as exc:
-        return problems + [str(exc)]
+    if not problems and table_count is not None:
+        found = table_count
+    else:
+        try:
+            found = _tar.count_samples(where)
+        except CorruptDataError as exc:
+            return problems + [str(exc)]
     if found != shard["count"]:
         problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
     return problems
