@@ -177,9 +177,14 @@ class TarStream:
                 pass
 
     def read(self, n: int, what: str) -> bytes:
-        self.check_room(n, what)
-        data = self.raw_read(n, what) if self.end is not None else b"".join(self.chunks(n, what))
-        self.check_length(len(data), n, what)
+        if self.end is None:
+            data = b"".join(self.chunks(n, what))
+        else:
+            if self.offset + n > self.end:
+                self.check_room(n, what)
+            data = self.raw_read(n, what)
+        if len(data) < n:
+            self.check_length(len(data), n, what)
         self.offset += n
         return data
 
