@@ -25,8 +25,9 @@ make reading loop, and any violation is a CorruptDataError naming the shard and 
 
 Plain headers (what packer writes: a regular file in ustar or GNU form, no prefix, every
 number field octal digits then spaces or NULs, a correct unsigned checksum) are parsed
-by plain_header(); every other header, damaged or unusual, goes to tarfile's parser,
-which decides and words the error, so both paths give the same members and errors.
+by plain_header(); every other header (damaged, unusual, or after a PAX record or GNU
+long name) goes to tarfile's parser, which decides and words the error, so both paths
+give the same members and errors.
 """
 from __future__ import annotations
 
