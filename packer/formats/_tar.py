@@ -194,19 +194,21 @@ class TarStream:
 
         Local files read exactly size bytes and seek over the padding: no copy of the data."""
         padded = size + (-size % BLOCK)
-        end = self.end
-        if end is None or not keep:
+        if self.end is None:
             if keep:
                 return self.read(padded, f"member {name!r}")[:size]
             self.skip(padded, f"member {name!r}")
             return None
-        if self.offset + padded > end:
+        if self.offset + padded > self.end:
             self.check_room(padded, f"member {name!r}")
-        data = self.raw_read(size, "")
-        if len(data) < size:
-            self.check_length(len(data), size, f"member {name!r}")
-        if padded != size:
-            self.stream.seek(padded - size, 1)
+        data, past = None, padded
+        if keep:
+            data = self.raw_read(size, "")
+            if len(data) < size:
+                self.check_length(len(data), size, f"member {name!r}")
+            past -= size
+        if past:
+            self.stream.seek(past, 1)
         self.offset += padded
         return data
 
