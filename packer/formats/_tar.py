@@ -38,7 +38,6 @@ import re
 import stat
 import tarfile
 import zlib
-from collections.abc import Callable
 from typing import IO, Iterator, NamedTuple
 
 from ..check import IMAGE_SUFFIXES
