@@ -14,6 +14,7 @@ import gzip
 import io
 import os
 import random
+import re
 import shutil
 import signal
 import tarfile
@@ -388,3 +389,128 @@ def test_skip_mode_skips_a_packer_shard_damaged_after_packing(packer_folder, see
         assert len(list(WDSDataset(folder, decode="raw", on_error="skip"))) == 1
     problems = wds.check_files(str(folder))
     assert any("declares size" in p for p in problems)
+
+
+# --- the plain-header fast path against tarfile's parser -------------------------------------
+
+def other_writers() -> dict[str, bytes]:
+    """Tars from Python's tarfile in each format: `./` prefixes, a directory, a symlink, a
+    non-ASCII name, a name long enough for a ustar prefix."""
+    image = jpeg_bytes(7, size=(8, 8))
+    entries = [
+        ("./", None, tarfile.DIRTYPE),
+        ("./a/x.jpg", image, tarfile.REGTYPE),
+        ("./a/x.cls", b"1", tarfile.REGTYPE),
+        ("b", None, tarfile.DIRTYPE),
+        ("b/été.jpg", image, tarfile.REGTYPE),
+        ("b/link.jpg", None, tarfile.SYMTYPE),
+        ("p" * 120 + "/y.jpg", image, tarfile.REGTYPE),
+        ("z.png", b"", tarfile.REGTYPE),
+    ]
+    blobs = {}
+    for label, fmt in (("ustar", tarfile.USTAR_FORMAT), ("gnu", tarfile.GNU_FORMAT), ("pax", tarfile.PAX_FORMAT)):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            for name, data, kind in entries:
+                info = tarfile.TarInfo(name)
+                info.type, info.linkname, info.size = kind, "x.jpg" if kind == tarfile.SYMTYPE else "", len(data or b"")
+                tar.addfile(info, io.BytesIO(data) if data is not None else None)
+        blobs[label] = buf.getvalue()
+    return blobs
+
+
+def general_path_only(monkeypatch) -> None:
+    """Every header through tarfile's parser, as before the fast path existed."""
+    monkeypatch.setattr(_tar, "plain_header", lambda block: None)
+
+
+def samples_or_error(shard: Path, read_data: bool = True):
+    try:
+        return [(s.key, s.offset, s.parts) for s in _tar.iter_samples(str(shard), read_data)]
+    except CorruptDataError as exc:
+        return f"CorruptDataError: {exc}"
+
+
+def both_paths(shard: Path, read_data: bool = True) -> tuple:
+    fast = samples_or_error(shard, read_data)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        general_path_only(monkeypatch)
+        return fast, samples_or_error(shard, read_data)
+
+
+def test_plain_headers_read_as_tarfile_reads_them(seeds):
+    """Every header block of packer's and other writers' shards: where the fast path answers,
+    tarfile's parser gives the same name, size and a regular-file type."""
+    blobs = {**other_writers(), "packer": seeds["packer"], "fuzz-pax": seeds["pax"], "fuzz-gnu": seeds["gnu"]}
+    fast_names = Counter()
+    for label, blob in blobs.items():
+        for at in header_offsets(blob):
+            block = blob[at:at + 512]
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            plain = _tar.plain_header(block)
+            if plain is None:
+                assert label != "packer", f"packer's header at byte {at} ({info.name!r}) went the slow way"
+                continue
+            assert plain == (info.name, info.size), f"{label} at byte {at}"
+            assert info.type == tarfile.REGTYPE and info.isreg()
+            fast_names[label] += 1
+    # The fast path did run on each writer's plain members, and not on anything else.
+    assert dict(fast_names) == {"packer": 18, "ustar": 4, "gnu": 5, "pax": 5, "fuzz-pax": 6, "fuzz-gnu": 6}
+
+
+def test_fast_and_general_paths_give_the_same_members(seeds, tmp_path):
+    """Names, bytes, offsets and grouping: identical whichever path parses the headers."""
+    for label, blob in {**other_writers(), **seeds}.items():
+        for name, data in ((f"{label}.tar", blob), (f"{label}.tgz", gzip.compress(blob, mtime=0))):
+            shard = shard_with(tmp_path, name, data)
+            for read_data in (True, False):
+                fast, general = both_paths(shard, read_data)
+                assert not isinstance(fast, str), f"{name}: {fast}"
+                assert fast == general, name
+    keys = [key for key, _, _ in both_paths(shard_with(tmp_path, "u.tar", other_writers()["ustar"]))[0]]
+    assert keys == ["a/x", "b/été", "p" * 120 + "/y", "z"]
+
+
+def test_damaged_shards_fail_alike_on_both_paths(seeds, tmp_path):
+    """Mutants of every seed: the same samples, or the same CorruptDataError, on both paths."""
+    rng = random.Random(SEED + 1)
+    blobs = {**other_writers(), **seeds}
+    errors = 0
+    for case in range(max(CASES // 2, 50)):
+        label = rng.choice(sorted(blobs))
+        what, blob = mutate(rng, blobs[label])
+        shard = shard_with(tmp_path, "case.tar", blob)
+        read_data = rng.random() < 0.8
+        with time_bound(SECONDS_PER_CASE, what):
+            fast, general = both_paths(shard, read_data)
+        assert fast == general, f"case {case} ({label}, {what})"
+        errors += isinstance(fast, str)
+    assert errors > 10  # the mutants do reach the parsers
+
+
+def packer_shard_with_second_header(seeds, tmp_path: Path, field: slice, value: bytes, checksum: bool = True):
+    blob = seeds["packer"]
+    at = header_offsets(blob)[3]  # the second sample's first header
+    if checksum:
+        return shard_with(tmp_path, "shard.tar", rewrite(blob, at, field, value)), at
+    block = bytearray(blob[at:at + 512])
+    block[field] = value
+    return shard_with(tmp_path, "shard.tar", blob[:at] + bytes(block) + blob[at + 512:]), at
+
+
+@pytest.mark.parametrize("field, value, checksum, message", [
+    (slice(0, 1), b"Q", False, "no valid tar header at byte {at} \\(bad checksum\\)"),
+    (SIZE, b"0000000x100\0", True, "no valid tar header at byte {at} \\(invalid header\\)"),
+    (SIZE, b"-0000000001\0", True, "the tar header at byte {at} declares size -1"),
+    (SIZE, base256(-512), True, "the tar header at byte {at} declares size -512"),
+    (SIZE, base256(2**87 - 1), True, "the tar header at byte {at} declares size 154742504910672534362390527"),
+    (SIZE, octal(8**11 - 1), True, "truncated at byte \\d+: the file ends inside the member '[^']+' that starts "
+                                   "at byte {data} and needs 8589934592 bytes"),
+    (slice(136, 148), b"0000000x000\0", True, "no valid tar header at byte {at} \\(invalid header\\)"),
+])
+def test_a_damaged_plain_header_fails_as_before(seeds, tmp_path, field, value, checksum, message):
+    shard, at = packer_shard_with_second_header(seeds, tmp_path, field, value, checksum)
+    fast, general = both_paths(shard)
+    assert fast == general
+    pattern = message.format(at=at, data=at + 512)
+    assert fast.startswith("CorruptDataError: ") and re.search(rf"shard\.tar: {pattern}", fast), fast

@@ -22,6 +22,12 @@ records, GNU long name) is at most 1 MiB. For a plain file every read and seek i
 checked against the file's length before it happens; a gzip stream is read in 1 MiB
 chunks. Each header moves the offset forward by at least one block, so no input can
 make reading loop, and any violation is a CorruptDataError naming the shard and offset.
+
+Plain headers (what packer writes: a regular file in ustar or GNU form, no prefix, every
+number field octal digits then spaces or NULs, a correct unsigned checksum) are parsed
+by plain_header(); every other header (damaged, unusual, or after a PAX record or GNU
+long name) goes to tarfile's parser, which decides and words the error, so both paths
+give the same members and errors.
 """
 from __future__ import annotations
 
@@ -51,6 +57,23 @@ CHUNK = 1 << 20  # gzip streams are read at most this much at a time
 EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 _PAX_HEAD = re.compile(rb"([0-9]{1,9}) ")
 _PAX_SIZE = re.compile(r"[0-9]{1,19}")
+
+
+def _octal_field(width: int, group: bool = False) -> bytes:
+    """A number field that tarfile reads as octal: digits, then only spaces and NULs (a
+    strict subset of what it accepts; leading spaces, signs and base-256 go the slow way)."""
+    field = b"|".join(b"[0-7]{%d}[ \\x00]{%d}" % (digits, width - digits) for digits in range(width, -1, -1))
+    return (b"(" if group else b"(?:") + field + b")"
+
+
+# A plain header from byte 100 through the first byte of the prefix: mode, uid, gid,
+# (size), mtime, (checksum), type "0" (a regular file), link name, POSIX or GNU magic
+# and version, user and group names, device numbers, an empty prefix.
+_PLAIN = re.compile(b"".join((
+    _octal_field(8), _octal_field(8), _octal_field(8), _octal_field(12, True), _octal_field(12),
+    _octal_field(8, True), b"0", b".{100}", b"(?:ustar\\x0000|ustar  \\x00)", b".{64}",
+    _octal_field(8), _octal_field(8), b"\\x00")), re.DOTALL)
+_PLAIN_END = 346
 
 
 def tar_header(name: str, size: int) -> bytes:
@@ -86,12 +109,6 @@ def member(name: str, data: bytes) -> tuple[bytes, int]:
     """One regular-file member as bytes (header, data, padding) and where its data starts."""
     head = header(name, len(data))
     return b"".join((head, data, bytes(-len(data) % BLOCK))), len(head)
-
-
-class Member(NamedTuple):
-    name: str
-    data: bytes | None  # None when the caller asked to skip data
-    offset: int  # of the member's first header block, in the (decompressed) tar
 
 
 class Sample(NamedTuple):
@@ -160,10 +177,38 @@ class TarStream:
                 pass
 
     def read(self, n: int, what: str) -> bytes:
-        self.check_room(n, what)
-        data = self.raw_read(n, what) if self.end is not None else b"".join(self.chunks(n, what))
-        self.check_length(len(data), n, what)
+        if self.end is None:
+            data = b"".join(self.chunks(n, what))
+        else:
+            if self.offset + n > self.end:
+                self.check_room(n, what)
+            data = self.raw_read(n, what)
+        if len(data) < n:
+            self.check_length(len(data), n, what)
         self.offset += n
+        return data
+
+    def member(self, size: int, name: str, keep: bool) -> bytes | None:
+        """A member's size bytes of data (None unless keep), then past its padding.
+
+        Local files read exactly size bytes and seek over the padding: no copy of the data."""
+        padded = size + (-size % BLOCK)
+        if self.end is None:
+            if keep:
+                return self.read(padded, f"member {name!r}")[:size]
+            self.skip(padded, f"member {name!r}")
+            return None
+        if self.offset + padded > self.end:
+            self.check_room(padded, f"member {name!r}")
+        data, past = None, padded
+        if keep:
+            data = self.raw_read(size, "")
+            if len(data) < size:
+                self.check_length(len(data), size, f"member {name!r}")
+            past -= size
+        if past:
+            self.stream.seek(past, 1)
+        self.offset += padded
         return data
 
     def skip(self, n: int, what: str) -> None:
@@ -222,6 +267,23 @@ def pax_records(raw: bytes, where: str = "<pax>", offset: int = 0) -> dict[str, 
     return records
 
 
+def plain_header(block: bytes) -> tuple[str, int] | None:
+    """(name, size) of a plain regular-file header, exactly as tarfile.TarInfo.frombuf
+    reads them, or None when the block is anything else (parse_header then decides)."""
+    match = _PLAIN.fullmatch(block, 100, _PLAIN_END)
+    if match is None:
+        return None
+    size_field, checksum_field = match.groups()
+    # Adler-32's low half is 1 + the byte sum mod 65521: exact for 256 bytes (at most 65280).
+    total = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+    # tarfile's checksum counts its own field as eight spaces (8 * 32 = 256).
+    if int(checksum_field.rstrip(b" \0") or b"0", 8) != total - sum(checksum_field) + 256:
+        return None  # a bad checksum, or a signed-char one: tarfile's path words or accepts it
+    end = block.find(0, 0, 100)
+    name = block[:end if end >= 0 else 100].decode("utf-8", "surrogateescape")
+    return name, int(size_field.rstrip(b" \0") or b"0", 8)
+
+
 def parse_header(block: bytes, where: str, offset: int) -> tarfile.TarInfo:
     try:
         return tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
@@ -241,16 +303,24 @@ def member_size(info: tarfile.TarInfo, pax: dict[str, str], where: str, offset: 
     return size
 
 
-def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Iterator[Member]:
-    """Regular-file members of a tar stream, in order; raises CorruptDataError on damage.
+def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Iterator[tuple[str, bytes | None, int]]:
+    """Regular-file members of a tar stream, in order, as (name, data or None when not read,
+    offset of the member's first header block); raises CorruptDataError on damage.
 
     Every header moves the offset forward by at least one block, so no input loops."""
     tar = TarStream(stream, where)
+    read, member = tar.read, tar.member
     long_name = None
     pax: dict[str, str] = {}
     while True:
         header_at = tar.offset
-        block = tar.read(BLOCK, "header")
+        block = read(BLOCK, "header")
+        # A PAX record or GNU long name describes the next member: tarfile's path applies it.
+        plain = None if pax or long_name is not None else plain_header(block)
+        if plain is not None:
+            name, size = plain
+            yield name, member(size, name, read_data), header_at
+            continue
         if block == ZERO_BLOCK:
             return
         info = parse_header(block, where, header_at)
@@ -269,16 +339,11 @@ def iter_members(stream: IO[bytes], where: str, read_data: bool = True) -> Itera
             continue
         name = pax.get("path") or long_name or info.name
         long_name, pax = None, {}
-        # As tarfile: links, directories, devices and FIFOs have no data whatever their size says.
-        if not (info.isreg() or info.type not in tarfile.SUPPORTED_TYPES):
-            padded = 0
-        if info.isreg() and read_data:
-            data = tar.read(padded, f"member {name!r}")[:size]
-        else:
-            tar.skip(padded, f"member {name!r}")
-            data = None
         if info.isreg():
-            yield Member(name, data, header_at)
+            yield name, member(size, name, read_data), header_at
+        else:
+            # As tarfile: links, directories, devices and FIFOs have no data whatever their size says.
+            tar.skip(padded if info.type not in tarfile.SUPPORTED_TYPES else 0, f"member {name!r}")
 
 
 def iter_samples(path: str, read_data: bool = True, opener=None) -> Iterator[Sample]:
@@ -291,18 +356,21 @@ def iter_samples(path: str, read_data: bool = True, opener=None) -> Iterator[Sam
     where = f"{path} (gzip)" if compressed else path
     key, parts, start = None, {}, 0
     with stream:
-        for m in iter_members(stream, where, read_data):
-            split = split_name(m.name)
-            if split is None or ("/" not in split[0] and split[0].startswith("__") and split[0].endswith("__")):
+        for name, data, offset in iter_members(stream, where, read_data):
+            split = split_name(name)
+            if split is None:
                 continue
-            if split[0] != key:
+            member_key, suffix = split
+            if member_key != key:
+                if member_key.startswith("__") and member_key.endswith("__") and "/" not in member_key:
+                    continue
                 if key is not None:
                     yield Sample(key, parts, start)
-                key, parts, start = split[0], {}, m.offset
-            if split[1] in parts:
-                raise CorruptDataError(f"{where}: member {m.name!r} at byte {m.offset} repeats suffix "
-                                       f"{split[1]!r} of sample {key!r} (two files with one key)", where)
-            parts[split[1]] = m.data
+                key, parts, start = member_key, {}, offset
+            if suffix in parts:
+                raise CorruptDataError(f"{where}: member {name!r} at byte {offset} repeats suffix "
+                                       f"{suffix!r} of sample {key!r} (two files with one key)", where)
+            parts[suffix] = data
     if key is not None:
         yield Sample(key, parts, start)
 
