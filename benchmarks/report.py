@@ -105,7 +105,7 @@ def checked_note(results: dict) -> list[str]:
               for name, r in results["ratios"].items() if any(k.endswith("_vs_raw") for k in r)]
     if not shares:
         return []
-    return ["checked: raw reads with each record's CRC-32 checked, as Datasets read by default (raw turns the "
+    return ["checked: raw reads with each record's checksum checked (the pack's kind), as Datasets read by default (raw turns the "
             f"check off); as a share of raw (cold / warm): {', '.join(shares)}."]
 
 

@@ -138,7 +138,7 @@ class PackerMap:
 
     def loader(self, ctx: dict, opts) -> Loader:
         transform, decode, how = train_transform()
-        # The readers' defaults, as training runs them: packed records' CRC-32 checked (as WDSDataset's are).
+        # The readers' defaults, as training runs them: packed records' checksums checked (as WDSDataset's are).
         return packer_loader(self.open(ctx, decode, transform, checked=True), opts, how)
 
 

@@ -338,7 +338,7 @@ def test_checked_rows_run_for_packed_map_style_sources_only(smoke):
             assert results["ratios"][name]["checked_warm_vs_raw"] > 0
         else:
             assert checked is None, name
-    assert "checked: raw reads with each record's CRC-32 checked" in smoke["stdout"]
+    assert "checked: raw reads with each record's checksum checked" in smoke["stdout"]
 def test_map_style_rows_carry_the_plain_dataloader_read(smoke):
     results = smoke["results"]
     for name, entry in results["sources"].items():
