@@ -41,6 +41,7 @@ from . import errors
 from .cores import available_cores
 from .errors import PackError
 from .formats import FORMATS, default_output
+from .formats._tables import drop_pages
 from .interrupts import InterruptGuard
 from .output import HOST, PARTIAL, check_target, new_owner
 from .records import MAX_PARTS, PathTable, part_bounds, split_bounds
@@ -109,6 +110,15 @@ def file_sizes(root: str, paths: PathTable, start: int, stop: int) -> np.ndarray
     return sizes
 
 
+def hash_in_pieces(digest, data, piece: int = 1 << 24) -> None:
+    """digest.update(data) a piece at a time, a mapped table's pages dropped after each, so
+    hashing a 1.28M-path table does not leave it all resident."""
+    with memoryview(data) as view:  # released at once: a live view would keep a map from closing
+        for start in range(0, len(view), piece):
+            digest.update(view[start:start + piece])
+            drop_pages(data)
+
+
 def source_fingerprint(source: Source, threads: int = STAT_THREADS) -> str:
     """SHA-256 of what decides a pack of source: classes, splits, paths, labels, sizes, skipped folders."""
     digest = hashlib.sha256()
@@ -118,12 +128,14 @@ def source_fingerprint(source: Source, threads: int = STAT_THREADS) -> str:
         for name in sorted(source.splits):
             listing = source.splits[name]
             digest.update(json.dumps([name, listing.labeled, len(listing)]).encode())
-            digest.update(listing.paths.data)
+            hash_in_pieces(digest, listing.paths.data)
             digest.update(np.asarray(listing.labels, dtype="<i4").tobytes())
             chunks = range(0, len(listing), STAT_CHUNK)
             for sizes in pool.map(lambda i: file_sizes(source.root, listing.paths, i,
                                                        min(i + STAT_CHUNK, len(listing))), chunks):
                 digest.update(sizes.tobytes())
+            for table in (listing.paths.data, listing.paths.offsets, listing.labels):
+                drop_pages(table)  # tables pack spilled to files: touched whole here, not kept resident
     return "sha256:" + digest.hexdigest()
 
 
