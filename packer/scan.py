@@ -278,10 +278,16 @@ class PathBlob:
         piece = b"\0".join(names) + b"\0"
         ends = self.size + np.cumsum(np.fromiter(map(len, names), np.int64, len(names)) + 1)
         self.ends.append(ends)
+        self.append(piece)
+
+    def append(self, piece: bytes) -> None:
         if self.file is None:
             self.pieces.append(piece)
         else:
-            self.file.write(piece)
+            try:
+                self.file.write(piece)
+            except OSError as exc:
+                raise self.spill_error(exc) from exc
         self.size += len(piece)
 
     def extend_table(self, table: PathTable) -> None:
@@ -289,12 +295,13 @@ class PathBlob:
         if not len(table):
             return
         self.ends.append(self.size + (table.offsets[1:].astype(np.int64) - table.offsets.item(0)))
-        piece = table.to_nul_separated() + b"\0"
-        if self.file is None:
-            self.pieces.append(piece)
-        else:
-            self.file.write(piece)
-        self.size += len(piece)
+        self.append(table.to_nul_separated() + b"\0")
+
+    def spill_error(self, exc: OSError) -> PackError:
+        """The error for a failed write of the spill file (a full disk, most likely)."""
+        return PackError(f"{self.folder}: cannot write the list of source paths packer keeps there while it packs "
+                         f"({exc.strerror or exc}); free some space there or choose -o elsewhere (nothing was "
+                         "written at OUT)", self.folder)
 
     def table(self) -> PathTable:
         dtype = np.uint32 if self.size < 2**32 else np.int64
@@ -306,7 +313,10 @@ class PathBlob:
         if self.file is None or not self.size:
             data = b"".join(self.pieces)[:-1]
         else:
-            self.file.flush()
+            try:
+                self.file.flush()
+            except OSError as exc:
+                raise self.spill_error(exc) from exc
             data = mmap.mmap(self.file.fileno(), self.size - 1, access=mmap.ACCESS_READ)
         if self.file is not None:
             self.file.close()  # the map keeps the (nameless) file alive

@@ -212,3 +212,18 @@ def test_the_part_fingerprint_leaves_a_spilled_listing_unresident(image_tree, tm
     address = np.frombuffer(listing.paths.data, np.uint8).ctypes.data
     assert source_fingerprint(source) == source_fingerprint(held)  # the same digest, mapped or held
     assert resident_kb(address) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, whose writes fail with ENOSPC")
+def test_a_full_disk_under_the_scan_s_spill_file_is_a_pack_error_naming_the_folder(tmp_path):
+    from packer.errors import PackError
+    from packer.scan import PathBlob
+    blob = PathBlob(str(tmp_path))
+    blob.file.close()
+    blob.file = open("/dev/full", "wb", buffering=0)  # the spill file on a disk that is full
+    try:
+        with pytest.raises(PackError, match="free some space") as caught:
+            blob.extend([b"n01440764/n01440764_10026.JPEG"] * 10)
+        assert str(tmp_path) in str(caught.value)
+    finally:
+        blob.file.close()
