@@ -325,6 +325,7 @@ class SourceJobs:
         self.root = root
         self.parts = [(listing, orders[name]) for name, listing in listings.items()]
         self.starts = np.cumsum([0] + [len(listing) for listing, _ in self.parts])
+        self.looked_up = 0  # lookups since the listing's pages were last dropped (threads: roughly)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -334,6 +335,13 @@ class SourceJobs:
             return [self[j] for j in range(*k.indices(len(self)))]
         part = int(np.searchsorted(self.starts, k, side="right")) - 1
         listing, order = self.parts[part]
+        # The read-ahead looks up to WINDOW_FILES paths ahead of the writer, in shuffled order:
+        # each lookup faults in pages around its path, so between the writer's drops (a shard
+        # being synced) they could make the whole mapped path table resident. Dropped here too.
+        self.looked_up += 1
+        if self.looked_up >= RELEASE_EVERY:
+            self.looked_up = 0
+            release_listing(listing, order)
         j = k - int(self.starts[part])
         i = j if order is None else order.item(j)
         refused = listing.refused.get(i)
