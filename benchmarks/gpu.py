@@ -178,11 +178,30 @@ def versions() -> dict:
     return found
 
 
+def cpu_topology() -> dict:
+    """The CPU model and how many hardware threads share a core (2: SMT siblings halve a
+    core's decode rate when both run)."""
+    out = {}
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            siblings = f.read().strip()
+        out["cpu0_thread_siblings"] = siblings
+        out["threads_per_core"] = sum(len(range(int(a), int(b or a) + 1)) for a, _, b in
+                                      (part.partition("-") for part in siblings.split(",")))
+        with open("/proc/cpuinfo") as f:
+            out["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                                    None)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def describe_cuda() -> dict:
     import torch
 
     info = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+            **cpu_topology()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
@@ -452,7 +471,8 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
 
         device = torch.device(args.device)
         entry["torchvision"] = __import__("torchvision").__version__
-        seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / 5))
+        cases = 3 + 2 * len(args.nvjpeg_chunks)
+        seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / cases))
         dataset = readers.LMDBDataset(ctx["lmdb"], decode="raw")
         count = min(len(dataset), args.nvjpeg_images)
         blobs = [bytes(dataset[i][0]) for i in range(count)]
@@ -487,20 +507,31 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
 
         measure("bare_decode_jpeg", bare, what=f"torchvision.io.decode_jpeg(list of {batch} tensors, "
                                              f"device='cuda'), decode only, tensors made beforehand")
-        decoder = GPUDecoder(readers.RandomResizedCrop(224, flip=0.5), device)
+        crop = readers.RandomResizedCrop(224, flip=0.5)
+        decoded = decode_jpeg(tensors[0], mode=ImageReadMode.RGB, device=device)
 
-        def gpu_decoder():
-            out = decoder(batches[next_index()])
+        def transform_only():
+            out = readers.transforms.transform_batch(crop, decoded)
             torch.cuda.synchronize(device)
             return len(out)
 
-        measure("gpu_decoder", gpu_decoder, what="readers.nvjpeg.GPUDecoder(RandomResizedCrop(224, flip=0.5)) "
-                                                 "on the same bytes: decode + crop + resize, in-process")
+        measure("crop_resize_only", transform_only, what=f"RandomResizedCrop(224, flip=0.5) on {len(decoded)} "
+                                                         f"images nvJPEG decoded beforehand, batched (no decode)")
+        for chunk in args.nvjpeg_chunks:
+            decoder = GPUDecoder(crop, device, chunk=chunk or None)
+
+            def gpu_decoder(decoder=decoder):
+                out = decoder(batches[next_index()])
+                torch.cuda.synchronize(device)
+                return len(out)
+
+            measure(f"gpu_decoder_chunk{chunk}" if chunk else "gpu_decoder", gpu_decoder,
+                    what=f"{decoder!r} on the same bytes: decode + crop + resize, in-process")
         workers = args.workers or readers.loader.default_workers()
-        for name, dataset_args, extra in (
-                ("make_loader_gpu_decode", {"decode": "raw"}, {"gpu_decode": True}),
-                ("make_loader_cpu_workers", {"decode": "raw", "transform": readers.RandomResizedCrop(224, flip=0.5)},
-                 {})):
+        cases = [(f"make_loader_gpu_decode_chunk{c}" if c else "make_loader_gpu_decode", {"decode": "raw"},
+                  {"gpu_decode": GPUDecoder(crop, device, chunk=c or None)}) for c in args.nvjpeg_chunks]
+        cases.append(("make_loader_cpu_workers", {"decode": "raw", "transform": crop}, {}))
+        for name, dataset_args, extra in cases:
             util, ds = Utilisation(device), None
             try:
                 ds = readers.LMDBDataset(ctx["lmdb"], **dataset_args)
@@ -510,7 +541,7 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
                 rate = loader_rate(loader, seconds, skip=max(2, workers))
                 rates[name] = {"samples_per_s": rate, "workers": workers, **util.stop(),
                                "what": f"make_loader(LMDB, {workers} workers, device='cuda', "
-                                       f"{'gpu_decode=True' if extra else 'RandomResizedCrop in the workers'})"}
+                                       f"{'gpu_decode=' + repr(extra['gpu_decode']) if extra else 'RandomResizedCrop in the workers'})"}
             except Exception as exc:  # one path failing is a result; the next is still measured
                 util.stop()
                 rates[name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -523,8 +554,8 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         entry["library"] = nvjpeg_library()
         run.log(f"nvjpeg library: {json.dumps(entry['library'])}")
         bare_rate = rates.get("bare_decode_jpeg", {}).get("samples_per_s")
-        for name in ("gpu_decoder", "make_loader_gpu_decode", "make_loader_cpu_workers"):
-            if bare_rate and "samples_per_s" in rates.get(name, {}):
+        for name in rates:
+            if bare_rate and "samples_per_s" in rates[name] and name != "bare_decode_jpeg":
                 rates[name]["vs_bare"] = rates[name]["samples_per_s"] / bare_rate
         jpg = rates.get("bare_decode_jpeg", {}).get("jpg_util")
         entry["hardware_decoder_used"] = (None if jpg is None else jpg["max"] > 0)
@@ -589,13 +620,56 @@ def step_scaling(run: Run, args, ctx: dict, summary: dict) -> None:
             (case,) = run_children([[{"source": "lmdb", "measure": "e2e", "cache": "warm"}]], suite_ctx,
                                    Options(workers=w, **base), work)
             got = case.get("median")
+            try:
+                parallel = parallel_rate(ctx["lmdb"], w)
+            except Exception as exc:  # the baseline failing leaves the loader's row standing
+                parallel, entry["parallel_error"] = None, f"{type(exc).__name__}: {exc}"
             rows.append({"workers": w, "samples_per_s": got, "fraction": got / (w * rate) if got else None,
+                         "parallel_samples_per_s": parallel,
+                         "parallel_fraction": parallel / (w * rate) if parallel else None,
+                         "fraction_of_parallel": got / parallel if got and parallel else None,
                          "wait_fraction": (case.get("wait_fraction") or {}).get("median"),
                          "status": case["status"], "error": case.get("error")})
             run.save()
             run.log(f"scaling {w} workers: {json.dumps(rows[-1])}")
         entry["goal"] = "fraction >= 0.9 at 16 workers"
         summary["scaling"] = scaling_table(entry)
+
+
+def decode_for(lmdb: str, start_at: float, seconds: float, seed: int) -> float:
+    """One process of the parallel baseline: read + decode + RandomResizedCrop(224) + flip of
+    LMDB records in a random order, busy until start_at (so every process runs when the
+    timing opens), then counted for `seconds`. Returns its images/s."""
+    import numpy as np
+    import torch
+
+    import readers
+
+    torch.set_num_threads(1)  # as in a loader worker
+    torch.manual_seed(seed)
+    dataset = readers.LMDBDataset(lmdb, decode="raw", transform=readers.RandomResizedCrop(224, flip=0.5))
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    i = n = 0
+    while time.time() < start_at:
+        dataset[int(order[i % len(order)])]
+        i += 1
+    t0 = time.time()
+    while (t := time.time()) < start_at + seconds:
+        dataset[int(order[(i + n) % len(order)])]
+        n += 1
+    dataset.close()
+    return n / (t - t0)
+
+
+def parallel_rate(lmdb: str, processes: int, seconds: float = 4.0, lead: float = 4.0) -> float:
+    """images/s of `processes` independent decode+crop processes at once: what the machine's
+    cores give together (turbo, shared caches, SMT), with no loader in the way."""
+    import multiprocessing
+
+    start_at = time.time() + lead  # spawn and imports take a second or two
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        rates = pool.starmap(decode_for, [(lmdb, start_at, seconds, seed) for seed in range(processes)])
+    return sum(rates)
 
 
 def scaling_table(entry: dict) -> str:
@@ -605,8 +679,14 @@ def scaling_table(entry: dict) -> str:
     rate = " | ".join("error" if r["samples_per_s"] is None else f"{r['samples_per_s']:,.0f}" for r in rows)
     frac = " | ".join("–" if r["fraction"] is None else f"{r['fraction']:.2f}" for r in rows)
     per_core = entry["per_core"].get("median") or 0
+
+    def cells(key, fmt):
+        return " | ".join("–" if r.get(key) is None else format(r[key], fmt) for r in rows)
+
     return (f"{head}\n{rule}\n| e2e warm, samples/s | {rate} |\n| ÷ (workers × per-core {per_core:,.0f}/s) | "
-            f"{frac} |")
+            f"{frac} |\n| as many lone decode+crop processes at once, images/s | {cells('parallel_samples_per_s', ',.0f')} |"
+            f"\n| their ÷ (workers × per-core) | {cells('parallel_fraction', '.2f')} |"
+            f"\n| e2e ÷ the lone processes at once | {cells('fraction_of_parallel', '.2f')} |")
 
 
 # ------------------------------------------------------------------ suite
@@ -891,6 +971,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=256, help="feed and nvJPEG batch size (default: 256)")
     p.add_argument("--feed-seconds", type=float, default=45.0, help="at most this long per feed case (45)")
     p.add_argument("--nvjpeg-images", type=int, default=4096, help="images decoded by the nvJPEG rates (4096)")
+    p.add_argument("--nvjpeg-chunks", type=lambda v: [int(c) for c in v.split(",")], default=[0, 64],
+                   help="GPUDecoder chunk sizes to measure, 0 = the whole batch in one decode (default: 0,64)")
     p.add_argument("--suite", choices=("auto", *SUITE_PRESETS), default="auto",
                    help="the suite's size; auto: the largest that fits the time left")
     p.add_argument("--tests", nargs="+", default=CUDA_TESTS, help="pytest arguments for the tests step")

@@ -118,6 +118,16 @@ def _turbo_header(data: bytes):
     return height, width
 
 
+def checked_jpeg_size(data: bytes, where: str | None = None,
+                      max_pixels: int = MAX_PIXELS) -> tuple[int, int] | None:
+    """(height, width) of a JPEG simplejpeg decodes (not CMYK/YCCK), refused past max_pixels;
+    None for anything else. One header parse: what a GPU decoder checks before it allocates."""
+    header = _turbo_header(data)
+    if header is not None:
+        check_size(*header, where, max_pixels)
+    return header
+
+
 def turbo_decodable(data: bytes) -> bool:
     """Whether simplejpeg decodes these bytes (a JPEG that is not CMYK/YCCK)."""
     return _turbo_header(data) is not None

@@ -97,11 +97,47 @@ def resize_view(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """
     if tuple(image.shape[-2:]) == tuple(size):
         return image
-    batch = _batch_of_one(image)
     if image.device.type == "cpu":  # torch has a dedicated uint8 kernel on the CPU (Pillow's algorithm)
-        return F.interpolate(batch, size=size, mode="bilinear", align_corners=False, antialias=True)[0]
-    out = F.interpolate(batch.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
-    return out[0].round_().clamp_(0, 255).to(torch.uint8)
+        return F.interpolate(_batch_of_one(image), size=size, mode="bilinear", align_corners=False,
+                             antialias=True)[0]
+    return to_uint8(resized_float(image, size))[0]
+
+
+def resized_float(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The GPU's resize before rounding: a CxHxW uint8 tensor in, a 1xCxhxw float tensor out
+    (no resize when the size already matches, as resize_view does)."""
+    batch = _batch_of_one(image).float()
+    if tuple(image.shape[-2:]) == tuple(size):
+        return batch
+    return F.interpolate(batch, size=size, mode="bilinear", align_corners=False, antialias=True)
+
+
+def to_uint8(floats: torch.Tensor) -> torch.Tensor:
+    """Rounds resized floats back to uint8, in place before the one conversion."""
+    return floats.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def flip_some(batch: torch.Tensor, flips: list[bool]) -> torch.Tensor:
+    """batch (NxCxHxW) with the images whose flag is set flipped horizontally."""
+    if not any(flips):
+        return batch
+    if all(flips):
+        return batch.flip(-1)
+    mask = torch.tensor(flips, dtype=torch.bool).view(-1, 1, 1, 1).to(batch.device, non_blocking=True)
+    return torch.where(mask, batch.flip(-1), batch)
+
+
+def transform_batch(transform, images: list) -> torch.Tensor:
+    """The uint8 batch of `transform` applied to each CxHxW tensor of `images`.
+
+    On the GPU a transform with a batched form (RandomResizedCrop, ResizeCenterCrop) resizes
+    each image on its own, but rounds, converts and flips the whole batch in one go: the
+    same values as calling it image by image, with a third of the kernel launches.
+    """
+    batched = getattr(transform, "batch", None)
+    if batched is not None and images and images[0].device.type != "cpu":
+        return batched(images)
+    return torch.stack([transform(image) for image in images])
 
 
 def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -165,6 +201,17 @@ class RandomResizedCrop:
         # Flip after resize() has made the result contiguous: the cheaper order of the two copies.
         out = resize(decoded[:, top:top + h, left:left + w], (out_h, out_w))
         return out.flip(-1) if flip else out
+
+    def batch(self, images: list) -> torch.Tensor:
+        """self(image) for each CxHxW GPU tensor, stacked: the same draws in the same order,
+        the rounding and flips done once for the batch (see transform_batch)."""
+        floats, flips = [], []
+        for image in images:
+            image = as_chw(image)
+            top, left, h, w = random_resized_crop_params(*image.shape[-2:], self.scale, self.ratio)
+            flips.append(self._draw_flip())
+            floats.append(resized_float(image[:, top:top + h, left:left + w], self.size))
+        return flip_some(to_uint8(torch.cat(floats)), flips)
 
     def _draw_flip(self) -> bool:
         return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
@@ -248,12 +295,28 @@ class ResizeCenterCrop:
             full_h, full_w = decoded.shape[-2:]
         new_h, new_w = resized_size(full_h, full_w, self.resize)
         out_h, out_w = self.size
+        top, left = self._window(new_h, new_w)
+        # Resizing the whole image, then cropping, keeps torchvision's exact sampling grid.
+        return resize_view(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
+
+    def batch(self, images: list) -> torch.Tensor:
+        """self(image) for each CxHxW GPU tensor, stacked, rounded once (see transform_batch)."""
+        out_h, out_w = self.size
+        floats = []
+        for image in images:
+            image = as_chw(image)
+            new_h, new_w = resized_size(*image.shape[-2:], self.resize)
+            top, left = self._window(new_h, new_w)
+            floats.append(resized_float(image, (new_h, new_w))[:, :, top:top + out_h, left:left + out_w])
+        return to_uint8(torch.cat(floats))
+
+    def _window(self, new_h: int, new_w: int) -> tuple[int, int]:
+        """(top, left) of the centre crop in the resized image; refuses a crop larger than it."""
+        out_h, out_w = self.size
         if out_h > new_h or out_w > new_w:
             raise ValueError(f"ResizeCenterCrop: crop {self.size} is larger than the {new_h}x{new_w} resized image; "
                              f"use resize >= {max(self.size)}")
-        top, left = int(round((new_h - out_h) / 2.0)), int(round((new_w - out_w) / 2.0))
-        # Resizing the whole image, then cropping, keeps torchvision's exact sampling grid.
-        return resize_view(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
+        return int(round((new_h - out_h) / 2.0)), int(round((new_w - out_w) / 2.0))
 
     def __repr__(self) -> str:
         return f"ResizeCenterCrop(size={self.size}, resize={self.resize}, dct={self.dct})"

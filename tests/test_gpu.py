@@ -120,7 +120,7 @@ def test_every_prefetched_batch_equals_a_synchronous_copy_under_allocator_pressu
     """Catches a missing wait_stream (reads before the copy lands) and a missing
     record_stream (the allocator hands a batch's memory to the next copy while the
     consumer's delayed kernels still read it)."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # batches arrive on "cuda:N", never bare "cuda"
     dataset = Images(n=64 * 60, shape=(3, 64, 64))
     loader = make_loader(dataset, 64, train=False, workers=2, pin_memory=True)
     scale, shift = (t.to(device) for t in normalize_coefficients(IMAGENET_MEAN, IMAGENET_STD, 3))
@@ -225,3 +225,30 @@ def test_the_check_above_fails_without_record_stream(monkeypatch):
     the test above can fail (it does not pass by luck of the allocator)."""
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     assert sum(delayed_reads_of_freed_batches()) > 0
+
+
+@cuda
+def test_gpu_decode_batched_and_pipelined_equal_the_image_by_image_path():
+    """The batched resize (one rounding and flip per batch) and the decode in pieces on a
+    helper thread change nothing: with the same seed, the same uint8 values as decoding
+    with nvJPEG and calling the transform on each image."""
+    pytest.importorskip("torchvision")
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from readers import RandomResizedCrop
+    from readers.nvjpeg import GPUDecoder
+
+    encoded = [jpeg("RGB", size=(80 + 7 * i, 60 + 5 * i)) for i in range(10)] + [jpeg("CMYK"), jpeg("L")]
+    jpegs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded[:10] + encoded[11:]]
+    transform = RandomResizedCrop(48, flip=0.5)
+    for chunk in (None, 3):
+        # the reference decodes in the same pieces, so nvJPEG's own choices cannot differ
+        pieces = [jpegs[i:i + (chunk or len(jpegs))] for i in range(0, len(jpegs), chunk or len(jpegs))]
+        nvjpeg = [image for piece in pieces for image in decode_jpeg(piece, mode=ImageReadMode.RGB, device="cuda")]
+        torch.manual_seed(5)
+        reference = [transform(image) for image in nvjpeg]  # the CMYK one is decoded on the CPU, last
+        torch.manual_seed(5)
+        out = GPUDecoder(transform, chunk=chunk)(encoded)
+        assert out.shape == (12, 3, 48, 48) and out.is_cuda
+        assert torch.equal(out[:10], torch.stack(reference[:10])), chunk
+        assert torch.equal(out[11], reference[10]), chunk

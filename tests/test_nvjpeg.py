@@ -79,3 +79,13 @@ def test_gpu_decoder_batches_jpegs_and_falls_back_per_file(monkeypatch):
     # one batch call for the three turbo-decodable JPEGs... plus the refused one, which fails it;
     # then one call per file; CMYK and PNG never reach the GPU decoder.
     assert calls == [3, "one", "one", "one"]
+
+    # The three JPEGs in pieces of two, decoded on the helper thread: the same batch; the
+    # first piece decodes whole, the second (the refused file alone) fails and is retried.
+    calls.clear()
+    piecewise = GPUDecoder(ResizeCenterCrop(32, 36), device="cpu", chunk=2)
+    assert torch.equal(piecewise(encoded), expected)
+    assert calls == [2, 1, "one"]
+    assert torch.equal(piecewise(encoded[:1]), expected[:1])
+    with pytest.raises(ValueError, match="chunk must be a positive number"):
+        GPUDecoder(ResizeCenterCrop(32, 36), device="cpu", chunk=0)

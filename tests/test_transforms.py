@@ -211,6 +211,24 @@ def test_transforms_give_three_channels_for_any_input(mode, fmt):
     assert ResizeCenterCrop(224)(data).shape == (3, 224, 224)
 
 
+def test_the_batched_form_draws_the_same_windows_and_flips_as_image_by_image():
+    """transform.batch (the GPU's form: float resize, one rounding and flip for the batch), run
+    here on the CPU against __call__'s uint8 kernel: the same seed must give the same windows
+    and flips, so the two differ by rounding alone."""
+    images = [T.as_chw(decode_array(encode(h, w, seed=h))) for h, w in ((90, 120), (224, 224), (300, 200), (57, 80))]
+    for transform in (RandomResizedCrop(64, flip=0.5), RandomResizedCrop(224, scale=(1, 1), ratio=(1, 1)),
+                      ResizeCenterCrop(48, 56)):
+        torch.manual_seed(3)
+        one_by_one = torch.stack([transform(image) for image in images])
+        torch.manual_seed(3)
+        batched = transform.batch(images)
+        assert batched.shape == one_by_one.shape and batched.dtype == torch.uint8
+        assert (batched.int() - one_by_one.int()).abs().max() <= 2, transform
+        assert (batched.float() - one_by_one.float()).abs().mean() < 0.5, transform
+    flips = T.flip_some(torch.arange(8.0).view(2, 1, 1, 4), [True, False])
+    assert flips[0, 0, 0].tolist() == [3, 2, 1, 0] and flips[1, 0, 0].tolist() == [4, 5, 6, 7]
+
+
 def test_resized_size_matches_torchvision_resize_int():
     assert resized_size(375, 500, 256) == (256, 341)
     assert resized_size(500, 375, 256) == (341, 256)
