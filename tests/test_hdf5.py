@@ -264,3 +264,38 @@ def test_a_file_rewritten_with_compressed_chunks_is_read_through_h5py(image_tree
         data, _, relpath = reader.read(i)
         assert data == (image_tree / relpath).read_bytes()
     reader.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_a_reader_finalized_off_the_main_thread_leaves_its_close_to_the_next_open(split_tree, tmp_path):
+    """A finalizer runs in whatever thread the collector runs in, fsspec's IO thread
+    included; closing an h5py file there deadlocks when the main thread holds h5py's lock
+    while it waits for that thread (seen in CI: a local reader collected during a remote
+    read). So a reader finalized off the main thread only hands its close over; the next
+    open, in its own thread, runs it."""
+    import gc
+    import threading
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    path = packed(split_tree, tmp_path)
+    hdf5_format.close_orphans()
+    before = open_fds()
+    reader = open_reader(path, "train")
+    reader.read_image(0)
+    fd = reader.handle()[2]
+    holder = [reader]
+    del reader
+    finalizer = threading.Thread(target=lambda: (holder.clear(), gc.collect()))
+    finalizer.start()
+    finalizer.join()
+    assert len(hdf5_format._orphans) == 1
+    os.fstat(fd)  # still open: nothing was closed in that thread
+    again = open_reader(path, "train")
+    again.read_image(0)  # the open runs the orphaned close
+    assert hdf5_format._orphans == []
+    again.close()
+    del again  # its mapped tables go with it
+    gc.collect()
+    assert open_fds() == before  # the orphan's descriptor and h5py file were closed too

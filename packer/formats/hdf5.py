@@ -68,6 +68,7 @@ import contextlib
 import functools
 import itertools
 import os
+import threading
 
 import h5py
 import numpy as np
@@ -226,14 +227,17 @@ def open_file(path: str, identity: tuple) -> h5py.File:
 # a remote file. A finalizer runs in whatever thread the collector runs in, fsspec's IO thread
 # included, and closing an h5py file there deadlocks when another thread holds h5py's lock
 # while it waits for that IO thread to fetch bytes for h5py.
+# A local file's last close does the same (it closes the shared h5py file), so a reader
+# finalized off the main thread is orphaned too, local or remote: its close (a callable) is
+# run by the next open, in the opening thread.
 _orphans: list = []
 
 
 def close_orphans() -> None:
     while _orphans:
-        handle = _orphans.pop()
+        close = _orphans.pop()
         with contextlib.suppress(Exception):
-            handle[0].close()
+            close()
 
 
 def open_remote_file(source) -> h5py.File:
@@ -313,6 +317,7 @@ class Reader(SplitReader):
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
 
     def _open(self):
+        close_orphans()
         if self.remote is None:
             f, fd = self.open_shared(open_file, close_file)
         else:
@@ -329,18 +334,23 @@ class Reader(SplitReader):
         return f, images, fd
 
     def __del__(self):
-        if self.remote is not None and self.is_open:
-            _orphans.append(self._handle)  # see _orphans
+        if self.is_open and (self.remote is not None or threading.current_thread() is not threading.main_thread()):
+            _orphans.append(functools.partial(self._close_handle, self._handle, self.path, self.identity,
+                                              self.remote is None))  # see _orphans
             self._handle = None
             return
         super().__del__()
 
-    def _close(self, handle) -> None:
+    @staticmethod
+    def _close_handle(handle, path: str, identity, local: bool) -> None:
         _io.close(handle[2])
-        if self.remote is None:
-            _handle.release(self.path, self.identity)
+        if local:
+            _handle.release(path, identity)
         else:
             handle[0].close()
+
+    def _close(self, handle) -> None:
+        self._close_handle(handle, self.path, self.identity, self.remote is None)
 
     def table_checksums(self) -> dict | None:
         def load():
