@@ -471,8 +471,8 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
 
         device = torch.device(args.device)
         entry["torchvision"] = __import__("torchvision").__version__
-        cases = 3 + 2 * len(args.nvjpeg_chunks)
-        seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / cases))
+        rates_to_take = 3 + 2 * len(args.nvjpeg_chunks)
+        seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / rates_to_take))
         dataset = readers.LMDBDataset(ctx["lmdb"], decode="raw")
         count = min(len(dataset), args.nvjpeg_images)
         blobs = [bytes(dataset[i][0]) for i in range(count)]
@@ -674,19 +674,18 @@ def parallel_rate(lmdb: str, processes: int, seconds: float = 4.0, lead: float =
 
 def scaling_table(entry: dict) -> str:
     rows = entry.get("rows", [])
-    head = "| | " + " | ".join(f"{r['workers']} workers" for r in rows) + " |"
-    rule = "|---|" + "---:|" * len(rows)
-    rate = " | ".join("error" if r["samples_per_s"] is None else f"{r['samples_per_s']:,.0f}" for r in rows)
-    frac = " | ".join("–" if r["fraction"] is None else f"{r['fraction']:.2f}" for r in rows)
     per_core = entry["per_core"].get("median") or 0
 
-    def cells(key, fmt):
-        return " | ".join("–" if r.get(key) is None else format(r[key], fmt) for r in rows)
+    def cells(key, fmt, missing="–"):
+        return " | ".join(missing if r.get(key) is None else format(r[key], fmt) for r in rows)
 
-    return (f"{head}\n{rule}\n| e2e warm, samples/s | {rate} |\n| ÷ (workers × per-core {per_core:,.0f}/s) | "
-            f"{frac} |\n| as many lone decode+crop processes at once, images/s | {cells('parallel_samples_per_s', ',.0f')} |"
-            f"\n| their ÷ (workers × per-core) | {cells('parallel_fraction', '.2f')} |"
-            f"\n| e2e ÷ the lone processes at once | {cells('fraction_of_parallel', '.2f')} |")
+    lines = ["| | " + " | ".join(f"{r['workers']} workers" for r in rows) + " |", "|---|" + "---:|" * len(rows),
+             f"| e2e warm, samples/s | {cells('samples_per_s', ',.0f', 'error')} |",
+             f"| ÷ (workers × per-core {per_core:,.0f}/s) | {cells('fraction', '.2f')} |",
+             f"| as many lone decode+crop processes at once, images/s | {cells('parallel_samples_per_s', ',.0f')} |",
+             f"| their ÷ (workers × per-core) | {cells('parallel_fraction', '.2f')} |",
+             f"| e2e ÷ the lone processes at once | {cells('fraction_of_parallel', '.2f')} |"]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ suite

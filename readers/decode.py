@@ -138,9 +138,8 @@ def image_size(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
 
     Refuses, as decoding would, an image of more than max_pixels pixels.
     """
-    header = _turbo_header(data)
+    header = checked_jpeg_size(data, where, max_pixels)
     if header is not None:
-        check_size(*header, where, max_pixels)
         return header
     try:
         with open_pil(data, where, max_pixels) as im:
