@@ -163,6 +163,9 @@ def summarise_case(case: dict, measure, source, state, runs: list[dict], residen
         result["memory_copy"] = summarise(copies)
     if bare and None not in bare:
         result["bare_read"] = summarise(bare)
+    if all(r.get("vs_raw") for r in runs):  # the checked measure: unchecked reads timed in the same runs
+        result["raw_rate"] = summarise([r["raw_rate"] for r in runs])
+        result["vs_raw"] = summarise([r["vs_raw"] for r in runs])
     if "open_s" in runs[0]:
         result["open_s"] = summarise([r["open_s"] for r in runs])
     if "wait_fraction" in runs[0]:

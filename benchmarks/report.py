@@ -50,9 +50,10 @@ def ratios(results: dict) -> dict:
         if warm.get("status") == "ok" and "bare_read" in warm:
             r["raw_warm_vs_bare_read"] = divide(warm["median"], warm["bare_read"]["median"])
         r.update(checked_ratios(results, name))
-        block = case_of(entry, "block", "cold")
-        if block.get("status") == "ok" and "mb_per_s" in block:
-            r["block_cold_vs_disk"] = divide(block["mb_per_s"]["median"], median(results.get("disk")))
+        for m in ("block", "loader"):  # a cold read's MB/s over the disk's sequential rate
+            case = case_of(entry, m, "cold")
+            if case.get("status") == "ok" and "mb_per_s" in case:
+                r[f"{m}_cold_vs_disk"] = divide(case["mb_per_s"]["median"], median(results.get("disk")))
         out[name] = r
     return out
 
@@ -94,9 +95,17 @@ def round_ratio_note(results: dict) -> list[str]:
 
 
 def checked_ratios(results: dict, name: str) -> dict:
-    """Checked raw reads (the readers' default) over unchecked ones, per cache state, where both ran."""
-    return {f"checked_{s}_vs_raw": divide(figure(results, name, "checked", s), figure(results, name, "raw", s))
-            for s in CACHE_STATES if case_of(results["sources"][name], "checked", s)}
+    """Checked raw reads (the readers' default) over unchecked ones, per cache state: the
+    median of the runs' paired ratios (measures.PairedCheckedRead), or, in results written
+    before the pairing, the checked median over the raw case's."""
+    out = {}
+    for s in CACHE_STATES:
+        case = case_of(results["sources"][name], "checked", s)
+        if case:
+            paired = case.get("vs_raw")
+            out[f"checked_{s}_vs_raw"] = paired["median"] if paired and case.get("status") == "ok" else \
+                divide(figure(results, name, "checked", s), figure(results, name, "raw", s))
+    return out
 
 
 def checked_note(results: dict) -> list[str]:
@@ -202,6 +211,11 @@ def notes(results: dict, na: list[str], marks: list[str]) -> list[str]:
                    f"hinted ahead: "
                    f"{disk['median']:,.0f} MB/s (±{(disk.get('spread') or 0) / 2:.0%}); `block cold / disk` divides "
                    "a row's block-order MB/s by it.")
+        shares = [f"{name} {one(r['loader_cold_vs_disk'])}" for name, r in results["ratios"].items()
+                  if r.get("loader_cold_vs_disk") is not None]
+        if shares:
+            out.append("loader cold, MB/s over the disk's sequential rate (how near a cold read through the plain "
+                       f"DataLoader comes to what the disk can deliver): {', '.join(shares)}.")
     elif disk.get("status") == "error":
         out.append(f"Disk: error: {disk['error']}")
     memory = [(name, case["memory_copy"]["median"], results["ratios"].get(name, {}).get("raw_warm_vs_memory"))

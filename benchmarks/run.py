@@ -152,7 +152,7 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
         groups[0].insert(0, ceiling)  # one process start fewer
     else:
         groups.insert(0, [ceiling])
-    if ctx["packed"] and "cold" in args.cache and "block" in args.measures:
+    if ctx["packed"] and "cold" in args.cache and ("block" in args.measures or "loader" in args.measures):
         groups.insert(1, [{"source": None, "measure": "disk", "cache": None}])
     return groups
 
@@ -170,9 +170,11 @@ def cell_major(groups: list[list[dict]], measures: list[str], states: list[str])
 
 
 # Measures whose cells run as one process, the sources interleaved round by round (case.run_cell).
-# e2e: its timed runs fork their own loader workers, so sharing the parent process shares little,
-# and its rows differ by a few percent, less than the machine drifts between cases run apart.
-INTERLEAVED = ("e2e",)
+# Their timed runs fork their own loader workers, so sharing the parent process shares little.
+# e2e: its rows differ by a few percent, less than the machine drifts between cases run apart;
+# loader: cold, it is read at the disk's rate, and this machine's disk drifted by a third
+# between cases minutes apart.
+INTERLEAVED = ("loader", "e2e")
 
 
 def interleaved(cases: list[dict]) -> bool:

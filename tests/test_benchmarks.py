@@ -334,7 +334,7 @@ def test_checked_rows_run_for_packed_map_style_sources_only(smoke):
         checked = entry.get("measures", {}).get("checked")
         if name in ("lmdb", "hdf5", "wds (map)") and entry["available"]:
             for state in ("cold", "warm"):
-                assert checked[state]["status"] == "ok" and checked[state]["median"] > 0, (name, state)
+                assert checked[state]["status"] == "ok" and checked[state]["median"] > 0, (name, state, checked[state])
             assert results["ratios"][name]["checked_warm_vs_raw"] > 0
         else:
             assert checked is None, name
@@ -352,7 +352,9 @@ def test_map_style_rows_carry_the_plain_dataloader_read(smoke):
         else:  # shards streamed, or a peer: no DataLoader over a map-style packer dataset
             assert not cases, name
     assert results["ratios"]["lmdb"]["loader_cold_vs_folder"] > 0
+    assert results["ratios"]["lmdb"]["loader_cold_vs_disk"] > 0  # the disk's sequential rate, measured in the run
     assert "loader ×folder (cold / warm)" in smoke["stdout"]
+    assert "loader cold, MB/s over the disk's sequential rate" in smoke["stdout"]
 
 
 def test_cases_of_one_cell_run_back_to_back():
@@ -368,13 +370,15 @@ def test_cases_of_one_cell_run_back_to_back():
 def test_cells_of_interleaved_measures_are_joined_into_one_group():
     from benchmarks.run import cell_major, interleaved, join_cells
 
+    measures = ["raw", "loader", "e2e"]
     groups = [[{"source": s, "measure": m, "cache": c}] for s in ("folder", "lmdb", "hdf5")
-              for m in ("raw", "e2e") for c in ("cold", "warm")]
-    joined = join_cells(cell_major(groups, ["raw", "e2e"], ["cold", "warm"]))
+              for m in measures for c in ("cold", "warm")]
+    joined = join_cells(cell_major(groups, measures, ["cold", "warm"]))
     cells = [[(g["measure"], g["cache"], g["source"]) for g in group] for group in joined]
     assert cells[:6] == [[("raw", c, s)] for c in ("cold", "warm") for s in ("folder", "lmdb", "hdf5")]
-    assert cells[6:] == [[("e2e", c, s) for s in ("folder", "lmdb", "hdf5")] for c in ("cold", "warm")]
-    assert [interleaved(group) for group in joined] == [False] * 6 + [True] * 2
+    assert cells[6:] == [[(m, c, s) for s in ("folder", "lmdb", "hdf5")] for m in ("loader", "e2e")
+                         for c in ("cold", "warm")]
+    assert [interleaved(group) for group in joined] == [False] * 6 + [True] * 4
 
 
 def test_an_e2e_cell_runs_round_by_round_and_rates_each_round_against_the_folder(tmp_path, monkeypatch):

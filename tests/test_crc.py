@@ -170,3 +170,34 @@ def test_the_benchmarks_checked_measure_reads_with_the_check_on(zlib_packs, name
         list(source.samples(ctx, "checked", seed=0))
     assert len(list(source.samples(ctx, "raw", seed=0))) == 12
     assert takes(source, "checked") and not takes(SOURCES["folder"], "checked") and not takes(SOURCES["wds"], "checked")
+
+
+@pytest.mark.parametrize("name, fmt", [("lmdb", "lmdb"), ("hdf5", "hdf5"), ("wds (map)", "wds")])
+def test_the_checked_measure_times_checked_and_unchecked_reads_of_one_order_block_by_block(zlib_packs, name, fmt,
+                                                                                            tmp_path, monkeypatch):
+    """One pass, read in blocks alternately with the check on and off, reads every record once;
+    both sides are timed, and vs_raw is the one side's rate over the other's. The checked side
+    checks: a damaged record read there raises."""
+    from benchmarks.measures import MEASURES, Options, PairedCheckedRead
+    from benchmarks.sources import SOURCES
+
+    # 12 records in blocks of 3 (a quarter): checked, raw, raw, checked
+    measure, source = MEASURES["checked"], SOURCES[name]
+    ctx = {"folder": str(zlib_packs["src"]), "packed": {fmt: str(zlib_packs[fmt])}}
+    out = measure.run(source, ctx, Options(), budget=60.0, seed=0, epochs=1)
+    assert out["samples"] == 6  # the other 6 were read unchecked
+    assert out["raw_rate"] > 0 and out["vs_raw"] == pytest.approx(out["samples"] / out["seconds"] / out["raw_rate"])
+    path = tmp_path / zlib_packs[fmt].name
+    copy = subprocess.run(["cp", "-r", str(zlib_packs[fmt]), str(path)], capture_output=True)
+    assert copy.returncode == 0, copy.stderr
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    reader = open_reader(path)
+    records = [reader.read(index)[0] for index in range(len(reader))]
+    reader.close()
+    for data in records:  # every record damaged: the checked side's first block meets one
+        where, offset = next((f, f.read_bytes().find(data)) for f in files if f.read_bytes().find(data) >= 0)
+        blob = bytearray(where.read_bytes())
+        blob[offset + len(data) // 2] ^= 0x01
+        where.write_bytes(bytes(blob))
+    with pytest.raises(CorruptDataError, match="checksum mismatch"):
+        measure.run(source, {**ctx, "packed": {fmt: str(path)}}, Options(), budget=60.0, seed=0, epochs=1)
