@@ -122,12 +122,12 @@ class PairedCheckedRead(ItemLoop):
         size = max(1, min(self.BLOCK, len(sides["checked"]) // 4))
         turn = 0
         while True:
-            block = list(itertools.islice(indexes, size))
-            if not block:
-                return False
             name = ("checked", "raw")[(turn + turn // 2) % 2]  # checked, raw, raw, checked, ...
             dataset, tally = sides[name], counts[name]
             start = time.perf_counter()
+            block = list(itertools.islice(indexes, size))  # timed: drawing indexes sends the sampler's hints
+            if not block:
+                return False
             for i in block:
                 tally[1] += len(dataset[i][0])
             tally[2] += time.perf_counter() - start
