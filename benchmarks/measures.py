@@ -95,6 +95,8 @@ class PairedCheckedRead(ItemLoop):
     def run(self, source, ctx: dict, opts: Options, budget: float, seed: int, epochs: int | None = 1) -> dict:
         import readers
 
+        from .sources import _epochs
+
         opening = time.perf_counter()
         sides = {"checked": source.open(ctx, "raw", checked=True), "raw": source.open(ctx, "raw")}
         for dataset in sides.values():
@@ -103,7 +105,7 @@ class PairedCheckedRead(ItemLoop):
         order = readers.ShuffleSampler(sides["checked"], seed=seed)
         counts = {name: [0, 0, 0.0] for name in sides}  # samples, bytes, seconds
         try:
-            for epoch in range(epochs) if epochs is not None else itertools.count():
+            for epoch in _epochs(epochs):
                 order.set_epoch(epoch)
                 if self.read_blocks(iter(order), sides, counts, budget):
                     break

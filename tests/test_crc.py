@@ -147,6 +147,22 @@ def test_a_flipped_image_byte_is_still_caught(zlib_packs, fmt, tmp_path):
     assert open_reader(path, check_crc=False).read(5)[0] != data
 
 
+def copied_pack(zlib_packs, fmt: str, tmp_path) -> tuple[Path, list[Path]]:
+    """A copy of the zlib pack of fmt to damage, and its data files."""
+    path = tmp_path / zlib_packs[fmt].name
+    copy = subprocess.run(["cp", "-r", str(zlib_packs[fmt]), str(path)], capture_output=True)
+    assert copy.returncode == 0, copy.stderr
+    return path, [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def flip_a_byte_of(data: bytes, files: list[Path]) -> None:
+    """Flip one bit in the middle of the stored copy of a record's image bytes."""
+    where, offset = next((f, f.read_bytes().find(data)) for f in files if f.read_bytes().find(data) >= 0)
+    blob = bytearray(where.read_bytes())
+    blob[offset + len(data) // 2] ^= 0x01
+    where.write_bytes(bytes(blob))
+
+
 @pytest.mark.parametrize("name, fmt", [("lmdb", "lmdb"), ("hdf5", "hdf5"), ("wds (map)", "wds")])
 def test_the_benchmarks_checked_measure_reads_with_the_check_on(zlib_packs, name, fmt, tmp_path):
     """benchmarks' checked rows read as Datasets do by default (a damaged record raises); raw rows
@@ -154,18 +170,11 @@ def test_the_benchmarks_checked_measure_reads_with_the_check_on(zlib_packs, name
     from benchmarks.run import takes
     from benchmarks.sources import SOURCES
 
-    path = tmp_path / zlib_packs[fmt].name
-    copy = subprocess.run(["cp", "-r", str(zlib_packs[fmt]), str(path)], capture_output=True)
-    assert copy.returncode == 0, copy.stderr
+    path, files = copied_pack(zlib_packs, fmt, tmp_path)
     ctx = {"folder": str(zlib_packs["src"]), "packed": {fmt: str(path)}}
     source = SOURCES[name]
     assert len(list(source.samples(ctx, "checked", seed=0))) == len(list(source.samples(ctx, "raw", seed=0))) == 12
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    data = open_reader(path).read(0)[0]
-    where, offset = next((f, f.read_bytes().find(data)) for f in files if f.read_bytes().find(data) >= 0)
-    blob = bytearray(where.read_bytes())
-    blob[offset + len(data) // 2] ^= 0x01
-    where.write_bytes(bytes(blob))
+    flip_a_byte_of(open_reader(path).read(0)[0], files)
     with pytest.raises(CorruptDataError, match="checksum mismatch"):
         list(source.samples(ctx, "checked", seed=0))
     assert len(list(source.samples(ctx, "raw", seed=0))) == 12
@@ -174,11 +183,11 @@ def test_the_benchmarks_checked_measure_reads_with_the_check_on(zlib_packs, name
 
 @pytest.mark.parametrize("name, fmt", [("lmdb", "lmdb"), ("hdf5", "hdf5"), ("wds (map)", "wds")])
 def test_the_checked_measure_times_checked_and_unchecked_reads_of_one_order_block_by_block(zlib_packs, name, fmt,
-                                                                                            tmp_path, monkeypatch):
+                                                                                            tmp_path):
     """One pass, read in blocks alternately with the check on and off, reads every record once;
     both sides are timed, and vs_raw is the one side's rate over the other's. The checked side
     checks: a damaged record read there raises."""
-    from benchmarks.measures import MEASURES, Options, PairedCheckedRead
+    from benchmarks.measures import MEASURES, Options
     from benchmarks.sources import SOURCES
 
     # 12 records in blocks of 3 (a quarter): checked, raw, raw, checked
@@ -187,17 +196,11 @@ def test_the_checked_measure_times_checked_and_unchecked_reads_of_one_order_bloc
     out = measure.run(source, ctx, Options(), budget=60.0, seed=0, epochs=1)
     assert out["samples"] == 6  # the other 6 were read unchecked
     assert out["raw_rate"] > 0 and out["vs_raw"] == pytest.approx(out["samples"] / out["seconds"] / out["raw_rate"])
-    path = tmp_path / zlib_packs[fmt].name
-    copy = subprocess.run(["cp", "-r", str(zlib_packs[fmt]), str(path)], capture_output=True)
-    assert copy.returncode == 0, copy.stderr
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    path, files = copied_pack(zlib_packs, fmt, tmp_path)
     reader = open_reader(path)
     records = [reader.read(index)[0] for index in range(len(reader))]
     reader.close()
     for data in records:  # every record damaged: the checked side's first block meets one
-        where, offset = next((f, f.read_bytes().find(data)) for f in files if f.read_bytes().find(data) >= 0)
-        blob = bytearray(where.read_bytes())
-        blob[offset + len(data) // 2] ^= 0x01
-        where.write_bytes(bytes(blob))
+        flip_a_byte_of(data, files)
     with pytest.raises(CorruptDataError, match="checksum mismatch"):
         measure.run(source, {**ctx, "packed": {fmt: str(path)}}, Options(), budget=60.0, seed=0, epochs=1)
