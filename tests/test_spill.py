@@ -11,7 +11,7 @@ import pytest
 
 from packer import open_reader, pack
 from packer.convert import RecordJobs
-from packer.formats._tables import SpillTable, array_chunks, drop_pages, mapped_region, spilled_array
+from packer.formats._tables import SpillTable, array_chunks, drop_pages, int_view, mapped_region, spilled_array
 from packer.pack import kept_order
 from packer.scan import scan_source
 from packer.verify import _Unordered, listing_changes, listing_changes_unordered
@@ -83,6 +83,22 @@ def test_dropping_a_mapped_table_s_pages_takes_them_out_of_rss(tmp_path):
     drop_pages(spilled)
     assert resident_kb(address) < 1024
     assert int(spilled[-1]) == (1 << 20) - 1  # still readable: the pages fault back in from the file
+
+
+def test_an_int_view_indexes_a_mapped_table_as_ints_without_copying_it(tmp_path):
+    sums = np.array([0, 1, 2**32 - 1, 12345], "<u4")
+    path = tmp_path / "sums"
+    path.write_bytes(sums.tobytes() + sums.astype(">u4").tobytes())
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(region, "<u4", len(sums))
+    view = int_view(mapped)
+    assert [type(view[k]) for k in range(len(sums))] == [int] * len(sums)
+    assert list(view) == sums.tolist()
+    assert np.shares_memory(np.asarray(view), mapped)  # one table per process, as mapped
+    swapped = int_view(np.frombuffer(region, ">u4", len(sums), sums.nbytes))
+    assert (swapped.format, list(swapped)) == ("I", sums.tolist())  # the other byte order, converted
+    assert len(int_view(mapped[:0])) == 0
 
 
 def test_a_spilled_scan_lists_what_an_in_memory_one_does(image_tree, tmp_path):

@@ -82,7 +82,7 @@ from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
-                      dataset_identity, decode_checksums, encode_checksums, expected_crc, mapped_array, nul_separated_chunks,
+                      dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array, nul_separated_chunks,
                       replaced_error)
 
 EXTENSION = ".h5"
@@ -311,7 +311,7 @@ class Reader(SplitReader):
             super().__init__(path, split, check_crc, metadata, path, identity)
             self.read_remotely(remote)
         self._offsets: np.ndarray | None = None
-        self._crcs: np.ndarray | None = None
+        self._crcs: memoryview | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
@@ -402,13 +402,13 @@ class Reader(SplitReader):
             return None
         return mapped_array(self.handle()[2], offset, count, dtype, where)
 
-    def index(self) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets, crcs) of this split by position, read once."""
+    def index(self) -> tuple[np.ndarray, memoryview]:
+        """(offsets, crcs (an int_view)) of this split by position, read once."""
         if self._offsets is None:
             self._crcs, self._offsets = self.loaded("index", self.load_index)
         return self._offsets, self._crcs
 
-    def load_index(self) -> tuple[np.ndarray, np.ndarray]:
+    def load_index(self) -> tuple[memoryview, np.ndarray]:
         """(crcs, offsets), checked: offsets rise from 0 to the size of images, whose bytes
         are all stored, in the file."""
         offsets = self._array("offsets", self.count + 1, "<i8")
@@ -416,7 +416,7 @@ class Reader(SplitReader):
         if offsets[0] != 0 or offsets[-1] != size or not rising(offsets):
             raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the {size}-byte images "
                                    f"dataset; {DAMAGED}", self.path)
-        return self._array("crc32", self.count, "<u4"), offsets
+        return int_view(self._array("crc32", self.count, "<u4")), offsets
 
     def check_images(self) -> int:
         """The size of images, checked to be stored whole in the file: HDF5 makes up zeros
@@ -494,7 +494,7 @@ class Reader(SplitReader):
                                        "(re-pack it, or restore it from a copy)", self.path)
         # The checksum table is only touched when checking: a random read's every table lookup is a
         # cache miss. check_data, inlined: a Python call less per read.
-        if self.check_crc and self.record_digest(data) & MASK != crcs.item(position):
+        if self.check_crc and self.record_digest(data) & MASK != crcs[position]:
             self.checksum_mismatch(index)
         return data, self.labels.item(index)
 

@@ -85,8 +85,8 @@ from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity,
-                      decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, map_region,
-                      region_view, replaced_error, table_crc)
+                      decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, int_view,
+                      map_region, region_view, replaced_error, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -436,7 +436,7 @@ class Reader(SplitReader):
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
-        self._sums: np.ndarray | None | bool = None  # False: none stored
+        self._sums: memoryview | None | bool = None  # False: none stored
 
     def init_local(self, path: str, split: str | None, check_crc: bool) -> None:
         if not detect(path):
@@ -523,7 +523,7 @@ class Reader(SplitReader):
                 return data, None
             sums = self._sums if self._sums is not None else self.record_sums()
             if sums is not False:
-                return data, sums.item(position)
+                return data, sums[position]
             crc = self._header_crc(fd, at, index, paths.raw(index))
             if crc is not None:
                 return data, crc
@@ -538,17 +538,17 @@ class Reader(SplitReader):
                             self.paths.raw(index)) is None:
             self.drop_extents()
 
-    def record_sums(self) -> np.ndarray | bool:
-        """The sums table (uint32 by position), loaded and checked once; False in a pack
-        written before it."""
+    def record_sums(self) -> memoryview | bool:
+        """The sums table (uint32 by position, as an int_view), loaded and checked once;
+        False in a pack written before it."""
         if self._sums is None:
             found = self.loaded("sums", self.load_sums)
             self._sums = False if found is None else found
         return self._sums
 
-    def load_sums(self) -> np.ndarray | None:
+    def load_sums(self) -> memoryview | None:
         found = self.table(b"sums", required=False)
-        return None if found is None else self.records_of(found, "<u4", "sums")
+        return None if found is None else int_view(self.records_of(found, "<u4", "sums"))
 
     def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
         """read_at_extent for a remote dataset: header, path and image in one ranged read
