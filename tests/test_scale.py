@@ -50,9 +50,10 @@ def build(fmt: str, tmp_path, count: int, shuffled: bool = False) -> str:
     return out
 
 
-def maps_file(array: np.ndarray) -> bool:
-    """Whether array's memory is a file map (numpy does not own it, an mmap does)."""
-    base = array
+def maps_file(array: np.ndarray | memoryview) -> bool:
+    """Whether array's memory is a file map (numpy does not own it, an mmap does); a
+    memoryview (an int_view) is followed to the array it views."""
+    base = array.obj if isinstance(array, memoryview) else array
     while isinstance(base, np.ndarray):
         if base.flags.owndata:
             return False
@@ -62,7 +63,7 @@ def maps_file(array: np.ndarray) -> bool:
     return isinstance(base, mmap.mmap)
 
 
-def tables_of(reader) -> dict[str, np.ndarray]:
+def tables_of(reader) -> dict[str, np.ndarray | memoryview]:
     """Every per-record table a loaded reader holds."""
     found = {"labels": reader.labels, "path blob": np.frombuffer(reader.paths.data, np.uint8)}
     if hasattr(reader, "records"):
@@ -71,6 +72,8 @@ def tables_of(reader) -> dict[str, np.ndarray]:
         found["offsets"], found["crc32"] = reader.index()
     if hasattr(reader, "extents"):
         found["extents"] = reader.extents()
+    if hasattr(reader, "record_sums") and reader.record_sums() is not False:  # False: a pack without sums
+        found["sums"] = reader.record_sums()
     if reader.storage_order() is not None and not hasattr(reader, "records"):
         found["order"] = reader.storage_order()
     return found
@@ -104,6 +107,7 @@ def private_dirty() -> int:
 
 def touch(table: np.ndarray) -> None:
     """Read every byte of a table without copying it (a CRC-32 of it, or a reduction over a strided view)."""
+    table = np.asarray(table)  # an int_view: the array it views
     if table.flags.c_contiguous:
         _tables.table_crc(memoryview(table.reshape(-1).view(np.uint8)))
     else:
