@@ -99,6 +99,15 @@ def test_the_suite_size_fits_the_time_left():
     assert all(e > 0 for e in estimates)
 
 
+def test_auto_sizes_the_suite_and_never_picks_a_preset_run_only_by_name():
+    seconds = {name: gpu.suite_seconds(p) for name, p in gpu.SUITE_PRESETS.items()}
+    assert gpu.sized_preset(seconds["full"] / 0.8) == "full"
+    assert gpu.sized_preset(seconds["standard"] / 0.8) == "standard"
+    assert seconds["small"] < seconds["defaults"] < seconds["standard"]
+    assert gpu.sized_preset(seconds["defaults"] / 0.8) == "small"  # defaults fits, but is run only by name
+    assert gpu.sized_preset(1.0) == "minimal"
+
+
 def make_wheel(path, requires: list[str]) -> str:
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("pkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: pkg\n" +
