@@ -534,6 +534,10 @@ def test_block_order_starts_fetching_when_the_epoch_is_set(packs, s3, tmp_path):
         time.sleep(0.05)
     assert remote_source.fetched()[1] > before[1]
     first_two_windows = list(itertools.islice(iter(sampler), 2 * 2 * 4))
+    # Drawing these indexes sent the read-ahead for the third window: let it land before
+    # counting, so that only the reads below could add to the count.
+    while remote_source.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
     fetched = remote_source.fetched()
     local = LMDBDataset(str(packs["lmdb"]), "train", decode="raw")
     for index in first_two_windows:
