@@ -72,8 +72,9 @@ def tables_of(reader) -> dict[str, np.ndarray | memoryview]:
         found["offsets"], found["crc32"] = reader.index()
     if hasattr(reader, "extents"):
         found["extents"] = reader.extents()
-    if hasattr(reader, "record_sums") and reader.record_sums() is not False:  # False: a pack without sums
-        found["sums"] = reader.record_sums()
+    sums = reader.record_sums() if hasattr(reader, "record_sums") else False
+    if sums is not False:  # False: a pack without sums
+        found["sums"] = sums
     if reader.storage_order() is not None and not hasattr(reader, "records"):
         found["order"] = reader.storage_order()
     return found

@@ -82,8 +82,8 @@ from . import _handle, _io
 from ._contract import Format
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
-                      dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array, nul_separated_chunks,
-                      replaced_error)
+                      dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
+                      nul_separated_chunks, replaced_error)
 
 EXTENSION = ".h5"
 DIRECTORY = False
