@@ -465,6 +465,7 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         import readers
+        from readers.collate import EncodedBatch
         from readers.nvjpeg import GPUDecoder
 
         from .suites.feed import Utilisation
@@ -478,8 +479,11 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         blobs = [bytes(dataset[i][0]) for i in range(count)]
         dataset.close()
         batch = args.batch
-        batches = [blobs[i:i + batch] for i in range(0, count - batch + 1, batch)] or [blobs]
-        tensors = [[torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in bs] for bs in batches]
+        # Each batch as make_loader's workers hand it over (one buffer), made beforehand; the
+        # bare decode gets views of the same buffers.
+        batches = [EncodedBatch.of(blobs[i:i + batch]) for i in range(0, count - batch + 1, batch)] \
+            or [EncodedBatch.of(blobs)]
+        tensors = [encoded.tensors() for encoded in batches]
         entry["config"] = {"images": count, "batch": batch, "seconds_per_rate": seconds}
         rates = entry.setdefault("rates", {})
 
@@ -526,7 +530,7 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
                 return len(out)
 
             measure(f"gpu_decoder_chunk{chunk}" if chunk else "gpu_decoder", gpu_decoder,
-                    what=f"{decoder!r} on the same bytes: decode + crop + resize, in-process")
+                    what=f"{decoder!r} on the same bytes (EncodedBatch): decode + crop + resize, in-process")
         workers = args.workers or readers.loader.default_workers()
         cases = [(f"make_loader_gpu_decode_chunk{c}" if c else "make_loader_gpu_decode", {"decode": "raw"},
                   {"gpu_decode": GPUDecoder(crop, device, chunk=c or None)}) for c in args.nvjpeg_chunks]

@@ -106,8 +106,9 @@ def checked_max_pixels(max_pixels) -> int:
     return int(max_pixels)
 
 
-def _turbo_header(data: bytes):
-    if simplejpeg is None or not data.startswith(JPEG_MAGIC):
+def _turbo_header(data):
+    # Any bytes-like object: a GPU batch checks memoryviews of its one buffer.
+    if simplejpeg is None or bytes(data[:len(JPEG_MAGIC)]) != JPEG_MAGIC:
         return None
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)

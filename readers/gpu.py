@@ -113,8 +113,9 @@ class CUDAPrefetcher:
         channels_last: return images in channels_last memory format (faster convolutions
             with AMP on tensor cores).
         dtype: float dtype of the images (float32, or bfloat16/float16 for AMP).
-        gpu_decode: a callable (list of bytes -> uint8 NxCxHxW tensor on device) applied
-            to a batch's list of encoded images, e.g. readers.nvjpeg.GPUDecoder.
+        gpu_decode: a callable (encoded images -> uint8 NxCxHxW tensor on device) applied
+            to a batch's encoded images (a readers.collate.EncodedBatch, or a list of
+            bytes), e.g. readers.nvjpeg.GPUDecoder.
     """
 
     def __init__(self, loader, device="cuda", mean=None, std=None, channels_last: bool = False,
@@ -193,9 +194,15 @@ class CUDAPrefetcher:
         return map_tensors(batch, self._to_device)
 
     def _decode(self, batch):
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], (list, tuple)) \
-                and batch[0] and isinstance(batch[0][0], (bytes, bytearray, memoryview)):
-            return type(batch)([self.gpu_decode(list(batch[0])), *batch[1:]])
+        from .collate import EncodedBatch  # collate imports this module
+
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        images = batch[0]
+        if isinstance(images, EncodedBatch):
+            return type(batch)([self.gpu_decode(images), *batch[1:]])
+        if isinstance(images, (list, tuple)) and images and isinstance(images[0], (bytes, bytearray, memoryview)):
+            return type(batch)([self.gpu_decode(list(images)), *batch[1:]])
         return batch
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

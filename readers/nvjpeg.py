@@ -1,8 +1,9 @@
 """GPUDecoder: decodes a batch of JPEG bytes on the GPU with nvJPEG, then crops and resizes there.
 
 An optional path for CUDAPrefetcher(gpu_decode=...) / make_loader(gpu_decode=...):
-the dataset yields raw bytes (decode="raw", no transform), workers only read, and the
-GPU decodes via torchvision.io.decode_jpeg(device="cuda"), whose batched form uses the
+the dataset yields raw bytes (decode="raw", no transform), workers only read and put
+each batch's bytes in one shared buffer (readers.collate.EncodedBatch), and the GPU
+decodes views of it, without a copy, via torchvision.io.decode_jpeg(device="cuda"), whose batched form uses the
 A100/H100 hardware JPEG decoders where present. Files nvJPEG cannot take (CMYK/YCCK
 JPEGs, PNGs named .JPEG, anything its batch decode rejects) are decoded on the CPU by
 readers.decode and moved over, so output is always RGB. Every image's header size is
@@ -21,13 +22,14 @@ import contextlib
 
 import torch
 
+from .collate import EncodedBatch
 from .decode import MAX_PIXELS, checked_jpeg_size, checked_max_pixels, decode_tensor
 from .gpu import resolve_device
 from .transforms import transform_batch
 
 
 class GPUDecoder:
-    """list of encoded images -> uint8 NxCxHxW batch on `device`, each through `transform`.
+    """encoded images -> uint8 NxCxHxW batch on `device`, each through `transform`.
 
     `transform` takes and returns a CxHxW uint8 tensor of a fixed output size, e.g.
     readers.RandomResizedCrop(224) or readers.ResizeCenterCrop(224); it runs on the GPU,
@@ -53,21 +55,24 @@ class GPUDecoder:
         self.chunk = chunk
         self._thread = None  # made on first use: a decoder pickled into a worker carries none
 
-    def __call__(self, encoded: list) -> torch.Tensor:
-        blobs = [bytes(data) for data in encoded]
+    def __call__(self, encoded) -> torch.Tensor:
+        """encoded: an EncodedBatch (what make_loader's workers send), or a list of
+        bytes-like objects, copied once into one."""
+        batch = encoded if isinstance(encoded, EncodedBatch) else EncodedBatch.of(list(encoded))
+        views, tensors = batch.views(), batch.tensors()
         # Header only, before nvJPEG allocates whatever size a crafted header claims.
-        on_gpu = [i for i, data in enumerate(blobs)
+        on_gpu = [i for i, data in enumerate(views)
                   if checked_jpeg_size(data, f"image {i} of the batch", self.max_pixels) is not None]
         pieces = [on_gpu[i:i + self.chunk] for i in range(0, len(on_gpu), self.chunk)] if self.chunk else [on_gpu]
-        out: list = [None] * len(blobs)
+        out: list = [None] * len(views)
         if len(pieces) > 1:
-            self._pipelined(blobs, pieces, out)
+            self._pipelined(tensors, pieces, out)
         elif on_gpu:
-            self._place(on_gpu, self._decode_gpu(blobs, on_gpu), out)
+            self._place(on_gpu, self._decode_gpu(tensors, on_gpu), out)
         cpu = [i for i, piece in enumerate(out) if piece is None]
         if cpu:
-            decoded = [decode_tensor(blobs[i], f"image {i} of the batch", max_pixels=self.max_pixels).to(self.device)
-                       for i in cpu]
+            decoded = [decode_tensor(bytes(views[i]), f"image {i} of the batch",
+                                     max_pixels=self.max_pixels).to(self.device) for i in cpu]
             self._place(cpu, decoded, out)
         return torch.cat(out)
 
@@ -79,29 +84,30 @@ class GPUDecoder:
             for k, (i, _) in enumerate(done):
                 out[i] = batch[k:k + 1]
 
-    def _pipelined(self, blobs: list, pieces: list, out: list) -> None:
+    def _pipelined(self, tensors: list, pieces: list, out: list) -> None:
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        pending = self._thread.submit(self._decode_on, stream, blobs, pieces[0])
+        pending = self._thread.submit(self._decode_on, stream, tensors, pieces[0])
         for k, piece in enumerate(pieces):
             images = pending.result()
             if k + 1 < len(pieces):
-                pending = self._thread.submit(self._decode_on, stream, blobs, pieces[k + 1])
+                pending = self._thread.submit(self._decode_on, stream, tensors, pieces[k + 1])
             self._place(piece, images, out)
 
-    def _decode_on(self, stream, blobs: list, indices: list) -> list:
+    def _decode_on(self, stream, tensors: list, indices: list) -> list:
         # The caller's stream: the resizes queued on it are ordered after the decode.
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return self._decode_gpu(blobs, indices)
+            return self._decode_gpu(tensors, indices)
 
-    def _decode_gpu(self, blobs: list, indices: list) -> list:
-        """nvJPEG's images for blobs[indices]; None where nvJPEG refuses one (the CPU gets it)."""
-        tensors = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in indices]
+    def _decode_gpu(self, tensors: list, indices: list) -> list:
+        """nvJPEG's images for tensors[indices] (1-D uint8 views of the encoded batch);
+        None where nvJPEG refuses one (the CPU gets it)."""
+        chosen = [tensors[i] for i in indices]
         try:
-            return list(self._decode_jpeg(tensors, mode=self._rgb, device=self.device))
+            return list(self._decode_jpeg(chosen, mode=self._rgb, device=self.device))
         except RuntimeError:
-            return [self._one(t) for t in tensors]  # one bad file fails a batch: retry singly
+            return [self._one(t) for t in chosen]  # one bad file fails a batch: retry singly
 
     def _one(self, tensor: torch.Tensor):
         try:

@@ -435,3 +435,24 @@ def test_children_cpu_counts_a_busy_childs_cpu_seconds():
     finally:
         child.communicate(b"\n", timeout=30)
     assert child.pid not in children_cpu()  # reaped: no longer a child
+
+
+def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path, capsys):
+    import sys
+
+    from benchmarks.suites import gpu_host
+    from packer import pack
+    from packer.synth import make_corpus
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=15)
+    packed = tmp_path / "d.lmdb"
+    pack(str(tmp_path / "src"), "lmdb", str(packed), progress=False, workers=1)
+    had_torchvision = "torchvision" in sys.modules
+    out = tmp_path / "runs.json"
+    assert gpu_host.main([str(packed), "--batch", "8", "--repeats", "1", "--batches", "2", "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"decoder: EncodedBatch", "decoder: list of bytes", "reference: a bytearray per image",
+                          "handover: list of bytes", "handover: EncodedBatch"}
+    assert all(case["median"] > 0 and len(case["runs"]) == 1 for case in cases.values())
+    assert ("torchvision" in sys.modules) == had_torchvision
+    assert "decoder: EncodedBatch" in capsys.readouterr().out

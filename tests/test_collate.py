@@ -92,3 +92,28 @@ def test_worker_batches_are_normalised_in_the_worker_in_shared_memory():
     assert [(b[0].dtype, b[0].is_shared()) for b in batches] == [(torch.float32, True)] * 2
     expected = (torch.arange(4, 8, dtype=torch.float32) / 255 - 0.5) / 0.25
     torch.testing.assert_close(batches[1][0][:, 0, 0, 0], expected, rtol=0, atol=1e-6)
+
+
+def test_an_encoded_batch_holds_each_images_bytes_end_to_end_in_one_buffer():
+    from readers.collate import EncodedBatch
+
+    blobs = [b"\xff\xd8\xffabc", b"", bytearray(b"de"), memoryview(b"fghij")[1:]]
+    batch = EncodedBatch.of(blobs)
+    assert len(batch) == 4 and batch.sizes() == [6, 0, 2, 4] and batch.data.numel() == 12
+    assert [bytes(v) for v in batch.views()] == [bytes(b) for b in blobs]
+    tensors = batch.tensors()
+    assert [bytes(t.numpy()) for t in tensors] == [bytes(b) for b in blobs]
+    # views of the one buffer, not copies
+    base = batch.data.data_ptr()
+    assert [t.data_ptr() - base for t in tensors if t.numel()] == [0, 6, 8]
+    assert len(EncodedBatch.of([])) == 0 and EncodedBatch.of([]).views() == []
+
+
+def test_encoded_collate_batches_bytes_and_passes_anything_else_to_collate():
+    from readers.collate import EncodedBatch, encoded_collate
+
+    encoded, labels = encoded_collate([(b"ab", 3), (b"cde", 1)])
+    assert isinstance(encoded, EncodedBatch) and [bytes(v) for v in encoded.views()] == [b"ab", b"cde"]
+    assert labels.dtype == torch.int64 and labels.tolist() == [3, 1]
+    images, labels = encoded_collate(samples(2))
+    assert images.shape == (2, 3, 8, 6) and labels.tolist() == [0, 1]

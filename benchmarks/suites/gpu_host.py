@@ -1,0 +1,134 @@
+"""The host's share of GPU decode (make_loader(gpu_decode=...)), timed without a GPU.
+
+    python benchmarks/suites/gpu_host.py PACK.lmdb [--batch 256] [--repeats 5] [--json out.json]
+
+On a GPU the main process does three things per batch besides launching kernels: it
+receives the batch's bytes from a worker, checks each header, and makes the 1-D uint8
+tensors nvJPEG takes. This times those on the CPU, in interleaved rounds (medians):
+
+  handover   main-process CPU time per batch from 2 DataLoader workers reading the pack
+             at random: a list of bytes (readers.collate.collate, pickled through a pipe)
+             against one shared buffer (readers.collate.encoded_collate, EncodedBatch)
+  decoder    GPUDecoder's host time per image with the decode and the transform stubbed
+             out (a fixed tiny image, no resize): given an EncodedBatch, and given a list
+             of bytes; and, as the reference it replaced, one new bytearray per image
+             turned into a tensor (what GPUDecoder did before EncodedBatch); it costs
+             5x more in a fresh process, before malloc has freed a large block and
+             stopped mapping each 100 KB copy afresh, so it is timed after the others
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import timeit
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from readers import LMDBDataset  # noqa: E402
+from readers.collate import EncodedBatch, collate, encoded_collate  # noqa: E402
+from readers.decode import MAX_PIXELS, checked_jpeg_size  # noqa: E402
+
+TINY = torch.zeros(3, 8, 8, dtype=torch.uint8)
+
+
+def stub_decode_jpeg(data, mode=None, device=None):
+    return [TINY] * len(data) if isinstance(data, list) else TINY
+
+
+def stubbed_decoder():
+    """A GPUDecoder on the CPU whose decode returns a fixed tiny image: what is left is its host work."""
+    fake = types.ModuleType("torchvision.io")
+    fake.decode_jpeg, fake.ImageReadMode = stub_decode_jpeg, types.SimpleNamespace(RGB="RGB")
+    saved = {name: sys.modules.get(name) for name in ("torchvision", "torchvision.io")}
+    # The decoder imports torchvision.io when built; a stand-in, for the build only.
+    sys.modules["torchvision"], sys.modules["torchvision.io"] = types.ModuleType("torchvision"), fake
+    try:
+        from readers.nvjpeg import GPUDecoder
+
+        return GPUDecoder(lambda image: image, device="cpu")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def per_image_copies(blobs: list) -> list:
+    """The reference: each header checked, each image copied into a new bytearray and wrapped."""
+    for i, data in enumerate(blobs):
+        checked_jpeg_size(data, f"image {i}", MAX_PIXELS)
+    return [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in blobs]
+
+
+def decoder_cases(blobs: list) -> dict:
+    decoder, encoded = stubbed_decoder(), EncodedBatch.of(blobs)
+    return {"decoder: EncodedBatch": lambda: decoder(encoded),
+            "decoder: list of bytes": lambda: decoder(blobs),
+            "reference: a bytearray per image": lambda: per_image_copies(blobs)}
+
+
+def time_per_image(fn, images: int) -> float:
+    """Microseconds per image: the best of 3 runs of 5 calls."""
+    return min(timeit.repeat(fn, number=5, repeat=3)) / 5 / images * 1e6
+
+
+def handover_ms(pack: str, collate_fn, batch: int, batches: int) -> float:
+    """Main-process CPU milliseconds per batch taken from 2 workers reading at random."""
+    dataset = LMDBDataset(pack, decode="raw")
+    draws = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=(batches + 3) * batch)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=draws, num_workers=2,
+                                         collate_fn=collate_fn, prefetch_factor=4)
+    it = iter(loader)
+    for _ in range(3):  # workers started, queues full
+        next(it)
+    start = time.process_time()
+    for _ in range(batches):
+        next(it)
+    spent = time.process_time() - start
+    del it
+    return spent / batches * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pack", help="an LMDB pack (packer pack ... --to lmdb)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=30, help="batches timed per handover run")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dataset = LMDBDataset(args.pack, decode="raw")
+    blobs = [dataset.reader.read_image(i)[0] for i in range(min(args.batch, len(dataset)))]
+    dataset.close()
+    cases = decoder_cases(blobs)
+    handovers = {"handover: list of bytes": collate, "handover: EncodedBatch": encoded_collate}
+    runs: dict[str, list[float]] = {name: [] for name in [*cases, *handovers]}
+    for round_ in range(args.repeats):
+        for name, fn in cases.items():
+            runs[name].append(time_per_image(fn, len(blobs)))
+        for name, collate_fn in handovers.items():
+            runs[name].append(handover_ms(args.pack, collate_fn, args.batch, args.batches))
+        print(f"round {round_ + 1}/{args.repeats}", file=sys.stderr)
+    units = {name: "ms per batch (main process CPU)" if name.startswith("handover") else "us per image"
+             for name in runs}
+    result = {"batch": args.batch, "repeats": args.repeats,
+              "cases": {name: {"median": statistics.median(v), "runs": v, "unit": units[name]}
+                        for name, v in runs.items()}}
+    for name, case in result["cases"].items():
+        print(f"{name:36s} {case['median']:8.1f} {case['unit']}  (runs {', '.join(f'{v:.1f}' for v in case['runs'])})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
