@@ -117,3 +117,22 @@ def test_encoded_collate_batches_bytes_and_passes_anything_else_to_collate():
     assert labels.dtype == torch.int64 and labels.tolist() == [3, 1]
     images, labels = encoded_collate(samples(2))
     assert images.shape == (2, 3, 8, 6) and labels.tolist() == [0, 1]
+
+
+def test_encoded_batches_cross_from_a_spawned_worker_in_shared_memory(image_tree, tmp_path):
+    from packer.pack import pack
+    from readers import LMDBDataset
+    from readers.collate import EncodedBatch, encoded_collate
+
+    out = tmp_path / "data.lmdb"
+    pack(str(image_tree), "lmdb", str(out), workers=1, progress=False)
+    dataset = LMDBDataset(str(out), decode="raw")
+    loader = DataLoader(dataset, batch_size=8, num_workers=1, multiprocessing_context="spawn",
+                        collate_fn=functools.partial(encoded_collate, pin_memory=False))
+    got, labels = [], []
+    for encoded, label in loader:
+        assert isinstance(encoded, EncodedBatch) and encoded.data.is_shared()
+        got += [bytes(view) for view in encoded.views()]
+        labels += label.tolist()
+    assert got == [dataset.reader.read_image(i)[0] for i in range(len(dataset))]
+    assert labels == dataset.targets.tolist()
