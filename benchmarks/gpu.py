@@ -465,7 +465,7 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         import readers
-        from readers.collate import EncodedBatch
+        from readers.buffers import EncodedBatch
         from readers.nvjpeg import GPUDecoder
 
         from .suites.feed import Utilisation

@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .buffers import EncodedBatch
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -114,7 +116,7 @@ class CUDAPrefetcher:
             with AMP on tensor cores).
         dtype: float dtype of the images (float32, or bfloat16/float16 for AMP).
         gpu_decode: a callable (encoded images -> uint8 NxCxHxW tensor on device) applied
-            to a batch's encoded images (a readers.collate.EncodedBatch, or a list of
+            to a batch's encoded images (a readers.buffers.EncodedBatch, or a list of
             bytes), e.g. readers.nvjpeg.GPUDecoder.
     """
 
@@ -194,8 +196,6 @@ class CUDAPrefetcher:
         return map_tensors(batch, self._to_device)
 
     def _decode(self, batch):
-        from .collate import EncodedBatch  # collate imports this module
-
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
         images = batch[0]

@@ -278,7 +278,7 @@ def batch_collate(collate_fn, pin_memory: bool, normalise: Normalise | None, enc
     where they are made, in the DataLoader workers, in parallel and ahead of the consumer,
     instead of in the main process as each batch is taken; what arrives is what the
     CUDAPrefetcher's CPU fallback would have produced, and it passes through unchanged.
-    encoded (gpu_decode): a batch's bytes go in one buffer (readers.collate.EncodedBatch)."""
+    encoded (gpu_decode): a batch's bytes go in one buffer (readers.buffers.EncodedBatch)."""
     if collate_fn is None and encoded:
         return functools.partial(encoded_collate, pin_memory=pin_memory)
     if collate_fn is None:

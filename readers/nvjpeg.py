@@ -2,7 +2,7 @@
 
 An optional path for CUDAPrefetcher(gpu_decode=...) / make_loader(gpu_decode=...):
 the dataset yields raw bytes (decode="raw", no transform), workers only read and put
-each batch's bytes in one shared buffer (readers.collate.EncodedBatch), and the GPU
+each batch's bytes in one shared buffer (readers.buffers.EncodedBatch), and the GPU
 decodes views of it, without a copy, via torchvision.io.decode_jpeg(device="cuda"), whose batched form uses the
 A100/H100 hardware JPEG decoders where present. Files nvJPEG cannot take (CMYK/YCCK
 JPEGs, PNGs named .JPEG, anything its batch decode rejects) are decoded on the CPU by
@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from .collate import EncodedBatch
+from .buffers import EncodedBatch
 from .decode import MAX_PIXELS, checked_jpeg_size, checked_max_pixels, decode_tensor
 from .gpu import resolve_device
 from .transforms import transform_batch

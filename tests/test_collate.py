@@ -95,7 +95,7 @@ def test_worker_batches_are_normalised_in_the_worker_in_shared_memory():
 
 
 def test_an_encoded_batch_holds_each_images_bytes_end_to_end_in_one_buffer():
-    from readers.collate import EncodedBatch
+    from readers.buffers import EncodedBatch
 
     blobs = [b"\xff\xd8\xffabc", b"", bytearray(b"de"), memoryview(b"fghij")[1:]]
     batch = EncodedBatch.of(blobs)
@@ -110,7 +110,8 @@ def test_an_encoded_batch_holds_each_images_bytes_end_to_end_in_one_buffer():
 
 
 def test_encoded_collate_batches_bytes_and_passes_anything_else_to_collate():
-    from readers.collate import EncodedBatch, encoded_collate
+    from readers.buffers import EncodedBatch
+    from readers.collate import encoded_collate
 
     encoded, labels = encoded_collate([(b"ab", 3), (b"cde", 1)])
     assert isinstance(encoded, EncodedBatch) and [bytes(v) for v in encoded.views()] == [b"ab", b"cde"]
@@ -122,7 +123,8 @@ def test_encoded_collate_batches_bytes_and_passes_anything_else_to_collate():
 def test_encoded_batches_cross_from_a_spawned_worker_in_shared_memory(image_tree, tmp_path):
     from packer.pack import pack
     from readers import LMDBDataset
-    from readers.collate import EncodedBatch, encoded_collate
+    from readers.buffers import EncodedBatch
+    from readers.collate import encoded_collate
 
     out = tmp_path / "data.lmdb"
     pack(str(image_tree), "lmdb", str(out), workers=1, progress=False)

@@ -111,7 +111,8 @@ def test_gpu_decode_takes_the_workers_shared_batches_of_a_real_pack(nvjpeg_calls
 
     from packer.pack import pack
     from readers import CUDAPrefetcher, LMDBDataset
-    from readers.collate import EncodedBatch, Normalise, encoded_collate
+    from readers.buffers import EncodedBatch
+    from readers.collate import Normalise, encoded_collate
     from readers.nvjpeg import GPUDecoder
 
     out = tmp_path / "data.lmdb"

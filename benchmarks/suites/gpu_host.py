@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from readers import LMDBDataset  # noqa: E402
-from readers.collate import EncodedBatch, collate, encoded_collate  # noqa: E402
+from readers.buffers import EncodedBatch  # noqa: E402
+from readers.collate import collate, encoded_collate  # noqa: E402
 from readers.decode import MAX_PIXELS, checked_jpeg_size  # noqa: E402
 
 TINY = torch.zeros(3, 8, 8, dtype=torch.uint8)
