@@ -252,3 +252,36 @@ def test_gpu_decode_batched_and_pipelined_equal_the_image_by_image_path():
         assert out.shape == (12, 3, 48, 48) and out.is_cuda
         assert torch.equal(out[:10], torch.stack(reference[:10])), chunk
         assert torch.equal(out[11], reference[10]), chunk
+
+
+@cuda
+def test_make_loader_gpu_decode_hands_pinned_encoded_batches_to_nvjpeg(tmp_path):
+    """The whole gpu_decode path on a real pack: workers put each batch's bytes in one
+    shared buffer, the pin thread pins it, nvJPEG decodes views of it; the images equal
+    the decoder's on a plain list of the same bytes, normalised as the prefetcher does."""
+    pytest.importorskip("torchvision")
+    from packer.pack import pack
+    from readers import LMDBDataset, ResizeCenterCrop
+    from readers.buffers import EncodedBatch
+    from readers.nvjpeg import GPUDecoder
+
+    for i in range(10):
+        path = tmp_path / "src" / f"c{i % 2}" / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg("RGB", size=(80 + 9 * i, 60 + 4 * i)))
+    pack(str(tmp_path / "src"), "lmdb", str(tmp_path / "d.lmdb"), workers=1, progress=False)
+    dataset = LMDBDataset(str(tmp_path / "d.lmdb"), decode="raw")
+    decoder, handed = GPUDecoder(ResizeCenterCrop(48, 56)), []
+
+    def spy(batch):
+        handed.append(isinstance(batch, EncodedBatch) and batch.data.is_pinned())
+        return decoder(batch)
+
+    loader = make_loader(dataset, 4, device="cuda", train=False, workers=2, gpu_decode=spy)
+    images = torch.cat([images for images, _ in loader])
+    assert handed == [True, True, True]
+    blobs = [dataset.reader.read_image(i)[0] for i in range(len(dataset))]
+    # decoded in the loader's pieces, so nvJPEG's own choices (backend by batch) cannot differ
+    expected = torch.cat([decoder(blobs[k:k + 4]) for k in range(0, len(blobs), 4)])
+    scale, shift = normalize_coefficients(None, None, 3)
+    assert torch.equal(images, normalize(expected, scale.cuda(), shift.cuda()))
