@@ -456,3 +456,23 @@ def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path,
     assert all(case["median"] > 0 and len(case["runs"]) == 1 for case in cases.values())
     assert ("torchvision" in sys.modules) == had_torchvision
     assert "decoder: EncodedBatch" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
+def test_disk_depth_study_reports_every_depth_against_the_first(tmp_path, capsys):
+    from benchmarks.suites import disk_depth
+    from packer import pack
+    from packer.synth import make_corpus
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=15)
+    packed = tmp_path / "d.h5"
+    pack(str(tmp_path / "src"), "hdf5", str(packed), progress=False, workers=1)
+    out = tmp_path / "runs.json"
+    assert disk_depth.main([str(packed), "--depths", "1,4", "--seconds", "0.05", "--repeats", "2",
+                            "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"1", "4"} and all(len(v) == 2 and min(v) > 0 for v in result["runs"].values())
+    assert result["record_bytes"] >= 4096 and result["file"] == str(packed)
+    assert "| 1 | " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        disk_depth.main([str(packed), "--depths", "0,4"])
