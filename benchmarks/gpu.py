@@ -46,13 +46,13 @@ CARRY = ".carry"  # photos and the corpus tool, ignored by git, carried to the G
 WHEELS = ".whl"
 # The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
 # scaling saves each row as it goes, so it takes what is left.
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "suite", "scaling")
-NEEDS_CORPUS = ("feed", "nvjpeg", "scaling", "suite")
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "disk", "suite", "scaling")
+NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "scaling", "suite")
 # The tests that do something different where CUDA is present (grep tests/ for cuda).
 CUDA_TESTS = ["tests/test_gpu.py", "tests/test_nvjpeg.py", "tests/test_collate.py", "tests/test_loader.py",
               "tests/test_benchmarks.py::test_cuda_is_used_when_present_and_its_absence_is_reported"]
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
-MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "scaling": 90, "suite": 120}
+MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "disk": 40, "scaling": 90, "suite": 120}
 SCALING_WORKERS = (1, 2, 4, 8, 16)
 MARGIN_S = 20  # left free at the end of the budget: writing results, the machine's transfers
 
@@ -734,6 +734,25 @@ def sized_preset(left: float) -> str:
 SCALING_RESERVE_S = 120  # what scaling needs after the suite (a per-core case and five e2e cases)
 
 
+def step_disk(run: Run, args, ctx: dict, summary: dict) -> None:
+    """The disk's cold random-read curve by reads in flight (benchmarks/suites/disk_depth.py)
+    on the corpus's LMDB pack: what bounds the plain loader's cold ratio over the folder there."""
+    with run.step("disk") as entry:
+        # Kept in the workdir: the figures go into gpu-results.json and the table into summary.md.
+        table, runs = os.path.join(args.workdir, "disk_depth.md"), os.path.join(args.workdir, "disk_depth.json")
+        cmd = [sys.executable, os.path.join("benchmarks", "suites", "disk_depth.py"), ctx["lmdb"],
+               "--repeats", "1" if args.quick else "3", "--seconds", "0.3" if args.quick else "1.5", "--json", runs]
+        entry["command"] = cmd[1:]
+        code = run.stream(cmd, run.left() - MARGIN_S, stdout_path=table)
+        entry["exit_code"] = code
+        if code != 0:
+            entry["status"] = "error"
+            entry["error"] = f"disk_depth.py exited {code}"
+        else:
+            entry["runs"] = json.load(open(runs))["runs"]
+            summary["disk"] = open(table).read()
+
+
 def step_suite(run: Run, args, ctx: dict, summary: dict) -> None:
     with run.step("suite") as entry:
         reserve = SCALING_RESERVE_S * (0.2 if args.quick else 1.0) if "scaling" in args.steps else 0.0
@@ -777,7 +796,7 @@ SETUP = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache
          "PYTHONUNBUFFERED=1; ")
 # Two commands of at most 10 minutes each; a fresh machine each time (it stays warm 30 s only).
 COMMANDS = (SETUP + "python3 -m benchmarks gpu --out $OUT --steps tests,feed,nvjpeg --time-budget 560",
-            SETUP + "python3 -m benchmarks gpu --out $OUT --steps suite,scaling --time-budget 560")
+            SETUP + "python3 -m benchmarks gpu --out $OUT --steps disk,suite,scaling --time-budget 560")
 
 
 def normalise_name(name: str) -> str:
@@ -913,7 +932,7 @@ def write_summary(run: Run, summary: dict) -> None:
     for name, s in run.results["steps"].items():
         note = s.get("error") or s.get("reason") or s.get("note") or ""
         parts.append(f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {note} |")
-    for name in ("feed", "nvjpeg", "scaling", "suite"):
+    for name in ("feed", "nvjpeg", "scaling", "disk", "suite"):
         if name in summary:
             parts += ["", f"## {name}", "", summary[name]]
     with open(os.path.join(run.out, "summary.md"), "w") as f:
@@ -952,7 +971,8 @@ def run_steps(args, argv: list[str]) -> int:
         elif name == "corpus":
             step_corpus(run, args, ctx)
         else:
-            {"feed": step_feed, "nvjpeg": step_nvjpeg, "scaling": step_scaling, "suite": step_suite}[name](
+            {"feed": step_feed, "nvjpeg": step_nvjpeg, "disk": step_disk, "scaling": step_scaling,
+             "suite": step_suite}[name](
                 run, args, ctx, summary)
         write_summary(run, summary)
     run.results["seconds"] = round(time.monotonic() - run.started, 1)

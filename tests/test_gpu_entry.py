@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks import gpu
+from benchmarks import cache, gpu
 from benchmarks.__main__ import main as bench_main
 
 def bench_gpu(*args: str) -> subprocess.CompletedProcess:
@@ -170,3 +170,17 @@ def test_prepare_without_the_shared_photos_says_where_it_looked(repo, tmp_path, 
     assert gpu.main(args, []) == 2
     assert "imagenet-sample is missing" in capsys.readouterr().err
     assert not (repo / ".carry").exists()
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
+def test_the_disk_step_records_the_curve_without_adding_files(tmp_path):
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "disk",
+                     "--images", "20", "--synthetic", "--quick", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = results(out)["steps"]
+    assert list(steps) == ["env", "corpus", "disk"] and steps["disk"]["status"] == "ok"
+    assert set(steps["disk"]["runs"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert all(len(v) == 1 and v[0] > 0 for v in steps["disk"]["runs"].values())
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.json", "gpu.log", "summary.md"]
+    assert "## disk" in (out / "summary.md").read_text()
