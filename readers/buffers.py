@@ -33,13 +33,12 @@ def allocate(shape, dtype, pin_memory: bool = False) -> torch.Tensor:
 
 
 class EncodedBatch:
-    """A batch of encoded images (a raw dataset's bytes) in one uint8 tensor: image i is
-    data[offsets[i]:offsets[i + 1]].
+    """A batch of encoded images (a raw dataset's bytes) in one uint8 tensor (the layout above).
 
-    Made in a DataLoader worker (readers.collate.encoded_collate), it is in shared memory, so the main process receives it without copying the bytes (a
-    list of bytes is pickled through a pipe and rebuilt there: here, 26 ms of the main
-    process's time per batch of 256 against 7), and it is pinned in one piece.
-    readers.nvjpeg.GPUDecoder decodes it.
+    Made in a DataLoader worker (readers.collate.encoded_collate), it is in shared memory,
+    so the main process receives it without copying the bytes (a list of bytes is pickled
+    through a pipe and rebuilt there: here, 26 ms of the main process's time per batch of
+    256 against 7), and it is pinned in one piece. readers.nvjpeg.GPUDecoder decodes it.
     """
 
     def __init__(self, data: torch.Tensor, offsets: torch.Tensor):

@@ -3,13 +3,13 @@
 An optional path for CUDAPrefetcher(gpu_decode=...) / make_loader(gpu_decode=...):
 the dataset yields raw bytes (decode="raw", no transform), workers only read and put
 each batch's bytes in one shared buffer (readers.buffers.EncodedBatch), and the GPU
-decodes views of it, without a copy, via torchvision.io.decode_jpeg(device="cuda"), whose batched form uses the
-A100/H100 hardware JPEG decoders where present. Files nvJPEG cannot take (CMYK/YCCK
-JPEGs, PNGs named .JPEG, anything its batch decode rejects) are decoded on the CPU by
-readers.decode and moved over, so output is always RGB. Every image's header size is
-checked against max_pixels before either decoder sees it, since nvJPEG would allocate a
-crafted header's claimed size in GPU memory. torchvision is imported when a GPUDecoder
-is built, never at import time.
+decodes views of it, without a copy, via torchvision.io.decode_jpeg(device="cuda"),
+whose batched form uses the A100/H100 hardware JPEG decoders where present. Files
+nvJPEG cannot take (CMYK/YCCK JPEGs, PNGs named .JPEG, anything its batch decode
+rejects) are decoded on the CPU by readers.decode and moved over, so output is always
+RGB. Every image's header size is checked against max_pixels before either decoder
+sees it, since nvJPEG would allocate a crafted header's claimed size in GPU memory.
+torchvision is imported when a GPUDecoder is built, never at import time.
 
 With `chunk`, a batch is decoded in pieces of that many images on a helper thread while
 this thread crops and resizes the piece before: the JPEG engines and the launches of the
