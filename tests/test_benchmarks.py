@@ -476,3 +476,30 @@ def test_disk_depth_study_reports_every_depth_against_the_first(tmp_path, capsys
     assert "| 1 | " in capsys.readouterr().out
     with pytest.raises(SystemExit):
         disk_depth.main([str(packed), "--depths", "0,4"])
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise (the cache studies' common check)")
+@pytest.mark.parametrize("fmt,name", [("lmdb", "d.lmdb"), ("hdf5", "d.h5")])
+def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path, capsys, fmt, name):
+    from benchmarks.suites import map_reads
+    from packer import pack
+    from packer.synth import make_corpus
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=10)
+    packed = tmp_path / name
+    pack(str(tmp_path / "src"), fmt, str(packed), progress=False, workers=1)
+    paths, spans = map_reads.extents(str(packed), 1000, seed=0)
+    assert len(spans) == 20 and all(os.path.isfile(p) and str(tmp_path) in p for p in paths)
+    # each span is a record's image bytes, exactly: what the reader returns for it
+    from packer.formats import open_reader
+    reader = open_reader(str(packed))
+    images = sorted(reader.read_image(i)[0] for i in range(len(reader)))
+    reader.close()
+    with open(paths[0], "rb") as f:
+        data = f.read()
+    assert sorted(data[at:at + n] for _, at, n in spans) == images
+    out = tmp_path / "runs.json"
+    assert map_reads.main([str(packed), "--repeats", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == set(map_reads.CASES) and all(len(v) == 1 and v[0] > 0 for v in runs.values())
+    assert "| map + xxh3, fresh |" in capsys.readouterr().out
