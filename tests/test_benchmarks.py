@@ -479,8 +479,8 @@ def test_disk_depth_study_reports_every_depth_against_the_first(tmp_path, capsys
 
 
 @pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise (the cache studies' common check)")
-@pytest.mark.parametrize("fmt,name", [("lmdb", "d.lmdb"), ("hdf5", "d.h5")])
-def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path, capsys, fmt, name):
+@pytest.mark.parametrize("fmt,name,fill", [("lmdb", "d.lmdb", "read-through"), ("hdf5", "d.h5", "random-epoch")])
+def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path, capsys, fmt, name, fill):
     from benchmarks.suites import map_reads
     from packer import pack
     from packer.synth import make_corpus
@@ -499,7 +499,9 @@ def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path,
         data = f.read()
     assert sorted(data[at:at + n] for _, at, n in spans) == images
     out = tmp_path / "runs.json"
-    assert map_reads.main([str(packed), "--repeats", "1", "--json", str(out)]) == 0
-    runs = json.loads(out.read_text())["runs"]
+    assert map_reads.main([str(packed), "--repeats", "1", "--fill", fill, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert result["fill"] == fill
     assert set(runs) == set(map_reads.CASES) and all(len(v) == 1 and v[0] > 0 for v in runs.values())
     assert "| map + xxh3, fresh |" in capsys.readouterr().out

@@ -7,8 +7,10 @@ check is on. A record can also be read from a read-only mapping of the file: has
 where it lies in the page cache, then copied into new bytes from the CPU cache. This
 study times both, warm (every data file is read into the page cache first), over the
 same random records (their extents from the reader, Reader.record_extents), in
-microseconds per record. The files are evicted, then read front to back, first: how a
-file's pages entered the page cache moves a pread's cost by up to 40% (warm_state.py).
+microseconds per record. The files are first evicted and filled as --fill says: read
+front to back (the default), or by one cold epoch in random or block order, as a
+training run's first epoch fills them; how the pages entered the cache moves a pread's
+cost by up to 70% (warm_state.py).
 
   pread               os.pread into new bytes (the readers' unchecked read, bare)
   pread + xxh3        the same, then XXH3-64 of the bytes (the readers' checked read, bare)
@@ -36,8 +38,7 @@ from xxhash import xxh3_64_intdigest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import cache  # noqa: E402
-from benchmarks.suites import _study  # noqa: E402
+from benchmarks.suites import _study, warm_state  # noqa: E402
 from packer.formats import open_reader  # noqa: E402
 
 CASES = ("pread", "pread + xxh3", "map", "map + xxh3", "map + xxh3, fresh")
@@ -98,25 +99,27 @@ def one_round(paths: list, spans: list, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = _study.parser(__doc__, repeats=5)
     parser.add_argument("--records", type=int, default=20000, help="random records read per case and round")
+    parser.add_argument("--fill", choices=warm_state.FILLS, default="read-through",
+                        help="how the page cache is filled first (warm_state.py's fills; a training run's "
+                             "first epoch fills it as random-epoch does)")
     args = _study.parse(parser, argv)
     paths, spans = extents(args.packed, args.records, seed=0)
     if not spans:
         parser.error(f"{args.packed}: no record lies in one run of a local file")
-    cache.evict(paths)  # then filled front to back: how pages entered the cache moves a pread's cost
-    cache.load(paths)
+    warm_state.fill(args.packed, args.fill, seed=0)  # how pages entered the cache moves a pread's cost
     runs: dict[str, list[float]] = {case: [] for case in CASES}
     for r in range(args.repeats):
         for case, value in one_round(paths, spans, seed=r).items():
             runs[case].append(value)
     size = statistics.fmean(n for _, _, n in spans)
     print(f"warm random reads of {len(spans):,} records ({size:,.0f} bytes on average) of {args.packed}, "
-          f"median of {args.repeats}")
+          f"cache filled by {args.fill}, median of {args.repeats}")
     print("| read | µs per record | runs |\n|---|---:|---|")
     for case, values in runs.items():
         print(f"| {case} | {statistics.median(values):.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"packed": args.packed, "records": len(spans), "mean_bytes": size,
-                                               "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"packed": args.packed, "fill": args.fill, "records": len(spans),
+                                               "mean_bytes": size, "runs": runs}, indent=1))
     return 0
 
 
