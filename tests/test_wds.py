@@ -98,6 +98,25 @@ def test_fast_tar_header_is_byte_identical_to_tarfile(name, size):
     assert _tar.header(name, size) == _tar.tar_header(name, size)
 
 
+def test_shard_digests_hashed_beside_the_writer_match_the_files(image_tree, tmp_path, monkeypatch):
+    """The SHA-256 of each shard runs on a helper thread, BATCH samples at a time with at
+    most PENDING batches queued: with batches of 2 and a queue of 1 the writer waits on
+    the hash every few samples, and every shard's digest still matches its file (a last
+    partial batch included); the helper thread is gone when the pack ends."""
+    import threading
+
+    from packer.formats import wds as wds_format
+
+    monkeypatch.setattr(wds_format.ShardDigest, "BATCH", 2)
+    monkeypatch.setattr(wds_format.ShardDigest, "PENDING", 1)
+    out = pack_wds(image_tree, tmp_path / "t.wds", max_count=7)
+    entries = json.loads((out / "index.json").read_text())["wds"]["splits"]["all"]["shards"]
+    assert len(entries) == 3
+    for shard, entry in zip(shard_files(out), entries):
+        assert hashlib.sha256(shard.read_bytes()).hexdigest() == entry["sha256"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("shard-sha256")]
+
+
 def test_shards_list_with_tarfile_and_tar(image_tree, tmp_path):
     out = pack_wds(image_tree, tmp_path / "t.wds", max_count=5)
     shards = shard_files(out)

@@ -74,6 +74,7 @@ import hashlib
 import json
 import os
 import re
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -247,6 +248,43 @@ def shard_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+class ShardDigest:
+    """The SHA-256 of a shard's bytes, hashed in write order on one helper thread.
+
+    hashlib releases the GIL, so the hash runs beside the writer's next records instead of
+    in its path. Blobs go to the thread BATCH at a time (one hand-over per batch, not per
+    sample), and at most PENDING batches wait, so memory stays flat when it falls behind.
+    """
+
+    BATCH = 32
+    PENDING = 4
+
+    def __init__(self, thread: ThreadPoolExecutor):
+        self.thread, self.digest, self.pending, self.batch = thread, hashlib.sha256(), deque(), []
+
+    def update(self, blob: bytes) -> None:
+        self.batch.append(blob)
+        if len(self.batch) >= self.BATCH:
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        if len(self.pending) >= self.PENDING:
+            self.pending.popleft().result()
+        self.pending.append(self.thread.submit(self.hash_all, self.batch))
+        self.batch = []
+
+    def hash_all(self, blobs: list) -> None:
+        for blob in blobs:
+            self.digest.update(blob)
+
+    def hexdigest(self) -> str:
+        if self.batch:
+            self.hand_over()
+        while self.pending:
+            self.pending.popleft().result()
+        return self.digest.hexdigest()
+
+
 class Writer:
     """Streams samples into shards of at most shard_size bytes (None: auto) and max_count samples."""
 
@@ -258,6 +296,7 @@ class Writer:
         self.file = None
         self.warnings: list[str] = []
         self.kind = options.get("checksum", LEGACY)  # names each sample's checksum in its .json
+        self.hasher: ThreadPoolExecutor | None = None  # ShardDigest's thread, made with the first shard
 
     def begin_split(self, split: str, expected_count: int | None = None) -> None:
         """expected_count: the samples pack() will add at most, for the auto shard size."""
@@ -305,7 +344,9 @@ class Writer:
         self.close_shard()
         self.name = f"{self.split}/{SHARD_NAME.format(len(self.shards))}"
         self.file = open(os.path.join(self.stage, self.name), "wb")
-        self.digest, self.bytes, self.count = hashlib.sha256(), 0, 0
+        if self.hasher is None:
+            self.hasher = ThreadPoolExecutor(1, thread_name_prefix="shard-sha256")
+        self.digest, self.bytes, self.count = ShardDigest(self.hasher), 0, 0
 
     def close_shard(self) -> None:
         if self.file is None:
@@ -352,6 +393,7 @@ class Writer:
                 f"{max(1, count // cores)} for {cores} or more shards")
 
     def finish(self, meta: Metadata) -> None:
+        self.stop_hasher()
         for split, entry in self.splits.items():
             write_synced(os.path.join(self.stage, entry["wids_index"]), wids_index_bytes(split, entry, meta.classes))
         index = {**meta.to_dict(), "wds": {"layout_version": LAYOUT_VERSION, "shard_size": self.shard_size,
@@ -364,6 +406,12 @@ class Writer:
         if self.file is not None:
             self.file.close()
             self.file = None
+        self.stop_hasher()
+
+    def stop_hasher(self) -> None:
+        if self.hasher is not None:
+            self.hasher.shutdown(wait=True, cancel_futures=True)  # at most PENDING blobs
+            self.hasher = None
 
 
 def wids_index(split: str, entry: dict, classes: list[str]) -> dict:
