@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 
 from .buffers import EncodedBatch, allocate
 from .gpu import is_image_batch, map_tensors, normalize, normalize_coefficients, normalize_into
+from .transforms import BYTES_TYPES
 
 
 class Normalise:
@@ -90,7 +91,7 @@ def encoded_collate(batch, pin_memory: bool = False):
     """(EncodedBatch, labels) from a list of (encoded image bytes, label) pairs; anything
     else goes to collate."""
     if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) != 2 \
-            or not isinstance(batch[0][0], (bytes, bytearray, memoryview)):
+            or not isinstance(batch[0][0], BYTES_TYPES):
         return collate(batch, pin_memory)
     return EncodedBatch.of([sample[0] for sample in batch], pin_memory), collate_labels(batch)
 

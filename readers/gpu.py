@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .buffers import EncodedBatch
+from .transforms import BYTES_TYPES
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -201,7 +202,7 @@ class CUDAPrefetcher:
         images = batch[0]
         if isinstance(images, EncodedBatch):
             return type(batch)([self.gpu_decode(images), *batch[1:]])
-        if isinstance(images, (list, tuple)) and images and isinstance(images[0], (bytes, bytearray, memoryview)):
+        if isinstance(images, (list, tuple)) and images and isinstance(images[0], BYTES_TYPES):
             return type(batch)([self.gpu_decode(list(images)), *batch[1:]])
         return batch
 
