@@ -8,6 +8,7 @@ from packer.errors import CorruptDataError
 from packer.formats import CAN_ADVISE
 
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
+from .heap import keep_heap_in_worker
 from .sampler import HINT_CHUNK, ReadAhead, reader_of
 
 
@@ -74,7 +75,10 @@ class ReaderDataset(torch.utils.data.Dataset):
         While chunks are found cached the hints back off (readers.sampler.ReadAhead): a
         warm dataset pays a probe now and then. A reader that takes no hints (the
         folder's, or without posix_fadvise) reads one record at a time, as ds[i] does.
+        In a DataLoader worker, the first batch also has the worker keep its freed heap for
+        the next batch (readers.heap).
         """
+        keep_heap_in_worker()
         indexes = list(indexes)
         hint = self.read_ahead()
         if hint is not None:

@@ -39,6 +39,7 @@ from packer.cores import available_cores
 from ._dataset import ReaderDataset
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate
 from .gpu import CUDAPrefetcher, resolve_device
+from .heap import keep_heap
 from .ranks import local_world_size, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
 from .sampler import STATE_VERSION, check_state, checked_count
@@ -59,7 +60,9 @@ def default_workers() -> int:
 
 
 def worker_init(worker_id: int, rank: int = 0, user_init=None) -> None:
-    """Runs in each worker: one thread per library, per-worker and per-rank seeds."""
+    """Runs in each worker: one thread per library, per-worker and per-rank seeds, and a
+    heap kept between batches (readers.heap)."""
+    keep_heap()
     for name in THREAD_ENV:
         os.environ[name] = "1"  # for libraries the worker loads from here on
     torch.set_num_threads(1)

@@ -36,6 +36,7 @@ from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
+from .heap import keep_heap_in_worker
 from .ranks import check_rank, deal, worker, world
 from .sampler import STATE_VERSION, check_state, checked_count
 
@@ -188,6 +189,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
+        keep_heap_in_worker()
         rank, world_size = self.world()
         worker_id, workers = worker()
         plan = self.plan(rank, world_size)

@@ -458,6 +458,32 @@ def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path,
     assert "decoder: EncodedBatch" in capsys.readouterr().out
 
 
+def test_worker_heap_study_reads_each_batch_size_both_ways_and_restores_the_setting(tmp_path, capsys, monkeypatch):
+    from benchmarks.suites import worker_heap
+    from packer import pack
+    from packer.synth import make_corpus
+    from readers import heap
+
+    if heap.glibc() is None:
+        pytest.skip("readers.heap sets glibc's malloc thresholds; this C library is not glibc")
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=20)
+    packed = tmp_path / "d.lmdb"
+    pack(str(tmp_path / "src"), "lmdb", str(packed), progress=False, workers=1)
+    monkeypatch.delenv(heap.ENV, raising=False)
+    out = tmp_path / "runs.json"
+    assert worker_heap.main([str(packed), "--folder", str(tmp_path / "src"), "--batch", "4", "8", "--records", "16",
+                             "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["source"], row["batch"]) for row in rows] == [("d.lmdb", 4), ("d.lmdb", 8), ("folder", 4),
+                                                               ("folder", 8)]
+    for row in rows:
+        for setting in worker_heap.SETTINGS:
+            assert row[setting]["samples/s"] > 0 and row[setting]["faults/sample"] >= 0
+        assert row["kept / defaults"] > 0
+    assert heap.ENV not in os.environ
+    assert "kept/defaults" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
 def test_disk_depth_study_reports_every_depth_against_the_first(tmp_path, capsys):
     from benchmarks.suites import disk_depth

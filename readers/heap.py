@@ -1,0 +1,70 @@
+"""Keeps a DataLoader worker's freed heap for its next batch instead of faulting it back in (glibc).
+
+glibc's malloc gives memory back to the kernel once 128 KiB lie free at the top of the
+heap, and serves allocations from 128 KiB up with mappings of their own (that threshold
+drifts up with what is freed). A worker allocates a batch of samples (the bytes read,
+the arrays decoded: 100 KB to 1 MB each), hands the batch over and frees them together;
+the heap shrinks, and the next batch's reads fault every page back in, zero-filled, one
+4 KiB page at a time. On the 2-core machine of docs/benchmarks.md that was half the time
+of a warm raw read through a DataLoader.
+
+keep_heap() fixes both thresholds in this process: the heap grows to the worker's
+largest working set and stays there. That is the peak the worker reached anyway, held
+between batches instead of given back and faulted in again; allocations of 32 MiB and
+more still get their own mappings and go back when freed.
+
+Done once per worker process, by make_loader's worker set-up and by a packer Dataset's
+first batch in a DataLoader worker; never in the main process, whose allocator stays
+the user's. PACKER_KEEP_HEAP=0 turns it off. Other C libraries are left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch.utils.data
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept, at most
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
+ENV = "PACKER_KEEP_HEAP"
+
+_decided_in: int | None = None  # the process that decided (a forked child decides again)
+_kept = False
+
+
+def keep_heap() -> bool:
+    """Fix glibc's trim and mmap thresholds in this process (see the module's text).
+
+    True once they are set; False where PACKER_KEEP_HEAP=0 or the C library is not glibc."""
+    global _decided_in, _kept
+    if _decided_in == os.getpid():
+        return _kept
+    _decided_in, _kept = os.getpid(), False
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    libc = glibc()
+    if libc is not None:
+        _kept = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _kept
+
+
+def keep_heap_in_worker() -> bool:
+    """keep_heap() in a DataLoader worker; in any other process nothing, and False."""
+    if _decided_in == os.getpid():
+        return _kept
+    if torch.utils.data.get_worker_info() is None:
+        return False
+    return keep_heap()
+
+
+def glibc():
+    """This process's C library when it is glibc (the only one whose mallopt this module
+    knows), else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,94 @@
+"""readers.heap: a DataLoader worker keeps its freed heap between batches, the main process is left alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.utils.data as tud
+
+import readers
+from packer import pack
+from readers import FolderDataset, WDSDataset, heap
+
+from conftest import class_sorted_tree
+
+pytestmark = pytest.mark.skipif(heap.glibc() is None, reason="readers.heap sets glibc's malloc thresholds; "
+                                                              "this C library is not glibc")
+
+# A worker's batch in miniature: 256 samples of ~100 KB alive together, then freed together.
+# Prints the minor page faults of the cycles after the first, and what keep_heap() said.
+BATCH_CYCLES = """
+import json, resource, sys
+from readers import heap
+kept = heap.keep_heap() if sys.argv[1] == "keep" else None
+def cycle():
+    batch = [b"x" * (90_000 + 97 * i) for i in range(256)]
+    return sum(map(len, batch))
+cycle()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    cycle()
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, "kept": kept}))
+"""
+
+
+def batch_cycles(mode: str, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", BATCH_CYCLES, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    return json.loads(out.stdout)
+
+
+def test_a_kept_heap_serves_the_next_batch_without_faulting_its_pages_in_again():
+    default, kept = batch_cycles("default"), batch_cycles("keep")
+    assert kept["kept"] is True
+    # Five batches of ~24 MB: glibc's defaults give the heap back after each, so its
+    # ~6,000 pages fault in again every batch; kept, they are reused.
+    assert default["faults"] > 5 * 3000, default
+    assert kept["faults"] < default["faults"] / 10, (kept, default)
+
+
+def test_packer_keep_heap_0_turns_it_off():
+    off = batch_cycles("keep", {heap.ENV: "0"})
+    assert off["kept"] is False
+    assert off["faults"] > 5 * 3000, off
+
+
+def test_the_main_process_is_left_alone():
+    assert tud.get_worker_info() is None
+    assert heap.keep_heap_in_worker() is False
+    assert heap._decided_in != os.getpid()  # not even decided: a worker forked from here decides for itself
+
+
+def heap_kept(batch):
+    """A collate run in the worker: whether that worker's heap is kept."""
+    return heap._kept and heap._decided_in == os.getpid()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    return class_sorted_tree(tmp_path_factory.mktemp("heap") / "src", classes=2, per_class=4)
+
+
+@pytest.mark.parametrize("fmt", ["folder", "lmdb", "wds-stream"])
+def test_a_packer_dataset_keeps_the_heap_of_the_plain_dataloaders_workers(tree, tmp_path, fmt):
+    if fmt == "folder":
+        dataset = FolderDataset(tree, decode="raw")
+    elif fmt == "lmdb":
+        pack(str(tree), "lmdb", str(tmp_path / "d.lmdb"), progress=False, workers=1)
+        dataset = readers.LMDBDataset(tmp_path / "d.lmdb", decode="raw")
+    else:
+        pack(str(tree), "wds", str(tmp_path / "d.wds"), progress=False, workers=1)
+        dataset = WDSDataset(tmp_path / "d.wds", decode="raw")
+    loader = tud.DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=heap_kept)
+    assert list(loader) == [True, True]
+    assert heap.keep_heap_in_worker() is False  # and the main process's is not
+
+
+def test_make_loader_workers_keep_their_heap(tree, tmp_path):
+    pack(str(tree), "lmdb", str(tmp_path / "d.lmdb"), progress=False, workers=1)
+    dataset = readers.LMDBDataset(tmp_path / "d.lmdb", decode="raw")
+    loader = readers.make_loader(dataset, 4, workers=2, collate_fn=heap_kept)
+    assert list(loader) == [True, True]
