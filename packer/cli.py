@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -63,14 +64,15 @@ def say(message: str) -> None:
 
 class PackerGroup(click.Group):
     """The command group; Ctrl-C in any command exits 130 (128 + SIGINT, as shells expect) with
-    one line, where click would print "Aborted!" and exit 1."""
+    one line, where click would print "Aborted!" and exit 1; a pack or convert stopped by
+    SIGTERM exits 143 (128 + SIGTERM) the same way."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as exc:
             say(str(exc) if isinstance(exc, Interrupted) else "interrupted")
-            ctx.exit(130)
+            ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
 
 
 @click.group(cls=PackerGroup, context_settings={"help_option_names": ["-h", "--help"]})

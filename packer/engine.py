@@ -22,6 +22,7 @@ CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting ord
 # enough to keep the disk busy through a commit, bounded so memory stays flat.
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the parent handles them (packer.interrupts); pool workers ignore them
 STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
 
 
@@ -41,44 +42,59 @@ def load_in_processes(jobs: list, load: Callable[[Any], Any], workers: int,
     pool = None
     pending: deque = deque()
     try:
-        with sigint_blocked():  # so no worker can take a Ctrl-C before it starts ignoring it
+        with stop_signals_blocked():  # so no worker can take a Ctrl-C or SIGTERM before it starts ignoring them
             pool = Pool(workers, initializer=_start_worker, initargs=(load,))
-        pending.extend(pool.apply_async(_load_part, (part,)) for part in itertools.islice(parts, workers * 4))
+        for part in itertools.islice(parts, workers * 4):
+            submit(pool, part, pending)
         while pending:
             done = pending[0].get()
             pending.popleft()
             part = next(parts, None)
             if part is not None:
-                pending.append(pool.apply_async(_load_part, (part,)))
+                submit(pool, part, pending)
             yield from done
     finally:
         if pool is not None:
             stop_pool(pool, pending)
 
 
+def submit(pool, part: list, pending: deque) -> None:
+    """Queue part on pool, its result appended to pending, with no Ctrl-C or SIGTERM between.
+
+    apply_async registers the job with the pool before it queues it: interrupted between
+    the two, the job would never run, and Pool.join() waits for every registered job."""
+    with stop_signals_blocked():
+        pending.append(pool.apply_async(_load_part, (part,)))
+
+
 def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
     """Let the chunks in flight finish, then let the workers exit.
 
-    Pool.terminate() kills workers, and one killed while it sends a result leaves the
-    result queue's lock held: the pool's task thread then waits on it forever, and so does
-    terminate(). Only workers still busy after `grace` seconds (a hung read) are killed.
+    A worker killed while it sends a result, or while it waits for a task, leaves a queue's
+    lock held: the pool's threads then wait on it forever, and so does terminate(). Only
+    workers still busy after `grace` seconds (a hung read) are killed, with SIGKILL since
+    they ignore SIGTERM (_start_worker); terminate() then only reaps them.
     """
     pool.close()
     deadline = time.monotonic() + grace
     for result in pending:
         result.wait(max(0.0, deadline - time.monotonic()))
     if not all(result.ready() for result in pending):
+        for worker in pool._pool:  # the Pool's own list of its worker processes
+            if worker.is_alive():
+                worker.kill()
         pool.terminate()
     pool.join()
 
 
 @contextlib.contextmanager
-def sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in this thread (delivered at the end); what it starts meanwhile inherits the mask."""
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread (delivered at the end); what it starts
+    meanwhile inherits the mask."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -180,11 +196,13 @@ _load: Callable[[Any], Any] | None = None
 
 
 def _start_worker(load: Callable[[Any], Any]) -> None:
-    # Ctrl-C reaches the whole process group. A worker killed by it can die holding the
-    # pool's task-queue lock, and then the parent's Pool.terminate() waits forever.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM every process of
+    # the job. A worker killed by either can die holding one of the pool's queue locks, and
+    # then the parent's Pool.terminate() waits forever: the parent stops its workers.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     global _load
     _load = load
 

@@ -1,4 +1,9 @@
-"""Ctrl-C during a pack or convert: stop within moments, leave nothing behind, exit 130."""
+"""Ctrl-C or SIGTERM during a pack or convert: stop within moments, leave nothing behind.
+
+SIGTERM is how schedulers stop a job (SLURM at its time limit or on preemption, Kubernetes,
+`timeout`, `docker stop`); by default it kills Python at once and leaves the staging path
+(the next run to the same OUT removes it). While a pack writes, it takes Ctrl-C's way out.
+"""
 from __future__ import annotations
 
 import signal
@@ -9,46 +14,54 @@ CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (Int
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a pack or convert; OUT was left untouched."""
+    """Ctrl-C (or SIGTERM: `signum`) stopped a pack or convert; OUT was left untouched."""
 
-    def __init__(self, out: str):
-        super().__init__(f"interrupted; nothing was written at {out}")
-        self.out = out
+    def __init__(self, out: str, signum: int = signal.SIGINT):
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        super().__init__(f"{how}; nothing was written at {out}")
+        self.out, self.signum = out, int(signum)
+
+
+# The handler each signal must have for the guard to take it over: Python's own for
+# SIGINT, the default action (die) for SIGTERM. A handler the program set is left alone.
+TAKEN_OVER = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
 class InterruptGuard:
-    """Makes Ctrl-C stop a pack or convert that writes to out, even a Ctrl-C that Python drops.
+    """Makes Ctrl-C or SIGTERM stop a pack or convert that writes to out, even when Python drops it.
 
     Python raises KeyboardInterrupt wherever the main thread is; inside a finalizer or a
     weakref callback (h5py runs those while it writes) it is printed and dropped, and the
-    pack would run on and publish. While the guard is active (main thread only, over
-    Python's default handler), SIGINT also sets `pending`, which the writing loop checks at
-    every record and before the dataset is finished; the interrupt leaves as Interrupted(out).
-    A second Ctrl-C within CLEANUP_GRACE_S of the first is ignored, so that it cannot cut
-    short the removal of the staging path; a later one raises again.
+    pack would run on and publish. While the guard is active (main thread only, over the
+    handlers in TAKEN_OVER), SIGINT and SIGTERM raise KeyboardInterrupt and set `pending`,
+    which the writing loop checks at every record and before the dataset is finished; the
+    interrupt leaves as Interrupted(out, signum). A second signal within CLEANUP_GRACE_S of
+    the first is ignored, so that it cannot cut short the removal of the staging path; a
+    later one raises again.
     """
 
     def __init__(self, out: str | None = None):
-        self.out, self.pending, self._previous = out, False, None
-        self._first = 0.0
+        self.out, self.pending, self._previous = out, False, {}
+        self._first, self.signum = 0.0, signal.SIGINT
 
     def __enter__(self) -> "InterruptGuard":
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._previous = signal.signal(signal.SIGINT, self._interrupt)
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in TAKEN_OVER.items():
+                if signal.getsignal(signum) is handler:
+                    self._previous[signum] = signal.signal(signum, self._interrupt)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
         if self.out is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
-            raise Interrupted(self.out) from None
+            raise Interrupted(self.out, self.signum) from None
 
     def _interrupt(self, signum, frame) -> None:
         if self.pending and time.monotonic() - self._first < CLEANUP_GRACE_S:
             return
-        self.pending, self._first = True, time.monotonic()
+        self.pending, self._first, self.signum = True, time.monotonic(), signum
         raise KeyboardInterrupt
 
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""Ctrl-C stops pack and convert within moments: exit 130, no staging left, no worker left.
+"""Ctrl-C and SIGTERM stop pack and convert within moments: exit 130 / 143, no staging left, no worker left.
 
 Each case starts the real CLI in its own session (process group) and, once its staging
 path exists, sends SIGINT to the whole group, as a terminal's Ctrl-C does.
@@ -56,8 +56,11 @@ def staging(out: Path) -> list[Path]:
     return sorted(out.parent.glob(out.name + ".partial-*"))
 
 
-def interrupt(args: list, out: Path, workers: int) -> tuple[int, float, str, list[int]]:
-    """Run the CLI, Ctrl-C it once its staging exists and its `workers` worker processes run.
+def interrupt(args: list, out: Path, workers: int, signum=signal.SIGINT,
+              group: bool = True) -> tuple[int, float, str, list[int]]:
+    """Run the CLI, send it signum once its staging exists and its `workers` worker processes
+    run: to its whole process group (a terminal's Ctrl-C, SLURM's SIGTERM to a job's
+    processes), or to the command's own process alone (`kill PID`, `timeout`, Kubernetes).
 
     Returns its exit code, the seconds it took to stop, its stderr, and the processes of its
     group still there after it exited (its workers, had it left any).
@@ -71,12 +74,12 @@ def interrupt(args: list, out: Path, workers: int) -> tuple[int, float, str, lis
             assert time.monotonic() < deadline, "no staging path (or no workers) appeared"
             time.sleep(0.005)
         time.sleep(0.05)  # into the reading and writing
-        os.killpg(proc.pid, signal.SIGINT)
+        (os.killpg if group else os.kill)(proc.pid, signum)
         sent = time.monotonic()
         try:
             _, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running 30 s after Ctrl-C: {args}")
+            pytest.fail(f"still running 30 s after {signal.Signals(signum).name}: {args}")
         seconds = time.monotonic() - sent
         return proc.returncode, seconds, stderr, processes_in_group(proc.pid)
     finally:
@@ -85,12 +88,13 @@ def interrupt(args: list, out: Path, workers: int) -> tuple[int, float, str, lis
             proc.wait()
 
 
-def assert_stopped_cleanly(args: list, out: Path, workers: int = 0) -> None:
-    code, seconds, stderr, left = interrupt(args, out, workers)
+def assert_stopped_cleanly(args: list, out: Path, workers: int = 0, signum=signal.SIGINT, group: bool = True) -> None:
+    code, seconds, stderr, left = interrupt(args, out, workers, signum, group)
     state = f"exit {code} after {seconds:.1f} s, processes left {left}, stderr:\n{stderr}"
-    assert code == 130, state
+    assert code == 128 + signum, state
     assert seconds < STOP_WITHIN_S, state
-    assert stderr.strip().endswith(f"interrupted; nothing was written at {out}"), state
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    assert stderr.strip().endswith(f"{how}; nothing was written at {out}"), state
     assert not out.exists() and staging(out) == [], state
     assert left == [], state
 
@@ -110,6 +114,18 @@ def test_ctrl_c_stops_a_convert(big_tree, tmp_path):
                    cwd=ROOT, check=True, capture_output=True)
     assert_stopped_cleanly(["convert", packed, "--to", "hdf5", "--workers", "2"], tmp_path / "converted.h5",
                            workers=2)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["to-the-command", "to-its-group"])
+def test_sigterm_stops_a_pack_with_worker_processes_like_ctrl_c(big_tree, tmp_path, group):
+    # A scheduler's stop: SLURM signals every process of the job, `kill`/Kubernetes the command.
+    assert_stopped_cleanly(["pack", big_tree, "--to", "lmdb", "--check", "full", "--workers", "2"],
+                           tmp_path / "out.lmdb", workers=2, signum=signal.SIGTERM, group=group)
+
+
+def test_sigterm_stops_an_hdf5_pack_like_ctrl_c(big_tree, tmp_path):
+    assert_stopped_cleanly(["pack", big_tree, "--to", "hdf5", "--workers", "2"], tmp_path / "out.h5",
+                           signum=signal.SIGTERM, group=False)
 
 
 class InterruptsWhenCollected:
@@ -166,3 +182,63 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short():
                 cleaned = True
     assert cleaned
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the way out
+
+
+def test_a_sigterm_during_the_cleanup_of_a_ctrl_c_is_ignored_too_and_both_handlers_come_back():
+    cleaned = False
+    with pytest.raises(Interrupted, match="interrupted; nothing was written at OUT") as stopped:
+        with InterruptGuard("OUT"):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            finally:  # a scheduler's SIGTERM arriving while the staging path is removed
+                signal.raise_signal(signal.SIGTERM)
+                cleaned = True
+    assert cleaned and stopped.value.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_handler_the_program_set_for_sigterm_is_left_alone():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with InterruptGuard("OUT"):
+            signal.raise_signal(signal.SIGTERM)  # the program's handler runs; the pack goes on
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# A Ctrl-C that lands in Pool.apply_async after it registered a job and before it queued it.
+INTERRUPTED_SUBMIT = """
+import signal
+import multiprocessing.pool
+from packer import engine
+
+register = multiprocessing.pool.ApplyResult.__init__
+made = []
+
+def register_then_interrupt(self, *args, **kwargs):
+    register(self, *args, **kwargs)
+    made.append(self)
+    if len(made) == 3:
+        signal.raise_signal(signal.SIGINT)
+
+multiprocessing.pool.ApplyResult.__init__ = register_then_interrupt
+try:
+    for _ in engine.load_in_processes(list(range(1000)), abs, 2, chunk=10):
+        pass
+except KeyboardInterrupt:
+    print("stopped after", len(made), "jobs")
+"""
+
+
+def test_an_interrupt_inside_a_job_submission_still_lets_the_pool_stop():
+    # Without the signals held off there, the registered job is never queued and
+    # Pool.join() waits for it forever.
+    try:
+        done = subprocess.run([sys.executable, "-c", INTERRUPTED_SUBMIT], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the pool never stopped after an interrupt inside apply_async")
+    assert done.stdout.strip() == "stopped after 3 jobs", done.stderr
