@@ -458,7 +458,11 @@ def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path,
     assert "decoder: EncodedBatch" in capsys.readouterr().out
 
 
-def test_worker_heap_study_reads_each_batch_size_both_ways_and_restores_the_setting(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("state, crop", [
+    ("warm", False), ("warm", True),
+    pytest.param("cold", False, marks=pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict"))])
+def test_worker_heap_study_reads_each_batch_size_both_ways_and_restores_the_setting(tmp_path, capsys, monkeypatch,
+                                                                                    state, crop):
     from benchmarks.suites import worker_heap
     from packer import pack
     from packer.synth import make_corpus
@@ -472,8 +476,11 @@ def test_worker_heap_study_reads_each_batch_size_both_ways_and_restores_the_sett
     monkeypatch.delenv(heap.ENV, raising=False)
     out = tmp_path / "runs.json"
     assert worker_heap.main([str(packed), "--folder", str(tmp_path / "src"), "--batch", "4", "8", "--records", "16",
-                             "--repeats", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                             "--cache", state, *(["--crop"] if crop else []), "--repeats", "1",
+                             "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["cache"] == state and result["crop"] == crop
+    rows = result["rows"]
     assert [(row["source"], row["batch"]) for row in rows] == [("d.lmdb", 4), ("d.lmdb", 8), ("folder", 4),
                                                                ("folder", 8)]
     for row in rows:
