@@ -45,7 +45,8 @@ def keep_heap() -> bool:
         return False
     libc = glibc()
     if libc is not None:
-        _kept = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        _kept = (bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+                 and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
     return _kept
 
 

@@ -7,8 +7,9 @@
 Raw bytes (decode="raw", the default checksum check on) through a plain
 DataLoader(shuffle=True, num_workers=W, batch_size=B), the README's drop-in, whose
 collate counts bytes in the worker, warm (the files read into the page cache first) or
-cold (the source's files evicted before each run): samples/s with PACKER_KEEP_HEAP=0 (glibc's defaults: freed memory goes back to the kernel
-and comes back page by page) and with the heap kept (the default), each run with fresh
+cold (the source's files evicted before each run): samples/s with PACKER_KEEP_HEAP=0
+(glibc's defaults: freed memory goes back to the kernel and comes back page by page)
+and with the heap kept (the default), each run with fresh
 workers, for each batch size, the cases interleaved round by round (medians). Each run
 also gives its workers' minor page faults per sample, read in the workers: the cost the
 kept heap removes. --folder adds the same rows for FolderDataset, which keeps its heap
@@ -125,7 +126,8 @@ def main(argv=None) -> int:
                 kept / default for (kept, _), (default, _) in zip(runs[(source, batch, "heap kept")],
                                                                    runs[(source, batch, "glibc defaults")]))
             rows.append(row)
-    print(f"{'source':>16} {'batch':>5} {'defaults/s':>11} {'faults':>7} {'kept/s':>9} {'faults':>7} {'kept/defaults':>13}")
+    print(f"{'source':>16} {'batch':>5} {'defaults/s':>11} {'faults':>7} {'kept/s':>9} {'faults':>7} "
+          f"{'kept/defaults':>13}")
     for row in rows:
         d, k = row["glibc defaults"], row["heap kept"]
         print(f"{row['source']:>16} {row['batch']:>5} {d['samples/s']:>11,.0f} {d['faults/sample']:>7.1f} "
