@@ -15,7 +15,7 @@ from . import __version__
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS, parse_size
-from .interrupts import Interrupted
+from .interrupts import Interrupted, how_stopped, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
 from .reencode import MAX_SIDE_LIMIT
 
@@ -64,15 +64,17 @@ def say(message: str) -> None:
 
 class PackerGroup(click.Group):
     """The command group; Ctrl-C in any command exits 130 (128 + SIGINT, as shells expect) with
-    one line, where click would print "Aborted!" and exit 1; a pack or convert stopped by
-    SIGTERM exits 143 (128 + SIGTERM) the same way."""
+    one line, where click would print "Aborted!" and exit 1; SIGTERM takes the same way
+    out (packer.interrupts) and exits 143 (128 + SIGTERM)."""
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt as exc:
-            say(str(exc) if isinstance(exc, Interrupted) else "interrupted")
-            ctx.exit(128 + getattr(exc, "signum", signal.SIGINT))
+        with stop_signals_as_interrupts():
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt as exc:
+                signum = getattr(exc, "signum", signal.SIGINT)
+                say(str(exc) if isinstance(exc, Interrupted) else how_stopped(signum))
+                ctx.exit(128 + signum)
 
 
 @click.group(cls=PackerGroup, context_settings={"help_option_names": ["-h", "--help"]})

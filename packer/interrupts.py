@@ -2,29 +2,63 @@
 
 SIGTERM is how schedulers stop a job (SLURM at its time limit or on preemption, Kubernetes,
 `timeout`, `docker stop`); by default it kills Python at once and leaves the staging path
-(the next run to the same OUT removes it). While a pack writes, it takes Ctrl-C's way out.
+(the next run to the same OUT removes it). While a pack writes (InterruptGuard), and for
+the whole of a `packer` command (stop_signals_as_interrupts: an upload too), it takes
+Ctrl-C's way out.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
+from typing import Iterator
 
 CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
+
+
+def how_stopped(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM taken as Ctrl-C (stop_signals_as_interrupts); `signum` says which signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(how_stopped(signum))
+        self.signum = int(signum)
 
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM: `signum`) stopped a pack or convert; OUT was left untouched."""
 
     def __init__(self, out: str, signum: int = signal.SIGINT):
-        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        super().__init__(f"{how}; nothing was written at {out}")
+        super().__init__(f"{how_stopped(signum)}; nothing was written at {out}")
         self.out, self.signum = out, int(signum)
 
 
-# The handler each signal must have for the guard to take it over: Python's own for
-# SIGINT, the default action (die) for SIGTERM. A handler the program set is left alone.
-TAKEN_OVER = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+def raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_as_interrupts() -> Iterator[None]:
+    """SIGTERM raises Stopped, a KeyboardInterrupt, in the main thread while this is active
+    (where SIGTERM still has its default action): whatever cleans up after Ctrl-C then
+    cleans up after it too. The `packer` command runs inside one."""
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+# The handlers the guard takes a signal over from: Python's own for SIGINT; the default
+# action (die), or stop_signals_as_interrupts', for SIGTERM. One the program set is left alone.
+TAKEN_OVER = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_stopped)}
 
 
 class InterruptGuard:
@@ -46,8 +80,8 @@ class InterruptGuard:
 
     def __enter__(self) -> "InterruptGuard":
         if threading.current_thread() is threading.main_thread():
-            for signum, handler in TAKEN_OVER.items():
-                if signal.getsignal(signum) is handler:
+            for signum, handlers in TAKEN_OVER.items():
+                if any(signal.getsignal(signum) is handler for handler in handlers):
                     self._previous[signum] = signal.signal(signum, self._interrupt)
         return self
 

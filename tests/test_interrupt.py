@@ -242,3 +242,19 @@ def test_an_interrupt_inside_a_job_submission_still_lets_the_pool_stop():
     except subprocess.TimeoutExpired:
         pytest.fail("the pool never stopped after an interrupt inside apply_async")
     assert done.stdout.strip() == "stopped after 3 jobs", done.stderr
+
+
+def test_the_command_takes_sigterm_as_ctrl_c_and_the_guard_takes_it_over_while_writing():
+    from packer.interrupts import Stopped, raise_stopped, stop_signals_as_interrupts
+
+    with stop_signals_as_interrupts():
+        assert signal.getsignal(signal.SIGTERM) is raise_stopped
+        with pytest.raises(Stopped, match="stopped by SIGTERM") as outside:  # e.g. during an upload
+            signal.raise_signal(signal.SIGTERM)
+        assert outside.value.signum == signal.SIGTERM
+        with pytest.raises(Interrupted, match="stopped by SIGTERM; nothing was written at OUT") as writing:
+            with InterruptGuard("OUT") as guard:
+                signal.raise_signal(signal.SIGTERM)
+        assert writing.value.signum == signal.SIGTERM and guard.pending
+        assert signal.getsignal(signal.SIGTERM) is raise_stopped  # the guard gave it back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -413,8 +413,9 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 
 # `packer pack` as `python -m packer.cli` runs it, but each upload thread stops once
 # PAUSE_AFTER objects are up, after printing "paused" once: the upload is then under way
-# and stays so until the test kills it or sends SIGINT (Ctrl-C: the threads go on, as they
-# would have, and the main thread gets its KeyboardInterrupt), however fast the machine is.
+# and stays so until the test kills it or sends SIGINT or SIGTERM (the threads go on, as
+# they would have, and the main thread gets the command's own handling of the signal),
+# however fast the machine is.
 PAUSED_CLI = """
 import signal, sys, threading
 from packer.remote import upload
@@ -433,18 +434,23 @@ def put_then_pause(target, local, path):
     if pausing:
         resume.wait()
 
-def interrupt(signum, frame):
-    resume.set()
-    signal.default_int_handler(signum, frame)
+def resuming(handler):
+    def resume_then_handle(signum, frame):
+        resume.set()
+        handler(signum, frame)
+    return resume_then_handle
 
-def upload_resuming_on_sigint(*args, **kwargs):
-    previous = signal.signal(signal.SIGINT, interrupt)
+def upload_resuming_on_a_signal(*args, **kwargs):
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum, handler in previous.items():
+        signal.signal(signum, resuming(handler))
     try:
         return upload_all(*args, **kwargs)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
-upload.put, upload.upload = put_then_pause, upload_resuming_on_sigint
+upload.put, upload.upload = put_then_pause, upload_resuming_on_a_signal
 main(sys.argv[1:], prog_name="packer")
 """
 
@@ -453,7 +459,7 @@ def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: boo
                  pause_after: int | None = None) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
     to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables.
-    pause_after: the upload stops once that many objects are up (until SIGINT), and the
+    pause_after: the upload stops once that many objects are up (until SIGINT or SIGTERM), and the
     child prints "paused" on its stdout."""
     runner = [sys.executable, "-m", "packer.cli"] if pause_after is None else \
         [sys.executable, "-c", PAUSED_CLI, str(pause_after)]
@@ -539,15 +545,17 @@ def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, f
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
 
 
-def test_ctrl_c_during_upload_deletes_the_staging(tmp_path, s3_bucket):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_during_upload_deletes_the_staging(tmp_path, s3_bucket, signum):
     src = many_records(tmp_path)
     proc = start_upload(src, f"{s3_bucket.url}/ds.wds", s3_bucket, options_from_env=True, pause_after=10)
     wait_until_paused(proc)  # ten objects up, the rest waiting
     watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
     assert proc.poll() is None, proc.stderr.read()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == ("interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"), err
     assert s3_bucket.keys() == []
 
 

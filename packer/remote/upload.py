@@ -48,6 +48,7 @@ import json
 import os
 import posixpath
 import shutil
+import signal
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -520,16 +521,16 @@ def interrupted_swap(target: Target, stage: str, exc: BaseException) -> BaseExce
     again = (f"{target.url}: replacing the dataset was cut short ({type(exc).__name__}); the new one is complete "
              f"at {target.url_of(stage)}, and running the same command again from this host finishes it")
     if isinstance(exc, KeyboardInterrupt):
-        return SwapInterrupted(target.url, again)
+        return SwapInterrupted(target.url, again, getattr(exc, "signum", signal.SIGINT))
     return PackError(f"{again} ({exc})", target.url)
 
 
 class SwapInterrupted(Interrupted):
-    """Ctrl-C while replacing a remote dataset: the old one is gone, the new one is staged."""
+    """Ctrl-C or SIGTERM while replacing a remote dataset: the old one is gone, the new one is staged."""
 
-    def __init__(self, out: str, message: str):
+    def __init__(self, out: str, message: str, signum: int = signal.SIGINT):
         KeyboardInterrupt.__init__(self, message)
-        self.out = out
+        self.out, self.signum = out, int(signum)
 
 
 def owner_note(owner: Owner) -> bytes:
