@@ -7,13 +7,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.utils.data as tud
 
 import readers
 from packer import pack
 from readers import FolderDataset, WDSDataset, heap
 
-from conftest import class_sorted_tree
+from conftest import class_sorted_tree, jpeg_bytes, write
 
 pytestmark = pytest.mark.skipif(heap.glibc() is None, reason="readers.heap sets glibc's malloc thresholds; "
                                                               "this C library is not glibc")
@@ -92,3 +93,25 @@ def test_make_loader_workers_keep_their_heap(tree, tmp_path):
     dataset = readers.LMDBDataset(tmp_path / "d.lmdb", decode="raw")
     loader = readers.make_loader(dataset, 4, workers=2, collate_fn=heap_kept)
     assert list(loader) == [True, True]
+
+
+def worker_rss(batch) -> int:
+    """A collate run in the worker: its resident memory in bytes once the batch is read."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads a worker's RSS from /proc (Linux)")
+def test_a_kept_heap_stays_flat_over_many_batches(tmp_path):
+    # 64 noise JPEGs of ~100 KB read in 30 batches of 256 (~25 MB each): the worker's memory
+    # after the last batch is that after the third, give or take, never 30 batches' worth.
+    for i in range(64):
+        write(tmp_path / "src" / f"class{i % 2}" / f"{i:02d}.jpg", jpeg_bytes(i, size=(350, 300)))
+    pack(str(tmp_path / "src"), "lmdb", str(tmp_path / "d.lmdb"), progress=False, workers=1)
+    dataset = readers.LMDBDataset(tmp_path / "d.lmdb", decode="raw")
+    assert 80_000 < len(dataset[0][0]) < 120_000
+    draws = tud.RandomSampler(dataset, replacement=True, num_samples=30 * 256,
+                              generator=torch.Generator().manual_seed(0))
+    loader = tud.DataLoader(dataset, batch_size=256, sampler=draws, num_workers=1, collate_fn=worker_rss)
+    rss = list(loader)
+    assert max(rss[3:]) - rss[2] < 8 << 20, [r >> 20 for r in rss]
