@@ -88,10 +88,11 @@ def test_a_packer_dataset_keeps_the_heap_of_the_plain_dataloaders_workers(tree, 
     assert heap.keep_heap_in_worker() is False  # and the main process's is not
 
 
-def test_make_loader_workers_keep_their_heap(tree, tmp_path):
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_make_loader_workers_keep_their_heap(tree, tmp_path, context):
     pack(str(tree), "lmdb", str(tmp_path / "d.lmdb"), progress=False, workers=1)
     dataset = readers.LMDBDataset(tmp_path / "d.lmdb", decode="raw")
-    loader = readers.make_loader(dataset, 4, workers=2, collate_fn=heap_kept)
+    loader = readers.make_loader(dataset, 4, workers=2, collate_fn=heap_kept, multiprocessing_context=context)
     assert list(loader) == [True, True]
 
 
