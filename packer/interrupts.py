@@ -15,6 +15,9 @@ import time
 from typing import Iterator
 
 CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
+STOP_REQUEST_EVERY = 64  # InterruptGuard.check() calls between looks at a stop request (stop_when)
+
+_stop_request = None  # in a worker process: the Event its pool's owner sets to stop it (stop_when)
 
 
 def how_stopped(signum: int) -> str:
@@ -39,6 +42,16 @@ class Interrupted(KeyboardInterrupt):
 
 def raise_stopped(signum, frame) -> None:
     raise Stopped(signum)
+
+
+def stop_when(event) -> None:
+    """A worker process's initializer: every InterruptGuard in this process also stops, as on
+    Ctrl-C, once `event` (a multiprocessing Event) is set by the process that owns the pool.
+
+    A signal sent to that process alone (`kill PID`, Kubernetes, `timeout`) reaches none of
+    its workers; without this they would run their work to the end before it could exit."""
+    global _stop_request
+    _stop_request = event
 
 
 @contextlib.contextmanager
@@ -76,7 +89,7 @@ class InterruptGuard:
 
     def __init__(self, out: str | None = None):
         self.out, self.pending, self._previous = out, False, {}
-        self._first, self.signum = 0.0, signal.SIGINT
+        self._first, self.signum, self._checks = 0.0, signal.SIGINT, 0
 
     def __enter__(self) -> "InterruptGuard":
         if threading.current_thread() is threading.main_thread():
@@ -99,6 +112,13 @@ class InterruptGuard:
         raise KeyboardInterrupt
 
     def check(self) -> None:
-        """Raise the KeyboardInterrupt of a Ctrl-C that was dropped on its way."""
+        """Raise the KeyboardInterrupt of a Ctrl-C that was dropped on its way, or of a stop
+        requested by the process that owns this worker (stop_when; looked at every
+        STOP_REQUEST_EVERY calls, as it costs a lock)."""
         if self.pending:
             raise KeyboardInterrupt
+        if _stop_request is not None:
+            self._checks += 1
+            if self._checks % STOP_REQUEST_EVERY == 0 and _stop_request.is_set():
+                self.pending, self._first = True, time.monotonic()
+                raise KeyboardInterrupt

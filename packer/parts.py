@@ -42,7 +42,7 @@ from .cores import available_cores
 from .errors import PackError
 from .formats import FORMATS, default_output
 from .formats._tables import drop_pages
-from .interrupts import InterruptGuard
+from .interrupts import InterruptGuard, stop_when
 from .output import HOST, PARTIAL, check_target, new_owner
 from .records import MAX_PARTS, PathTable, part_bounds, split_bounds
 from .scan import Source, SplitListing
@@ -355,10 +355,12 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
     parts = parts_count(parts)
     src = os.path.abspath(os.fspath(src))
     out = os.path.abspath(out or default_output(src, fmt))
-    own = None
+    own = stop = None
     if executor is None:
+        context = multiprocessing.get_context("spawn")
+        stop = context.Event()
         own = executor = concurrent.futures.ProcessPoolExecutor(
-            min(parts, available_cores()), mp_context=multiprocessing.get_context("spawn"))
+            min(parts, available_cores()), mp_context=context, initializer=stop_when, initargs=(stop,))
     try:
         with InterruptGuard(out) as guard:
             tidied = check_target(out, sources=[src], force=force)
@@ -371,7 +373,8 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
                 result = merge([report["path"] for report in reports], out, force=force, workers=workers,
                                progress=progress)
             except BaseException as exc:
-                if own is not None:  # its running parts end before their folder goes
+                if own is not None:  # its running parts stop, and end, before their folder goes
+                    stop.set()
                     own.shutdown(wait=True, cancel_futures=True)
                 if not remove_folder(folder):
                     say_also(exc, f"{folder}, the parts' staging folder, could not be removed: remove it "

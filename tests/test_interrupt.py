@@ -25,17 +25,23 @@ FILES = 20_000  # hard links to one small JPEG: quick to make, long enough to pa
 STOP_WITHIN_S = 5
 
 
-@pytest.fixture(scope="module")
-def big_tree(tmp_path_factory) -> Path:
-    src = tmp_path_factory.mktemp("interrupt") / "src"
-    original = src.parent / "original.jpg"
-    original.write_bytes(jpeg_bytes(7, size=(64, 64)))
-    for c in range(FILES // 1000):
+def linked_tree(src: Path, files: int) -> Path:
+    """SRC/classNN/NNNN.jpg: `files` hard links to a small JPEG, 1,000 a class, a copy of the
+    JPEG per 20 classes (ext4 allows 65,000 links to one file)."""
+    for c in range(files // 1000):
+        original = src.parent / f"original{c // 20}.jpg"
+        if not original.exists():
+            original.write_bytes(jpeg_bytes(7, size=(64, 64)))
         folder = src / f"class{c:02d}"
         folder.mkdir(parents=True)
         for i in range(1000):
             os.link(original, folder / f"{i:04d}.jpg")
     return src
+
+
+@pytest.fixture(scope="module")
+def big_tree(tmp_path_factory) -> Path:
+    return linked_tree(tmp_path_factory.mktemp("interrupt") / "src", FILES)
 
 
 def processes_in_group(pgid: int) -> list[int]:
@@ -126,6 +132,19 @@ def test_sigterm_stops_a_pack_with_worker_processes_like_ctrl_c(big_tree, tmp_pa
 def test_sigterm_stops_an_hdf5_pack_like_ctrl_c(big_tree, tmp_path):
     assert_stopped_cleanly(["pack", big_tree, "--to", "hdf5", "--workers", "2"], tmp_path / "out.h5",
                            signum=signal.SIGTERM, group=False)
+
+
+def test_sigterm_to_a_pack_in_parts_stops_its_parts_instead_of_waiting_for_them(tmp_path):
+    # Four times big_tree: its two parts take ~10 s here when left to finish. The signal
+    # reaches the command alone, so only the command can tell its part processes to stop.
+    src = linked_tree(tmp_path / "src", 4 * FILES)
+    out = tmp_path / "out.lmdb"
+    args = ["pack", src, "--to", "lmdb", "--parts", "2", "--check", "full", "--workers", "1"]
+    code, seconds, stderr, _ = interrupt(args, out, workers=2, signum=signal.SIGTERM, group=False)
+    state = f"exit {code} after {seconds:.1f} s, stderr:\n{stderr}"
+    assert code == 143 and seconds < STOP_WITHIN_S, state
+    assert stderr.strip().endswith(f"stopped by SIGTERM; nothing was written at {out}"), state
+    assert not out.exists() and staging(out) == [], state
 
 
 class InterruptsWhenCollected:
@@ -258,3 +277,21 @@ def test_the_command_takes_sigterm_as_ctrl_c_and_the_guard_takes_it_over_while_w
         assert writing.value.signum == signal.SIGTERM and guard.pending
         assert signal.getsignal(signal.SIGTERM) is raise_stopped  # the guard gave it back
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_worker_stops_at_its_next_records_once_its_pools_owner_asks(monkeypatch):
+    import multiprocessing
+
+    from packer import interrupts
+
+    stop = multiprocessing.get_context("spawn").Event()
+    monkeypatch.setattr(interrupts, "_stop_request", None)
+    interrupts.stop_when(stop)
+    with pytest.raises(Interrupted, match="interrupted; nothing was written at OUT"):
+        with InterruptGuard("OUT") as guard:
+            for _ in range(10 * interrupts.STOP_REQUEST_EVERY):
+                guard.check()  # not asked yet: the records go on
+            stop.set()
+            for checked in range(interrupts.STOP_REQUEST_EVERY + 1):
+                guard.check()
+    assert checked < interrupts.STOP_REQUEST_EVERY
