@@ -5,8 +5,8 @@ heap, and serves allocations from 128 KiB up with mappings of their own (that th
 drifts up with what is freed). A worker allocates a batch of samples (the bytes read,
 the arrays decoded: 100 KB to 1 MB each), hands the batch over and frees them together;
 the heap shrinks, and the next batch's reads fault every page back in, zero-filled, one
-4 KiB page at a time. On the 2-core machine of docs/benchmarks.md that was half the time
-of a warm raw read through a DataLoader.
+4 KiB page at a time. On the 2-core machine of docs/benchmarks.md that was over half the
+time of a warm raw read through a DataLoader at batch 256 ("A worker's heap").
 
 keep_heap() fixes both thresholds in this process: the heap grows to the worker's
 largest working set and stays there. That is the peak the worker reached anyway, held
