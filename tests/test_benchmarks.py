@@ -452,7 +452,9 @@ def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path,
     assert gpu_host.main([str(packed), "--batch", "8", "--repeats", "1", "--batches", "2", "--json", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
     assert set(cases) == {"decoder: EncodedBatch", "decoder: list of bytes", "reference: a bytearray per image",
-                          "handover: list of bytes", "handover: EncodedBatch"}
+                          "handover: list of bytes", "handover: EncodedBatch",
+                          "transform: RandomResizedCrop.batch, tiny images",
+                          "transform: the crop draws alone (375x500)"}
     assert all(case["median"] > 0 and len(case["runs"]) == 1 for case in cases.values())
     assert ("torchvision" in sys.modules) == had_torchvision
     assert "decoder: EncodedBatch" in capsys.readouterr().out

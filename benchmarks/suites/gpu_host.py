@@ -15,6 +15,11 @@ tensors nvJPEG takes. This times those on the CPU, in interleaved rounds (median
              turned into a tensor (what GPUDecoder did before EncodedBatch); it costs
              5x more in a fresh process, before malloc has freed a large block and
              stopped mapping each 100 KB copy afresh, so it is timed after the others
+  transform  the host time per image of the transform GPUDecoder runs on the GPU,
+             RandomResizedCrop(flip=0.5).batch, on a batch of tiny images (12x16, to 8x8)
+             so that the kernels cost next to nothing: the crop draws, and the per-image
+             crop, float conversion and antialiased resize that it dispatches; and the
+             draws alone. On a GPU each of those ops also costs a kernel launch.
 """
 from __future__ import annotations
 
@@ -76,6 +81,21 @@ def decoder_cases(blobs: list) -> dict:
             "reference: a bytearray per image": lambda: per_image_copies(blobs)}
 
 
+def transform_cases(images: int) -> dict:
+    from readers import RandomResizedCrop
+    from readers.transforms import random_resized_crop_params
+
+    crop = RandomResizedCrop(8, flip=0.5)
+    tiny = [torch.zeros(3, 12, 16, dtype=torch.uint8) for _ in range(images)]
+
+    def draws():
+        for _ in range(images):
+            random_resized_crop_params(375, 500, crop.scale, crop.ratio)
+
+    return {"transform: RandomResizedCrop.batch, tiny images": lambda: crop.batch(tiny),
+            "transform: the crop draws alone (375x500)": draws}
+
+
 def time_per_image(fn, images: int) -> float:
     """Microseconds per image: the best of 3 runs of 5 calls."""
     return min(timeit.repeat(fn, number=5, repeat=3)) / 5 / images * 1e6
@@ -110,7 +130,7 @@ def main(argv=None) -> int:
     dataset = LMDBDataset(args.pack, decode="raw")
     blobs = [dataset.reader.read_image(i)[0] for i in range(min(args.batch, len(dataset)))]
     dataset.close()
-    cases = decoder_cases(blobs)
+    cases = {**transform_cases(len(blobs)), **decoder_cases(blobs)}
     handovers = {"handover: list of bytes": collate, "handover: EncodedBatch": encoded_collate}
     runs: dict[str, list[float]] = {name: [] for name in [*cases, *handovers]}
     for round_ in range(args.repeats):
