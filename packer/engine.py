@@ -17,12 +17,13 @@ from collections import deque
 from multiprocessing import Pool
 from typing import Any, Callable, Iterator
 
+from .interrupts import STOP_SIGNALS
+
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
 # Reader threads run at most this many files, and about this many bytes, ahead of the writer:
 # enough to keep the disk busy through a commit, bounded so memory stays flat.
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the parent handles them (packer.interrupts); pool workers ignore them
 STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
 
 

@@ -72,6 +72,7 @@ def stop_signals_as_interrupts() -> Iterator[None]:
 # The handlers the guard takes a signal over from: Python's own for SIGINT; the default
 # action (die), or stop_signals_as_interrupts', for SIGTERM. One the program set is left alone.
 TAKEN_OVER = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, raise_stopped)}
+STOP_SIGNALS = tuple(TAKEN_OVER)  # what stops a write; packer.engine's pool workers ignore them
 
 
 class InterruptGuard:

@@ -78,10 +78,12 @@ needs_page_cache_control = pytest.mark.skipif(
     reason="needs posix_fadvise, mincore and RWF_NOWAIT")
 
 
-def record_pages(dataset) -> dict[str, np.ndarray]:
-    """The page numbers, by file, that hold the bytes of the dataset's records."""
+def record_pages(dataset, indexes=None) -> dict[str, np.ndarray]:
+    """The page numbers, by file, that hold the bytes of the dataset's records (all, or those
+    of indexes)."""
     pages: dict[str, set] = {}
-    for fd, offset, length in dataset.reader.record_extents(np.arange(len(dataset))):
+    indexes = np.arange(len(dataset)) if indexes is None else indexes
+    for fd, offset, length in dataset.reader.record_extents(indexes):
         pages.setdefault(os.readlink(f"/proc/self/fd/{fd}"), set()).update(
             range(offset // cache.PAGE, (offset + length - 1) // cache.PAGE + 1))
     return {path: np.fromiter(found, dtype=np.int64) for path, found in pages.items()}
@@ -151,9 +153,7 @@ def test_hints_bring_the_next_records_into_the_page_cache(sorted_tree, tmp_path,
     files = [p for p in cache.data_files(str(out)) if p.endswith((".mdb", ".tar")) or p == str(out)]
     evicted(files, dataset)
     # The pages that hold the records' bytes (the files also hold tables, headers, padding).
-    pages = {(os.readlink(f"/proc/self/fd/{fd}"), page) for fd, offset, length in
-             dataset.reader.record_extents(np.arange(40)) for page in
-             range(offset // cache.PAGE, (offset + length - 1) // cache.PAGE + 1)}
+    pages = {(path, int(page)) for path, found in record_pages(dataset, np.arange(40)).items() for page in found}
     assert len(pages) > 40 and {path for path, _ in pages} == set(files)
     first = next(iter(ShuffleSampler(dataset, seed=0)))  # hints the first AHEAD records: all 40 here
     assert 0 <= first < 40

@@ -34,14 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import readers  # noqa: E402
 from benchmarks import cache  # noqa: E402
+from benchmarks.measures import count_bytes  # noqa: E402
 from readers import FolderDataset, RandomResizedCrop, collate, heap  # noqa: E402
 
 SETTINGS = {"glibc defaults": "0", "heap kept": "1"}
 
 
 def count_in_worker(batch: list) -> tuple[int, int, int]:
-    """(samples, bytes, this worker's minor faults so far): the collate, run in the worker."""
-    return len(batch), sum(len(sample[0]) for sample in batch), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    """(samples, bytes, this worker's minor faults so far): the suite's loader collate
+    (benchmarks.measures.count_bytes), run in the worker, and the faults."""
+    return (*count_bytes(batch), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def crop_in_worker(batch: list) -> tuple[int, int, int]:
