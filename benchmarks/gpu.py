@@ -49,7 +49,8 @@ WHEELS = ".whl"
 STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "disk", "suite", "scaling")
 NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "scaling", "suite")
 # The tests that do something different where CUDA is present (grep tests/ for cuda).
-CUDA_TESTS = ["tests/test_gpu.py", "tests/test_nvjpeg.py", "tests/test_collate.py", "tests/test_loader.py",
+CUDA_TESTS = ["tests/test_gpu.py", "tests/test_nvjpeg.py", "tests/test_resize.py", "tests/test_collate.py",
+              "tests/test_loader.py",
               "tests/test_benchmarks.py::test_cuda_is_used_when_present_and_its_absence_is_reported"]
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
 MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "disk": 40, "scaling": 90, "suite": 120}
@@ -469,10 +470,11 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         from readers.nvjpeg import GPUDecoder
 
         from .suites.feed import Utilisation
+        from .suites.gpu_host import crop_window_by_window
 
         device = torch.device(args.device)
         entry["torchvision"] = __import__("torchvision").__version__
-        rates_to_take = 3 + 2 * len(args.nvjpeg_chunks)
+        rates_to_take = 4 + 2 * len(args.nvjpeg_chunks)
         seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / rates_to_take))
         dataset = readers.LMDBDataset(ctx["lmdb"], decode="raw")
         count = min(len(dataset), args.nvjpeg_images)
@@ -521,6 +523,14 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
 
         measure("crop_resize_only", transform_only, what=f"RandomResizedCrop(224, flip=0.5) on {len(decoded)} "
                                                          f"images nvJPEG decoded beforehand, batched (no decode)")
+
+        def window_by_window():
+            out = crop_window_by_window(crop, decoded)
+            torch.cuda.synchronize(device)
+            return len(out)
+
+        measure("crop_resize_window_by_window", window_by_window,
+                what="the same, with an F.interpolate per window (the form readers.resize replaced)")
         for chunk in args.nvjpeg_chunks:
             decoder = GPUDecoder(crop, device, chunk=chunk or None)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode import MAX_PIXELS, checked_max_pixels, decode_array, image_size
+from .resize import resize_windows
 
 BYTES_TYPES = (bytes, bytearray, memoryview)
 
@@ -134,9 +135,10 @@ def flip_some(batch: torch.Tensor, flips: list[bool]) -> torch.Tensor:
 def transform_batch(transform, images: list) -> torch.Tensor:
     """The uint8 batch of `transform` applied to each CxHxW tensor of `images`.
 
-    On the GPU a transform with a batched form (RandomResizedCrop, ResizeCenterCrop) resizes
-    each image on its own, but rounds, converts and flips the whole batch in one go: the
-    same values as calling it image by image, with a third of the kernel launches.
+    On the GPU a transform with a batched form (RandomResizedCrop, ResizeCenterCrop) draws
+    each image's window as calling it would, then resizes, rounds and flips the whole batch
+    at once (readers.resize): a fixed number of kernel launches per batch instead of a few
+    per image, with the values of calling it image by image, to float rounding.
     """
     batched = getattr(transform, "batch", None)
     if batched is not None and images and images[0].device.type != "cpu":
@@ -208,14 +210,13 @@ class RandomResizedCrop:
 
     def batch(self, images: list) -> torch.Tensor:
         """self(image) for each CxHxW GPU tensor, stacked: the same draws in the same order,
-        the rounding and flips done once for the batch (see transform_batch)."""
-        floats, flips = [], []
+        every window resized at once (readers.resize) and rounded once (see transform_batch)."""
+        images = [as_chw(image) for image in images]
+        windows, flips = [], []
         for image in images:
-            image = as_chw(image)
-            top, left, h, w = random_resized_crop_params(*image.shape[-2:], self.scale, self.ratio)
+            windows.append(random_resized_crop_params(*image.shape[-2:], self.scale, self.ratio))
             flips.append(self._draw_flip())
-            floats.append(resized_float(image[:, top:top + h, left:left + w], self.size))
-        return flip_some(to_uint8(torch.cat(floats)), flips)
+        return flip_some(to_uint8(resize_windows(images, windows, self.size)), flips)
 
     def _draw_flip(self) -> bool:
         return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
@@ -304,15 +305,16 @@ class ResizeCenterCrop:
         return resize_view(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
 
     def batch(self, images: list) -> torch.Tensor:
-        """self(image) for each CxHxW GPU tensor, stacked, rounded once (see transform_batch)."""
-        out_h, out_w = self.size
-        floats = []
+        """self(image) for each CxHxW GPU tensor, stacked: resized at once (readers.resize),
+        rounded once (see transform_batch)."""
+        images = [as_chw(image) for image in images]
+        windows, resized = [], []
         for image in images:
-            image = as_chw(image)
-            new_h, new_w = resized_size(*image.shape[-2:], self.resize)
-            top, left = self._window(new_h, new_w)
-            floats.append(resized_float(image, (new_h, new_w))[:, :, top:top + out_h, left:left + out_w])
-        return to_uint8(torch.cat(floats))
+            height, width = image.shape[-2:]
+            new_h, new_w = resized_size(height, width, self.resize)
+            windows.append((0, 0, height, width))
+            resized.append((new_h, new_w, *self._window(new_h, new_w)))
+        return to_uint8(resize_windows(images, windows, self.size, resized))
 
     def _window(self, new_h: int, new_w: int) -> tuple[int, int]:
         """(top, left) of the centre crop in the resized image; refuses a crop larger than it."""

@@ -454,8 +454,11 @@ def test_gpu_host_study_times_every_case_and_leaves_no_stand_in_behind(tmp_path,
     assert set(cases) == {"decoder: EncodedBatch", "decoder: list of bytes", "reference: a bytearray per image",
                           "handover: list of bytes", "handover: EncodedBatch",
                           "transform: RandomResizedCrop.batch, tiny images",
+                          "reference: window by window, tiny images",
                           "transform: the crop draws alone (375x500)"}
     assert all(case["median"] > 0 and len(case["runs"]) == 1 for case in cases.values())
+    work = json.loads(out.read_text())["resize_work"]
+    assert work["multiply_adds_per_image"] > 0 and work["padded_over_own"] >= 1.0 and work["groups"] >= 1
     assert ("torchvision" in sys.modules) == had_torchvision
     assert "decoder: EncodedBatch" in capsys.readouterr().out
 

@@ -17,9 +17,12 @@ tensors nvJPEG takes. This times those on the CPU, in interleaved rounds (median
              stopped mapping each 100 KB copy afresh, so it is timed after the others
   transform  the host time per image of the transform GPUDecoder runs on the GPU,
              RandomResizedCrop(flip=0.5).batch, on a batch of tiny images (12x16, to 8x8)
-             so that the kernels cost next to nothing: the crop draws, and the per-image
-             crop, float conversion and antialiased resize that it dispatches; and the
-             draws alone. On a GPU each of those ops also costs a kernel launch.
+             so that the kernels cost next to nothing: the crop draws, then the batch's
+             windows resized at once (readers.resize); as the reference it replaced, the
+             same draws with a float conversion and an F.interpolate per window; and the
+             draws alone. On a GPU each op dispatched also costs a kernel launch. Also
+             printed: the multiply-adds per image that readers.resize asks of a GPU for
+             the batch's own image sizes, and how much its padding adds.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from readers import LMDBDataset  # noqa: E402
 from readers.buffers import EncodedBatch  # noqa: E402
 from readers.collate import collate, encoded_collate  # noqa: E402
-from readers.decode import MAX_PIXELS, checked_jpeg_size  # noqa: E402
+from readers.decode import MAX_PIXELS, checked_jpeg_size, image_size  # noqa: E402
 
 TINY = torch.zeros(3, 8, 8, dtype=torch.uint8)
 
@@ -93,7 +96,40 @@ def transform_cases(images: int) -> dict:
             random_resized_crop_params(375, 500, crop.scale, crop.ratio)
 
     return {"transform: RandomResizedCrop.batch, tiny images": lambda: crop.batch(tiny),
+            "reference: window by window, tiny images": lambda: crop_window_by_window(crop, tiny),
             "transform: the crop draws alone (375x500)": draws}
+
+
+def resize_work(blobs: list, size: int = 224) -> dict:
+    """What readers.resize asks of a GPU for these images' own sizes: RandomResizedCrop(size)
+    windows (seed 0) grouped as the batch would be; multiply-adds per image of its two
+    matrix products, and the padded windows' elements over the windows' own."""
+    from readers.resize import BUDGET, groups
+    from readers.transforms import random_resized_crop_params
+
+    generator = torch.Generator().manual_seed(0)
+    windows = [random_resized_crop_params(*image_size(data), generator=generator) for data in blobs]
+    found = groups(windows, 3, BUDGET)
+    macs = padded = 0
+    for group in found:
+        height, width = max(windows[i][2] for i in group), max(windows[i][3] for i in group)
+        macs += len(group) * 3 * width * size * (height + size)  # out_h x H x 3W, then 3*out_h x W x out_w
+        padded += len(group) * 3 * height * width
+    own = sum(3 * h * w for _, _, h, w in windows)
+    return {"multiply_adds_per_image": macs / len(blobs), "padded_over_own": padded / own, "groups": len(found)}
+
+
+def crop_window_by_window(crop, images: list) -> torch.Tensor:
+    """RandomResizedCrop.batch as it was before readers.resize: the same draws, then a float
+    conversion and an F.interpolate per window; rounded and flipped once."""
+    from readers.transforms import flip_some, random_resized_crop_params, resized_float, to_uint8
+
+    floats, flips = [], []
+    for image in images:
+        top, left, h, w = random_resized_crop_params(*image.shape[-2:], crop.scale, crop.ratio)
+        flips.append(crop._draw_flip())
+        floats.append(resized_float(image[:, top:top + h, left:left + w], crop.size))
+    return flip_some(to_uint8(torch.cat(floats)), flips)
 
 
 def time_per_image(fn, images: int) -> float:
@@ -144,8 +180,12 @@ def main(argv=None) -> int:
     result = {"batch": args.batch, "repeats": args.repeats,
               "cases": {name: {"median": statistics.median(v), "runs": v, "unit": units[name]}
                         for name, v in runs.items()}}
+    result["resize_work"] = resize_work(blobs)
     for name, case in result["cases"].items():
         print(f"{name:36s} {case['median']:8.1f} {case['unit']}  (runs {', '.join(f'{v:.1f}' for v in case['runs'])})")
+    work = result["resize_work"]
+    print(f"readers.resize on these images at 224: {work['multiply_adds_per_image'] / 1e6:.0f} M multiply-adds "
+          f"an image, padding x{work['padded_over_own']:.2f}, {work['groups']} group(s) per batch")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
