@@ -68,7 +68,10 @@ class GPUDecoder:
         if len(pieces) > 1:
             self._pipelined(tensors, pieces, out)
         elif on_gpu:
-            self._place(on_gpu, self._decode_gpu(tensors, on_gpu), out)
+            images = self._decode_gpu(tensors, on_gpu)
+            if len(images) == len(views) and all(image is not None for image in images):
+                return transform_batch(self.transform, images)  # the usual batch: nothing to place
+            self._place(on_gpu, images, out)
         cpu = [i for i, piece in enumerate(out) if piece is None]
         if cpu:
             decoded = [decode_tensor(bytes(views[i]), f"image {i} of the batch",
