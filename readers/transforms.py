@@ -210,7 +210,9 @@ class RandomResizedCrop:
 
     def batch(self, images: list) -> torch.Tensor:
         """self(image) for each CxHxW GPU tensor, stacked: the same draws in the same order,
-        every window resized at once (readers.resize) and rounded once (see transform_batch)."""
+        every window resized at once (readers.resize) and rounded once (see transform_batch).
+        On the CPU, transform_batch calls the transform image by image instead: torch's
+        uint8 resize there costs a fraction of these matrix products."""
         images = [as_chw(image) for image in images]
         windows, flips = [], []
         for image in images:

@@ -229,9 +229,9 @@ def test_the_check_above_fails_without_record_stream(monkeypatch):
 
 @cuda
 def test_gpu_decode_batched_and_pipelined_equal_the_image_by_image_path():
-    """The batched resize (one rounding and flip per batch) and the decode in pieces on a
-    helper thread change nothing: with the same seed, the same uint8 values as decoding
-    with nvJPEG and calling the transform on each image."""
+    """The batched resize (every window at once, one rounding and flip per batch) and the
+    decode in pieces on a helper thread change nothing but rounding: with the same seed,
+    the uint8 values of decoding with nvJPEG and calling the transform on each image."""
     pytest.importorskip("torchvision")
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -250,8 +250,10 @@ def test_gpu_decode_batched_and_pipelined_equal_the_image_by_image_path():
         torch.manual_seed(5)
         out = GPUDecoder(transform, chunk=chunk)(encoded)
         assert out.shape == (12, 3, 48, 48) and out.is_cuda
-        assert torch.equal(out[:10], torch.stack(reference[:10])), chunk
-        assert torch.equal(out[11], reference[10]), chunk
+        # The batch's resize (readers.resize) sums in another order than F.interpolate: a
+        # value within float rounding of a half can round the other way (tests/test_resize.py).
+        gap = (out[[*range(10), 11]].int() - torch.stack(reference[:10] + reference[10:11]).int()).abs()
+        assert gap.max() <= 1 and (gap > 0).float().mean() < 1e-3, chunk
 
 
 @cuda

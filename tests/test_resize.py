@@ -40,6 +40,19 @@ def test_each_window_is_resized_as_interpolate_resizes_it(size):
         assert (resized - interpolated(image, window, size)).abs().max() < 1e-3, window
 
 
+def test_rounded_to_uint8_a_pixel_is_at_most_one_level_off_and_rarely():
+    """What the GPU transforms hand out: against F.interpolate window by window, rounded,
+    only values within float rounding of a half can differ (6e-6 of pixels here)."""
+    from readers.transforms import resized_float, to_uint8
+
+    images, windows = random_windows(30, seed=5, most=400)
+    ours = to_uint8(resize_windows(images, windows, (224, 224)))
+    theirs = torch.cat([to_uint8(resized_float(image[:, t:t + h, l:l + w], (224, 224)))
+                        for image, (t, l, h, w) in zip(images, windows)])
+    gap = (ours.int() - theirs.int()).abs()
+    assert gap.max() <= 1 and (gap > 0).float().mean() < 1e-4
+
+
 def test_resize_then_keep_a_window_is_resize_then_center_crop():
     """`resized`: each window resized to its own size, then the output window kept, as
     Resize(256) + CenterCrop(224) do, on whole images and on windows of them."""
