@@ -23,8 +23,9 @@ error and the next one runs. `--time-budget` (seconds for the whole command) ski
 that cannot fit and bounds the ones that run, so a command ends inside a 10-minute limit;
 results are rewritten after every step, so a command killed early still leaves them.
 
-Files in --out (flat, at most 7): gpu-results.json (everything), gpu.log, summary.md (the
-tables), tests.xml, suite.json, suite.md and suite.png.
+Files in --out (flat, at most 8): gpu-results.json (everything), gpu.log, summary.md (the
+tables), tests.xml, nvjpeg-profile.txt (torch.profiler's tables of the GPU decoder), suite.json,
+suite.md and suite.png.
 """
 from __future__ import annotations
 
@@ -430,6 +431,33 @@ def timed(fn, seconds: float, warm: int = 1) -> tuple[float, int, float]:
             return n / elapsed, n, elapsed
 
 
+def profile_calls(fn, calls: int, cuda: bool) -> tuple[dict, str]:
+    """fn() `calls` times under torch.profiler, after one call untraced: per call, the wall
+    time, the host's time inside torch ops and the device's kernel time (each op's self
+    time, summed), and the ops' table sorted by each. Kernel time well under the wall time
+    means the GPU waits on the host."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    ops = prof.key_averages()
+    totals = {"calls": calls, "wall_ms_per_call": wall / calls * 1e3,
+              "host_op_ms_per_call": sum(op.self_cpu_time_total for op in ops) / calls / 1e3,
+              "device_ms_per_call": sum(op.self_device_time_total for op in ops) / calls / 1e3}
+    tables = ops.table(sort_by="self_cpu_time_total", row_limit=20)
+    if cuda:
+        tables += "\n" + ops.table(sort_by="self_device_time_total", row_limit=20)
+    return totals, tables
+
+
 def loader_rate(loader, seconds: float, skip: int) -> float:
     """samples/s of batches arriving on the device over about `seconds`, epoch after epoch,
     after `skip` batches of start-up."""
@@ -564,6 +592,8 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
                     ds.close()
             run.save()
             run.log(f"nvjpeg {name}: {json.dumps(rates[name])}")
+        profile_decoders(run, entry, [GPUDecoder(crop, device, chunk=c or None) for c in args.nvjpeg_chunks],
+                         lambda: batches[next_index()], device)
         # Last: a C call through ctypes, so that if it crashed the rates are already saved.
         entry["library"] = nvjpeg_library()
         run.log(f"nvjpeg library: {json.dumps(entry['library'])}")
@@ -578,6 +608,28 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
         if any("error" in r for r in rates.values()):
             entry["status"] = "error"
             entry["error"] = "; ".join(f"{k}: {r['error']}" for k, r in rates.items() if "error" in r)
+
+
+def profile_decoders(run: Run, entry: dict, decoders: list, next_batch, device) -> None:
+    """Five batches through each decoder under torch.profiler: per batch totals into entry,
+    the ops' tables into nvjpeg-profile.txt. A failure is recorded, never raised."""
+    import torch
+
+    sections, found = [], entry.setdefault("profile", {})
+    for decoder in decoders:
+        def call(decoder=decoder):
+            decoder(next_batch())
+            torch.cuda.synchronize(device)
+
+        try:
+            found[repr(decoder)], tables = profile_calls(call, 5, cuda=True)
+            sections.append(f"== {decoder!r}: {json.dumps(found[repr(decoder)])}\n{tables}")
+        except Exception as exc:
+            found[repr(decoder)] = {"error": f"{type(exc).__name__}: {exc}"}
+        run.log(f"nvjpeg profile {decoder!r}: {json.dumps(found[repr(decoder)])}")
+    with open(os.path.join(run.out, "nvjpeg-profile.txt"), "w") as f:
+        f.write("\n\n".join(sections))
+    run.save()
 
 
 def nvjpeg_table(entry: dict) -> str:

@@ -184,3 +184,13 @@ def test_the_disk_step_records_the_curve_without_adding_files(tmp_path):
     assert all(len(v) == 1 and v[0] > 0 for v in steps["disk"]["runs"].values())
     assert sorted(p.name for p in out.iterdir()) == ["gpu-results.json", "gpu.log", "summary.md"]
     assert "## disk" in (out / "summary.md").read_text()
+
+
+def test_profile_calls_sums_each_calls_op_times_and_tables_them():
+    """What the nvjpeg step writes to nvjpeg-profile.txt, here on CPU ops alone."""
+    a = torch.randn(128, 128)
+    totals, tables = gpu.profile_calls(lambda: (a @ a).relu(), 4, cuda=False)
+    assert totals["calls"] == 4 and totals["wall_ms_per_call"] > 0
+    assert 0 < totals["host_op_ms_per_call"] <= totals["wall_ms_per_call"]
+    assert totals["device_ms_per_call"] == 0
+    assert "aten::mm" in tables and "aten::relu" in tables
