@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 import torch
@@ -33,9 +34,9 @@ BYTES_TYPES = (bytes, bytearray, memoryview)
 
 
 @functools.lru_cache(maxsize=16)
-def _log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
-    # torchvision takes the logs in float32; the same rounding keeps the draws identical.
-    lo, hi = torch.log(torch.tensor(ratio)).tolist()
+def _log_ratio(ratio: tuple[float, float], dtype: torch.dtype) -> tuple[float, float]:
+    # torchvision takes the logs in the default dtype; the same rounding keeps the draws identical.
+    lo, hi = torch.log(torch.tensor(ratio, dtype=dtype)).tolist()
     return lo, hi
 
 
@@ -47,17 +48,14 @@ def random_resized_crop_params(height: int, width: int, scale=(0.08, 1.0), ratio
     `ratio`; if none fits, the largest centred crop whose ratio lies within `ratio`.
     """
     area = height * width
-    log_lo, log_hi = _log_ratio(tuple(ratio))
-    # torchvision's draws, made in place on one scratch tensor each: the same kernels
-    # consume the generator identically, at a third of the cost of a new tensor per draw.
-    draw = torch.empty(1)
+    log_lo, log_hi = _log_ratio(tuple(ratio), torch.get_default_dtype())
+    draw, pick = scratch_tensors()
     for _ in range(10):
         target_area = area * draw.uniform_(scale[0], scale[1], generator=generator).item()
         aspect = draw.uniform_(log_lo, log_hi, generator=generator).exp_().item()
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
-            pick = torch.empty(1, dtype=torch.int64)  # torch.randint is empty().random_(low, high)
             top = pick.random_(0, height - h + 1, generator=generator).item()
             left = pick.random_(0, width - w + 1, generator=generator).item()
             return top, left, h, w
@@ -71,6 +69,20 @@ def random_resized_crop_params(height: int, width: int, scale=(0.08, 1.0), ratio
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+_scratch = threading.local()
+
+
+def scratch_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two 1-element tensors for torchvision's draws, made in place: a float of
+    the default dtype (torch.empty(1)) and an int64 (torch.randint is empty().random_(low,
+    high)). The same kernels consume the generator as new tensors do, without an allocation
+    per draw."""
+    found = getattr(_scratch, "tensors", None)
+    if found is None or found[0].dtype != torch.get_default_dtype():
+        found = _scratch.tensors = (torch.empty(1), torch.empty(1, dtype=torch.int64))
+    return found
 
 
 def as_chw(image) -> torch.Tensor:
@@ -221,7 +233,8 @@ class RandomResizedCrop:
         return flip_some(to_uint8(resize_windows(images, windows, self.size)), flips)
 
     def _draw_flip(self) -> bool:
-        return self.flip > 0 and bool(torch.rand(1).item() < self.flip)
+        # torch.rand(1) < flip, as RandomHorizontalFlip draws it (rand is empty(1).uniform_(0, 1)).
+        return self.flip > 0 and scratch_tensors()[0].uniform_(0, 1).item() < self.flip
 
     def __repr__(self) -> str:
         ratio = tuple(round(r, 4) for r in self.ratio)

@@ -70,6 +70,25 @@ def test_crop_params_match_torchvision_draw_for_draw(scale, ratio):
         assert torch.equal(torch.rand(1), after_reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_batch_of_crop_and_flip_draws_is_torchvisions_under_either_default_dtype(dtype):
+    """Image after image, as RandomResizedCrop(flip=).batch draws: the windows and flips of
+    Compose([RandomResizedCrop, RandomHorizontalFlip]) and the generator left where they
+    leave it, also with float64 as the default dtype (where torch.rand draws 64 bits)."""
+    crop, saved = RandomResizedCrop(8, flip=0.5), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(11)
+        expected = [(reference_get_params(h, w, crop.scale, crop.ratio), bool(torch.rand(1) < 0.5))
+                    for h, w in SIZES * 8]
+        after = torch.rand(1)
+        torch.manual_seed(11)
+        drawn = [(random_resized_crop_params(h, w, crop.scale, crop.ratio), crop._draw_flip()) for h, w in SIZES * 8]
+        assert drawn == expected and torch.equal(torch.rand(1), after)
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def test_crop_params_match_real_torchvision_when_installed():
     tv = pytest.importorskip("torchvision.transforms")
     crop = tv.RandomResizedCrop(224)
