@@ -549,8 +549,12 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
             torch.cuda.synchronize(device)
             return len(out)
 
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         measure("crop_resize_only", transform_only, what=f"RandomResizedCrop(224, flip=0.5) on {len(decoded)} "
                                                          f"images nvJPEG decoded beforehand, batched (no decode)")
+        if "samples_per_s" in rates["crop_resize_only"]:  # the resize's own GPU memory, beside the decoded images
+            rates["crop_resize_only"]["peak_mib"] = (torch.cuda.max_memory_allocated(device) - held) / 2 ** 20
 
         def window_by_window():
             out = crop_window_by_window(crop, decoded)

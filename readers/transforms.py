@@ -230,7 +230,7 @@ class RandomResizedCrop:
         for image in images:
             windows.append(random_resized_crop_params(*image.shape[-2:], self.scale, self.ratio))
             flips.append(self._draw_flip())
-        return flip_some(to_uint8(resize_windows(images, windows, self.size)), flips)
+        return flip_some(resize_windows(images, windows, self.size, rounded=True), flips)
 
     def _draw_flip(self) -> bool:
         # torch.rand(1) < flip, as RandomHorizontalFlip draws it (rand is empty(1).uniform_(0, 1)).
@@ -329,7 +329,7 @@ class ResizeCenterCrop:
             new_h, new_w = resized_size(height, width, self.resize)
             windows.append((0, 0, height, width))
             resized.append((new_h, new_w, *self._window(new_h, new_w)))
-        return to_uint8(resize_windows(images, windows, self.size, resized))
+        return resize_windows(images, windows, self.size, resized, rounded=True)
 
     def _window(self, new_h: int, new_w: int) -> tuple[int, int]:
         """(top, left) of the centre crop in the resized image; refuses a crop larger than it."""
