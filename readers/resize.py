@@ -17,7 +17,7 @@ pace of GPUDecoder. Here a batch takes a fixed number of launches, however many 
 The result is each window resized with F.interpolate in float, to float rounding (the
 tests hold it within 1e-3 of a level). The products run at full float32 precision even
 where the caller allows TF32, whose 10-bit mantissa would move a pixel by a level at
-times. Images are grouped so that no group's padded tensor passes `budget` elements: one
+times (torch's setting is process-wide: it is switched for the resize and restored). Images are grouped so that no group's padded tensor passes `budget` elements: one
 large window does not pad the whole batch to its size.
 """
 from __future__ import annotations
