@@ -15,14 +15,14 @@ pace of GPUDecoder. Here a batch takes a fixed number of launches, however many 
 - the matrices are built on the device from the windows' sizes, a few batched ops each.
 
 The result is each window resized with F.interpolate in float, to float rounding (the
-tests hold it within 1e-3 of a level). The products run at full float32 precision even
-where the caller allows TF32, whose 10-bit mantissa would move a pixel by a level at
-times (torch's setting is process-wide: it is switched for the resize and restored). Images are grouped so that no group's padded tensor passes `budget` elements: one
+tests hold it within 1e-3 of a level). The products are float32 matrix products, so where
+the caller lets them run in TF32 (torch.backends.cuda.matmul, a process-wide setting that
+is theirs: torch raises when its two APIs for it are mixed, so it is neither read nor
+changed here), a pixel can land a level off; F.interpolate itself ignores that setting. Images are grouped so that no group's padded tensor passes `budget` elements: one
 large window does not pad the whole batch to its size.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -53,13 +53,12 @@ def resize_windows(images: Sequence[torch.Tensor], windows: Sequence[tuple[int, 
     first = images[0]
     out = torch.empty((len(images), first.shape[0], out_h, out_w), dtype=torch.uint8 if rounded else torch.float32,
                       device=first.device)
-    with full_float32():
-        for group in groups(windows, first.shape[0], budget):
-            done = resize_group([images[i] for i in group], [windows[i] for i in group],
-                                [resized[i] for i in group], size)
-            if rounded:
-                done = done.round_().clamp_(0, 255).to(torch.uint8)
-            out.index_copy_(0, torch.tensor(group, device=out.device), done)
+    for group in groups(windows, first.shape[0], budget):
+        done = resize_group([images[i] for i in group], [windows[i] for i in group],
+                            [resized[i] for i in group], size)
+        if rounded:
+            done = done.round_().clamp_(0, 255).to(torch.uint8)
+        out.index_copy_(0, torch.tensor(group, device=out.device), done)
     return out
 
 
@@ -145,17 +144,3 @@ def weights(sizes: torch.Tensor, resized: torch.Tensor, offsets: torch.Tensor, c
     tent = (j + 0.5 - centre).mul_(inverse).abs_().neg_().add_(1.0).clamp_(min=0.0).masked_fill_(outside, 0.0)
     del outside
     return tent.div_(tent.sum(-1, keepdim=True))
-
-
-@contextlib.contextmanager
-def full_float32():
-    """float32 matrix products at full precision (no TF32) inside, the caller's setting after."""
-    saved = torch.get_float32_matmul_precision()
-    if saved == "highest":
-        yield
-        return
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved)
