@@ -18,18 +18,21 @@ The result is each window resized with F.interpolate in float, to float rounding
 tests hold it within 1e-3 of a level). The products are float32 matrix products, so where
 the caller lets them run in TF32 (torch.backends.cuda.matmul, a process-wide setting that
 is theirs: torch raises when its two APIs for it are mixed, so it is neither read nor
-changed here), a pixel can land a level off; F.interpolate itself ignores that setting. Images are grouped so that no group's padded tensor passes `budget` elements: one
-large window does not pad the whole batch to its size.
+changed here), a pixel can land a level off; F.interpolate itself ignores that setting.
+
+Windows are grouped so that no group's largest tensor passes `budget` elements (see
+groups): one large window does not pad the whole batch to its size.
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
 
-# Padded window elements per group: 128 MiB of them in float32. A batch of 256 of the
-# standard corpus's images then takes 5 groups and peaks near 320 MiB beside its images
-# (1 << 26: 4 groups, 550 MiB; measured on the CPU, which holds the same tensors).
+# Elements of a group's largest float tensor: 128 MiB of them. A batch of 256 of the
+# standard corpus's images then takes 5 groups and peaks near 360 MiB beside its images
+# (measured on the CPU, which holds the same tensors; 1 << 26 peaked near 550 MiB).
 BUDGET = 1 << 25
 
 
@@ -43,17 +46,14 @@ def resize_windows(images: Sequence[torch.Tensor], windows: Sequence[tuple[int, 
     that, as Resize then CenterCrop do; by default each window is resized to `size`.
     rounded: uint8 out, each group rounded as it is done (a quarter of the float batch's memory).
     """
-    out_h, out_w = size
+    out_h, out_w = size = checked_size(size)
     if resized is None:
         resized = [(out_h, out_w, 0, 0)] * len(images)
-    if not (len(images) == len(windows) == len(resized)):
-        raise ValueError(f"resize_windows: {len(images)} images, {len(windows)} windows, {len(resized)} sizes")
-    if not images:
-        raise ValueError("resize_windows: no images")
+    windows, resized = check_batch(images, windows, resized, size)
     first = images[0]
     out = torch.empty((len(images), first.shape[0], out_h, out_w), dtype=torch.uint8 if rounded else torch.float32,
                       device=first.device)
-    for group in groups(windows, first.shape[0], budget):
+    for group in groups(windows, first.shape[0], size, budget):
         done = resize_group([images[i] for i in group], [windows[i] for i in group],
                             [resized[i] for i in group], size)
         if rounded:
@@ -62,13 +62,59 @@ def resize_windows(images: Sequence[torch.Tensor], windows: Sequence[tuple[int, 
     return out
 
 
-def groups(windows: Sequence[tuple[int, int, int, int]], channels: int, budget: int) -> list[list[int]]:
-    """Indexes of windows in groups, smallest first, each padded to at most `budget` elements
-    (a window larger than that on its own makes a group of one)."""
-    order = sorted(range(len(windows)), key=lambda i: windows[i][2] * windows[i][3])
+def checked_size(size) -> tuple[int, int]:
+    try:
+        out_h, out_w = (operator.index(v) for v in size)
+    except (TypeError, ValueError):
+        raise ValueError(f"resize_windows: size must be two whole numbers (height, width), not {size!r}") from None
+    if out_h < 1 or out_w < 1:
+        raise ValueError(f"resize_windows: size must be positive, not {size!r}")
+    return out_h, out_w
+
+
+def check_batch(images, windows, resized, size) -> tuple[list, list]:
+    """The windows and resized sizes as tuples of ints, once every image, window and output
+    is checked to fit: ValueError naming the first that does not."""
+    if not (len(images) == len(windows) == len(resized)):
+        raise ValueError(f"resize_windows: {len(images)} images, {len(windows)} windows, {len(resized)} sizes")
+    if not images:
+        raise ValueError("resize_windows: no images")
+    out_h, out_w = size
+    channels = images[0].shape[0] if images[0].ndim == 3 else None
+    checked_windows, checked_resized = [], []
+    for i, (image, window, kept) in enumerate(zip(images, windows, resized)):
+        if image.ndim != 3 or image.shape[0] != channels or image.dtype != torch.uint8:
+            raise ValueError(f"resize_windows: image {i} is {tuple(image.shape)} {image.dtype}; every image must "
+                             f"be a CxHxW uint8 tensor with image 0's channels ({tuple(images[0].shape)})")
+        try:
+            top, left, h, w = (operator.index(v) for v in window)
+            rh, rw, kept_top, kept_left = (operator.index(v) for v in kept)
+        except (TypeError, ValueError):
+            raise ValueError(f"resize_windows: image {i}'s window {window!r} and size {kept!r} must be four "
+                             "whole numbers each") from None
+        height, width = image.shape[1:]
+        if not (0 <= top and 0 < h and top + h <= height and 0 <= left and 0 < w and left + w <= width):
+            raise ValueError(f"resize_windows: window (top={top}, left={left}, h={h}, w={w}) is not inside "
+                             f"image {i}, a {height}x{width} image")
+        if not (0 <= kept_top and kept_top + out_h <= rh and 0 <= kept_left and kept_left + out_w <= rw):
+            raise ValueError(f"resize_windows: a {out_h}x{out_w} output at ({kept_top}, {kept_left}) is not "
+                             f"inside image {i}'s {rh}x{rw} resized window")
+        checked_windows.append((top, left, h, w))
+        checked_resized.append((rh, rw, kept_top, kept_left))
+    return checked_windows, checked_resized
+
+
+def groups(windows: Sequence[tuple[int, int, int, int]], channels: int, size: tuple[int, int],
+           budget: int) -> list[list[int]]:
+    """Indexes of windows in groups, by their longer side (tall before wide where it ties),
+    each within `budget` elements of the largest float tensor a group makes: channels x (the
+    tallest window or output) x (the widest window or output), times the group's size. A
+    window larger than that on its own makes a group of one."""
+    out_h, out_w = size
+    order = sorted(range(len(windows)), key=lambda i: (max(windows[i][2:]), windows[i][2] > windows[i][3]))
     found, group, most_h, most_w = [], [], 0, 0
     for i in order:
-        h, w = windows[i][2:]
+        h, w = max(windows[i][2], out_h), max(windows[i][3], out_w)
         grown_h, grown_w = max(most_h, h), max(most_w, w)
         if group and (len(group) + 1) * channels * grown_h * grown_w > budget:
             found.append(group)
@@ -81,17 +127,6 @@ def groups(windows: Sequence[tuple[int, int, int, int]], channels: int, budget: 
 def resize_group(images: list, windows: list, resized: list, size: tuple[int, int]) -> torch.Tensor:
     channels, device = images[0].shape[0], images[0].device
     out_h, out_w = size
-    for image, (top, left, h, w), (rh, rw, kept_top, kept_left) in zip(images, windows, resized):
-        if image.ndim != 3 or image.shape[0] != channels or image.dtype != torch.uint8:
-            raise ValueError(f"resize_windows: every image must be a {channels}xHxW uint8 tensor, "
-                             f"got {tuple(image.shape)} {image.dtype}")
-        height, width = image.shape[1:]
-        if not (0 <= top and 0 < h and top + h <= height and 0 <= left and 0 < w and left + w <= width):
-            raise ValueError(f"resize_windows: window (top={top}, left={left}, h={h}, w={w}) is not inside "
-                             f"a {height}x{width} image")
-        if not (0 <= kept_top and kept_top + out_h <= rh and 0 <= kept_left and kept_left + out_w <= rw):
-            raise ValueError(f"resize_windows: a {out_h}x{out_w} output at ({kept_top}, {kept_left}) is not "
-                             f"inside its {rh}x{rw} resized window")
     n, height, width = len(images), max(w[2] for w in windows), max(w[3] for w in windows)
     spec = torch.tensor([(h, w, rh, rw, top, left) for (_, _, h, w), (rh, rw, top, left) in zip(windows, resized)],
                         dtype=torch.float32).to(device, non_blocking=True)

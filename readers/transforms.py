@@ -85,6 +85,18 @@ def scratch_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     return found
 
 
+def flip_drawn(p: float) -> bool:
+    """torchvision's `torch.rand(1) < p` (rand is empty(1).uniform_(0, 1)), compared as torch
+    compares it: in the tensor's dtype, so p is rounded to it first."""
+    draw = scratch_tensors()[0].uniform_(0, 1)
+    return draw.item() < _in_dtype(p, draw.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    return torch.tensor(value, dtype=dtype).item()
+
+
 def as_chw(image) -> torch.Tensor:
     """A CxHxW uint8 tensor view of an HxWxC / HxW array, a PIL image or a CxHxW tensor."""
     if isinstance(image, torch.Tensor):
@@ -233,8 +245,7 @@ class RandomResizedCrop:
         return flip_some(resize_windows(images, windows, self.size, rounded=True), flips)
 
     def _draw_flip(self) -> bool:
-        # torch.rand(1) < flip, as RandomHorizontalFlip draws it (rand is empty(1).uniform_(0, 1)).
-        return self.flip > 0 and scratch_tensors()[0].uniform_(0, 1).item() < self.flip
+        return self.flip > 0 and flip_drawn(self.flip)
 
     def __repr__(self) -> str:
         ratio = tuple(round(r, 4) for r in self.ratio)
@@ -255,7 +266,7 @@ class RandomHorizontalFlip:
         self.p = p
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return image.flip(-1) if torch.rand(1).item() < self.p else image
+        return image.flip(-1) if flip_drawn(self.p) else image
 
     def __repr__(self) -> str:
         return f"RandomHorizontalFlip(p={self.p})"

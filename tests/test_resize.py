@@ -81,14 +81,19 @@ def test_one_channel_images_and_views_of_channels_last_memory():
     assert (got - interpolated(chw, (5, 7, 40, 33), (16, 16))).abs().max() < 1e-3
 
 
-def test_groups_keep_each_padded_group_within_the_budget():
+def test_groups_keep_each_group_within_the_budget_and_tall_apart_from_wide():
     windows = [(0, 0, h, w) for h, w in [(10, 10), (300, 300), (20, 30), (10, 12), (200, 100), (5, 5)]]
-    found = groups(windows, 3, budget=3 * 100 * 100)
+    found = groups(windows, 3, (8, 8), budget=3 * 100 * 100)
     assert sorted(i for group in found for i in group) == list(range(len(windows)))
     for group in found:
         padded = len(group) * 3 * max(windows[i][2] for i in group) * max(windows[i][3] for i in group)
         assert padded <= 3 * 100 * 100 or len(group) == 1
     assert [1] in found and [4] in found  # each larger than the budget alone
+    # Enlarged to the output, a thin window makes output-sized tensors: those count too.
+    assert len(groups([(0, 0, 1, 4000)] * 64, 3, (224, 224), budget=1 << 25)) > 1
+    # Tall and wide windows of one area, sorted by area alone, would alternate into groups of one.
+    mixed = [(0, 0, 100, 3000), (0, 0, 3000, 100)] * 32
+    assert len(groups(mixed, 3, (224, 224), budget=1 << 25)) <= 2 * len(groups(mixed[::2], 3, (224, 224), 1 << 25))
 
 
 def test_bad_batches_are_refused_with_what_is_wrong():
@@ -97,15 +102,23 @@ def test_bad_batches_are_refused_with_what_is_wrong():
         resize_windows(images, windows[:1], (8, 8))
     with pytest.raises(ValueError, match="no images"):
         resize_windows([], [], (8, 8))
-    mixed = [images[0], torch.zeros(1, 20, 20, dtype=torch.uint8)]
-    with pytest.raises(ValueError, match="3xHxW uint8"):
-        resize_windows(mixed, [(0, 0, 5, 5), (0, 0, 5, 5)], (8, 8))
+    gray = torch.zeros(1, 20, 20, dtype=torch.uint8)
+    for budget in (1, 1 << 25):  # whichever image a group starts with, the batch is checked as a whole
+        with pytest.raises(ValueError, match="image 1 is \\(1, 20, 20\\).*image 0's channels"):
+            resize_windows([images[0], gray], [(0, 0, 1, 1), (0, 0, 5, 5)], (8, 8), budget=budget)
+    with pytest.raises(ValueError, match="image 0 is \\(20, 30\\)"):
+        resize_windows([torch.zeros(20, 30, dtype=torch.uint8)], [(0, 0, 5, 5)], (8, 8))
     image = torch.zeros(3, 10, 10, dtype=torch.uint8)
     for window in [(0, 0, 11, 5), (-1, 0, 5, 5), (0, 6, 5, 5), (0, 0, 0, 5)]:
-        with pytest.raises(ValueError, match="not inside a 10x10 image"):
+        with pytest.raises(ValueError, match="not inside image 0, a 10x10 image"):
             resize_windows([image], [window], (8, 8))
-    with pytest.raises(ValueError, match="8x8 output at \\(0, 3\\) is not inside its 10x10"):
+    with pytest.raises(ValueError, match="must be four whole numbers"):
+        resize_windows([image], [(0, 0, 5.5, 5)], (8, 8))
+    with pytest.raises(ValueError, match="8x8 output at \\(0, 3\\) is not inside image 0's 10x10"):
         resize_windows([image], [(0, 0, 10, 10)], (8, 8), [(10, 10, 0, 3)])
+    for size in [(0, 8), (8, -1), (8.0, 8), (8,)]:
+        with pytest.raises(ValueError, match="size must be"):
+            resize_windows([image], [(0, 0, 5, 5)], size)
 
 
 @cuda

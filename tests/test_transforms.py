@@ -89,6 +89,25 @@ def test_a_batch_of_crop_and_flip_draws_is_torchvisions_under_either_default_dty
         torch.set_default_dtype(saved)
 
 
+def test_flip_draws_compare_in_the_draws_dtype_as_torch_does():
+    """torchvision flips when torch.rand(1) < p, compared in float32: p just above a float32
+    draw rounds down to it, and that draw does not flip (in double it would)."""
+    from readers.transforms import RandomHorizontalFlip
+
+    torch.manual_seed(0)
+    drawn = torch.rand(1).item()
+    p = math.nextafter(drawn, 1.0)
+    torch.manual_seed(0)
+    assert not bool(torch.rand(1) < p)  # torchvision's comparison
+    torch.manual_seed(0)
+    assert not RandomResizedCrop(8, flip=p)._draw_flip()
+    torch.manual_seed(0)
+    assert RandomHorizontalFlip(p)(torch.arange(2).view(1, 1, 2)).flatten().tolist() == [0, 1]
+    torch.manual_seed(0)
+    above = RandomHorizontalFlip(p + 1e-7)  # past the next float32: this draw flips
+    assert above(torch.arange(2).view(1, 1, 2)).flatten().tolist() == [1, 0]
+
+
 def test_crop_params_match_real_torchvision_when_installed():
     tv = pytest.importorskip("torchvision.transforms")
     crop = tv.RandomResizedCrop(224)

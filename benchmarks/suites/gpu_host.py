@@ -109,7 +109,7 @@ def resize_work(blobs: list, size: int = 224) -> dict:
 
     generator = torch.Generator().manual_seed(0)
     windows = [random_resized_crop_params(*image_size(data), generator=generator) for data in blobs]
-    found = groups(windows, 3, BUDGET)
+    found = groups(windows, 3, (size, size), BUDGET)
     macs = padded = 0
     for group in found:
         height, width = max(windows[i][2] for i in group), max(windows[i][3] for i in group)
