@@ -87,8 +87,8 @@ def check_batch(images, windows, resized, size) -> tuple[list, list]:
             raise ValueError(f"resize_windows: image {i} is {tuple(image.shape)} {image.dtype}; every image must "
                              f"be a CxHxW uint8 tensor with image 0's channels ({tuple(images[0].shape)})")
         try:
-            top, left, h, w = (operator.index(v) for v in window)
-            rh, rw, kept_top, kept_left = (operator.index(v) for v in kept)
+            top, left, h, w = map(operator.index, window)
+            rh, rw, kept_top, kept_left = map(operator.index, kept)
         except (TypeError, ValueError):
             raise ValueError(f"resize_windows: image {i}'s window {window!r} and size {kept!r} must be four "
                              "whole numbers each") from None
@@ -111,10 +111,11 @@ def groups(windows: Sequence[tuple[int, int, int, int]], channels: int, size: tu
     tallest window or output) x (the widest window or output), times the group's size. A
     window larger than that on its own makes a group of one."""
     out_h, out_w = size
-    order = sorted(range(len(windows)), key=lambda i: (max(windows[i][2:]), windows[i][2] > windows[i][3]))
+    order = sorted(range(len(windows)), key=lambda i: longer_side_then_tall(windows[i]))
     found, group, most_h, most_w = [], [], 0, 0
     for i in order:
-        h, w = max(windows[i][2], out_h), max(windows[i][3], out_w)
+        _, _, h, w = windows[i]
+        h, w = max(h, out_h), max(w, out_w)
         grown_h, grown_w = max(most_h, h), max(most_w, w)
         if group and (len(group) + 1) * channels * grown_h * grown_w > budget:
             found.append(group)
@@ -122,6 +123,11 @@ def groups(windows: Sequence[tuple[int, int, int, int]], channels: int, size: tu
         group.append(i)
         most_h, most_w = grown_h, grown_w
     return found + [group]
+
+
+def longer_side_then_tall(window: tuple[int, int, int, int]) -> tuple[int, bool]:
+    _, _, h, w = window
+    return max(h, w), h > w
 
 
 def resize_group(images: list, windows: list, resized: list, size: tuple[int, int]) -> torch.Tensor:
