@@ -286,4 +286,7 @@ def test_make_loader_gpu_decode_hands_pinned_encoded_batches_to_nvjpeg(tmp_path)
     # decoded in the loader's pieces, so nvJPEG's own choices (backend by batch) cannot differ
     expected = torch.cat([decoder(blobs[k:k + 4]) for k in range(0, len(blobs), 4)])
     scale, shift = normalize_coefficients(None, None, 3)
-    assert torch.equal(images, normalize(expected, scale.cuda(), shift.cuda()))
+    # The loader resizes on its side stream, where cuBLAS may pick another algorithm for the
+    # same products: a value within float rounding of a half can round the other way.
+    levels = ((images - normalize(expected, scale.cuda(), shift.cuda())) / scale.cuda().view(1, -1, 1, 1)).abs()
+    assert levels.max() <= 1.001 and (levels > 0.5).float().mean() < 1e-3
