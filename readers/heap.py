@@ -8,24 +8,28 @@ the heap shrinks, and the next batch's reads fault every page back in, zero-fill
 4 KiB page at a time. On the 2-core machine of docs/benchmarks.md that was over half the
 time of a warm raw read through a DataLoader at batch 256 ("A worker's heap").
 
-keep_heap() fixes both thresholds in this process: the heap grows to the worker's
-largest working set and stays there. That is the peak the worker reached anyway, held
-between batches instead of given back and faulted in again; allocations of 32 MiB and
-more still get their own mappings and go back when freed.
+keep_heap() fixes both thresholds in this process: up to 128 MiB freed at the heap's
+top stays for the next batch (a batch of 256 records of 100-500 KB), instead of going
+back to be faulted in again. A batch larger than that goes back once freed, as with
+glibc's defaults, so a worker that once reads a huge batch does not hold it for good;
+allocations of 32 MiB and more still get their own mappings and go back when freed.
 
 Done once per worker process, by make_loader's worker set-up and by a packer Dataset's
 first batch in a DataLoader worker; never in the main process, whose allocator stays
-the user's. PACKER_KEEP_HEAP=0 turns it off. Other C libraries are left alone.
+the user's, nor where the user tuned glibc's malloc (a MALLOC_* variable or
+glibc.malloc.* in GLIBC_TUNABLES): those settings stand. PACKER_KEEP_HEAP=0 turns it off. Other C
+libraries are left alone.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import torch.utils.data
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
-TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept, at most
+TRIM_THRESHOLD = 128 << 20  # free memory at the heap's top kept, at most
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
 ENV = "PACKER_KEEP_HEAP"
 
@@ -41,7 +45,7 @@ def keep_heap() -> bool:
     if _decided_in == os.getpid():
         return _kept
     _decided_in, _kept = os.getpid(), False
-    if os.environ.get(ENV, "1") == "0":
+    if os.environ.get(ENV, "1") == "0" or user_tuned_malloc():
         return False
     libc = glibc()
     if libc is not None:
@@ -59,13 +63,23 @@ def keep_heap_in_worker() -> bool:
     return keep_heap()
 
 
+def user_tuned_malloc() -> bool:
+    """Whether glibc's malloc was tuned through the environment (MALLOC_TRIM_THRESHOLD_,
+    MALLOC_ARENA_MAX, ... or glibc.malloc.* tunables): then the workers' allocator stays
+    the user's."""
+    return any(name.startswith("MALLOC_") for name in os.environ) or \
+        "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+
+
 def glibc():
-    """This process's C library when it is glibc (the only one whose mallopt this module
-    knows), else None."""
+    """This process's C library when it is glibc on Linux (the only one whose mallopt
+    this module knows), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (glibc only)
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         return libc
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None

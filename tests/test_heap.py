@@ -57,6 +57,48 @@ def test_packer_keep_heap_0_turns_it_off():
     assert off["faults"] > 5 * 3000, off
 
 
+@pytest.mark.parametrize("setting", [{"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                     {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+def test_a_users_own_malloc_settings_stand(setting):
+    tuned = batch_cycles("keep", setting)
+    assert tuned["kept"] is False
+    assert tuned["faults"] > 5 * 3000, tuned  # the user's small trim threshold, not packer's
+
+
+# One huge batch (20 x 16 MiB, each under the mmap threshold, so on the heap), then the
+# usual ones: what the worker holds afterwards, in MiB of anonymous memory.
+HUGE_BATCH = """
+import json, sys
+from readers import heap
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+heap.keep_heap()
+before = anon()
+huge = [b"x" * (16 << 20) for _ in range(20)]
+del huge
+for _ in range(3):
+    batch = [b"x" * 100_000 for _ in range(256)]
+    del batch
+print(json.dumps({"held_mib": anon() - before}))
+"""
+
+
+def test_a_huge_batch_is_given_back_not_held_for_good():
+    out = subprocess.run([sys.executable, "-c", HUGE_BATCH], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    held = json.loads(out.stdout)["held_mib"]
+    # 320 MiB went through the heap; what stays is under the kept threshold (128 MiB), not
+    # the whole batch (a threshold of 1 GiB held all 320).
+    assert held < 160, held
+
+
+def test_glibc_is_looked_for_on_linux_only(monkeypatch):
+    monkeypatch.setattr(heap.sys, "platform", "win32")
+    assert heap.glibc() is None
+
+
 def test_the_main_process_is_left_alone():
     assert tud.get_worker_info() is None
     assert heap.keep_heap_in_worker() is False
