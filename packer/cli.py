@@ -15,7 +15,7 @@ from . import __version__
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError
 from .formats import FORMATS, parse_size
-from .interrupts import Interrupted, how_stopped, stop_signals_as_interrupts
+from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
 from .reencode import MAX_SIDE_LIMIT
 
@@ -70,11 +70,15 @@ class PackerGroup(click.Group):
     def invoke(self, ctx):
         with stop_signals_as_interrupts():
             try:
-                return super().invoke(ctx)
+                done = super().invoke(ctx)
             except KeyboardInterrupt as exc:
                 signum = getattr(exc, "signum", signal.SIGINT)
                 say(str(exc) if isinstance(exc, Interrupted) else how_stopped(signum))
                 ctx.exit(128 + signum)
+            for signum in dict.fromkeys(late_stops()):
+                say(f"{how_stopped(signum)} after the dataset was published: it is complete, and its tidying "
+                    "was finished, not cut short")
+            return done
 
 
 @click.group(cls=PackerGroup, context_settings={"help_option_names": ["-h", "--help"]})

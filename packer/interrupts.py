@@ -9,6 +9,7 @@ Ctrl-C's way out.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -18,6 +19,11 @@ CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (Int
 STOP_REQUEST_EVERY = 64  # InterruptGuard.check() calls between looks at a stop request (stop_when)
 
 _stop_request = None  # in a worker process: the Event its pool's owner sets to stop it (stop_when)
+_scopes = 0  # InterruptGuards and stop_signals_as_interrupts() open in the main thread
+_guards: list["InterruptGuard"] = []  # the open guards, innermost last
+_held: dict | None = None  # after hold_stops(): each stop signal's handler to put back when the hold ends
+_held_for: str | None = None  # the OUT whose publishing started the hold
+_late: list[int] = []  # stop signals that came while held
 
 
 def how_stopped(signum: int) -> str:
@@ -59,14 +65,80 @@ def stop_signals_as_interrupts() -> Iterator[None]:
     """SIGTERM raises Stopped, a KeyboardInterrupt, in the main thread while this is active
     (where SIGTERM still has its default action): whatever cleans up after Ctrl-C then
     cleans up after it too. The `packer` command runs inside one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = None
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        previous = signal.signal(signal.SIGTERM, raise_stopped)
+    _open_scope()
     try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            previous = signal.signal(signal.SIGTERM, raise_stopped)
         yield
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            _set_handler(signal.SIGTERM, previous)
+        _close_scope()
+
+
+def hold_stops(out: str) -> None:
+    """OUT is about to be published: from here until the last open guard of OUT closes (a
+    pack's, or a pack in parts' around its merge), a stop signal is noted, not raised, and
+    the write runs to its end. Past this point nothing can be undone, and a signal would
+    only cut its tidying short (an old dataset half removed beside OUT, a parts' staging
+    folder) and report "nothing was written" over a complete OUT. What comes after, such
+    as an upload of the local pack, takes signals again."""
+    global _held, _held_for
+    if _held is None and _scopes > 0 and threading.current_thread() is threading.main_thread():
+        ours = [signum for signum in STOP_SIGNALS if outer_guard(signal.getsignal(signum)) is not None
+                or signal.getsignal(signum) in (raise_stopped, signal.default_int_handler)]
+        _held = {signum: signal.signal(signum, _note_late) for signum in ours}  # a program's own stays
+        _held_for = os.path.abspath(out)
+
+
+def late_stops() -> list[int]:
+    """The stop signals that came while held (hold_stops), forgotten once asked for."""
+    found = list(_late)
+    _late.clear()
+    return found
+
+
+def check_pending() -> None:
+    """The innermost open guard's check(): before publishing, a Ctrl-C dropped in the
+    writer's last steps (finish()) still stops the write."""
+    if _guards:
+        _guards[-1].check()
+
+
+def _note_late(signum, frame) -> None:
+    _late.append(int(signum))
+
+
+def _set_handler(signum: int, handler) -> None:
+    """signal.signal(signum, handler), or while held, the handler to put back afterwards."""
+    if _held is not None and signum in _held:
+        _held[signum] = handler
+    else:
+        signal.signal(signum, handler)
+
+
+def _open_scope() -> None:
+    global _scopes
+    _scopes += 1
+
+
+def _close_scope() -> None:
+    global _scopes
+    _scopes -= 1
+    if _held is not None and (_scopes == 0 or not any(guard.out is not None and os.path.abspath(guard.out) == _held_for
+                                                      for guard in _guards)):
+        _end_hold()
+
+
+def _end_hold() -> None:
+    global _held, _held_for
+    held, _held, _held_for = _held, None, None
+    for signum, handler in held.items():
+        signal.signal(signum, handler)
 
 
 # The handlers the guard takes a signal over from: Python's own for SIGINT; the default
@@ -93,18 +165,37 @@ class InterruptGuard:
         self._first, self.signum, self._checks = 0.0, signal.SIGINT, 0
 
     def __enter__(self) -> "InterruptGuard":
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        _open_scope()
+        _guards.append(self)
+        try:
             for signum, handlers in TAKEN_OVER.items():
-                if any(signal.getsignal(signum) is handler for handler in handlers):
+                current = signal.getsignal(signum)
+                if any(current is handler for handler in handlers) or outer_guard(current) is not None:
                     self._previous[signum] = signal.signal(signum, self._interrupt)
+        except BaseException:  # a signal between two take-overs: leave as it was found
+            self._leave()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+        if self in _guards:
+            self._leave()
         if self.out is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(self.out, self.signum) from None
+
+    def _leave(self) -> None:
+        """Put back the handlers taken over, passing a stop already under way to the guard
+        they belong to (one write inside another: a merge inside a pack in parts)."""
+        for signum, handler in self._previous.items():
+            outer = outer_guard(handler)
+            if outer is not None and self.pending and not outer.pending:
+                outer.pending, outer._first, outer.signum = True, self._first, self.signum
+            _set_handler(signum, handler)
+        self._previous = {}
+        _guards.remove(self)
+        _close_scope()
 
     def _interrupt(self, signum, frame) -> None:
         if self.pending and time.monotonic() - self._first < CLEANUP_GRACE_S:
@@ -123,3 +214,10 @@ class InterruptGuard:
             if self._checks % STOP_REQUEST_EVERY == 0 and _stop_request.is_set():
                 self.pending, self._first = True, time.monotonic()
                 raise KeyboardInterrupt
+
+
+def outer_guard(handler) -> "InterruptGuard | None":
+    """The guard whose handler this is, if it is one: a guard inside another takes over from it."""
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, InterruptGuard) and getattr(handler, "__func__", None) is \
+        InterruptGuard._interrupt else None

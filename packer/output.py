@@ -33,6 +33,7 @@ from typing import Iterator
 
 import lmdb
 
+from . import interrupts
 from .errors import FormatError, OutputExistsError, PackError
 
 PARTIAL, COMPLETE, OLD = "partial", "complete", "old"
@@ -291,6 +292,7 @@ def staged(out: str, force: bool, directory: bool) -> Iterator[str]:
         if directory:  # inside the try: an interrupt that lands just after mkdir still cleans up
             os.mkdir(stage)
         yield stage
+        interrupts.check_pending()  # a Ctrl-C dropped while the writer finished
         publish(stage, out, force, owner)
     except BaseException:  # KeyboardInterrupt too: never leave a partial dataset behind
         remove_path(stage)
@@ -301,6 +303,7 @@ def staged(out: str, force: bool, directory: bool) -> Iterator[str]:
 def publish(stage: str, out: str, force: bool, owner: Owner) -> None:
     refuse_existing(out, force)  # it may have appeared while we were writing
     complete = owner.path(out, COMPLETE)
+    interrupts.hold_stops(out)  # past here nothing is undone: a stop signal waits for the end
     os.replace(stage, complete)  # from here on, a later run finishes the swap if this one dies
     if not os.path.lexists(out) or not (os.path.isdir(complete) or os.path.isdir(out)):
         os.replace(complete, out)

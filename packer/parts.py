@@ -361,8 +361,10 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
         stop = context.Event()
         own = executor = concurrent.futures.ProcessPoolExecutor(
             min(parts, available_cores()), mp_context=context, initializer=stop_when, initargs=(stop,))
-    try:
-        with InterruptGuard(out) as guard:
+    # The guard spans the pool's shutdown too: once the merge has published OUT, a stop
+    # signal waits (interrupts.hold_stops) until the folder is gone and the pool is down.
+    with InterruptGuard(out) as guard:
+        try:
             tidied = check_target(out, sources=[src], force=force)
             folder = new_owner().path(out, PARTIAL)
             os.mkdir(folder)
@@ -383,9 +385,9 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
             if not remove_folder(folder):
                 raise PackError(f"{folder}: could not remove the parts' staging folder after the merge; remove "
                                 f"it (rm -rf '{folder}')", folder)
-    finally:
-        if own is not None:
-            own.shutdown(wait=True, cancel_futures=True)
+        finally:
+            if own is not None:
+                own.shutdown(wait=True, cancel_futures=True)
     part_warnings = unique([warning for report in reports for warning in report["warnings"]])
     result.warnings = tidied.notes + part_warnings + result.warnings
     result.removed_stale = tidied.removed + result.removed_stale

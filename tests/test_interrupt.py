@@ -295,3 +295,123 @@ def test_a_worker_stops_at_its_next_records_once_its_pools_owner_asks(monkeypatc
             for checked in range(interrupts.STOP_REQUEST_EVERY + 1):
                 guard.check()
     assert checked < interrupts.STOP_REQUEST_EVERY
+
+
+# The real CLI, with one of packer's own steps wrapped to send this process a signal at a
+# chosen moment: deterministic where a signal from outside would have to hit a window of
+# milliseconds. argv: module, function, signal name, then the packer command's arguments.
+SIGNAL_AT = """
+import functools, importlib, os, signal, sys
+module, name, signame = sys.argv[1:4]
+target = importlib.import_module(module)
+original = getattr(target, name)
+sent = []
+
+@functools.wraps(original)
+def signal_first(*args, **kwargs):
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), getattr(signal, signame))
+    return original(*args, **kwargs)
+
+setattr(target, name, signal_first)
+from packer.cli import main
+sys.argv = ["packer", *sys.argv[4:]]
+main()
+"""
+
+
+def packer_with_signal_at(where: str, signame: str, *args) -> subprocess.CompletedProcess:
+    module, name = where.rsplit(".", 1)
+    return subprocess.run([sys.executable, "-c", SIGNAL_AT, module, name, signame, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def small_tree(root: Path, files: int = 40) -> Path:
+    for i in range(files):
+        path = root / f"c{i % 2}" / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg_bytes(seed=i))
+    return root
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_force_removes_the_old_dataset_lets_it_finish(tmp_path, signame):
+    """Past the swap nothing can be undone: the old dataset's removal runs to its end, the
+    command succeeds, and says the signal came too late to stop it."""
+    src, out = small_tree(tmp_path / "src"), tmp_path / "out.wds"
+    subprocess.run([sys.executable, "-m", "packer", "pack", str(src), "--to", "wds", "-o", str(out)], cwd=ROOT,
+                   check=True, capture_output=True)
+    done = packer_with_signal_at("packer.output.remove_path", signame, "pack", src, "--to", "wds", "-o", out,
+                                 "--force", "--shuffle-seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert "after the dataset was published: it is complete" in done.stderr
+    assert "nothing was written" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.wds", "src"]  # no half-removed old one beside it
+    verified = subprocess.run([sys.executable, "-m", "packer", "verify", str(out), "--against", str(src)], cwd=ROOT,
+                              capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_signal_after_the_merge_published_lets_the_parts_folder_go_and_succeeds(tmp_path):
+    src, out = small_tree(tmp_path / "src"), tmp_path / "out.lmdb"
+    done = packer_with_signal_at("packer.parts.remove_folder", "SIGTERM", "pack", src, "--to", "lmdb", "-o", out,
+                                 "--parts", "2")
+    assert done.returncode == 0, done.stderr
+    assert "stopped by SIGTERM after the dataset was published" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.lmdb", "src"]  # the parts' folder is gone
+
+
+def test_sigterm_during_the_merge_of_parts_says_sigterm(tmp_path):
+    """The merge's guard sits inside the pack in parts' guard: it takes the signal over from
+    it, so the stop is reported as the signal it was (exit 143, not 130)."""
+    src, out = small_tree(tmp_path / "src"), tmp_path / "out.hdf5"
+    done = packer_with_signal_at("packer.merge.write_listings", "SIGTERM", "pack", src, "--to", "hdf5", "-o", out,
+                                 "--parts", "2")
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert f"stopped by SIGTERM; nothing was written at {out}" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_guard_inside_another_takes_over_and_hands_a_stop_back():
+    with pytest.raises(Interrupted, match="stopped by SIGTERM; nothing was written at INNER") as stopped:
+        with InterruptGuard("OUTER") as outer:
+            with InterruptGuard("INNER") as inner:
+                assert signal.getsignal(signal.SIGTERM) == inner._interrupt
+                signal.raise_signal(signal.SIGTERM)
+    assert stopped.value.signum == signal.SIGTERM and inner.pending and outer.pending
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is \
+        signal.default_int_handler
+
+
+def test_a_stop_dropped_while_the_writer_finished_is_caught_before_publishing(tmp_path):
+    from packer.output import staged
+
+    out = tmp_path / "out.bin"
+    with pytest.raises(Interrupted, match="nothing was written"):
+        with InterruptGuard(str(out)) as guard:
+            with staged(str(out), force=False, directory=False) as stage:
+                Path(stage).write_bytes(b"done")
+                guard.pending = True  # a KeyboardInterrupt h5py printed and dropped in finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_held_stops_are_noted_and_the_handlers_come_back():
+    from packer import interrupts
+
+    with InterruptGuard("OUT"):
+        interrupts.hold_stops("OUT")
+        signal.raise_signal(signal.SIGTERM)  # noted, not raised
+        signal.raise_signal(signal.SIGINT)
+    assert interrupts.late_stops() == [signal.SIGTERM, signal.SIGINT] and interrupts.late_stops() == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is \
+        signal.default_int_handler
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:  # a program's own handler is not held
+        with InterruptGuard("OUT"):
+            interrupts.hold_stops("OUT")
+            signal.raise_signal(signal.SIGTERM)
+        assert seen == [signal.SIGTERM] and interrupts.late_stops() == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
