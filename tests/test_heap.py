@@ -19,6 +19,16 @@ from conftest import class_sorted_tree, jpeg_bytes, write
 pytestmark = pytest.mark.skipif(heap.glibc() is None, reason="readers.heap sets glibc's malloc thresholds; "
                                                               "this C library is not glibc")
 
+
+@pytest.fixture(autouse=True)
+def glibc_malloc_untuned(monkeypatch):
+    """No MALLOC_* setting in the environment these tests' processes inherit: readers.heap
+    leaves a tuned malloc alone, and Dask's LocalCluster (tests/test_dask.py) sets
+    MALLOC_TRIM_THRESHOLD_ in the process that starts it."""
+    for name in [name for name in os.environ if name.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
 # A worker's batch in miniature: 256 samples of ~100 KB alive together, then freed together.
 # Prints the minor page faults of the cycles after the first, and what keep_heap() said.
 BATCH_CYCLES = """
