@@ -68,6 +68,7 @@ class PackerGroup(click.Group):
     out (packer.interrupts) and exits 143 (128 + SIGTERM)."""
 
     def invoke(self, ctx):
+        late_stops()  # forget any a previous command in this process noted
         with stop_signals_as_interrupts():
             try:
                 done = super().invoke(ctx)
