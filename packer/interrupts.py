@@ -51,13 +51,22 @@ def raise_stopped(signum, frame) -> None:
 
 
 def stop_when(event) -> None:
-    """A worker process's initializer: every InterruptGuard in this process also stops, as on
-    Ctrl-C, once `event` (a multiprocessing Event) is set by the process that owns the pool.
+    """A worker process's initializer: every InterruptGuard in this process stops, as on
+    Ctrl-C, once `event` (a multiprocessing Event) is set by the process that owns the pool,
+    and that is how it stops: the worker ignores stop signals itself.
 
     A signal sent to that process alone (`kill PID`, Kubernetes, `timeout`) reaches none of
-    its workers; without this they would run their work to the end before it could exit."""
+    its workers; without the event they would run their work to the end before it could
+    exit. One sent to the whole group (a terminal's Ctrl-C) reaches them all, and a worker
+    waiting for work would die of it with a traceback; the owner sets the event on either,
+    and shuts its pool down. The owner starts its workers with the stop signals blocked
+    (they inherit the mask), so that one landing while they start is not raised either."""
     global _stop_request
     _stop_request = event
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 @contextlib.contextmanager

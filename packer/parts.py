@@ -39,6 +39,7 @@ import numpy as np
 
 from . import errors
 from .cores import available_cores
+from .engine import stop_signals_blocked
 from .errors import PackError
 from .formats import FORMATS, default_output
 from .formats._tables import drop_pages
@@ -274,7 +275,8 @@ def run_parts(executor: Executor, tasks: list[PartTask], guard: InterruptGuard) 
     """Submit every task and wait for all of them. A failure cancels the parts not started
     and is raised as a PackError naming its part (the first by index, when several have
     failed by then, the others listed)."""
-    futures = {executor.submit(run_part, task): task for task in tasks}
+    with stop_signals_blocked():  # processes a pool starts here inherit the block (interrupts.stop_when)
+        futures = {executor.submit(run_part, task): task for task in tasks}
     reports: dict[int, dict] = {}
     try:
         pending = set(futures)
