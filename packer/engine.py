@@ -17,7 +17,7 @@ from collections import deque
 from multiprocessing import Pool
 from typing import Any, Callable, Iterator
 
-from .interrupts import STOP_SIGNALS
+from .interrupts import STOP_SIGNALS, ignore_stop_signals
 
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
 # Reader threads run at most this many files, and about this many bytes, ahead of the writer:
@@ -200,10 +200,7 @@ def _start_worker(load: Callable[[Any], Any]) -> None:
     # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM every process of
     # the job. A worker killed by either can die holding one of the pool's queue locks, and
     # then the parent's Pool.terminate() waits forever: the parent stops its workers.
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    ignore_stop_signals()
     global _load
     _load = load
 

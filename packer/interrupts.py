@@ -63,6 +63,12 @@ def stop_when(event) -> None:
     (they inherit the mask), so that one landing while they start is not raised either."""
     global _stop_request
     _stop_request = event
+    ignore_stop_signals()
+
+
+def ignore_stop_signals() -> None:
+    """In a worker process its owner stops: SIGINT and SIGTERM ignored, then unblocked (the
+    owner starts its workers with them blocked, so none lands before this)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
@@ -98,8 +104,7 @@ def hold_stops(out: str) -> None:
     as an upload of the local pack, takes signals again."""
     global _held, _held_for
     if _held is None and _scopes > 0 and threading.current_thread() is threading.main_thread():
-        ours = [signum for signum in STOP_SIGNALS if outer_guard(signal.getsignal(signum)) is not None
-                or signal.getsignal(signum) in (raise_stopped, signal.default_int_handler)]
+        ours = [signum for signum in STOP_SIGNALS if taken_over(signum, signal.getsignal(signum))]
         _held = {signum: signal.signal(signum, _note_late) for signum in ours}  # a program's own stays
         _held_for = os.path.abspath(out)
 
@@ -179,9 +184,8 @@ class InterruptGuard:
         _open_scope()
         _guards.append(self)
         try:
-            for signum, handlers in TAKEN_OVER.items():
-                current = signal.getsignal(signum)
-                if any(current is handler for handler in handlers) or outer_guard(current) is not None:
+            for signum in STOP_SIGNALS:
+                if taken_over(signum, signal.getsignal(signum)):
                     self._previous[signum] = signal.signal(signum, self._interrupt)
         except BaseException:  # a signal between two take-overs: leave as it was found
             self._leave()
@@ -223,6 +227,12 @@ class InterruptGuard:
             if self._checks % STOP_REQUEST_EVERY == 0 and _stop_request.is_set():
                 self.pending, self._first = True, time.monotonic()
                 raise KeyboardInterrupt
+
+
+def taken_over(signum: int, handler) -> bool:
+    """Whether a guard takes signum over from handler: one of TAKEN_OVER's, or another
+    guard's (a write inside another); never a handler the program set."""
+    return any(handler is ours for ours in TAKEN_OVER[signum]) or outer_guard(handler) is not None
 
 
 def outer_guard(handler) -> "InterruptGuard | None":

@@ -17,8 +17,8 @@ allocations of 32 MiB and more still get their own mappings and go back when fre
 Done once per worker process, by make_loader's worker set-up and by a packer Dataset's
 first batch in a DataLoader worker; never in the main process, whose allocator stays
 the user's, nor where the user tuned glibc's malloc (a MALLOC_* variable or
-glibc.malloc.* in GLIBC_TUNABLES): those settings stand. PACKER_KEEP_HEAP=0 turns it off. Other C
-libraries are left alone.
+glibc.malloc.* in GLIBC_TUNABLES): those settings stand. PACKER_KEEP_HEAP=0 turns it
+off. Other C libraries are left alone.
 """
 from __future__ import annotations
 

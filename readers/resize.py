@@ -57,9 +57,14 @@ def resize_windows(images: Sequence[torch.Tensor], windows: Sequence[tuple[int, 
         done = resize_group([images[i] for i in group], [windows[i] for i in group],
                             [resized[i] for i in group], size)
         if rounded:
-            done = done.round_().clamp_(0, 255).to(torch.uint8)
+            done = to_uint8(done)
         out.index_copy_(0, torch.tensor(group, device=out.device), done)
     return out
+
+
+def to_uint8(floats: torch.Tensor) -> torch.Tensor:
+    """Rounds resized floats back to uint8, in place before the one conversion."""
+    return floats.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def checked_size(size) -> tuple[int, int]:
@@ -139,19 +144,18 @@ def resize_group(images: list, windows: list, resized: list, size: tuple[int, in
     # Each step drops what it no longer needs: a group's peak stays near its padded windows in float32.
     wy = weights(spec[:, 0], spec[:, 2], spec[:, 4], out_h, height)  # n x out_h x H
     wx = weights(spec[:, 1], spec[:, 3], spec[:, 5], out_w, width)  # n x out_w x W
-    floats = gathered_rows(images, windows).view(n, height, channels * width).float()  # from n x H x C x W
+    floats = gathered_rows(images, windows, height, width).view(n, height, channels * width).float()  # n x H x C x W
     tall = torch.bmm(wy, floats)  # n x out_h x (C*W)
     del floats, wy
     both = torch.bmm(tall.view(n, out_h * channels, width), wx.transpose(1, 2))  # n x (out_h*C) x out_w
     return both.view(n, out_h, channels, out_w).permute(0, 2, 1, 3)
 
 
-def gathered_rows(images: list, windows: list) -> torch.Tensor:
-    """The windows' pixels, zero-padded to the largest: n x H x C x W uint8 (rows past a
-    window's height, and columns past its width, hold other pixels; their weights are 0)."""
+def gathered_rows(images: list, windows: list, height: int, width: int) -> torch.Tensor:
+    """The windows' pixels, padded to height x width (the largest window's): n x H x C x W
+    uint8 (rows past a window's height, and columns past its width, hold other pixels;
+    their weights are 0)."""
     channels, device = images[0].shape[0], images[0].device
-    height = max(w[2] for w in windows)
-    width = max(w[3] for w in windows)
     starts, offset = [], 0
     for image, (top, left, _, _) in zip(images, windows):
         plane = image.shape[1] * image.shape[2]

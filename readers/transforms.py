@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode import MAX_PIXELS, checked_max_pixels, decode_array, image_size
-from .resize import resize_windows
+from .resize import resize_windows, to_uint8
 
 BYTES_TYPES = (bytes, bytearray, memoryview)
 
@@ -139,11 +139,6 @@ def resized_float(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     if tuple(image.shape[-2:]) == tuple(size):
         return batch
     return F.interpolate(batch, size=size, mode="bilinear", align_corners=False, antialias=True)
-
-
-def to_uint8(floats: torch.Tensor) -> torch.Tensor:
-    """Rounds resized floats back to uint8, in place before the one conversion."""
-    return floats.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def flip_some(batch: torch.Tensor, flips: list[bool]) -> torch.Tensor:
