@@ -14,6 +14,10 @@ Steps, in this order (`--steps` picks some; `corpus` runs whenever a later step 
            make_loader vs torch's DataLoader defaults (and + workers), GPU utilisation by NVML
   nvjpeg   decode + crop + resize through gpu_decode against bare batched
            torchvision.io.decode_jpeg(device="cuda") on the same bytes and the CPU workers
+  handover benchmarks/suites/pin_handover.py --pin: how long the training thread is kept
+           from the GIL while torch's pin thread frees each batch, with the batch's shared
+           memory given back first (make_loader's WorkerBatch) and without
+  disk     benchmarks/suites/disk_depth.py: the disk's cold random reads by reads in flight
   suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
   scaling  e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the per-core
            decode + crop rate (the suite's own cases, in fresh processes)
@@ -47,14 +51,15 @@ CARRY = ".carry"  # photos and the corpus tool, ignored by git, carried to the G
 WHEELS = ".whl"
 # The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
 # scaling saves each row as it goes, so it takes what is left.
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "disk", "suite", "scaling")
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "suite", "scaling")
 NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "scaling", "suite")
 # The tests that do something different where CUDA is present (grep tests/ for cuda).
 CUDA_TESTS = ["tests/test_gpu.py", "tests/test_nvjpeg.py", "tests/test_resize.py", "tests/test_collate.py",
-              "tests/test_loader.py",
+              "tests/test_loader.py", "tests/test_handover.py",
               "tests/test_benchmarks.py::test_cuda_is_used_when_present_and_its_absence_is_reported"]
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
-MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "disk": 40, "scaling": 90, "suite": 120}
+MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "handover": 60, "disk": 40,
+               "scaling": 90, "suite": 120}
 SCALING_WORKERS = (1, 2, 4, 8, 16)
 MARGIN_S = 20  # left free at the end of the budget: writing results, the machine's transfers
 
@@ -803,20 +808,36 @@ SCALING_RESERVE_S = 120  # what scaling needs after the suite (a per-core case a
 def step_disk(run: Run, args, ctx: dict, summary: dict) -> None:
     """The disk's cold random-read curve by reads in flight (benchmarks/suites/disk_depth.py)
     on the corpus's LMDB pack: what bounds the plain loader's cold ratio over the folder there."""
-    with run.step("disk") as entry:
+    study_step(run, args, summary, "disk", "disk_depth.py", [
+        ctx["lmdb"], "--repeats", "1" if args.quick else "3", "--seconds", "0.3" if args.quick else "1.5"])
+
+
+def step_handover(run: Run, args, ctx: dict, summary: dict) -> None:
+    """The training thread's GIL stalls while the pin thread frees each batch
+    (benchmarks/suites/pin_handover.py; torch's own pin thread where CUDA is)."""
+    workers = str(min(8, os.cpu_count() or 1))
+    study_step(run, args, summary, "handover", "pin_handover.py", [
+        "--workers", workers, "--repeats", "1" if args.quick else "5", "--batches", "6" if args.quick else "40",
+        "--batch", "32" if args.quick else "256",
+        *(["--pin"] if args.device.startswith("cuda") else [])])
+
+
+def study_step(run: Run, args, summary: dict, step: str, script: str, script_args: list) -> None:
+    """Run benchmarks/suites/<script>: its runs go into gpu-results.json, its table into summary.md."""
+    with run.step(step) as entry:
         # Kept in the workdir: the figures go into gpu-results.json and the table into summary.md.
-        table, runs = os.path.join(args.workdir, "disk_depth.md"), os.path.join(args.workdir, "disk_depth.json")
-        cmd = [sys.executable, os.path.join("benchmarks", "suites", "disk_depth.py"), ctx["lmdb"],
-               "--repeats", "1" if args.quick else "3", "--seconds", "0.3" if args.quick else "1.5", "--json", runs]
+        name = os.path.splitext(script)[0]
+        table, runs = os.path.join(args.workdir, name + ".md"), os.path.join(args.workdir, name + ".json")
+        cmd = [sys.executable, os.path.join("benchmarks", "suites", script), *script_args, "--json", runs]
         entry["command"] = cmd[1:]
         code = run.stream(cmd, run.left() - MARGIN_S, stdout_path=table)
         entry["exit_code"] = code
         if code != 0:
             entry["status"] = "error"
-            entry["error"] = f"disk_depth.py exited {code}"
+            entry["error"] = f"{script} exited {code}"
         else:
             entry["runs"] = json.load(open(runs))["runs"]
-            summary["disk"] = open(table).read()
+            summary[step] = open(table).read()
 
 
 def step_suite(run: Run, args, ctx: dict, summary: dict) -> None:
@@ -998,7 +1019,7 @@ def write_summary(run: Run, summary: dict) -> None:
     for name, s in run.results["steps"].items():
         note = s.get("error") or s.get("reason") or s.get("note") or ""
         parts.append(f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {note} |")
-    for name in ("feed", "nvjpeg", "scaling", "disk", "suite"):
+    for name in ("feed", "nvjpeg", "handover", "scaling", "disk", "suite"):
         if name in summary:
             parts += ["", f"## {name}", "", summary[name]]
     with open(os.path.join(run.out, "summary.md"), "w") as f:
@@ -1037,8 +1058,8 @@ def run_steps(args, argv: list[str]) -> int:
         elif name == "corpus":
             step_corpus(run, args, ctx)
         else:
-            {"feed": step_feed, "nvjpeg": step_nvjpeg, "disk": step_disk, "scaling": step_scaling,
-             "suite": step_suite}[name](
+            {"feed": step_feed, "nvjpeg": step_nvjpeg, "handover": step_handover, "disk": step_disk,
+             "scaling": step_scaling, "suite": step_suite}[name](
                 run, args, ctx, summary)
         write_summary(run, summary)
     run.results["seconds"] = round(time.monotonic() - run.started, 1)

@@ -12,6 +12,9 @@ into the float buffer, add) stay in the CPU cache and no uint8 batch is made on 
 
 For gpu_decode, encoded images are batched undecoded, their bytes end to end in one such
 buffer (readers.buffers.EncodedBatch).
+
+For a loader that pins, a worker's batch travels as a WorkerBatch, whose shared memory
+DataLoader's pin thread gives back as soon as it has pinned it (readers.buffers).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 import torch.utils.data
 from torch.utils.data import default_collate
 
-from .buffers import EncodedBatch, allocate
+from .buffers import EncodedBatch, WorkerBatch, allocate
 from .gpu import is_image_batch, map_tensors, normalize, normalize_coefficients, normalize_into
 from .transforms import BYTES_TYPES
 
@@ -85,6 +88,12 @@ class NormalisedCollate:
 
     def __call__(self, batch):
         return map_tensors(self.collate_fn(batch), self.normalise.batch)
+
+
+def to_be_pinned(collate_fn, batch) -> WorkerBatch:
+    """collate_fn(batch) as a WorkerBatch: for one of these collates, in a worker of a loader
+    that pins, whose every tensor is new (so its shared memory can be given back once pinned)."""
+    return WorkerBatch(collate_fn(batch))
 
 
 def encoded_collate(batch, pin_memory: bool = False):

@@ -37,7 +37,7 @@ import torch.utils.data as tud
 from packer.cores import available_cores
 
 from ._dataset import ReaderDataset
-from .collate import Normalise, NormalisedCollate, collate, encoded_collate
+from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
 from .heap import keep_heap
 from .ranks import local_world_size, world
@@ -275,17 +275,21 @@ def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: b
                   f"or pass drop_last=False", LoaderWarning, stacklevel=3)
 
 
-def batch_collate(collate_fn, pin_memory: bool, normalise: Normalise | None, encoded: bool = False):
+def batch_collate(collate_fn, pin_memory: bool, normalise: Normalise | None, encoded: bool = False,
+                  give_back: bool = False):
     """The loader's collate_fn: readers.collate (one shared or pinned buffer) unless one is
     given. With normalise (a CPU target), image batches are converted to normalised float
     where they are made, in the DataLoader workers, in parallel and ahead of the consumer,
     instead of in the main process as each batch is taken; what arrives is what the
     CUDAPrefetcher's CPU fallback would have produced, and it passes through unchanged.
-    encoded (gpu_decode): a batch's bytes go in one buffer (readers.buffers.EncodedBatch)."""
-    if collate_fn is None and encoded:
-        return functools.partial(encoded_collate, pin_memory=pin_memory)
+    encoded (gpu_decode): a batch's bytes go in one buffer (readers.buffers.EncodedBatch).
+    give_back (workers, pinned): our collates' batches travel as WorkerBatch, whose shared
+    memory the pin thread frees once pinned, off the GIL; a given collate_fn's batch may
+    hold memory its worker still uses, so it travels as it is."""
     if collate_fn is None:
-        return functools.partial(collate, pin_memory=pin_memory, normalise=normalise)
+        ours = (functools.partial(encoded_collate, pin_memory=pin_memory) if encoded
+                else functools.partial(collate, pin_memory=pin_memory, normalise=normalise))
+        return functools.partial(to_be_pinned, ours) if give_back else ours
     return collate_fn if normalise is None else NormalisedCollate(collate_fn, normalise)
 
 
@@ -387,7 +391,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
     loader = EpochLoader(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
-        collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None),
+        collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
+                                 give_back=pin and policy.workers > 0),
         pin_memory=pin, drop_last=drop_last,
         worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if policy.workers else None,
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,

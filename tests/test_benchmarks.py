@@ -516,6 +516,26 @@ def test_disk_depth_study_reports_every_depth_against_the_first(tmp_path, capsys
         disk_depth.main([str(packed), "--depths", "0,4"])
 
 
+@pytest.mark.parametrize("how", [["--workers", "1"], ["--alone"]])
+def test_pin_handover_study_hands_every_batch_over_both_ways(tmp_path, capsys, how):
+    import torch
+
+    from benchmarks.suites import pin_handover
+
+    out = tmp_path / "runs.json"
+    assert pin_handover.main(["--batch", "4", "--size", "64", "--batches", "5", "--repeats", "2",
+                              "--json", str(out), *how]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == set(pin_handover.WAYS) == set(result["summary"])
+    for runs in result["runs"].values():  # the first batch starts the clock: the other four are timed
+        assert [run["batches"] for run in runs] == [4, 4]
+        assert all(run["longest_ms_median"] >= 0 and run["handover_ms_per_batch"] > 0 for run in runs)
+    assert "given back first" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            pin_handover.main(["--pin"])
+
+
 @pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise (the cache studies' common check)")
 @pytest.mark.parametrize("fmt,name,fill", [("lmdb", "d.lmdb", "read-through"), ("hdf5", "d.h5", "random-epoch")])
 def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path, capsys, fmt, name, fill):

@@ -186,6 +186,22 @@ def test_the_disk_step_records_the_curve_without_adding_files(tmp_path):
     assert "## disk" in (out / "summary.md").read_text()
 
 
+def test_the_handover_step_records_both_ways_without_a_corpus(tmp_path):
+    from benchmarks.suites.pin_handover import WAYS
+
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "handover", "--quick",
+                     "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = results(out)["steps"]
+    assert list(steps) == ["env", "handover"] and steps["handover"]["status"] == "ok"
+    assert "--pin" not in steps["handover"]["command"]  # no CUDA here: the stand-in pin thread
+    assert set(steps["handover"]["runs"]) == set(WAYS)
+    assert all(run["batches"] == 5 for runs in steps["handover"]["runs"].values() for run in runs)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.json", "gpu.log", "summary.md"]
+    assert "## handover" in (out / "summary.md").read_text()
+
+
 def test_profile_calls_sums_each_calls_op_times_and_tables_them():
     """What the nvjpeg step writes to nvjpeg-profile.txt, here on CPU ops alone."""
     a = torch.randn(128, 128)

@@ -10,6 +10,8 @@ how a block sampler fetches the blocks it is about to use in large sequential re
 how a random-order sampler keeps many record reads in flight; cached() tells whether a
 page is already there, so hints for a warm dataset can stop.
 Where posix_fadvise is missing (macOS, Windows) the advice is skipped; reads still work.
+advise_pages() is madvise over a range of this process's memory (a writer's map, a
+batch's shared memory), on Linux; elsewhere it does nothing.
 
 A descriptor here is a file descriptor or a byte source (packer.remote: a remote object
 read by ranges through a block cache): the functions below serve both, so a format's
@@ -18,6 +20,8 @@ noticed only when os.pread refuses it (a try costs nothing in Python 3.11).
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 ACCESS_PATTERNS = ("random", "sequential")
@@ -26,6 +30,37 @@ CAN_PREAD = hasattr(os, "pread")  # not on Windows: readers that need it fall ba
 _ADVICE = {"random": "POSIX_FADV_RANDOM", "sequential": "POSIX_FADV_SEQUENTIAL"}
 CAN_PROBE = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 _PROBE = bytearray(1)  # cached()'s landing byte: its content is never used
+
+
+MADV_DONTNEED = 4  # Linux's values
+MADV_REMOVE = 9
+
+
+def advise_pages(address: int, length: int, advice: int) -> bool:
+    """madvise(advice) over the whole pages inside [address, address + length) (never a
+    neighbour's page), through ctypes, which releases the GIL while the kernel works.
+    False where nothing was done: no whole page inside, not Linux, or the kernel refused."""
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    stop = (address + length) // page * page
+    if stop <= start or _MADVISE is None:
+        return False
+    return _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), advice) == 0
+
+
+def _libc_madvise():
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
 
 
 def check_access(access: str) -> str:

@@ -66,7 +66,6 @@ the pages on the path to each table, never the whole file.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import mmap
 import os
@@ -294,24 +293,8 @@ def release_pages(address: int, length: int) -> None:
     cache (dirty ones are written back as usual) and fault back in if touched; without
     this every page written stays mapped, and the packer's resident memory grows with
     the dataset (RSS counts mapped file pages). A no-op where madvise is unavailable."""
-    page = mmap.PAGESIZE
-    start = -(-address // page) * page
-    stop = (address + length) // page * page
-    if stop > start and _MADVISE is not None:
-        _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)
-
-
-def _libc_madvise():
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise
-
-
-MADV_DONTNEED = 4  # Linux
-_MADVISE = _libc_madvise() if WRITEMAP and os.uname().sysname == "Linux" else None
+    if WRITEMAP:
+        _io.advise_pages(address, length, _io.MADV_DONTNEED)
 
 
 def room(txn_bytes: int) -> int:
