@@ -59,6 +59,29 @@ def test_a_spawned_workers_batch_is_given_back_too():
 
 
 @linux
+def test_under_the_file_system_sharing_strategy_the_refcount_page_before_the_data_is_kept():
+    """torch's file_system strategy keeps a shared refcount just before a storage's data, in
+    the mapping's first page: only whole pages of the data itself may go."""
+    import torch.multiprocessing as tmp
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        batches = worker_batches(samples(8), batch_collate(None, False, None, give_back=True))
+        images, _ = batches[0].batch
+        kept, _ = pinned_then_given_back(batches[0].batch, copied)
+        assert kept.unique().tolist() == [1, 2, 3, 4]
+        flat = images.flatten()
+        first = -(-images.untyped_storage().data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE \
+            - images.untyped_storage().data_ptr()
+        assert first > 0  # the data starts after the refcount, inside the first page
+        assert flat[first:].count_nonzero() < mmap.PAGESIZE  # all but the last partial page
+        assert flat[:first].count_nonzero() == first  # the partial first page is left as it was
+        del batches, images, flat  # the refcount still works: the storages close cleanly
+    finally:
+        tmp.set_sharing_strategy(before)
+
+
+@linux
 def test_an_encoded_batch_keeps_the_offsets_its_pinned_copy_still_holds():
     blobs = [bytes([i + 1]) * (5000 * (i + 1)) for i in range(4)]
     batch = (EncodedBatch.of(blobs), torch.arange(4))
@@ -77,6 +100,13 @@ def test_memory_that_is_not_shared_is_left_alone():
     assert give_back(images) is False and images.count_nonzero() == images.numel()
     kept, _ = pinned_then_given_back((images, torch.arange(4)), copied)
     assert images.count_nonzero() == images.numel() and torch.equal(kept, images)
+
+
+def test_a_sparse_tensor_in_a_batch_is_passed_over():
+    sparse = torch.eye(3).to_sparse()
+    images = torch.ones(2, 3, 64, 64, dtype=torch.uint8)
+    kept = pinned_then_given_back({"sparse": sparse, "images": images}, lambda batch: dict(batch))
+    assert kept["sparse"] is sparse and torch.equal(kept["sparse"].to_dense(), torch.eye(3))
 
 
 def test_a_pinned_batch_that_is_the_batch_itself_gives_nothing_back():
