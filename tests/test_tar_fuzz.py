@@ -359,6 +359,55 @@ def test_sizes_past_the_end_fail_before_any_allocation(tmp_path, size, pattern):
         expect_corrupt(shard, rf"big\.t.*({pattern}|truncated at byte \d+: the file ends inside the member)")
 
 
+class Unseekable(io.RawIOBase):
+    """A file read as a remote shard is streamed: forward only."""
+
+    def __init__(self, path):
+        self.file = open(path, "rb")
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        return self.file.readinto(buffer)
+
+    def close(self):
+        self.file.close()
+        super().close()
+
+
+def test_a_gzip_bomb_is_refused_before_it_fills_memory(tmp_path):
+    """96 MiB of zeros as one image member gzips to ~100 KB: past 64 MiB at over 100x it is
+    refused, naming the shard and the member, having held little more than the floor."""
+    import tracemalloc
+    bomb = _tar.member("x.jpg", bytes(96 << 20))[0] + _tar.END_OF_ARCHIVE
+    shard = shard_with(tmp_path, "bomb.tgz", gzip.compress(bomb, compresslevel=1, mtime=0))
+    del bomb
+    assert shard.stat().st_size < 1 << 20
+    pattern = (r"bomb\.tgz \(gzip\): the member 'x\.jpg' at byte 512 inflates to more than \d+ bytes from \d+ "
+               r"compressed: over 100x is a decompression bomb")
+    for read in (lambda: list(_tar.iter_samples(str(shard))), lambda: list(WDSDataset(shard, decode="raw")),
+                 lambda: list(_tar.iter_samples(str(shard), opener=Unseekable))):
+        tracemalloc.start()
+        try:
+            with time_bound(4 * SECONDS_PER_CASE, str(shard)), pytest.raises(CorruptDataError, match=pattern):
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2 * _tar.BOMB_FLOOR + (8 << 20)  # the chunks held, then joined: not the 96 MiB
+    assert _tar.count_samples(str(shard)) == 1  # counting holds nothing, so it reads through
+
+
+def test_compressible_members_under_the_floor_and_incompressible_ones_past_it_read(tmp_path):
+    zeros, noise = bytes(8 << 20), random.Random(0).randbytes(72 << 20)
+    blob = _tar.member("a.jpg", zeros)[0] + _tar.member("b.jpg", noise)[0] + _tar.END_OF_ARCHIVE
+    shard = shard_with(tmp_path, "fine.tgz", gzip.compress(blob, compresslevel=1, mtime=0))
+    samples = list(_tar.iter_samples(str(shard)))
+    assert [s.key for s in samples] == ["a", "b"]
+    assert samples[0].parts["jpg"] == zeros and samples[1].parts["jpg"] == noise
+
+
 def test_an_oversized_extended_header_is_refused(tmp_path):
     records = pax_record("comment", "c" * (2 << 20))
     shard = shard_with(tmp_path, "ext.tar", pax_header(records) + _tar.END_OF_ARCHIVE)

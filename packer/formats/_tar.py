@@ -19,9 +19,13 @@ Every number in a header is untrusted. A size must be non-negative and below 2^6
 PAX `size` ASCII digits, a PAX record's length must cover its own `<len> ` prefix,
 stay within the record block and end at a newline, and an extended header (PAX
 records, GNU long name) is at most 1 MiB. For a plain file every read and seek is
-checked against the file's length before it happens; a gzip stream is read in 1 MiB
-chunks. Each header moves the offset forward by at least one block, so no input can
-make reading loop, and any violation is a CorruptDataError naming the shard and offset.
+checked against the file's length before it happens; a gzip stream, whose length is
+unknown until it ends, is read in 1 MiB chunks, and a member kept in memory may not
+inflate past 64 MiB at more than 100x the compressed bytes it was read from (images are
+compressed already: a tar of them gzips at about 1x; gzip can reach ~1000x, so a small
+shard could otherwise fill memory). Each header moves the offset forward by at least one
+block, so no input can make reading loop, and any violation is a CorruptDataError naming
+the shard and offset.
 
 Plain headers (what packer writes: a regular file in ustar or GNU form, no prefix, every
 number field octal digits then spaces or NULs, a correct unsigned checksum) are parsed
@@ -54,6 +58,10 @@ MTIME = 946684800
 MAX_SIZE = 2**63 - 1
 MAX_EXTENDED = 1 << 20
 CHUNK = 1 << 20  # gzip streams are read at most this much at a time
+# A kept member of a gzip stream past BOMB_FLOOR bytes may be at most BOMB_RATIO times
+# the compressed bytes read for it (see the docstring).
+BOMB_FLOOR = 64 << 20
+BOMB_RATIO = 100
 EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 _PAX_HEAD = re.compile(rb"([0-9]{1,9}) ")
 _PAX_SIZE = re.compile(r"[0-9]{1,19}")
@@ -123,7 +131,7 @@ def open_shard(path: str, opener=None) -> tuple[IO[bytes], bool]:
     if opener is not None:
         raw = io.BufferedReader(opener(path), CHUNK)
         if raw.peek(2)[:2] == GZIP_MAGIC:
-            return gzip.GzipFile(fileobj=raw, mode="rb"), True
+            return gzip.GzipFile(fileobj=Counted(raw), mode="rb"), True
         return raw, False
     try:
         raw = open(path, "rb")
@@ -132,9 +140,24 @@ def open_shard(path: str, opener=None) -> tuple[IO[bytes], bool]:
                                "readable, or read with on_error='skip'", path) from exc
     if raw.read(2) == GZIP_MAGIC:
         raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb"), True
+        return gzip.GzipFile(fileobj=Counted(raw), mode="rb"), True
     raw.seek(0)
     return raw, False
+
+
+class Counted:
+    """A binary stream that counts the bytes read from it: what a gzip stream has taken in."""
+
+    def __init__(self, raw: IO[bytes]):
+        self.raw, self.count = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.count += len(data)
+        return data
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -168,6 +191,8 @@ class TarStream:
     def __init__(self, stream: IO[bytes], where: str):
         self.stream, self.where, self.offset = stream, where, 0
         self.end = None
+        source = getattr(stream, "fileobj", None) if isinstance(stream, gzip.GzipFile) else None
+        self.compressed = source if isinstance(source, Counted) else None  # what a gzip stream took in
         if not isinstance(stream, gzip.GzipFile) and stream.seekable():
             try:
                 status = os.fstat(stream.fileno())
@@ -178,7 +203,7 @@ class TarStream:
 
     def read(self, n: int, what: str) -> bytes:
         if self.end is None:
-            data = b"".join(self.chunks(n, what))
+            data = b"".join(self.inflated(n, what))
         else:
             if self.offset + n > self.end:
                 self.check_room(n, what)
@@ -226,6 +251,20 @@ class TarStream:
                 return
             yield chunk
             n -= len(chunk)
+
+    def inflated(self, n: int, what: str) -> Iterator[bytes]:
+        """chunks(n, what) of a stream of unknown length, to be held in memory: past
+        BOMB_FLOOR bytes at more than BOMB_RATIO times the compressed input, refused."""
+        taken = self.compressed.count if self.compressed is not None else 0
+        held = 0
+        for chunk in self.chunks(n, what):
+            held += len(chunk)
+            if held > BOMB_FLOOR and self.compressed is not None \
+                    and held > BOMB_RATIO * (self.compressed.count - taken):
+                raise damaged(self.where, f"the {what} at byte {self.offset} inflates to more than {held} bytes "
+                                          f"from {self.compressed.count - taken} compressed: over {BOMB_RATIO}x "
+                                          f"is a decompression bomb, not images")
+            yield chunk
 
     def check_room(self, n: int, what: str) -> None:
         if self.end is not None and self.offset + n > self.end:
