@@ -93,33 +93,43 @@ class WorkerBatch:
     alone, so once DataLoader's pin thread has copied it to pinned memory nothing reads
     the shared memory again: pin_memory() returns the pinned batch and gives those pages
     back at once (give_back), instead of leaving them to the munmap that frees them
-    under the GIL."""
+    under the GIL. A second call returns the same pinned batch."""
 
     def __init__(self, batch):
-        self.batch = batch
+        self.batch, self.pinned = batch, None
 
     def pin_memory(self, device=None):
-        return pinned_then_given_back(self.batch, pin_structure)
+        if self.pinned is None:
+            self.pinned = pinned_then_given_back(self.batch, pin_structure)
+            self.batch = None  # emptied: only the pinned batch may be read from now on
+        return self.pinned
 
     def __repr__(self) -> str:
-        return f"WorkerBatch({self.batch!r})"
+        return f"WorkerBatch({self.batch if self.pinned is None else self.pinned!r})"
 
 
 def pinned_then_given_back(batch, pin):
     """pin(batch), then the shared pages of batch's tensors given back (give_back), but
-    for any the pinned batch still holds (pin returns a pinned tensor as it is, and
-    EncodedBatch keeps its offsets)."""
+    for any whose memory the pinned batch still reaches (pin returns a pinned tensor as it
+    is, and EncodedBatch keeps its offsets): only for a batch whose every tensor is new."""
     pinned = pin(batch)
-    kept = {tensor.untyped_storage().data_ptr() for tensor in tensors_in(pinned)}
+    kept = [extent(tensor) for tensor in tensors_in(pinned)]
     for tensor in tensors_in(batch):
-        if tensor.untyped_storage().data_ptr() not in kept:
+        start, stop = extent(tensor)
+        if not any(start < kept_stop and kept_start < stop for kept_start, kept_stop in kept):
             give_back(tensor)
     return pinned
 
 
+def extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The address range of tensor's whole storage."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1)
+
+
 def tensors_in(batch):
-    """Every dense tensor in batch (sparse and nested ones have no one storage to give
-    back): inside tuples, lists, mappings and EncodedBatch."""
+    """Every strided tensor in batch (a sparse one has no one storage to give back): inside
+    tuples, lists, mappings and EncodedBatch."""
     if isinstance(batch, torch.Tensor):
         if batch.layout == torch.strided:
             yield batch
@@ -142,8 +152,10 @@ def tensors_in(batch):
 def give_back(tensor: torch.Tensor) -> bool:
     """Free the pages of tensor's shared-memory storage now, the GIL released. The storage
     stays mapped and reads as zeros after: only for a buffer nothing will read again.
-    False, and nothing done, where the storage is not shared or the system cannot."""
+    False, and nothing done, where the storage is not shared memory (a storage mapped from
+    a file is shared too, but giving its pages back would punch holes in the file) or the
+    system cannot."""
     storage = tensor.untyped_storage()
-    if storage.device.type != "cpu" or not storage.is_shared():
+    if storage.device.type != "cpu" or not storage.is_shared() or getattr(storage, "filename", "") is not None:
         return False
     return advise_pages(storage.data_ptr(), storage.nbytes(), MADV_REMOVE)

@@ -37,6 +37,7 @@ import torch.utils.data as tud
 from packer.cores import available_cores
 
 from ._dataset import ReaderDataset
+from .buffers import WorkerBatch
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
 from .heap import keep_heap
@@ -115,7 +116,9 @@ class EpochLoader(tud.DataLoader):
     def _counted(batches, progress: list):
         for batch in batches:
             progress[1] += 1
-            yield batch
+            # A WorkerBatch is unwrapped by the pin thread; one arrives as it is only if
+            # pinning was turned off after the loader was made.
+            yield batch.batch if isinstance(batch, WorkerBatch) else batch
         progress[2] = True
 
     def position(self) -> tuple[int, int]:

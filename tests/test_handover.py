@@ -1,6 +1,7 @@
 """readers.buffers.WorkerBatch: a worker's batch, once pinned, gives its shared memory back
 (madvise MADV_REMOVE, off the GIL), and nothing the pinned batch or anyone else still reads."""
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -95,6 +96,47 @@ def test_an_encoded_batch_keeps_the_offsets_its_pinned_copy_still_holds():
     assert batch[0].offsets.tolist() == [0, 5000, 15000, 30000, 50000]
 
 
+def test_a_storage_mapped_from_a_file_is_never_given_back(tmp_path):
+    """Shared too, but MADV_REMOVE on it would punch a hole in the file on disk."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x07" * (4 * mmap.PAGESIZE))
+    mapped = torch.empty(0, dtype=torch.uint8).set_(
+        torch.UntypedStorage.from_file(str(path), shared=True, nbytes=4 * mmap.PAGESIZE))
+    assert mapped.is_shared() and give_back(mapped) is False
+    kept = pinned_then_given_back((mapped,), copied)
+    assert torch.equal(kept[0], mapped) and mapped.unique().tolist() == [7]
+    assert path.read_bytes() == b"\x07" * (4 * mmap.PAGESIZE)
+
+
+def test_memory_the_pinned_batch_reaches_through_another_storage_is_kept():
+    images = torch.full((4, 3, 64, 64), 9, dtype=torch.uint8).share_memory_()
+    tail = torch.from_numpy(images.numpy().reshape(-1)[1024:])  # the same memory, another storage object
+    kept = pinned_then_given_back((images,), lambda batch: (tail,))
+    assert kept[0].unique().tolist() == [9] and images.unique().tolist() == [9]
+
+
+@linux
+def test_views_of_a_workers_shared_cache_come_through_our_collate_as_new_buffers():
+    """A dataset returning views of a shared-memory cache: readers' collate stacks them into a
+    new buffer, so giving the batch back never empties the cache."""
+    cache = torch.arange(8, dtype=torch.uint8).repeat_interleave(3 * 64 * 64).reshape(8, 3, 64, 64).share_memory_()
+    dataset = [(cache[i], i) for i in range(8)]
+    for batch in worker_batches(dataset, batch_collate(None, False, None, give_back=True)):
+        images, _ = batch.batch
+        pinned_then_given_back(batch.batch, copied)
+        assert images.count_nonzero() == 0
+    assert torch.equal(cache[:, 0, 0, 0], torch.arange(8, dtype=torch.uint8)) and cache[5].unique().tolist() == [5]
+
+
+def test_a_loader_whose_pinning_was_turned_off_after_it_was_made_gives_plain_batches():
+    from readers.loader import EpochLoader
+    loader = EpochLoader(samples(8), batch_size=4, num_workers=1,
+                         collate_fn=batch_collate(None, False, None, give_back=True))
+    got = list(loader)
+    assert all(type(batch) is tuple for batch in got)
+    assert [images[:, 0, 0, 0].tolist() for images, _ in got] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
 def test_memory_that_is_not_shared_is_left_alone():
     images = torch.ones(4, 3, 64, 64, dtype=torch.uint8)
     assert give_back(images) is False and images.count_nonzero() == images.numel()
@@ -142,12 +184,21 @@ def test_a_given_collate_fn_travels_as_it_is_and_a_loader_that_does_not_pin_gets
 def test_cuda_the_pin_thread_pins_a_worker_batch_and_gives_its_pages_back():
     batches = worker_batches(samples(8), batch_collate(None, False, None, give_back=True))
     images, _ = batches[1].batch
-    pinned_images, pinned_labels = batches[1].pin_memory()
+    pinned = batches[1].pin_memory()
+    pinned_images, pinned_labels = pinned
     assert pinned_images.is_pinned() and pinned_labels.is_pinned()
     assert pinned_images.unique().tolist() == [5, 6, 7, 8] and pinned_labels.tolist() == [4, 5, 6, 7]
     assert images.count_nonzero() == 0
+    assert batches[1].pin_memory() is pinned  # a second call: the pinned batch, not the emptied one
     loader = DataLoader(samples(8), batch_size=4, num_workers=1, pin_memory=True,
                         collate_fn=batch_collate(None, False, None, give_back=True))
     got = list(loader)  # through torch's own pin thread
     assert all(type(batch) is tuple and batch[0].is_pinned() for batch in got)
     assert [images[:, 0, 0, 0].tolist() for images, _ in got] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_madvise_is_looked_for_on_linux_alone(monkeypatch):
+    from packer.formats import _io
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.delattr(os, "uname", raising=False)  # as on Windows: importing must not need it
+    assert _io._libc_madvise() is None

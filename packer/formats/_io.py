@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 
 ACCESS_PATTERNS = ("random", "sequential")
 CAN_ADVISE = hasattr(os, "posix_fadvise")
@@ -49,7 +50,7 @@ def advise_pages(address: int, length: int, advice: int) -> bool:
 
 
 def _libc_madvise():
-    if os.uname().sysname != "Linux":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
