@@ -7,6 +7,7 @@ PACKER_FUZZ_CASES sets how many bytes the table byte-flip trial flips per format
 from __future__ import annotations
 
 import json
+import re
 import multiprocessing
 import os
 import pickle
@@ -87,6 +88,23 @@ def test_truncated_lmdb_is_an_error_for_every_command_not_sigbus(tmp_path, cut):
         assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
         assert f"{data}: truncated: " in result.stderr and "restore it from a copy or re-pack" in result.stderr
     assert not (tmp_path / "c.h5").exists()
+
+
+def test_a_record_cut_off_while_a_reader_has_it_open_is_an_error_not_a_map_read(tmp_path):
+    """The short pread used to drop the extents as stale and read through LMDB's map, past
+    the new end of data.mdb: SIGBUS. This pack's tables are small enough to be copied, so
+    nothing else here touches a cut page."""
+    out = packed(tmp_path, "lmdb")
+    code = ("import os, sys\n"
+            "from packer import open_reader\n"
+            "r = open_reader(sys.argv[1]); r.read(0)\n"
+            "data = os.path.join(sys.argv[1], 'data.mdb'); os.truncate(data, os.path.getsize(data) // 2)\n"
+            "r.read(len(r) - 1)\n")
+    result = run_python(code, str(out))
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert re.search(r"data\.mdb: truncated while in use: \d+ bytes, \d+ when this Dataset was made; restore it "
+                     r"from a copy or re-pack, then restart the DataLoader", result.stderr)
+    assert "rewritten by another tool" not in result.stderr
 
 
 # Case 12: every table is range-checked when it loads ---------------------------------------------
