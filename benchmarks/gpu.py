@@ -2,7 +2,7 @@
 result written into one flat folder as it is obtained.
 
     python -m benchmarks gpu prepare                  # here, with network: fills .whl/ and .carry/
-    python -m benchmarks gpu --out DIR [--steps tests,feed,nvjpeg] [--images N] [--quick]
+    python -m benchmarks gpu --out DIR [--steps tests,nvjpeg,handover] [--images N] [--quick]
 
 Steps, in this order (`--steps` picks some; `corpus` runs whenever a later step needs it):
   env      what the machine has: torch, CUDA, the GPU, torchvision, NVML, packer's dependencies
@@ -882,8 +882,10 @@ SETUP = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache
          ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PACKER_SHARED_DATA=$PWD/.carry/data "
          "PYTHONUNBUFFERED=1; ")
 # Two commands of at most 10 minutes each; a fresh machine each time (it stays warm 30 s only).
-COMMANDS = (SETUP + "python3 -m benchmarks gpu --out $OUT --steps tests,feed,nvjpeg --time-budget 560",
-            SETUP + "python3 -m benchmarks gpu --out $OUT --steps disk,suite,scaling --time-budget 560")
+# The feed check's goal was met on the first H100 run: the time goes to what is still open
+# (nvJPEG, the pin thread's handover, scaling; issue 17's cells on that disk and cores).
+COMMANDS = (SETUP + "python3 -m benchmarks gpu --out $OUT --steps tests,nvjpeg,handover,scaling --time-budget 560",
+            SETUP + "python3 -m benchmarks gpu --out $OUT --steps disk,suite --suite defaults --time-budget 560")
 
 
 def normalise_name(name: str) -> str:
