@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -28,9 +29,9 @@ def library_errors(fn):
         try:
             return fn(*args, **kwargs)
         except PackError as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(shown(str(exc), keep="\n")) from exc
         except OSError as exc:  # a path the library could not use; bugs (TypeError...) stay tracebacks
-            raise click.ClickException(os_error_message(exc)) from exc
+            raise click.ClickException(shown(os_error_message(exc), keep="\n")) from exc
 
     return wrapper
 
@@ -58,8 +59,26 @@ class ByteSize(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+# Characters a terminal acts on instead of showing: C0 and C1 controls, DEL, and the
+# bidirectional overrides that reorder a line. Names and texts read from a dataset (class
+# names, paths, metadata) or a source's file names are untrusted: printed, they are escaped.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text, keep: str = "") -> str:
+    """text with every character in _UNSHOWN but those in keep written as its escape (\\x1b)."""
+    return _UNSHOWN.sub(lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
+                        str(text))
+
+
 def say(message: str) -> None:
-    click.echo(message, err=True)
+    click.echo(shown(message, keep="\n"), err=True)
+
+
+def echo_shown(line: str) -> None:
+    """One line of output on stdout, every control character in it escaped (a name holding
+    a newline cannot make a line of its own)."""
+    click.echo(shown(line))
 
 
 class PackerGroup(click.Group):
@@ -390,33 +409,33 @@ def info_command(packed, as_json, storage_options):
     if as_json:
         click.echo(json.dumps(facts, ensure_ascii=False))
         return
-    click.echo(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}, "
+    echo_shown(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}, "
                f"{facts.get('checksum', 'crc32')} record checksums), "
                f"{facts['count']} images, {facts['bytes'] / 1e6:.1f} MB of images, "
                + ("remote, nothing listed" if facts["disk_bytes"] is None else f"{facts['disk_bytes'] / 1e6:.1f} MB on disk"))
     for name, split in facts["splits"].items():
         kind = "" if split["labeled"] else " (unlabeled)"
-        click.echo(f"  split {name}: {split['count']} images{kind}")
+        echo_shown(f"  split {name}: {split['count']} images{kind}")
         shards = split.get("shards")
         if shards:
-            click.echo(f"    {shards['shards']} shard(s), {shards['bytes'] / 1e6:.1f} MB, "
+            echo_shown(f"    {shards['shards']} shard(s), {shards['bytes'] / 1e6:.1f} MB, "
                        f"{shards['min_bytes'] / 1e6:.1f} to {shards['max_bytes'] / 1e6:.1f} MB each")
-    shown = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
-    click.echo(f"  classes: {len(facts['classes'])} ({shown})")
-    click.echo(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")
+    listed = ", ".join(facts["classes"][:10]) + (" ..." if len(facts["classes"]) > 10 else "")
+    echo_shown(f"  classes: {len(facts['classes'])} ({listed})")
+    echo_shown(f"  source: {facts['source']}, created {facts['created']} by packer {facts['packer_version']}")
     origin = facts["params"].get("converted_from")
     if origin:
-        click.echo(f"  converted from: {origin['path']} ({origin['format']})")
+        echo_shown(f"  converted from: {origin['path']} ({origin['format']})")
     for line in parts_lines(facts.get("parts")):
-        click.echo(line)
-    click.echo(f"  parameters: {json.dumps(facts['params'])}")
+        echo_shown(line)
+    echo_shown(f"  parameters: {json.dumps(facts['params'])}")
     reencoded = facts.get("reencode")
     if reencoded:
-        click.echo(f"  re-encoded: {sum(reencoded['counts'].values())} images over {reencoded['max_side']} px "
+        echo_shown(f"  re-encoded: {sum(reencoded['counts'].values())} images over {reencoded['max_side']} px "
                    f"(JPEG quality {reencoded['quality']}); the others are byte-identical to the source")
-    click.echo(f"  skipped: {len(facts['skipped'])}")
+    echo_shown(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:
-        click.echo(f"    {entry['path']}: {entry['reason']}")
+        echo_shown(f"    {entry['path']}: {entry['reason']}")
 
 
 def parts_lines(parts: dict | None) -> list[str]:
@@ -468,11 +487,11 @@ SHOWN_PROBLEMS = 20
 def report_verify(report) -> None:
     """The notes, the first problems, a count per kind and what to do, on stderr."""
     for note in report.notes[:SHOWN_PROBLEMS]:
-        say(f"note: {note}")
+        say(f"note: {shown(note)}")
     if len(report.notes) > SHOWN_PROBLEMS:
         say(f"note: ... and {len(report.notes) - SHOWN_PROBLEMS} more notes")
-    for found in report.problems[:SHOWN_PROBLEMS]:
-        say(f"error: {found}")
+    for found in report.problems[:SHOWN_PROBLEMS]:  # each one line, whatever the names in it hold
+        say(f"error: {shown(found)}")
     if len(report.problems) > SHOWN_PROBLEMS:
         say(f"... and {len(report.problems) - SHOWN_PROBLEMS} more problems (--json lists the counts)")
     if report.problems:

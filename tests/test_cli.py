@@ -106,6 +106,29 @@ def test_usage_errors_exit_2_and_list_choices(image_tree):
     assert run("pack", image_tree / "nope", "--to", "lmdb").exit_code == 2
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="control characters in folder names are POSIX's")
+def test_names_from_a_dataset_are_printed_with_their_control_characters_escaped(tmp_path):
+    """A class folder named to retitle the terminal and fake an output line, with a bidi
+    override: info and verify print the name escaped, so a terminal shows it, not obeys it."""
+    evil = "evil\x1b]0;pwned\x07\nok: fake\u202e"
+    src = tmp_path / "src"
+    write(src / "plain" / "a.jpg", jpeg_bytes(1))
+    write(src / evil / "b.jpg", jpeg_bytes(2))
+    out = tmp_path / "d.lmdb"
+    assert run("pack", src, "--to", "lmdb", "-o", out).exit_code == 0
+    info = run("info", out)
+    assert info.exit_code == 0, info.output
+    assert "evil\\x1b]0;pwned\\x07\\nok: fake\\u202e" in info.output
+    assert not any(c in info.output for c in "\x1b\x07\u202e")
+    assert not any(line.startswith("ok: fake") for line in info.output.splitlines())
+    write(src / evil / "b.jpg", jpeg_bytes(3))  # now differs from the packed record
+    verify = run("verify", out, "--against", src, "--workers", "1")
+    assert verify.exit_code == 1
+    assert "evil\\x1b]0;pwned\\x07\\nok: fake\\u202e/b.jpg" in verify.stderr
+    assert not any(c in verify.stderr for c in "\x1b\x07\u202e")
+    assert json.loads(run("info", out, "--json").output)["classes"] == [evil, "plain"]  # scripts get the name
+
+
 def test_info_on_a_non_dataset_names_the_path(tmp_path):
     result = run("info", tmp_path)
     assert result.exit_code == 1
