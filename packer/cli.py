@@ -29,9 +29,9 @@ def library_errors(fn):
         try:
             return fn(*args, **kwargs)
         except PackError as exc:
-            raise click.ClickException(shown(str(exc), keep="\n")) from exc
+            raise click.ClickException(shown(str(exc))) from exc
         except OSError as exc:  # a path the library could not use; bugs (TypeError...) stay tracebacks
-            raise click.ClickException(shown(os_error_message(exc), keep="\n")) from exc
+            raise click.ClickException(shown(os_error_message(exc))) from exc
 
     return wrapper
 
@@ -65,19 +65,19 @@ class ByteSize(click.ParamType):
 _UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
-def shown(text, keep: str = "") -> str:
-    """text with every character in _UNSHOWN but those in keep written as its escape (\\x1b)."""
-    return _UNSHOWN.sub(lambda m: m.group() if m.group() in keep else m.group().encode("unicode_escape").decode(),
-                        str(text))
+def shown(text) -> str:
+    """text with every character in _UNSHOWN written as its escape (\\x1b): one line, shown
+    as it is spelled (a name holding a newline cannot make a line of its own)."""
+    return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
 
 
 def say(message: str) -> None:
-    click.echo(shown(message, keep="\n"), err=True)
+    """One line on stderr: a message or an error, whatever the names in it hold."""
+    click.echo(shown(message), err=True)
 
 
 def echo_shown(line: str) -> None:
-    """One line of output on stdout, every control character in it escaped (a name holding
-    a newline cannot make a line of its own)."""
+    """One line of output on stdout, escaped as say's."""
     click.echo(shown(line))
 
 
@@ -487,11 +487,11 @@ SHOWN_PROBLEMS = 20
 def report_verify(report) -> None:
     """The notes, the first problems, a count per kind and what to do, on stderr."""
     for note in report.notes[:SHOWN_PROBLEMS]:
-        say(f"note: {shown(note)}")
+        say(f"note: {note}")
     if len(report.notes) > SHOWN_PROBLEMS:
         say(f"note: ... and {len(report.notes) - SHOWN_PROBLEMS} more notes")
-    for found in report.problems[:SHOWN_PROBLEMS]:  # each one line, whatever the names in it hold
-        say(f"error: {shown(found)}")
+    for found in report.problems[:SHOWN_PROBLEMS]:
+        say(f"error: {found}")
     if len(report.problems) > SHOWN_PROBLEMS:
         say(f"... and {len(report.problems) - SHOWN_PROBLEMS} more problems (--json lists the counts)")
     if report.problems:
@@ -532,7 +532,7 @@ def run_demo(folder: str, images: int, fmt: str) -> None:
     say("3/4 verifying against the source")
     report = verify(out, src)
     if not report.ok:
-        raise PackError("demo verification failed:\n" + "\n".join(report.problems))
+        raise PackError(f"demo verification failed: {'; '.join(report.problems)}")
     say(f"    ok: {report.checked} records byte-identical to the source")
     say("4/4 reading back through readers (random order, 1 process)")
     for comparison in read_rates(src, out):

@@ -127,6 +127,11 @@ def test_names_from_a_dataset_are_printed_with_their_control_characters_escaped(
     assert "evil\\x1b]0;pwned\\x07\\nok: fake\\u202e/b.jpg" in verify.stderr
     assert not any(c in verify.stderr for c in "\x1b\x07\u202e")
     assert json.loads(run("info", out, "--json").output)["classes"] == [evil, "plain"]  # scripts get the name
+    odd = tmp_path / evil  # an error naming it: one line, escaped
+    odd.mkdir()
+    error = run("info", odd)
+    assert error.exit_code == 1 and "pwned\\x07\\nok: fake" in error.stderr
+    assert not any(c in error.stderr for c in "\x1b\x07\u202e") and error.stderr.count("\n") == 1
 
 
 def test_info_on_a_non_dataset_names_the_path(tmp_path):
