@@ -1,6 +1,7 @@
 """The `packer` command: parses options, calls the library, turns PackError into exit code 1."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 
 import click
 
@@ -71,6 +73,22 @@ def shown(text) -> str:
     return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
 
 
+@contextlib.contextmanager
+def escaped_warnings():
+    """Warnings printed while a command runs (a shard skipped, extents dropped) name paths
+    from the dataset too: their messages are escaped as say's."""
+    plain = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        return plain(shown(message), category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = plain
+
+
 def say(message: str) -> None:
     """One line on stderr: a message or an error, whatever the names in it hold."""
     click.echo(shown(message), err=True)
@@ -88,7 +106,7 @@ class PackerGroup(click.Group):
 
     def invoke(self, ctx):
         late_stops()  # forget any a previous command in this process noted
-        with stop_signals_as_interrupts():
+        with stop_signals_as_interrupts(), escaped_warnings():
             try:
                 done = super().invoke(ctx)
             except KeyboardInterrupt as exc:

@@ -134,6 +134,20 @@ def test_names_from_a_dataset_are_printed_with_their_control_characters_escaped(
     assert not any(c in error.stderr for c in "\x1b\x07\u202e") and error.stderr.count("\n") == 1
 
 
+def test_warnings_printed_while_a_command_runs_are_escaped():
+    """Python prints a warning through warnings.formatwarning when it has been replaced."""
+    import warnings
+
+    from packer.cli import escaped_warnings
+    plain = warnings.formatwarning
+    with escaped_warnings():
+        text = warnings.formatwarning("shard evil\x1b]0;pwned\x07\nok: fake was skipped", RuntimeWarning,
+                                      "wds.py", 7)
+    assert "RuntimeWarning: shard evil\\x1b]0;pwned\\x07\\nok: fake was skipped" in text
+    assert "\x1b" not in text and "\x07" not in text and text.startswith("wds.py:7: ")
+    assert warnings.formatwarning is plain  # put back
+
+
 def test_info_on_a_non_dataset_names_the_path(tmp_path):
     result = run("info", tmp_path)
     assert result.exit_code == 1
