@@ -79,6 +79,9 @@ class ReaderDataset(torch.utils.data.Dataset):
         the next batch (readers.heap).
         """
         keep_heap_in_worker()
+        check_not_cut = getattr(self.reader, "check_not_cut", None)
+        if check_not_cut is not None:  # the file cut short since: an error, not SIGBUS (packer's SplitReader)
+            check_not_cut()
         indexes = list(indexes)
         hint = self.read_ahead()
         if hint is not None:

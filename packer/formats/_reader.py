@@ -101,6 +101,21 @@ class SplitReader(LazyHandle):
         if now != self.identity:
             raise replaced_error(self.identity_file)
 
+    def check_not_cut(self) -> None:
+        """Raise if the file this reader maps its tables from is now shorter than when it was
+        made. A mapped page past the new end kills the process (SIGBUS) when touched, so
+        readers' __getitems__ checks once per batch: most such cuts are then an error, and
+        one that races a batch can still crash it. Formats whose tables are not mapped from
+        their one data file (WebDataset's) check nothing."""
+
+    def raise_if_cut(self, fd: int) -> None:
+        """check_not_cut's error, where fd's file is shorter than this reader's identity says."""
+        size, made = os.fstat(fd).st_size, self.identity[1]
+        if size < made:
+            raise CorruptDataError(f"{self.identity_file}: truncated while in use: {size} bytes, {made} when this "
+                                   "Dataset was made; restore it from a copy or re-pack, then restart the DataLoader",
+                                   self.identity_file)
+
     def open_identified(self) -> int:
         """A descriptor of identity_file, checked to be the file this reader read the metadata of."""
         if self.remote is not None:

@@ -333,6 +333,10 @@ class Reader(SplitReader):
                                    "the file is damaged, re-pack it", self.path) from exc
         return f, images, fd
 
+    def check_not_cut(self) -> None:
+        if self.remote is None:  # the tables and chunk map mapped from the file
+            self.raise_if_cut(self.handle()[2])
+
     def __del__(self):
         if self.is_open and (self.remote is not None or threading.current_thread() is not threading.main_thread()):
             _orphans.append(functools.partial(self._close_handle, self._handle, self.path, self.identity,

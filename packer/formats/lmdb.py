@@ -459,8 +459,7 @@ class Reader(SplitReader):
     def read_through_map(self, position: int, index: int) -> tuple[bytes, int]:
         """(image bytes, the checksum its header holds) of the record at position, read
         through LMDB's map, its header checked to name record index."""
-        if self.remote is None:
-            self.check_not_cut(self.handle()[2])
+        self.check_not_cut()
         value = self.handle()[1].get(record_key(self.split, position))
         if value is None:
             raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
@@ -503,8 +502,8 @@ class Reader(SplitReader):
         if self.remote is not None and self.check_crc:
             return self.read_whole_value(fd, at + head, length, index)
         data = _io.pread(fd, length, at + head)
-        if len(data) < length and self.remote is None:
-            self.check_not_cut(fd)
+        if len(data) < length:
+            self.check_not_cut()
         if len(data) == length:
             if not self.check_crc:
                 return data, None
@@ -517,14 +516,9 @@ class Reader(SplitReader):
         self.drop_extents()
         return None
 
-    def check_not_cut(self, fd: int) -> None:
-        """Raise if data.mdb is now shorter than when this reader was made: LMDB's map would
-        kill the process (SIGBUS) at the first page past the new end, so the map is not read."""
-        size, opened = os.fstat(fd).st_size, self.identity[1]
-        if size < opened:
-            where = os.path.join(self.path, DATA_FILE)
-            raise CorruptDataError(f"{where}: truncated while in use: {size} bytes, {opened} when this Dataset "
-                                   "was made; restore it from a copy or re-pack, then restart the DataLoader", where)
+    def check_not_cut(self) -> None:
+        if self.remote is None:  # LMDB's map, and the tables mapped from data.mdb
+            self.raise_if_cut(self.handle()[2])
 
     def check_extent_header(self, position: int, index: int) -> None:
         """After a record read at its extent failed its check: drop the extents if the
