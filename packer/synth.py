@@ -89,5 +89,11 @@ def make_corpus(out: str, classes: int = 10, per_class: int = 20, seed: int = 0,
         offset += n
     if workers > 1:
         with Pool(workers) as pool:
-            return sum(pool.imap_unordered(_write_one, jobs, chunksize=8))
+            written = sum(pool.imap_unordered(_write_one, jobs, chunksize=8))
+            # Workers done with their work leave on their own; leaving the block alone would
+            # terminate() them by SIGTERM, which a worker of the packer command (its handler
+            # inherited) did not always die of: `packer demo` once hung there in CI.
+            pool.close()
+            pool.join()
+            return written
     return sum(map(_write_one, jobs))
