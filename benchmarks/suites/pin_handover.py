@@ -84,11 +84,9 @@ def hand_over(loader, out: queue.Queue, seconds: list, pinned: bool = False) -> 
     loader's pin thread has done it all, so pass the batches on."""
     for batch in loader:
         start = time.perf_counter()
-        if pinned:
-            pass
-        elif isinstance(batch, WorkerBatch):
+        if isinstance(batch, WorkerBatch):
             batch = pinned_then_given_back(batch.batch, copied)
-        else:
+        elif not pinned:
             batch = copied(batch)
         seconds.append(time.perf_counter() - start)  # the drop of the old batch is inside
         out.put(batch)

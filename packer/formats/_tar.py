@@ -255,12 +255,13 @@ class TarStream:
     def inflated(self, n: int, what: str) -> Iterator[bytes]:
         """chunks(n, what) of a stream of unknown length, to be held in memory: past
         BOMB_FLOOR bytes at more than BOMB_RATIO times the compressed input, refused."""
-        taken = self.compressed.count if self.compressed is not None else 0
-        held = 0
+        if self.compressed is None:  # not gzip: every byte held was in the stream
+            yield from self.chunks(n, what)
+            return
+        taken, held = self.compressed.count, 0
         for chunk in self.chunks(n, what):
             held += len(chunk)
-            if held > BOMB_FLOOR and self.compressed is not None \
-                    and held > BOMB_RATIO * (self.compressed.count - taken):
+            if held > BOMB_FLOOR and held > BOMB_RATIO * (self.compressed.count - taken):
                 raise damaged(self.where, f"the {what} at byte {self.offset} inflates to more than {held} bytes "
                                           f"from {self.compressed.count - taken} compressed: over {BOMB_RATIO}x "
                                           f"is a decompression bomb, not images")
