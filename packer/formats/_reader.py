@@ -55,6 +55,8 @@ class SplitReader(LazyHandle):
     # The attributes that hold loaded tables, with their values before loading: pickling
     # resets them (subclasses add their own).
     TABLES: dict = {}
+    # Whether a local reader maps its tables from the data file handle()[2] (check_not_cut).
+    MAPS_DATA_FILE = False
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata,
                  identity_file: str | None = None, identity: tuple | None = None):
@@ -105,12 +107,12 @@ class SplitReader(LazyHandle):
         """Raise if the file this reader maps its tables from is now shorter than when it was
         made. A mapped page past the new end kills the process (SIGBUS) when touched, so
         readers' __getitems__ checks once per batch: most such cuts are then an error, and
-        one that races a batch can still crash it. Formats whose tables are not mapped from
-        their one data file (WebDataset's) check nothing."""
-
-    def raise_if_cut(self, fd: int) -> None:
-        """check_not_cut's error, where fd's file is shorter than this reader's identity says."""
-        size, made = os.fstat(fd).st_size, self.identity[1]
+        one that races a batch can still crash it. Only formats whose tables are mapped
+        from their one local data file (MAPS_DATA_FILE: the descriptor is handle()[2])
+        check; WebDataset's tables live in files of their own."""
+        if not self.MAPS_DATA_FILE or self.remote is not None:
+            return
+        size, made = os.fstat(self.handle()[2]).st_size, self.identity[1]
         if size < made:
             raise CorruptDataError(f"{self.identity_file}: truncated while in use: {size} bytes, {made} when this "
                                    "Dataset was made; restore it from a copy or re-pack, then restart the DataLoader",

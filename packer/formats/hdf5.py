@@ -297,6 +297,7 @@ class Reader(SplitReader):
     """
 
     TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
+    MAPS_DATA_FILE = True
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
         remote = remote_source.remote_for(path, **remote)
@@ -332,10 +333,6 @@ class Reader(SplitReader):
             raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
                                    "the file is damaged, re-pack it", self.path) from exc
         return f, images, fd
-
-    def check_not_cut(self) -> None:
-        if self.remote is None:  # the tables and chunk map mapped from the file
-            self.raise_if_cut(self.handle()[2])
 
     def __del__(self):
         if self.is_open and (self.remote is not None or threading.current_thread() is not threading.main_thread()):

@@ -407,6 +407,7 @@ class Reader(SplitReader):
 
     TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None,
               "_sums": None}
+    MAPS_DATA_FILE = True
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
         remote = remote_source.remote_for(path, **remote)
@@ -515,10 +516,6 @@ class Reader(SplitReader):
                 return data, crc
         self.drop_extents()
         return None
-
-    def check_not_cut(self) -> None:
-        if self.remote is None:  # LMDB's map, and the tables mapped from data.mdb
-            self.raise_if_cut(self.handle()[2])
 
     def check_extent_header(self, position: int, index: int) -> None:
         """After a record read at its extent failed its check: drop the extents if the
