@@ -103,15 +103,43 @@ def refusal(entry: os.DirEntry) -> str | None:
         return None
 
 
-def list_folder(folder: str) -> tuple[list[str], list[tuple[str, str | None]]]:
+class HiddenNames:
+    """Names starting with "." that a scan left out where ImageFolder would have read them
+    (a folder: a class; a file with an image extension: an image), counted, the first
+    few kept to name in one warning."""
+
+    SHOWN = 3
+
+    def __init__(self):
+        self.count, self.examples = 0, []
+
+    def add(self, path: str) -> None:
+        self.count += 1
+        if len(self.examples) < self.SHOWN:
+            self.examples.append(path)
+
+    def warning(self, root: str) -> str | None:
+        if not self.count:
+            return None
+        named = ", ".join(relative(root, path) for path in self.examples)
+        more = f" and {self.count - len(self.examples)} more" if self.count > len(self.examples) else ""
+        return (f"{self.count} hidden name(s) left out: {named}{more}; names starting with '.' are never "
+                "packed (ImageFolder would read a hidden folder as a class and a hidden image file as an "
+                "image); rename one without the leading '.' to pack it")
+
+
+def list_folder(folder: str, hidden: HiddenNames | None = None) -> tuple[list[str], list[tuple[str, str | None]]]:
     """folder's sub-folder names and its (image file name, refusal) pairs, each sorted by name.
 
-    Hidden names are left out. Raises OSError when folder cannot be read.
+    Hidden names are left out (and counted in hidden, where ImageFolder would read them).
+    Raises OSError when folder cannot be read.
     """
-    dirs, images = [], []
+    dirs, images, left_out = [], [], []
     with os.scandir(folder) as entries:
         for entry in entries:
             if is_hidden(entry.name):
+                if hidden is not None and (entry.name.lower().endswith(IMAGE_EXTENSIONS) or is_folder(entry)):
+                    left_out.append(entry.name)
                 continue
             if is_folder(entry):
                 dirs.append(entry.name)
@@ -119,6 +147,8 @@ def list_folder(folder: str) -> tuple[list[str], list[tuple[str, str | None]]]:
                 images.append((entry.name, refusal(entry)))
     dirs.sort()
     images.sort()
+    for name in sorted(left_out):
+        hidden.add(os.path.join(folder, name))
     return dirs, images
 
 
@@ -129,11 +159,12 @@ class Scanner:
         self.root, self.on_error = root, on_error
         self.warnings: list[str] = []
         self.skipped: list[dict] = []
+        self.hidden = HiddenNames()
 
     def list_or_skip(self, folder: str, split: str) -> tuple[list[str], list[tuple[str, str | None]]] | None:
         """list_folder(folder), or None when it cannot be read and on_error is skip."""
         try:
-            return list_folder(folder)
+            return list_folder(folder, self.hidden)
         except OSError as exc:
             reason = f"cannot read folder ({exc.strerror or exc})"
             rel = relative(self.root, folder)
@@ -184,11 +215,11 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
     root = os.path.abspath(os.fspath(src))
     if not os.path.isdir(root):
         raise SourceError(f"{root}: not a folder (SRC must be an ImageFolder tree: SRC/<class>/<images>)", root)
+    scan = Scanner(root, on_error)
     try:
-        top = list_folder(root)
+        top = list_folder(root, scan.hidden)
     except OSError as exc:
         raise SourceError(f"{root}: cannot read folder ({exc.strerror or exc}); fix its permissions", root) from exc
-    scan = Scanner(root, on_error)
     split_dirs = [d for d in top[0] if d in SPLIT_NAMES]
     if split_dirs and len(split_dirs) == len(top[0]):
         split_roots = {d: os.path.join(root, d) for d in split_dirs}
@@ -215,6 +246,9 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
             labels = read_label_file(labels, classes, labels_index_base)
         apply_labels(scan, splits, split_roots, labels)
     warn_unlabeled(scan, splits, split_roots)
+    hidden = scan.hidden.warning(root)
+    if hidden is not None:
+        scan.warnings.append(hidden)
     source = Source(root, classes, splits, scan.warnings, scan.skipped, labels)
     if source.count == 0:
         raise SourceError(f"{root}: no image files found (looked for {', '.join(IMAGE_EXTENSIONS)} "

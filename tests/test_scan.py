@@ -31,6 +31,32 @@ def test_hidden_files_and_folders_are_ignored(image_tree):
     assert ".ipynb_checkpoints" not in scan_source(image_tree).classes
 
 
+def test_hidden_names_imagefolder_would_read_are_announced(tmp_path):
+    write(tmp_path / "a" / "x.jpg", jpeg_bytes(1))
+    write(tmp_path / "a" / "._x.JPEG", jpeg_bytes(2))  # what ImageFolder would read as an image
+    write(tmp_path / ".ipynb_checkpoints" / "y.jpg", jpeg_bytes(3))  # ... and as a class
+    write(tmp_path / "a" / ".DS_Store", b"neither")  # never an image: not worth a word
+    source = scan_source(tmp_path)
+    assert [p for p, _ in listing(source)] == ["a/x.jpg"]
+    [warning] = [w for w in source.warnings if "hidden" in w]
+    assert warning.startswith("2 hidden name(s) left out: .ipynb_checkpoints, a/._x.JPEG;")
+    assert "rename" in warning
+
+
+def test_many_hidden_names_are_one_short_warning(tmp_path):
+    write(tmp_path / "a" / "x.jpg", jpeg_bytes(1))
+    for i in range(50):
+        write(tmp_path / "a" / f"._{i:02d}.jpg", b"resource fork")
+    [warning] = [w for w in scan_source(tmp_path).warnings if "hidden" in w]
+    assert warning.startswith("50 hidden name(s) left out: a/._00.jpg, a/._01.jpg, a/._02.jpg and 47 more;")
+
+
+def test_no_hidden_names_no_warning(tmp_path):
+    write(tmp_path / "a" / "x.jpg", jpeg_bytes(1))
+    write(tmp_path / "a" / ".DS_Store", b"neither")
+    assert not [w for w in scan_source(tmp_path).warnings if "hidden" in w]
+
+
 def test_real_imagenet_sample_matches_imagefolder(imagenet_sample):
     source = scan_source(imagenet_sample)
     assert len(source.classes) == 125
