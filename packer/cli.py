@@ -202,6 +202,22 @@ def reencode_args(max_side, quality) -> dict:
     return {"max_side": max_side, "quality": quality}
 
 
+class PartOption(click.ParamType):
+    """--part I/N, checked as the command line is read: a malformed one is a usage error."""
+
+    name = "I/N"
+
+    def convert(self, value, param, ctx):
+        from .parts import PartSpec, part_spec
+
+        if isinstance(value, PartSpec):
+            return value
+        try:
+            return part_spec(value)
+        except PackError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 class JSONObject(click.ParamType):
     """A JSON object given on the command line (--storage-options)."""
 
@@ -269,8 +285,8 @@ def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResul
               help="--labels is a list of class indexes (one per line, files in sorted name order) into packer's "
                    "sorted class list, counted from 0 or 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
-@click.option("--part", "part", metavar="I/N", help="Pack only part I (counted from 0) of N, a dataset of its own; "
-              "`packer merge` joins the N parts [default OUT: SRC.part-0000I-of-0000N + extension].")
+@click.option("--part", "part", type=PartOption(), metavar="I/N", help="Pack only part I (counted from 0) of N, a "
+              "dataset of its own; `packer merge` joins the N parts [default OUT: SRC.part-0000I-of-0000N + extension].")
 @click.option("--parts", "parts", type=click.IntRange(min=1), help="Pack in N parts run in parallel (local "
               "processes, or --dask), then merge them into OUT.")
 @click.option("--dask", "dask", metavar="ADDRESS", help="Run the parts on this Dask scheduler "

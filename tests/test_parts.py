@@ -358,7 +358,10 @@ def test_cli_part_then_merge_then_info(split_tree, tmp_path):
 
 def test_cli_refuses_a_bad_part_and_mixed_options(split_tree):
     result = run("pack", split_tree, "--to", "lmdb", "--part", "3/3")
-    assert result.exit_code == 1 and "from 0 to 2" in result.output
+    assert result.exit_code == 2 and "from 0 to 2" in result.output  # a usage error, as every bad option value
+    result = run("pack", split_tree, "--to", "lmdb", "--part", "x")
+    assert result.exit_code == 2 and "give it as I/N" in result.output
+    assert not list(split_tree.parent.glob("*.lmdb"))
     result = run("pack", split_tree, "--to", "lmdb", "--part", "0/3", "--parts", "3")
     assert result.exit_code == 2 and "one or the other" in result.output
 
