@@ -538,7 +538,7 @@ def report_verify(report) -> None:
 @click.option("--dir", "folder", type=click.Path(file_okay=False),
               help="Where to write the demo files [default: a temporary folder, removed after].")
 @click.option("--images", type=click.IntRange(min=10), default=1000, show_default=True,
-              help="How many images to generate (10 classes).")
+              help="How many images to generate: 10 classes of N // 10 each.")
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="lmdb", show_default=True)
 @library_errors
 def demo_command(folder, images, fmt):
@@ -557,9 +557,10 @@ def run_demo(folder: str, images: int, fmt: str) -> None:
 
     src = os.path.join(folder, "imagenet-demo")
     out = src + FORMATS[fmt].extension
-    say(f"1/4 writing {images} synthetic JPEGs to {src}")
+    per_class = images // 10
+    say(f"1/4 writing {10 * per_class} synthetic JPEGs (10 classes of {per_class}) to {src}")
     start = time.perf_counter()
-    make_corpus(src, classes=10, per_class=max(1, images // 10), workers=os.cpu_count() or 1)
+    make_corpus(src, classes=10, per_class=per_class, workers=os.cpu_count() or 1)
     say(f"    {time.perf_counter() - start:.1f} s")
     say(f"2/4 packing into {out}")
     report_pack(pack(src, fmt, out, force=True))

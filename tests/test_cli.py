@@ -217,8 +217,10 @@ def test_every_command_and_option_is_documented_in_the_manual():
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_demo_runs_end_to_end(tmp_path, fmt):
-    result = run("demo", "--dir", tmp_path, "--images", "40", "--to", fmt)
+    result = run("demo", "--dir", tmp_path, "--images", "45", "--to", fmt)
     assert result.exit_code == 0, result.output
+    assert "writing 40 synthetic JPEGs (10 classes of 4)" in result.stderr  # what it writes, not what was asked
+    assert "packed 40 images" in result.stderr
     assert "records byte-identical to the source" in result.stderr
     assert re.search(r"FolderDataset\s+\d+ samples/s", result.stdout)
     assert os.path.isdir(tmp_path / "imagenet-demo")
