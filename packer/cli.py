@@ -286,7 +286,8 @@ def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResul
                    "sorted class list, counted from 0 or 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
 @click.option("--part", "part", type=PartOption(), metavar="I/N", help="Pack only part I (counted from 0) of N, a "
-              "dataset of its own; `packer merge` joins the N parts [default OUT: SRC.part-0000I-of-0000N + extension].")
+              "dataset of its own; `packer merge` joins the N parts "
+              "[default OUT: SRC.part-0000I-of-0000N + extension].")
 @click.option("--parts", "parts", type=click.IntRange(min=1), help="Pack in N parts run in parallel (local "
               "processes, or --dask), then merge them into OUT.")
 @click.option("--dask", "dask", metavar="ADDRESS", help="Run the parts on this Dask scheduler "
