@@ -3,7 +3,9 @@
 One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
 by (seed, epoch) when shuffling), dealt to ranks, then to DataLoader workers, and only
 then streamed through a per-worker shuffle buffer. Reading is three small generators:
-shard samples, the buffer, the conversion to (image, label).
+shard samples, the buffer, the conversion to (image, label). A local packer folder's
+shard samples are read by its index (one pread per image, no tar header parsed); any
+other shard, or a packer shard the index does not describe, is parsed.
 
 Resuming (docs/resume.md): each worker's stream is fixed by (seed, epoch, rank, worker,
 workers), the buffer's draws included, so a position in it is a count of samples
@@ -118,6 +120,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.remote = remote_of(path_or_urls, storage_options)
         self.prefetch_shards = int(prefetch_shards)
         self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
+        # A local packer folder is streamed through its index (read_shards); this process's reader of it:
+        self.packed = None if self.remote is not None else packed_folder(path_or_urls)
+        self._index: wds.Reader | None = None
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
         self.rank, self.world_size = rank, world_size
@@ -337,21 +342,15 @@ class WDSDataset(torch.utils.data.IterableDataset):
             wanted = expected if task.limit is None else task.limit
             got = 0
             try:
-                for sample in _tar.iter_samples(path, opener=opener):
-                    suffix = _tar.image_suffix(sample.parts)
-                    if suffix is None:
-                        continue
+                for where, image, label in self.shard_samples(task.shard, opener):
                     got += 1
-                    where = f"{path}: {sample.key}"
-                    try:
-                        label = sample_label(where, sample.parts, suffix, self.check_crc)
-                    except CorruptDataError as exc:
-                        if self.on_error == "fail":
-                            raise
-                        warnings.warn(f"{exc}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
-                                      stacklevel=2)
+                    if image is not None:
+                        yield where, image, label
+                    elif self.on_error == "fail":
+                        raise label
                     else:
-                        yield where, sample.parts[suffix], label
+                        warnings.warn(f"{label}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
+                                      stacklevel=2)
                     if got == wanted:
                         break
                 if got < wanted:
@@ -363,6 +362,54 @@ class WDSDataset(torch.utils.data.IterableDataset):
                     raise
                 warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
                               RuntimeWarning, stacklevel=2)
+
+    def shard_samples(self, shard: int, opener) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
+        """(where, image bytes, label) of each image sample of the shard, in order; a sample
+        failing its checks comes as (where, None, the error). Damage that ends the shard raises.
+
+        A local packer folder is read through its index: each image is one pread at the
+        offset records.bin gives, in the order the shard holds them, checked against the
+        table's checksum, its label from the table (both checked as the table loads), so no
+        tar header or .cls/.json member is parsed: the same samples, at the cost of a read
+        by index. Any other shard is parsed (packer.formats._tar), its .json checked, and so
+        is a packer shard whose index does not load or whose size is not the one the index
+        gives (cut short, replaced): parsing says where the damage is."""
+        reader = self.index_reader()
+        if reader is not None and reader.as_indexed(shard):
+            labels = reader.labels
+            for index, image in reader.read_stored(shard):
+                where = reader.where(index)
+                if isinstance(image, CorruptDataError):
+                    yield where, None, image
+                else:
+                    yield where, image, labels.item(index)
+            return
+        path = self.shards[shard]
+        for sample in _tar.iter_samples(path, opener=opener):
+            suffix = _tar.image_suffix(sample.parts)
+            if suffix is None:
+                continue
+            where = f"{path}: {sample.key}"
+            try:
+                yield where, sample.parts[suffix], sample_label(where, sample.parts, suffix, self.check_crc)
+            except CorruptDataError as exc:
+                yield where, None, exc
+
+    def index_reader(self) -> wds.Reader | None:
+        """This process's reader of the packer folder's index, opened for streaming; None
+        for other shards, and where the index does not load or lists other shards."""
+        if self._index is None:
+            self._index = False
+            if self.packed is not None:
+                try:
+                    reader = wds.Reader(self.packed, self.split, check_crc=self.check_crc)
+                    reader.records  # loads and checks the table now: a damaged one means parsing
+                except CorruptDataError:
+                    return None
+                if [os.path.join(self.packed, name) for name in reader.shards] == self.shards:
+                    reader.advise("sequential")
+                    self._index = reader
+        return self._index or None
 
     def convert(self, where: str, data: bytes, label: int):
         image = decode(data, self.decode, where, self.max_pixels)
@@ -378,6 +425,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
             # Plain pickling (not a worker start): shared memory cannot travel, the value can.
             state["_epoch"] = self.epoch
         state["_progress"] = None  # this process's pass, not the receiver's
+        state["_index"] = None  # opened again where it is read
         if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()
@@ -575,7 +623,7 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
         return resolve_remote(path_or_urls, split, remote)
     if isinstance(path_or_urls, (str, os.PathLike)):
         path = os.fspath(path_or_urls)
-        if os.path.isdir(path) and wds.detect(path):
+        if packed_folder(path) is not None:
             index = wds.load_index(path)
             split = choose_split(list(index["wds"]["splits"]), split, path)
             shards = index["wds"]["splits"][split]["shards"]
@@ -595,6 +643,15 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
         raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing; only local "
                           "files are read)", missing[0])
     return urls, None, [], split
+
+
+def packed_folder(path_or_urls) -> str | None:
+    """path_or_urls when it is a local `packer pack --to wds` folder, else None."""
+    if isinstance(path_or_urls, (str, os.PathLike)):
+        path = os.fspath(path_or_urls)
+        if os.path.isdir(path) and wds.detect(path):
+            return path
+    return None
 
 
 def expand_braces(pattern: str) -> list[str]:

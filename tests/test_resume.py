@@ -25,7 +25,6 @@ sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer a
 import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
-from readers import wds as wds_module  # noqa: E402
 
 from conftest import class_sorted_tree  # noqa: E402
 
@@ -256,8 +255,11 @@ def test_a_stream_state_names_its_shards_workers_and_buffer(packs):
 
 
 @pytest.mark.parametrize("shuffle", [0, 16])
-def test_a_resumed_stream_skips_the_shards_it_has_consumed(packs, monkeypatch, shuffle):
+@pytest.mark.parametrize("read", ["by index", "parsed"])
+def test_a_resumed_stream_skips_the_shards_it_has_consumed(packs, monkeypatch, shuffle, read):
     path = Path(packs) / "d.wds"
+    if read == "parsed":  # the shards alone: no packer index to read them by
+        path = sorted(str(p) for p in (path / "all").glob("*.tar"))
     stream = WDSDataset(path, decode="raw", shuffle=shuffle, seed=SEED)
     stream.set_epoch(1)
     full = [zlib.crc32(image) for image, _ in stream]
@@ -266,13 +268,13 @@ def test_a_resumed_stream_skips_the_shards_it_has_consumed(packs, monkeypatch, s
     state = stream.state_dict()  # this process's own stream, as a worker saves it
     assert state["epoch"] == 1 and state["position"] == {"rank": 0, "worker": 0, "workers": 1, "samples": 80}
     opened = []
-    real = wds_module._tar.iter_samples
+    real = WDSDataset.shard_samples
 
-    def recorded(shard, *args, **kwargs):  # the real reader, each shard it opens noted
-        opened.append(shard)
-        return real(shard, *args, **kwargs)
+    def recorded(self, shard, *args, **kwargs):  # the real reader, each shard it reads noted
+        opened.append(self.shards[shard])
+        return real(self, shard, *args, **kwargs)
 
-    monkeypatch.setattr(wds_module._tar, "iter_samples", recorded)
+    monkeypatch.setattr(WDSDataset, "shard_samples", recorded)
     again = WDSDataset(path, decode="raw", shuffle=shuffle, seed=SEED)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert head + [zlib.crc32(image) for image, _ in again] == full

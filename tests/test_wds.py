@@ -514,12 +514,43 @@ def test_stream_reader_checks_the_stored_crc_of_every_image(even_tree, tmp_path)
         blob = bytearray(clean)
         blob[at] ^= 1 << rng.randrange(8)
         shard.write_bytes(bytes(blob))
+        # Read by the index: the sample is named by shard, split and index, and its path.
+        by_index = rf"shard-000000\.tar sample all/\d+ \({relpath}\): checksum mismatch"
+        with pytest.raises(CorruptDataError, match=by_index):
+            list(WDSDataset(out, decode="raw"))
+        # Parsed (the shards alone): by shard and key; the .json member holds the checksum.
         key = wds.sample_key(relpath)
         with pytest.raises(CorruptDataError, match=rf"shard-000000\.tar: {key} \({relpath}\): checksum mismatch"):
-            list(WDSDataset(out, decode="raw"))
-    with pytest.warns(RuntimeWarning, match=rf"{key} \({relpath}\): checksum mismatch.*skipped this sample"):
+            list(WDSDataset(str(shard), decode="raw"))
+    with pytest.warns(RuntimeWarning, match=rf"\({relpath}\): checksum mismatch.*skipped this sample"):
         assert len(list(WDSDataset(out, decode="raw", on_error="skip"))) == 23
     assert len(list(WDSDataset(out, decode="raw", check_crc=False))) == 24
+
+
+@pytest.mark.parametrize("shuffle", [0, 5])
+def test_a_packer_folder_streams_by_its_index_the_samples_parsing_gives(imagenet_sample, tmp_path, shuffle):
+    out = pack_wds(imagenet_sample, tmp_path / "s.wds", max_count=9)
+    shards = [str(p) for p in shard_files(out)]
+    by_index = WDSDataset(out, decode="raw", shuffle=shuffle, seed=3)
+    parsed = WDSDataset(shards, decode="raw", shuffle=shuffle, seed=3)  # no index: every header parsed
+    for epoch in (0, 1):
+        by_index.set_epoch(epoch)
+        parsed.set_epoch(epoch)
+        got = list(by_index)
+        assert by_index.index_reader() is not None and parsed.index_reader() is None
+        assert len(got) == 125 and got == list(parsed)
+    assert [label for _, label in got] != sorted(label for _, label in got)  # packed shuffled: a real order
+
+
+def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_path):
+    out = pack_wds(even_tree, tmp_path / "i.wds", max_count=3)
+    expected = list(WDSDataset(out, decode="raw"))
+    records = out / "all" / "records.bin"
+    blob = bytearray(records.read_bytes())
+    blob[5] ^= 0xFF  # the table fails its CRC-32: the index is not trusted, the shards still are whole
+    records.write_bytes(bytes(blob))
+    stream = WDSDataset(out, decode="raw")
+    assert list(stream) == expected and stream.index_reader() is None
 
 
 def test_shards_without_packer_json_are_read_unchecked(tmp_path):

@@ -76,6 +76,7 @@ import os
 import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import numpy as np
 
@@ -454,7 +455,7 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote).
     """
 
-    TABLES = {"_records": None, "_labels": None, "_paths": None}
+    TABLES = {"_records": None, "_labels": None, "_paths": None, "_shard_starts": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -472,6 +473,7 @@ class Reader(SplitReader):
         self._records: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
+        self._shard_starts: np.ndarray | None = None  # stored_in()'s bounds
         self.bind(entry)
 
     def bind(self, entry: dict) -> None:
@@ -620,6 +622,43 @@ class Reader(SplitReader):
     def read_order(self) -> np.ndarray:
         """Samples by (shard, offset): the order the shards hold them in (int32, as stored orders are)."""
         return np.lexsort((self.records["offset"], self.records["shard"])).astype(np.int32)
+
+    def stored_in(self, shard: int) -> np.ndarray:
+        """The indexes of the samples shard holds, in the order it holds them (a view of
+        storage_order(); the bounds of every shard's run are worked out once)."""
+        if self._shard_starts is None:
+            shard_of = self.records["shard"][self.storage_order()]
+            self._shard_starts = np.searchsorted(shard_of, np.arange(len(self.shards) + 1))
+        return self.storage_order()[self._shard_starts[shard]:self._shard_starts[shard + 1]]
+
+    def as_indexed(self, shard: int) -> bool:
+        """Whether shard's file opens and is the size the index gives: what read_stored needs."""
+        try:
+            return os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
+        except (CorruptDataError, OSError):
+            return False
+
+    def read_stored(self, shard: int) -> Iterator[tuple[int, bytes | CorruptDataError]]:
+        """(index, image bytes) of each sample shard holds, in the order it holds them: one
+        pread each and no tar header parsed (advise("sequential") first, for the kernel to
+        read ahead). A sample failing its checksum comes as (index, the error) and the
+        stream goes on; a shard cut short raises at the first sample past its end."""
+        fd, records = self.shard_fd(shard), self.records
+        for index in self.stored_in(shard).tolist():
+            _, crc, offset, size, _ = records[index].tolist()
+            data = _io.pread(fd, size, offset)
+            if len(data) != size:
+                raise CorruptDataError(f"{os.path.join(self.path, self.shards[shard])}: truncated at byte "
+                                       f"{offset + len(data)}: the file ends inside sample {self.split}/{index} "
+                                       f"({self.paths[index]}), which needs bytes {offset}-{offset + size} (re-pack, "
+                                       "or restore the shard from a copy)", self.path)
+            if self.check_crc and self.record_digest(data) & MASK != crc:
+                try:
+                    self.checksum_mismatch(index)
+                except CorruptDataError as exc:
+                    yield index, exc
+                continue
+            yield index, data
 
     def will_need(self, start: int, stop: int) -> None:
         chosen = self.records[self.storage_order()[start:stop]]
