@@ -297,6 +297,13 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
     return meta
 
 
+def decodes_images(check: str, reencoding: bool) -> bool:
+    """Whether a pack decodes its images (--check full, --max-side): CPU-bound work, done in
+    worker processes. Reading and the header check are I/O-bound: threads, which skip the
+    pipe that processes send every file through."""
+    return check == "full" or reencoding
+
+
 def write_source(writer, source: Source, check: str, on_error: str, workers: int,
                  progress: bool | None, seed: int | None, max_pixels: int = MAX_PIXELS,
                  guard: InterruptGuard | None = None, reencode: Reencode | None = None,
@@ -309,10 +316,8 @@ def write_source(writer, source: Source, check: str, on_error: str, workers: int
     orders = {name: None if order is None else spilled_array(order, spill_dir) for name, order in orders.items()}
     jobs = source_jobs(source.root, listings, orders)
     load = functools.partial(load_file, level=check, max_pixels=max_pixels, reencode=reencode, kind=kind)
-    # Decoding (--check full, re-encoding) is CPU-bound: processes. Reading and the header
-    # check are I/O-bound: threads, which skip the pipe that processes send every file through.
-    cpu_bound = check == "full" or reencode is not None
-    loaded = (load_in_processes if cpu_bound else load_in_threads)(jobs, load, workers)
+    load_in = load_in_processes if decodes_images(check, reencode is not None) else load_in_threads
+    loaded = load_in(jobs, load, workers)
     return write_listings(writer, listings, len(source.classes), loaded, on_error, progress, orders, guard)
 
 

@@ -215,14 +215,16 @@ def part_task(src: str, fmt: str, folder: str, spec: PartSpec, options: dict) ->
 def run_part(task: PartTask) -> dict:
     """Pack one part on a worker. A PackError comes back as a value (not all of them pickle),
     so the coordinator can raise it again, naming the part."""
-    from .pack import pack
+    from .pack import decodes_images, pack
 
     options, notes = task.options, []
-    if options.get("check") == "full" and multiprocessing.current_process().daemon:
-        # --check full decodes in processes, which a daemonic worker (Dask's, by default) may not start.
+    decoding = decodes_images(options.get("check", "header"), options.get("max_side") is not None)
+    if decoding and multiprocessing.current_process().daemon:
+        # Decoding runs in processes, which a daemonic worker (Dask's, by default) may not start.
         options = {**options, "workers": 1}
-        notes.append("--check full decoded each part in its worker's own process, which may not start others "
-                     "(daemonic): run more parts, or start Dask workers with DASK_DISTRIBUTED__WORKER__DAEMON=False")
+        notes.append("--check full and --max-side decoded each part in its worker's own process, which may not "
+                     "start others (daemonic): run more parts, or start Dask workers with "
+                     "DASK_DISTRIBUTED__WORKER__DAEMON=False")
     try:
         result = pack(task.src, task.fmt, task.out, part=task.spec, progress=False, **options)
     except PackError as exc:

@@ -72,12 +72,14 @@ def test_parts_default_to_the_cluster_threads(split_tree, tmp_path, client):
     assert result.metadata.parts["count"] == 2
 
 
-def test_full_check_runs_in_daemonic_dask_workers(bad_tree, tmp_path, client):
-    """Dask workers may not start processes: --check full decodes in the worker itself, and says so."""
-    single = single_pack(bad_tree, "lmdb", tmp_path, check="full", on_error="skip")
+@pytest.mark.parametrize("decoding", [{"check": "full"}, {"max_side": 48}])
+def test_decoding_runs_in_daemonic_dask_workers(bad_tree, tmp_path, client, decoding):
+    """Dask workers may not start processes: --check full and --max-side decode in the worker
+    itself, and say so (--max-side failed: 'daemonic processes are not allowed to have children')."""
+    single = single_pack(bad_tree, "lmdb", tmp_path, on_error="skip", **decoding)
     out = tmp_path / "full.lmdb"
-    result = pack(str(bad_tree), "lmdb", str(out), executor=client.get_executor(), parts=2, check="full",
-                  on_error="skip", progress=False)
+    result = pack(str(bad_tree), "lmdb", str(out), executor=client.get_executor(), parts=2, on_error="skip",
+                  progress=False, **decoding)
     same_dataset(out, single)
     assert any("daemonic" in warning for warning in result.warnings)
 
