@@ -376,9 +376,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         gives (cut short, replaced): parsing says where the damage is."""
         reader = self.index_reader()
         if reader is not None and reader.as_indexed(shard):
-            labels = reader.labels
+            labels, paths = reader.labels, reader.paths
             for index, image in reader.read_stored(shard):
-                where = reader.where(index)
+                where = f"{reader.path}: {paths[index]}"  # as the map-style Datasets name a record
                 if isinstance(image, CorruptDataError):
                     yield where, None, image
                 else:

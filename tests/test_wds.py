@@ -553,6 +553,14 @@ def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_pat
     assert list(stream) == expected and stream.index_reader() is None
 
 
+def test_pack_warns_of_names_wids_cannot_read(even_tree, image_tree, tmp_path):
+    plain = pack(str(even_tree), "wds", str(tmp_path / "plain.wds"), workers=1, progress=False)
+    assert not [w for w in plain.warnings if "wids" in w]
+    odd = pack(str(image_tree), "wds", str(tmp_path / "odd.wds"), workers=1, progress=False)  # ünïcode/...
+    [warning] = [w for w in odd.warnings if "wids" in w]
+    assert warning.startswith("split all: 4 sample(s) have names that are not ASCII") and "'ünïcode/" in warning
+
+
 def test_shards_without_packer_json_are_read_unchecked(tmp_path):
     webdataset = pytest.importorskip("webdataset")
     images = [jpeg_bytes(7000 + i, size=(8, 8)) for i in range(4)]

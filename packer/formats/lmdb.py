@@ -12,9 +12,10 @@ Keys are ASCII; all integers are little-endian.
       then         the original file bytes, unchanged, to the end of the value
   b"<split>/labels"           int32[count], every record's label, by index
   b"<split>/paths"            relative paths by index, UTF-8, joined by NUL
-  b"<split>/extents"          (uint64 offset, uint32 length)[count] by position: where each
-                              record's value lies in data.mdb; (0, 0) where unknown (values
-                              small enough to live inside B-tree pages, which move)
+  b"<split>/extents"          (uint64 offset, uint32 length)[count] by position, packed (12
+                              bytes an entry, no padding): where each record's value lies
+                              in data.mdb; (0, 0) where unknown (values small enough to
+                              live inside B-tree pages, which move)
   b"<split>/order"            int32[count], only in shuffled packs: the index of the record
                               stored at each position
   b"<split>/sums"             uint32[count] by position: each record's checksum, the value

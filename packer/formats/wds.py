@@ -16,6 +16,9 @@
                                      {"wids_version": 1, "name": "<split>", "classes": [...],
                                      "shardlist": [{"url": "shard-000000.tar", "nsamples": N},
                                      ...]}, urls relative to this file, in shard order
+                                     (wids 0.1 takes member names from the ustar field
+                                     alone, so it misreads a split with names that are not
+                                     ASCII or over 100 bytes: pack warns of those)
 
 The index names only files of its own dataset: load_index refuses any name but
 <split>/<name>.tar, <split>/records.bin, <split>/paths.bin and <split>/wids-index.json
@@ -24,7 +27,7 @@ symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records) le
 "wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
 that each wids index lists exactly the split's shards, sample counts and classes.
 
-A sample is three consecutive members (see _tar for the header rules):
+A sample is three consecutive members, two in an unlabeled split (see _tar for the header rules):
   <key>.<ext>    the original file bytes; ext names the content, as webdataset's decoders
                  and recipes expect (packer.check.sniff: JPEG -> jpg, PNG -> png, WebP ->
                  webp, BMP -> bmp, TIFF -> tiff, PNM -> the file's own ppm/pgm), and for
@@ -32,13 +35,15 @@ A sample is three consecutive members (see _tar for the header rules):
                  layout 1 always used the lowercased extension (ImageNet's .JPEG -> jpeg)
   <key>.cls      the label as ASCII decimal (no member for unlabeled splits)
   <key>.json     {"<kind>": <int>, "label": <int>, "path": "<relative path>"}, keys sorted, no
-                 spaces (label -1 = unlabeled; packs written before it have no "label");
+                 spaces, UTF-8 with no character escaped (label -1 = unlabeled; packs written
+                 before it have no "label");
                  <kind> is the record checksum kind ("crc32" or "xxh3", packer.checksum) and
                  its value the record's checksum, so a tool that checks "crc32" never
                  mistakes another kind for it
 
 webdataset keys end at the first dot of the last path component, so a key keeps the
-relative path's folders and turns the file name into <stem>_<ext> with "%" and "." in
+relative path's folders and turns the file name into <stem>_<ext> (ext as the file
+spells it: `x.JPEG` gives key `x_JPEG`, its image member `x_JPEG.jpg`) with "%" and "." in
 the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` becomes key
 `v1.2/img%2Ev2%2Efinal_jpg`. The ext part has no "_", so the last "_" splits it off and
 the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
@@ -309,10 +314,15 @@ class Writer:
         self.shards: list[dict] = []
         # The split's records in write order, spilled to an unlinked file as they come, not held.
         self.rows = SpillTable(RECORD, self.stage)
+        self.long_names, self.long_name = 0, None  # samples named by PAX records (note_long_names)
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         key = sample_key(relpath)
-        image, data_at = _tar.member(f"{key}.{member_suffix(data, relpath)}", data)
+        name = f"{key}.{member_suffix(data, relpath)}"
+        if not (_tar.fits_ustar(name) and _tar.fits_ustar(f"{key}.json")):
+            self.long_names += 1
+            self.long_name = self.long_name or relpath
+        image, data_at = _tar.member(name, data)
         parts = [image]
         if label >= 0:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
@@ -381,6 +391,18 @@ class Writer:
                                    "wids_index": f"{self.split}/{WIDS_INDEX}",
                                    "records_crc32": records_crc, "paths_crc32": paths_crc}
         self.note_few_shards(count)
+        self.note_long_names()
+
+    def note_long_names(self) -> None:
+        """Warn when a split's member names need PAX records: webdataset (tarfile), tar and
+        packer's readers read them; wids 0.1's reader takes the ustar field alone, cut or
+        mangled, and then misgroups the split."""
+        if self.long_names:
+            self.warnings.append(
+                f"split {self.split}: {self.long_names} sample(s) have names that are not ASCII or are over 100 "
+                f"bytes as tar members (first: {self.long_name!r}); webdataset.WebDataset, tar and packer's "
+                "readers read them, but wids.ShardListDataset (which reads only the ustar name field) misreads "
+                "this split: rename those files to short ASCII names before packing if you read it with wids")
 
     def note_few_shards(self, count: int) -> None:
         """Warn when a split has fewer shards than this machine's cores though it could have more:
