@@ -30,7 +30,7 @@ import numpy as np
 import torch.distributed
 import torch.utils.data
 
-from packer.errors import CorruptDataError, FormatError
+from packer.errors import CorruptDataError, FormatError, PackError
 from packer.formats import _tar, wds
 from packer import checksum as record_checksums
 from packer.records import PATH_ENCODING_ERRORS, choose_split
@@ -122,7 +122,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
         # A local packer folder is streamed through its index (read_shards); this process's reader of it:
         self.packed = None if self.remote is not None else packed_folder(path_or_urls)
-        self._index: wds.Reader | None = None
+        self._index: wds.Reader | bool | None = None  # False: not a packer folder, or its index did not load
         self.transform, self.target_transform, self.decode = transform, target_transform, decode
         self.shuffle, self.seed, self.on_error, self.check_crc = int(shuffle), int(seed), on_error, bool(check_crc)
         self.rank, self.world_size = rank, world_size
@@ -404,7 +404,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 try:
                     reader = wds.Reader(self.packed, self.split, check_crc=self.check_crc)
                     reader.records  # loads and checks the table now: a damaged one means parsing
-                except CorruptDataError:
+                except PackError:
                     return None
                 if [os.path.join(self.packed, name) for name in reader.shards] == self.shards:
                     reader.advise("sequential")
