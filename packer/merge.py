@@ -44,6 +44,7 @@ class Part:
 
     path: str
     meta: Metadata
+    given: str = ""  # the path as the user spelled it (two spellings of one part differ here)
 
     @property
     def facts(self) -> dict:
@@ -85,7 +86,8 @@ def staging_name(path: str) -> str | None:
 
 def read_part(path: str) -> Part:
     """The part at path, refused if half-written or not a part."""
-    path = os.path.abspath(os.fspath(path))
+    given = os.fspath(path)
+    path = os.path.abspath(given)
     stage = staging_name(path)
     if stage is not None:
         raise PackError(f"{path}: a half-written part (its name is a {stage} staging name: the pack writing it "
@@ -98,7 +100,7 @@ def read_part(path: str) -> Part:
         what = "a merge of parts" if meta.parts is not None else "a dataset packed in one piece"
         raise FormatError(f"{path}: not a part but {what}; merge takes the parts written by "
                           "`packer pack SRC --part I/N`", path)
-    part = Part(path, meta)
+    part = Part(path, meta, given)
     for name, entry in meta.parts["splits"].items():
         listed = sum(1 for skipped in part.written_skipped if skipped.get("split") == name)
         if listed != len(entry["skipped_at"]):
@@ -114,7 +116,8 @@ def refuse_repeats(parts: list[Part]) -> None:
         stat = os.stat(part.path)
         first = seen.setdefault((stat.st_dev, stat.st_ino), part)
         if first is not part:
-            raise PackError(f"{part.path}: given twice (also as {first.path}); give each part once", part.path)
+            raise PackError(f"{part.path}: given twice, as {first.given!r} and as {part.given!r}; give each part "
+                            "once", part.path)
     by_index: dict[int, Part] = {}
     for part in parts:
         first = by_index.setdefault(part.index, part)

@@ -214,7 +214,12 @@ def test_merge_refuses_a_missing_part(four_parts, tmp_path):
 def test_merge_refuses_a_part_given_twice(four_parts, tmp_path):
     link = tmp_path / "same.lmdb"
     os.symlink(four_parts[1], link)
-    refused(four_parts + [link], tmp_path / "m.lmdb", "given twice")
+    message = refused(four_parts + [link], tmp_path / "m.lmdb", "given twice")
+    assert f"as {str(four_parts[1])!r} and as {str(link)!r}" in message
+    again = os.path.join(os.path.dirname(four_parts[1]), "..", os.path.basename(os.path.dirname(four_parts[1])),
+                         os.path.basename(four_parts[1]))  # the same path through ".."
+    message = refused(four_parts + [again], tmp_path / "m2.lmdb", "given twice")
+    assert f"as {again!r}" in message
 
 
 def test_merge_refuses_two_copies_of_one_part(four_parts, tmp_path):
