@@ -44,7 +44,7 @@ class Part:
 
     path: str
     meta: Metadata
-    given: str = ""  # the path as the user spelled it (two spellings of one part differ here)
+    given: str  # the path as the user spelled it (two spellings of one part differ here)
 
     @property
     def facts(self) -> dict:

@@ -318,8 +318,8 @@ class Writer:
 
     def add(self, data: bytes, label: int, relpath: str, crc: int) -> None:
         key = sample_key(relpath)
-        name = f"{key}.{member_suffix(data, relpath)}"
-        if not (_tar.fits_ustar(name) and _tar.fits_ustar(f"{key}.json")):
+        name, meta_name = f"{key}.{member_suffix(data, relpath)}", f"{key}.json"
+        if not (_tar.fits_ustar(name) and _tar.fits_ustar(meta_name)):
             self.long_names += 1
             self.long_name = self.long_name or relpath
         image, data_at = _tar.member(name, data)
@@ -328,7 +328,7 @@ class Writer:
             parts.append(_tar.member(f"{key}.cls", str(label).encode())[0])
         meta = json.dumps({self.kind: crc, "label": label, "path": relpath}, ensure_ascii=False, sort_keys=True,
                           separators=(",", ":"))
-        parts.append(_tar.member(f"{key}.json", meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
+        parts.append(_tar.member(meta_name, meta.encode("utf-8", PATH_ENCODING_ERRORS))[0])
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
