@@ -324,7 +324,8 @@ def say_also(exc: BaseException, text: str) -> None:
 
 
 def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
-    """A finished part's report, or the PackError that says how it failed."""
+    """A finished part's report, or the PackError that says how it failed (a bug's own exception
+    is raised as it is, noted with its part)."""
     try:
         report = future.result()
     except concurrent.futures.CancelledError as exc:
@@ -333,10 +334,16 @@ def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
         raise PackError(f"part {task.spec} ({task.out}): the executor broke while this part was running or "
                         f"waiting: one of its worker processes died ({type(exc).__name__}: {exc}); pack again",
                         task.out) from exc
-    except Exception as exc:  # its worker died or was lost (Dask's KilledWorker), or a bug
-        raise PackError(f"part {task.spec} ({task.out}): its worker failed or died ({type(exc).__name__}: "
-                        f"{exc}); pack again (on Dask, a part whose worker dies is retried up to "
-                        "distributed.scheduler.allowed-failures times)", task.out) from exc
+    except Exception as exc:
+        if type(exc).__name__ == "KilledWorker":  # Dask gave up on it: its workers kept dying
+            raise PackError(f"part {task.spec} ({task.out}): its worker died ({type(exc).__name__}: {exc}); Dask "
+                            "ran it again up to distributed.scheduler.allowed-failures times: see why the workers "
+                            "died (memory, a lost machine), then pack again", task.out) from exc
+        if isinstance(exc, OSError):  # the system's: a disk, a lost connection to a worker
+            raise PackError(f"part {task.spec} ({task.out}): {type(exc).__name__} in its worker: {exc}; "
+                            "pack again once that is mended", task.out) from exc
+        exc.add_note(f"raised by part {task.spec} ({task.out}) in its worker")  # a bug: its traceback shows
+        raise
     if "error" in report:
         raise part_error(task.spec, report["error"])
     return report

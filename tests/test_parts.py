@@ -419,13 +419,43 @@ def test_a_dead_worker_is_reported_by_name_and_leaves_nothing(split_tree, tmp_pa
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-class DyingPool(concurrent.futures.Executor):
-    """Forwards to pool, but the worker given part 0 exits before packing it."""
+def test_a_part_that_raises_a_bug_keeps_its_traceback_and_names_the_part(split_tree, tmp_path):
+    """Not a packing error and not a death: the exception itself, noted with its part, so its
+    traceback shows (the CLI prints tracebacks for bugs); nothing is left."""
+    out = tmp_path / "bug.lmdb"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ZeroDivisionError) as caught:
+            pack(str(split_tree), "lmdb", str(out), executor=DyingPool(pool, divide_by_zero), parts=2, workers=1,
+                 progress=False)
+    assert any(note.startswith("raised by part 0/2 (") for note in caught.value.__notes__)
+    assert not out.exists() and leftovers(tmp_path) == []
 
-    def __init__(self, pool):
-        self.pool = pool
+
+def test_a_part_whose_system_call_fails_names_the_part_and_what_failed(split_tree, tmp_path):
+    out = tmp_path / "oserror.lmdb"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with pytest.raises(PackError, match=r"part 0/2 \(.*\): FileNotFoundError in its worker: .*gone.*mended"):
+            pack(str(split_tree), "lmdb", str(out), executor=DyingPool(pool, open_gone), parts=2, workers=1,
+                 progress=False)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def divide_by_zero(task):
+    return 1 / 0
+
+
+def open_gone(task):
+    return open(os.path.join(task.out, "gone"), "rb")
+
+
+class DyingPool(concurrent.futures.Executor):
+    """Forwards to pool, but part 0 runs through fail (picklable) instead; without fail, the
+    worker given part 0 exits before packing it."""
+
+    def __init__(self, pool, fail=None):
+        self.pool, self.fail = pool, fail
 
     def submit(self, fn, *args, **kwargs):
         if args[0].spec.index == 0:
-            return self.pool.submit(os._exit, 3)
+            return self.pool.submit(os._exit, 3) if self.fail is None else self.pool.submit(self.fail, *args)
         return self.pool.submit(fn, *args, **kwargs)
