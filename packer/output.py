@@ -10,10 +10,14 @@ staging is moved in (the swap is finished) or else an old dataset is moved back 
 back); every other leftover of a dead owner is removed. OUT is never left missing while
 a complete dataset sits beside it.
 
-Only leftovers whose owner is provably gone are touched: same host, pid not alive. On a
+Only leftovers whose owner is provably gone are touched: same host, pid not alive. The
+host is the host name, and, in a PID namespace of its own (a container), that namespace:
+containers that share a host name (host networking) do not see each other's pids. On a
 shared file system a leftover of another host is left alone, with a warning. Names from
-older versions (`OUT.partial-<pid>`, and `OUT.old-<pid>` beside one) carry no host and
-are taken to be this host's, as those versions did.
+older versions (`OUT.partial-<pid>`, and `OUT.old-<pid>` beside one) carry no host: only
+the pair, a swap those versions left half done, is settled; a lone `OUT.partial-<pid>`
+could be anyone's folder, and is named in a warning, never removed. Nor is any leftover
+that is a source of this write, or holds or lies in one.
 
 Before any of that, check_target refuses an OUT that is a source, inside one or holding
 one (compared by device and inode, so symlinks and bind mounts cannot hide it), and
@@ -37,7 +41,21 @@ from . import interrupts
 from .errors import FormatError, OutputExistsError, PackError
 
 PARTIAL, COMPLETE, OLD = "partial", "complete", "old"
-HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
+INIT_PID_NAMESPACE = 0xEFFFFFFC  # the inode of the host's own PID namespace (Linux's PROC_PID_INIT_INO)
+
+
+def host_id() -> str:
+    """This host as staging names carry it: its name, with its PID namespace where that is not
+    the host's own, so a pid is only checked by a process that sees the same pids."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux, or no /proc: pids are the host's
+        return name
+    return name if namespace == INIT_PID_NAMESPACE else f"{name}.pidns{namespace}"
+
+
+HOST = host_id()
 OWNED = re.compile(r"\.(?P<stage>partial|complete|old)-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[0-9a-f]{16}")
 LEGACY = re.compile(r"\.(?P<stage>partial|old)-(?P<pid>\d+)")
 
@@ -185,18 +203,43 @@ def restore(out: str, gone: list[Leftover]) -> tuple[Leftover, str] | None:
 
 
 def ours(leftover: Leftover, found: list[Leftover]) -> bool:
-    """Whether packer surely made this path. `OUT.old-<pid>` could be a user's own backup
-    name: only one beside an `OUT.partial-<pid>` of the same pid is an older version's."""
-    return leftover.host is not None or leftover.stage == PARTIAL or legacy_beside(found, PARTIAL, leftover.pid)
+    """Whether packer surely made this path. An older version's name (`OUT.partial-<pid>`,
+    `OUT.old-<pid>`) could be a user's own: only the pair of one pid is that version's."""
+    if leftover.host is not None:
+        return True
+    other = OLD if leftover.stage == PARTIAL else PARTIAL
+    return legacy_beside(found, other, leftover.pid)
 
 
-def tidy(out: str) -> Tidied:
-    """Settle what interrupted writes to OUT left beside it (see the module docstring)."""
+def overlaps(path: str, sources: list[str]) -> bool:
+    """Whether path is one of sources, holds one or lies in one."""
+    return any(depth_of(source, path) is not None or depth_of(path, source) is not None for source in sources)
+
+
+def left_alone(out: str, found: list[Leftover], sources: list[str]) -> list[str]:
+    """Notes for the leftovers that tidy may not touch, and that look like packer's."""
+    notes = []
+    for leftover in found:
+        remove = f"remove it (rm -rf '{leftover.path}')"
+        if overlaps(leftover.path, sources):
+            notes.append(f"left {leftover.path} alone: it is named like a leftover of a pack to {out}, but this "
+                         f"write reads from it; rename it if it is not one")
+        elif not leftover.here:
+            notes.append(f"left {leftover.path} alone: it belongs to a pack on host {leftover.host} "
+                         f"(pid {leftover.pid}); if no pack to {out} is running there, {remove}")
+        elif not ours(leftover, found) and leftover.stage == PARTIAL:
+            notes.append(f"left {leftover.path} alone: older packers named their staging so, but it may be "
+                         f"yours; if it is an interrupted pack's, {remove}")
+    return notes
+
+
+def tidy(out: str, sources: list[str] = ()) -> Tidied:
+    """Settle what interrupted writes to OUT left beside it (see the module docstring); a
+    leftover that is one of sources, or holds or lies in one, is never touched."""
     found = leftovers(out)
-    gone = [leftover for leftover in found if ours(leftover, found) and leftover.owner_gone()]
-    tidied = Tidied(notes=[f"left {leftover.path} alone: it belongs to a pack on host {leftover.host} "
-                           f"(pid {leftover.pid}); if no pack to {out} is running there, remove it "
-                           f"(rm -rf '{leftover.path}')" for leftover in found if not leftover.here])
+    gone = [leftover for leftover in found
+            if ours(leftover, found) and leftover.owner_gone() and not overlaps(leftover.path, sources)]
+    tidied = Tidied(notes=left_alone(out, found, sources))
     if not os.path.lexists(out):
         restored = restore(out, gone)
         if restored:
@@ -277,7 +320,7 @@ def check_target(out: str, sources: list[str], force: bool) -> Tidied:
     for source in sources:
         refuse_overlap(out, os.fspath(source))
     refuse_missing_folder(out)
-    tidied = tidy(out)
+    tidied = tidy(out, [os.fspath(source) for source in sources])
     refuse_existing(out, force, tidied.notes)
     return tidied
 

@@ -243,9 +243,29 @@ def test_missing_out_is_restored_from_a_dead_writers_old_dataset(tmp_path):
 
 def test_an_unfinished_staging_never_becomes_out(tmp_path):
     out = tmp_path / "out.lmdb"
-    make_dataset(tmp_path / f"out.lmdb.partial-{dead_pid()}", 5, 50)  # no old beside it: maybe incomplete
+    make_dataset(tmp_path / f"out.lmdb.partial-{HOST}-{dead_pid()}-{'0' * 16}", 5, 50)  # a staging: maybe incomplete
     tidied = check_target(str(out), [], False)
     assert not out.exists() and len(tidied.removed) == 1 and leftovers(tmp_path) == []
+
+
+def test_a_lone_folder_named_as_older_packers_staging_is_named_never_removed(tmp_path):
+    """`OUT.partial-<pid>` alone (no `OUT.old-<pid>` beside it) could be a user's folder."""
+    mine = write(tmp_path / f"notes.h5.partial-{dead_pid()}" / "README", b"precious")
+    result = run("pack", tree(tmp_path / "src", 4), "--to", "hdf5", "-o", tmp_path / "notes.h5")
+    assert result.exit_code == 0, result.output
+    assert mine.read_bytes() == b"precious" and "removed" not in result.stderr
+    assert f"left {mine.parent} alone: older packers named their staging so, but it may be yours" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["y.lmdb.partial-{pid}", "y.lmdb.partial-{host}-{pid}-0123456789abcdef"])
+def test_a_source_named_like_a_leftover_of_out_is_never_touched(tmp_path, name):
+    src = tree(tmp_path / name.format(host=HOST, pid=dead_pid()), 4)
+    before = snapshot(src)
+    make_dataset(tmp_path / f"y.lmdb.old-{HOST}-{dead_pid()}-{'1' * 16}", 3, 0)  # a swap half done: OUT is restored
+    result = run("pack", src, "--to", "lmdb", "-o", tmp_path / "y.lmdb", "--force")
+    assert result.exit_code == 0, result.output
+    assert snapshot(src) == before and count(tmp_path / "y.lmdb") == 4
+    assert f"left {src} alone: it is named like a leftover of a pack to" in result.stderr
 
 
 # 3. Staging is keyed by host, pid and token; only a provably dead owner's is removed.
@@ -284,7 +304,39 @@ def test_staging_of_a_live_process_here_is_left_alone(tmp_path):
         sleeper.wait()
 
 
-@pytest.mark.parametrize("name", ["out.lmdb.partial-{pid}", "out.lmdb.partial-{host}-{pid}-0123456789abcdef",
+def other_pid_namespace_unavailable() -> str | None:
+    if not shutil.which("unshare"):
+        return "unshare is not installed"
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], stderr=subprocess.PIPE, text=True)
+    return None if proc.returncode == 0 else f"cannot start a PID namespace: {proc.stderr.strip()}"
+
+
+def test_a_live_staging_from_another_pid_namespace_is_left_alone(tmp_path):
+    """Containers sharing a host name (host networking) do not see each other's pids: a live
+    pack's staging made in another PID namespace must not look dead from this one."""
+    reason = other_pid_namespace_unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+    out = tmp_path / "out.lmdb"
+    holder = ("import sys, time; from packer.output import HOST, PARTIAL, new_owner; "
+              "stage = new_owner().path(sys.argv[1], PARTIAL); open(stage, 'wb').close(); "
+              "print(HOST, stage, flush=True); time.sleep(60)")
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", holder, str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs, stage = proc.stdout.readline().split()
+        assert theirs != HOST and ".pidns" in theirs  # pid 1 of its namespace: alive there, not here
+        result = run("pack", tree(tmp_path / "src", 4), "--to", "lmdb", "-o", out)
+        assert result.exit_code == 0, result.output
+        assert os.path.exists(stage) and "removed" not in result.stderr
+        assert f"left {stage} alone: it belongs to a pack on host {theirs}" in result.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("name", ["out.lmdb.partial-{host}-{pid}-0123456789abcdef",
                                   "out.lmdb.complete-{host}-{pid}-0123456789abcdef"])
 def test_staging_of_a_dead_process_here_is_removed(tmp_path, name):
     make_dataset(tmp_path / "out.lmdb", 3, 0)  # so a complete one is rolled back, not moved in
