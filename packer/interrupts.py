@@ -17,6 +17,8 @@ from typing import Iterator
 
 CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
 STOP_REQUEST_EVERY = 64  # InterruptGuard.check() calls between looks at a stop request (stop_when)
+OWNER_WATCH_S = 0.5  # how often a worker looks whether the process that owns it is still there (stop_when)
+OWNER_GONE_EXIT = 70  # a worker's exit status when its owner died (EX_SOFTWARE: nothing to report to)
 
 _stop_request = None  # in a worker process: the Event its pool's owner sets to stop it (stop_when)
 _scopes = 0  # InterruptGuards and stop_signals_as_interrupts() open in the main thread
@@ -50,10 +52,13 @@ def raise_stopped(signum, frame) -> None:
     raise Stopped(signum)
 
 
-def stop_when(event) -> None:
+def stop_when(event, owner: int | None = None) -> None:
     """A worker process's initializer: every InterruptGuard in this process stops, as on
     Ctrl-C, once `event` (a multiprocessing Event) is set by the process that owns the pool,
-    and that is how it stops: the worker ignores stop signals itself.
+    and that is how it stops: the worker ignores stop signals itself. With the owner's pid,
+    the worker exits once the owner is gone (killed outright: nobody would ever set the
+    event, and the worker would wait for work forever; what it wrote is a dead owner's
+    staging, which the next pack to OUT removes).
 
     A signal sent to that process alone (`kill PID`, Kubernetes, `timeout`) reaches none of
     its workers; without the event they would run their work to the end before it could
@@ -64,6 +69,15 @@ def stop_when(event) -> None:
     global _stop_request
     _stop_request = event
     ignore_stop_signals()
+    if owner is not None:
+        threading.Thread(target=exit_without, args=(owner,), name="packer-owner-watch", daemon=True).start()
+
+
+def exit_without(owner: int) -> None:
+    """Exit this process once it is no longer owner's child (owner died: it was re-parented)."""
+    while os.getppid() == owner:
+        time.sleep(OWNER_WATCH_S)
+    os._exit(OWNER_GONE_EXIT)
 
 
 def ignore_stop_signals() -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from packer.interrupts import InterruptGuard, Interrupted
+from packer.output import tidy
 from packer.pack import Loaded, write_listings
 from packer.records import PathTable
 from packer.scan import SplitListing
@@ -145,6 +146,33 @@ def test_sigterm_to_a_pack_in_parts_stops_its_parts_instead_of_waiting_for_them(
     assert code == 143 and seconds < STOP_WITHIN_S, state
     assert stderr.strip().endswith(f"stopped by SIGTERM; nothing was written at {out}"), state
     assert not out.exists() and staging(out) == [], state
+
+
+def test_a_pack_in_parts_killed_outright_leaves_no_part_process_behind(tmp_path):
+    """SIGKILL reaches the command alone: nothing tells its part processes, which ignore stop
+    signals and would otherwise wait for work forever; each sees its owner gone and exits."""
+    src = linked_tree(tmp_path / "src", 4 * FILES)
+    out = tmp_path / "out.lmdb"
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "lmdb", "--parts", "2",
+                             "--check", "full", "--workers", "1", "-o", str(out)], cwd=ROOT,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not staging(out) or len(processes_in_group(proc.pid)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "no staging path (or no parts) appeared"
+            time.sleep(0.005)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + STOP_WITHIN_S
+        while processes_in_group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_in_group(proc.pid) == [], "part processes outlived their pack"
+    finally:
+        if processes_in_group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = [str(path) for path in staging(out)]
+    assert left and tidy(str(out)).removed == left  # what the next pack to OUT does first
+    assert staging(out) == []
 
 
 class InterruptsWhenCollected:
