@@ -322,8 +322,8 @@ def test_a_live_staging_from_another_pid_namespace_is_left_alone(tmp_path):
     holder = ("import sys, time; from packer.output import HOST, PARTIAL, new_owner; "
               "stage = new_owner().path(sys.argv[1], PARTIAL); open(stage, 'wb').close(); "
               "print(HOST, stage, flush=True); time.sleep(60)")
-    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", holder, str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+                             sys.executable, "-c", holder, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         theirs, stage = proc.stdout.readline().split()
         assert theirs != HOST and ".pidns" in theirs  # pid 1 of its namespace: alive there, not here
