@@ -177,10 +177,12 @@ class Scanner:
     def walk_images(self, folder: str, split: str) -> list[tuple[str, str | None]]:
         """(path, refusal) of the image files under folder, in sorted(os.walk(folder, followlinks=True)) order."""
         found: list[tuple[str, list[tuple[str, str | None]]]] = []
-        seen = {os.path.realpath(folder)}
-        stack = [folder]
+        # Each folder with the real paths of the folders above it: a link back to one of them
+        # is a cycle, which would make the walk recurse forever. Two links to one folder are
+        # not: os.walk (and so ImageFolder) lists its images under both names.
+        stack = [(folder, frozenset([os.path.realpath(folder)]))]
         while stack:
-            top = stack.pop()
+            top, above = stack.pop()
             listed = self.list_or_skip(top, split)
             if listed is None:
                 continue
@@ -189,11 +191,10 @@ class Scanner:
             for name in dirs:
                 path = os.path.join(top, name)
                 real = os.path.realpath(path)
-                if real in seen:  # a symlink cycle would make the walk recurse forever
-                    self.warnings.append(f"{path}: folder already visited (symlink loop), skipped")
+                if real in above:
+                    self.warnings.append(f"{path}: a link to a folder above it (symlink loop), skipped")
                     continue
-                seen.add(real)
-                children.append(path)
+                children.append((path, above | {real}))
             stack += reversed(children)  # depth first, in name order, as os.walk visits them
             found.append((top, images))
         found.sort(key=lambda rf: rf[0])

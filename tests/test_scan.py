@@ -98,6 +98,23 @@ def test_symlinked_class_folder_is_followed_and_loops_are_cut(tmp_path):
     assert any("symlink loop" in w for w in source.warnings)
 
 
+def test_two_links_to_one_folder_list_its_images_under_both_names_as_os_walk_does(tmp_path):
+    shared = tmp_path / "shared"
+    write(shared / "s.jpg", jpeg_bytes(1))
+    write(shared / "deeper" / "d.jpg", jpeg_bytes(2))
+    write(tmp_path / "src" / "a" / "1.jpg", jpeg_bytes(3))
+    for name in ("x", "y"):
+        os.symlink(shared, tmp_path / "src" / "a" / name)
+    walked = [os.path.relpath(os.path.join(top, name), tmp_path / "src")  # what ImageFolder lists
+              for top, dirs, files in sorted(os.walk(tmp_path / "src" / "a", followlinks=True))
+              for name in sorted(files)]
+    assert walked == ["a/1.jpg", "a/x/s.jpg", "a/x/deeper/d.jpg", "a/y/s.jpg", "a/y/deeper/d.jpg"]
+    os.symlink(tmp_path / "src" / "a", shared / "deeper" / "up")  # a cycle through both links: cut in each
+    source = scan_source(tmp_path / "src")
+    assert [path for path, _ in listing(source)] == walked
+    assert sum("symlink loop" in w for w in source.warnings) == 2, source.warnings
+
+
 def test_loose_images_beside_class_folders_are_ignored_with_a_warning(image_tree):
     write(image_tree / "loose.jpg", jpeg_bytes(5))
     source = scan_source(image_tree)
