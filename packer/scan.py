@@ -18,6 +18,7 @@ refused, so that packing applies its on_error policy to them without ever openin
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -152,6 +153,15 @@ def list_folder(folder: str, hidden: HiddenNames | None = None) -> tuple[list[st
     return dirs, images
 
 
+def folder_advice(exc: OSError) -> str:
+    """What to do about a folder that cannot be listed, by why."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return "its path is longer than the system allows: rename or move folders to shorten it"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "fix its permissions"
+    return "see what the system said"
+
+
 class Scanner:
     """Lists the folders of one SRC, applying the on_error policy to those it cannot read."""
 
@@ -169,7 +179,7 @@ class Scanner:
             reason = f"cannot read folder ({exc.strerror or exc})"
             rel = relative(self.root, folder)
             if self.on_error == "fail":
-                raise SourceError(f"{rel}: {reason}; fix its permissions, or pass --on-error skip to leave "
+                raise SourceError(f"{rel}: {reason}; {folder_advice(exc)}, or pass --on-error skip to leave "
                                   "it out", folder) from exc
             self.skipped.append({"path": rel, "split": split, "reason": reason})
             return None
@@ -220,7 +230,7 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
     try:
         top = list_folder(root, scan.hidden)
     except OSError as exc:
-        raise SourceError(f"{root}: cannot read folder ({exc.strerror or exc}); fix its permissions", root) from exc
+        raise SourceError(f"{root}: cannot read folder ({exc.strerror or exc}); {folder_advice(exc)}", root) from exc
     split_dirs = [d for d in top[0] if d in SPLIT_NAMES]
     if split_dirs and len(split_dirs) == len(top[0]):
         split_roots = {d: os.path.join(root, d) for d in split_dirs}

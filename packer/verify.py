@@ -70,6 +70,7 @@ NOT_IN_SRC = "packed but not in SRC"
 CLASS_CHANGED = "class changed in SRC"
 SRC_UNREADABLE = "SRC file unreadable"
 SPLITS_DIFFER = "splits differ"
+CLASSES_DIFFER = "classes differ"
 
 
 @dataclass
@@ -222,7 +223,7 @@ def verify(path: str, against: str | None = None, check: str = "full",
     tables = split_tables(path, meta, report)
     root = None
     if against is not None:
-        source = scan_source(against)
+        source = scan_source(against, on_error="skip")  # an unreadable folder is reported, not fatal
         root = source.root
         compare_listings(meta, tables, source, report)
     max_pixels = packed_max_pixels(meta)
@@ -267,7 +268,7 @@ def progress_bar(total: int, enabled: bool | None):
 def advice(report: VerifyReport, meta: Metadata, against: str | None) -> list[str]:
     """What to do about the problems found, most likely cause first."""
     kinds, found = report.kinds, []
-    compared = kinds[NOT_PACKED] + kinds[NOT_IN_SRC] + kinds[DIFFERS] + kinds[CLASS_CHANGED]
+    compared = kinds[NOT_PACKED] + kinds[NOT_IN_SRC] + kinds[DIFFERS] + kinds[CLASS_CHANGED] + kinds[CLASSES_DIFFER]
     if against is not None and (kinds[SPLITS_DIFFER] or (kinds[NOT_IN_SRC] and kinds[NOT_IN_SRC] >= report.checked)):
         found.append(f"no packed file is in {against}: is --against the folder it was packed from? "
                      f"(the metadata says {meta.source})")
@@ -330,7 +331,12 @@ def compare_listings(meta: Metadata, tables: dict, source: Source, report: Verif
     dictionaries of every path. Problems are reported sorted by path, as they always were."""
     if sorted(meta.splits) != sorted(source.splits):
         report.add(SPLITS_DIFFER, [f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}"])
+    from_file = isinstance(meta.params.get("labels"), dict)  # its classes came from a label file
+    if source.classes and not from_file and meta.classes != source.classes:  # a class folder added or gone
+        report.add(CLASSES_DIFFER, [classes_change(meta.classes, source.classes)])
     skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
+    unreadable = {(s["split"], s["path"]): s["reason"] for s in source.skipped}  # folders SRC cannot list now
+    under_unreadable: Counter = Counter()
     for split in sorted(set(tables) & set(source.splits)):
         paths, labels = tables[split]
         listing = source.splits[split]
@@ -347,6 +353,10 @@ def compare_listings(meta: Metadata, tables: dict, source: Source, report: Verif
             else:
                 report.notes.append(f"{relpath}: skipped at pack time ({reason})")
         for relpath in removed:
+            folder = unlisted_folder(split, relpath, unreadable)
+            if folder is not None:  # not listed, not gone: its record check reads the file itself
+                under_unreadable[folder] += 1
+                continue
             report.add(NOT_IN_SRC, [f"{relpath}: packed but no longer in SRC (removed since packing?)"])
         if labeled_from_file(meta, split, listing):
             report.notes.append(f"split {split}: labels came from {meta.params['labels'].get('file')} at pack "
@@ -354,6 +364,41 @@ def compare_listings(meta: Metadata, tables: dict, source: Source, report: Verif
             continue
         for relpath, was, now in changed:
             report.add(CLASS_CHANGED, [f"{relpath}: packed with class {was!r}, SRC now has it under {now!r}"])
+    report_unreadable(unreadable, skipped, under_unreadable, report)
+
+
+def classes_change(packed: list[str], now: list[str]) -> str:
+    added, gone = sorted(set(now) - set(packed)), sorted(set(packed) - set(now))
+    return (f"classes differ: packed {len(packed)}, SRC now has {len(now)} (added {shown_names(added)}, gone "
+            f"{shown_names(gone)}): a pack of SRC now would number its labels differently")
+
+
+def shown_names(names: list[str], first: int = 5) -> str:
+    more = f" and {len(names) - first} more" if len(names) > first else ""
+    return (", ".join(repr(name) for name in names[:first]) or "none") + more
+
+
+def unlisted_folder(split: str, relpath: str, unreadable: dict) -> tuple[str, str] | None:
+    """The folder above relpath that SRC cannot list now, as (split, path), or None."""
+    top = relpath
+    while "/" in top:
+        top = top.rpartition("/")[0]
+        if (split, top) in unreadable:
+            return split, top
+    return None
+
+
+def report_unreadable(unreadable: dict, skipped: dict, packed: Counter, report: VerifyReport) -> None:
+    """SRC's folders that cannot be listed now: noted when they were skipped at pack time too,
+    or when their packed files were each checked; a problem when nothing in them can be seen."""
+    for (split, folder), reason in sorted(unreadable.items()):
+        if (split, folder) in skipped:
+            report.notes.append(f"{folder}: skipped at pack time ({skipped[split, folder]}), and still unreadable")
+        elif packed[split, folder]:
+            report.notes.append(f"{folder}: {reason}: its {packed[split, folder]} packed files were checked one by "
+                                "one, but files added to it since packing cannot be seen; fix its permissions")
+        else:
+            report.add(SRC_UNREADABLE, [f"{folder}: {reason}: not packed, and what it holds cannot be compared"])
 
 
 class _Unordered(Exception):

@@ -254,20 +254,25 @@ def test_unreadable_folders_fail_the_pack_or_are_skipped_and_reported(public_tmp
     outs = public_tmp / "outs"
     outs.mkdir()
     outs.chmod(0o777)
-    # One pack as root first, so that every module it imports lazily is loaded before the
+    # One pack and verify as root first, so that every module they import lazily is loaded before the
     # child drops to nobody, who cannot read the interpreter's files under /root.
     write(tmp_path / "warm" / "cat" / "a.jpg", jpeg_bytes(1))
     warm = CliRunner().invoke(main, ["pack", str(tmp_path / "warm"), "--to", "lmdb", "-o", str(tmp_path / "warm.lmdb")])
     assert warm.exit_code == 0, warm.stderr
+    warm = CliRunner().invoke(main, ["verify", str(tmp_path / "warm.lmdb"), "--against", str(tmp_path / "warm")])
+    assert warm.exit_code == 0, warm.output
 
     def pack_both():
         runner = CliRunner()
         failed = runner.invoke(main, ["pack", str(src), "--to", "lmdb", "-o", str(outs / "fail.lmdb")])
         skipped = runner.invoke(main, ["pack", str(src), "--to", "lmdb", "-o", str(outs / "skip.lmdb"),
                                        "--on-error", "skip"])
-        return [failed.exit_code, failed.stderr, skipped.exit_code, skipped.stderr]
+        verified = runner.invoke(main, ["verify", str(outs / "skip.lmdb"), "--against", str(src)])
+        return [failed.exit_code, failed.stderr, skipped.exit_code, skipped.stderr, verified.exit_code,
+                verified.output]
 
-    fail_code, fail_err, skip_code, skip_err = as_unprivileged(pack_both, [src / "locked", src / "cat" / "locked-sub"])
+    fail_code, fail_err, skip_code, skip_err, verify_code, verify_out = as_unprivileged(
+        pack_both, [src / "locked", src / "cat" / "locked-sub"])
     assert fail_code == 1, fail_err
     assert ("cat/locked-sub: cannot read folder (Permission denied); fix its permissions, or pass --on-error skip "
             "to leave it out") in fail_err
@@ -280,3 +285,8 @@ def test_unreadable_folders_fail_the_pack_or_are_skipped_and_reported(public_tmp
     assert [(s["path"], s["reason"]) for s in meta.skipped] == [
         ("cat/locked-sub", "cannot read folder (Permission denied)"),
         ("locked", "cannot read folder (Permission denied)")]
+    # The folders it skipped are still unreadable: verify says so and checks the rest.
+    assert verify_code == 0, verify_out
+    assert "note: locked: skipped at pack time (cannot read folder (Permission denied)), and still unreadable" \
+        in verify_out
+    assert "ok: 3 records intact, identical to" in verify_out

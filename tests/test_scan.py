@@ -258,6 +258,22 @@ def test_an_unreadable_folder_stops_the_scan_naming_it(public_tmp, locked):
                                     "or pass --on-error skip to leave it out"), outcome
 
 
+def test_a_folder_past_the_path_length_limit_is_named_with_the_right_advice(tmp_path):
+    write(tmp_path / "src" / "cat" / "a.jpg", jpeg_bytes(1))
+    fd = os.open(tmp_path / "src" / "cat", os.O_RDONLY)
+    try:
+        for _ in range(4400 // 201):  # made a level at a time, by descriptor: past PATH_MAX (4,096)
+            os.mkdir("d" * 200, dir_fd=fd)
+            deeper = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+    with pytest.raises(SourceError, match=r"cat/(d{200}/)+d{200}: cannot read folder \(File name too long\); its "
+                                          r"path is longer than the system allows: rename or move folders"):
+        scan_source(tmp_path / "src")
+
+
 def test_with_skip_unreadable_folders_are_listed_as_skipped(public_tmp):
     src = locked_tree(public_tmp, ["locked", "cat/locked-sub"])
     outcome = as_unprivileged(lambda: scan_outcome(src, "skip"), [src / "locked", src / "cat" / "locked-sub"])

@@ -43,6 +43,16 @@ def test_changed_added_and_removed_source_files_are_named(packed_tree):
     assert result.exit_code == 1 and "3 problem(s)" in result.stderr
 
 
+def test_a_class_folder_added_or_gone_is_named_even_empty(packed_tree):
+    """Every file is the same, but a pack of SRC now would number its labels differently."""
+    src, out = packed_tree
+    (src / "aardvark").mkdir()  # sorts first: every other class would move up by one
+    report = verify(str(out), str(src), workers=1)
+    assert report.problems == ["classes differ: packed 4, SRC now has 5 (added 'aardvark', gone none): a pack of "
+                               "SRC now would number its labels differently"]
+    assert "changed since packing: re-pack it" in report.advice[0]
+
+
 def test_skipped_files_are_reported_as_skipped_not_missing(bad_tree, tmp_path):
     out = tmp_path / "b.lmdb"
     pack(str(bad_tree), "lmdb", str(out), on_error="skip", progress=False)
@@ -143,9 +153,9 @@ def test_a_wrong_against_folder_is_summed_up_not_listed_file_by_file(image_tree,
     result = CliRunner().invoke(main, ["verify", str(out), "--against", str(wrong_folder), "--workers", "1"])
     assert result.exit_code == 1
     lines = result.stderr.splitlines()
-    assert sum(line.startswith("error: ") for line in lines) == 20  # the first problems, not 319 lines
-    assert "... and 299 more problems" in result.stderr
-    assert "problems: 300 in SRC but not packed, 19 packed but not in SRC" in result.stderr
+    assert sum(line.startswith("error: ") for line in lines) == 20  # the first problems, not 320 lines
+    assert "... and 300 more problems" in result.stderr
+    assert "problems: 300 in SRC but not packed, 19 packed but not in SRC, 1 classes differ" in result.stderr
     assert (f"to do: no packed file is in {wrong_folder}: is --against the folder it was packed from? "
             f"(the metadata says {image_tree})") in result.stderr
     assert len(lines) < 30
@@ -158,8 +168,8 @@ def test_verify_json_is_one_object_on_stdout(image_tree, tmp_path, wrong_folder)
     bad = CliRunner().invoke(main, ["verify", str(out), "--against", str(wrong_folder), "--json", "--workers", "1"])
     assert bad.exit_code == 1
     facts = json.loads(bad.stdout)
-    assert facts["ok"] is False and facts["checked"] == 19 and facts["problem_count"] == 319
-    assert facts["problems_by_kind"] == {"in SRC but not packed": 300, "packed but not in SRC": 19}
+    assert facts["ok"] is False and facts["checked"] == 19 and facts["problem_count"] == 320
+    assert facts["problems_by_kind"] == {"in SRC but not packed": 300, "packed but not in SRC": 19, "classes differ": 1}
     assert len(facts["first_problems"]) == 20 and "is --against the folder" in facts["advice"][0]
     good = CliRunner().invoke(main, ["verify", str(out), "--against", str(image_tree), "--json"])
     assert good.exit_code == 0
