@@ -30,8 +30,8 @@ def tree_bytes(path: str) -> int:
 def pack_options(fmt: str, corpus_bytes: int, workers: int) -> dict:
     """Options for packer.pack: for wds, shards small enough that every loader worker gets some.
 
-    WDSDataset deals whole shards to DataLoader workers, so a corpus packed into fewer
-    shards than workers leaves workers idle and measures the shard count, not the format.
+    WDSDataset gives each DataLoader worker its own run of a rank's samples; in fewer shards
+    than workers, runs share shards, and the figures measure the shard count, not the format.
     """
     if fmt != "wds":
         return {}

@@ -54,7 +54,7 @@ def info(path: str, storage_options: dict | None = None) -> dict:
     else:
         meta = read_metadata(path, storage_options=storage_options)
         facts = {**meta.to_dict(), "path": path, "disk_bytes": None}
-    if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to workers)
+    if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to ranks)
         from .formats.wds import shard_info
 
         for split, shards in shard_info(path, remote).items():

@@ -93,6 +93,13 @@ class EpochLoader(tud.DataLoader):
     _resume_batches: int | None = None  # batches of _next_epoch a loaded state has consumed
     _progress: list | None = None  # [epoch, batches handed out, finished] of the last pass
 
+    def __len__(self) -> int:
+        length = super().__len__()
+        if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
+            # Each worker batches its own stream: WDSDataset knows how many batches they make.
+            return self.dataset.batches(self.batch_size, self.drop_last, self.num_workers)
+        return length
+
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
         if epoch != self._next_epoch:
@@ -181,7 +188,7 @@ class EpochLoader(tud.DataLoader):
 
     def _settings(self) -> dict:
         settings = {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
-        if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own shards
+        if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own run of samples
             settings["workers"] = self.num_workers
         return settings
 
@@ -262,17 +269,21 @@ def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
     return GPUDecoder(RandomResizedCrop(224, flip=0.5) if train else ResizeCenterCrop(224), device)
 
 
-def warn_if_drop_last_drops_much(dataset, sampler, batch_size: int, drop_last: bool) -> None:
+def warn_if_drop_last_drops_much(loader: EpochLoader, sampler) -> None:
     """Warn when drop_last (the training default) drops a large share of each epoch, or all of it:
-    125 images in batches of 32 read 96 per epoch, and fewer than 32 read none, silently."""
+    125 images in batches of 32 read 96 per epoch, and fewer than 32 read none, silently. An
+    IterableDataset's workers each drop their own partial batch (WDSDataset.batches)."""
+    if not loader.drop_last:
+        return
     try:
-        per_epoch = len(sampler if sampler is not None else dataset)
+        per_epoch = len(sampler if sampler is not None else loader.dataset)
+        kept = len(loader) * loader.batch_size
     except TypeError:  # an IterableDataset without a length
         return
-    dropped = per_epoch % batch_size
-    if not drop_last or not dropped or (per_epoch >= batch_size and dropped < DROP_WARN_SHARE * per_epoch):
+    dropped = per_epoch - kept
+    if not dropped or (kept and dropped < DROP_WARN_SHARE * per_epoch):
         return
-    what = ("every sample: there is no full batch, so each epoch is empty" if per_epoch < batch_size
+    what = ("every sample: there is no full batch, so each epoch is empty" if not kept
             else f"{dropped} of {per_epoch} samples ({dropped / per_epoch:.0%}) from every epoch")
     warnings.warn(f"make_loader: drop_last (the training default) drops {what}; use a smaller batch_size, "
                   f"or pass drop_last=False", LoaderWarning, stacklevel=3)
@@ -389,7 +400,6 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
         reader_of(dataset).advise(walk.access)
 
-    warn_if_drop_last_drops_much(dataset, walk.sampler, batch_size, drop_last)
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
     loader = EpochLoader(
@@ -400,6 +410,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if policy.workers else None,
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,
         prefetch_factor=policy.prefetch_factor)
+    warn_if_drop_last_drops_much(loader, walk.sampler)
     result = loader
     if target is not None:
         result = CUDAPrefetcher(loader, target, mean=mean, std=std, channels_last=channels_last, dtype=dtype,

@@ -49,8 +49,11 @@ SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 
 
 class Task(NamedTuple):
+    """A run of one shard's samples: from start to stop (None: to its end)."""
+
     shard: int
-    limit: int | None  # read only the first `limit` samples (padding), or all
+    start: int = 0
+    stop: int | None = None
 
 
 class WDSDataset(torch.utils.data.IterableDataset):
@@ -64,12 +67,15 @@ class WDSDataset(torch.utils.data.IterableDataset):
     Distribution: the rank and world size come from rank=/world_size=, else from
     torch.distributed when it is initialised, else from the RANK and WORLD_SIZE
     environment variables. Shards are dealt to ranks in epoch order, each to the rank
-    holding the fewest samples so far, then to DataLoader workers round-robin. Padding
-    rule: every rank yields exactly len(self) samples, the largest rank's share, so DDP
-    never hangs; a rank with fewer samples repeats samples from the start of its own
-    shards (of the epoch's shard list, if it got none), as DistributedSampler repeats
-    indices. Nothing is dropped: every sample is yielded at least once per epoch, and
-    exactly once when the ranks' shares come out equal (always, with one rank).
+    holding the fewest samples so far. Padding rule: every rank yields exactly len(self)
+    samples, the largest rank's share; a rank with fewer samples repeats samples from the
+    start of its own shards (of the epoch's shard list, if it got none), as
+    DistributedSampler repeats indices. Nothing is dropped: every sample is yielded at
+    least once per epoch, and exactly once when the ranks' shares come out equal (always,
+    with one rank). A rank's samples are then cut into one run per DataLoader worker,
+    equal to within one sample (stream_sizes), a shard shared by two workers where a run
+    ends inside it. Each worker batches its own run, so with the same runs on every rank,
+    every rank makes the same number of batches, and DDP never hangs.
 
     shuffle: buffer size per worker (0: shards and samples in stored order). With
     shuffle > 0, set_epoch(n) changes the shard order, the rank/worker assignment and
@@ -173,13 +179,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
         owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
-        tasks = [Task(s, None) for s in owned[rank] if counts[s]]
+        tasks = [Task(s) for s in owned[rank] if counts[s]]
         deficit = max(load) - load[rank]
         sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
         while deficit > 0 and sources:
             for shard in sources:
                 take = min(deficit, counts[shard])
-                tasks.append(Task(shard, take))
+                tasks.append(Task(shard, 0, take))
                 deficit -= take
                 if not deficit:
                     break
@@ -190,7 +196,28 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rank, world_size = self.world()
         if world_size == 1:
             return sum(self.shard_counts())
-        return sum(t.limit or self.shard_counts()[t.shard] for t in self.plan(rank, world_size))
+        return sum(map(self.task_size, self.plan(rank, world_size)))
+
+    def batches(self, batch_size: int, drop_last: bool, workers: int) -> int:
+        """Batches a DataLoader with `workers` workers makes of one epoch here: the same on
+        every rank. Each worker batches its own run, so each ends in its own partial batch."""
+        return sum(n // batch_size + (not drop_last and n % batch_size > 0)
+                   for n in stream_sizes(len(self), max(1, workers)))
+
+    def worker_tasks(self, plan: list[Task], stream_id: int, workers: int) -> list[Task]:
+        """Stream stream_id's run of the plan: its share of the rank's samples (stream_sizes),
+        in plan order, cut at sample boundaries."""
+        sizes = stream_sizes(sum(map(self.task_size, plan)), workers)
+        begin = sum(sizes[:stream_id])
+        end = begin + sizes[stream_id]
+        tasks, first = [], 0
+        for task in plan:
+            size = self.task_size(task)
+            low, high = max(begin, first), min(end, first + size)
+            if low < high:
+                tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
+            first += size
+        return tasks
 
     def __iter__(self) -> Iterator:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
@@ -199,11 +226,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
         worker_id, workers = worker()
         plan = self.plan(rank, world_size)
         stream_id, skip = self.resume_point(plan, rank, worker_id, workers)
-        tasks = plan[stream_id::workers]
+        tasks = self.worker_tasks(plan, stream_id, workers)
         if not tasks and plan:
-            warnings.warn(f"WDSDataset: DataLoader worker {worker_id} of {workers} on rank {rank} has no shard "
-                          f"to read ({len(self.shards)} shards for {world_size} rank(s) x {workers} workers), so "
-                          "it idles; re-pack with a smaller --shard-size to get at least ranks x workers shards",
+            warnings.warn(f"WDSDataset: DataLoader worker {worker_id} of {workers} on rank {rank} has no sample "
+                          f"to read (this rank has {len(self)} per epoch), so it idles; use fewer workers",
                           RuntimeWarning, stacklevel=2)
         progress = self._progress = [self.epoch, skip, rank, stream_id, workers]
         return self.stream(tasks, skip, rank, stream_id, progress)
@@ -232,7 +258,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         return resumed_shuffle(source, slots, drained, self.shuffle, rng)
 
     def task_size(self, task: Task) -> int:
-        return self.shard_counts()[task.shard] if task.limit is None else task.limit
+        return (self.shard_counts()[task.shard] if task.stop is None else task.stop) - task.start
 
     def read_ordinals(self, tasks: list[Task], sizes: list[int], start: int, keep) -> Iterator[tuple[int, tuple]]:
         """(ordinal, sample) of the tasks' samples numbered from 0 whose ordinal is in `keep`
@@ -299,9 +325,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         position = resume[1]
         if position["workers"] != workers:
             raise ValueError(f"WDSDataset: the state was saved with {position['workers']} DataLoader worker(s) and "
-                             f"this loader has {workers}; each worker reads its own shards, so resume with "
+                             f"this loader has {workers}; each worker reads its own run of samples, so resume with "
                              f"{position['workers']} worker(s)")
-        sizes = [sum(self.task_size(t) for t in plan[w::workers]) for w in range(workers)]
+        sizes = stream_sizes(sum(map(self.task_size, plan)), workers)
         if "samples" in position:
             if (position["rank"], position["worker"]) != (rank, worker_id):
                 raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s on rank {position['rank']}, "
@@ -339,10 +365,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def read_shards(self, tasks: list[Task], opener) -> Iterator[tuple[str, bytes, int]]:
         for task in tasks:
             path, expected = self.shards[task.shard], self.shard_counts()[task.shard]
-            wanted = expected if task.limit is None else task.limit
-            got = 0
+            wanted = expected if task.stop is None else task.stop
+            got = task.start  # the shard's samples passed, counted from its first
             try:
-                for where, image, label in self.shard_samples(task.shard, opener):
+                for where, image, label in self.shard_samples(task.shard, opener, task.start):
                     got += 1
                     if image is not None:
                         yield where, image, label
@@ -363,9 +389,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
                               RuntimeWarning, stacklevel=2)
 
-    def shard_samples(self, shard: int, opener) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
-        """(where, image bytes, label) of each image sample of the shard, in order; a sample
-        failing its checks comes as (where, None, the error). Damage that ends the shard raises.
+    def shard_samples(self, shard: int, opener, start: int = 0
+                      ) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
+        """(where, image bytes, label) of each image sample of the shard from its start-th,
+        in order; a sample failing its checks comes as (where, None, the error). Damage that
+        ends the shard raises.
 
         A local packer folder is read through its index: each image is one pread at the
         offset records.bin gives, in the order the shard holds them, checked against the
@@ -377,7 +405,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         reader = self.index_reader()
         if reader is not None and reader.as_indexed(shard):
             labels, paths = reader.labels, reader.paths
-            for index, image in reader.read_stored(shard):
+            for index, image in reader.read_stored(shard, start):
                 where = f"{reader.path}: {paths[index]}"  # as the map-style Datasets name a record
                 if isinstance(image, CorruptDataError):
                     yield where, None, image
@@ -385,9 +413,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
                     yield where, image, labels.item(index)
             return
         path = self.shards[shard]
+        passed = 0
         for sample in _tar.iter_samples(path, opener=opener):
             suffix = _tar.image_suffix(sample.parts)
             if suffix is None:
+                continue
+            if passed < start:  # another worker's (or an earlier task's) samples: parsed past, not checked
+                passed += 1
                 continue
             where = f"{path}: {sample.key}"
             try:
@@ -532,6 +564,12 @@ def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drain
     if drained:
         return iter(buffer)
     return shuffled((sample for _, sample in source), size, rng, buffer)
+
+
+def stream_sizes(total: int, workers: int) -> list[int]:
+    """Samples each of a rank's `workers` DataLoader workers reads of its `total`: equal to
+    within one, the first ones one more."""
+    return [total // workers + (w < total % workers) for w in range(workers)]
 
 
 def consumed_samples(sizes: list[int], batches: int, batch_size: int, drop_last: bool) -> tuple[list[int], int]:

@@ -484,13 +484,54 @@ def test_subprocess_cli_packs_wds(image_tree, tmp_path):
         "\0".join(readers.FolderDataset(image_tree).paths).encode())
 
 
-def test_a_worker_left_without_a_shard_says_how_to_fix_it(even_tree, tmp_path, monkeypatch):
-    out = pack_wds(even_tree, tmp_path / "one.wds")  # one shard for two workers
-    ds = WDSDataset(out, decode="raw")
-    second_of_two = type("WorkerInfo", (), {"id": 1, "num_workers": 2})()
-    monkeypatch.setattr("torch.utils.data.get_worker_info", lambda: second_of_two)
-    with pytest.warns(RuntimeWarning, match="worker 1 of 2 on rank 0 has no shard .* smaller --shard-size"):
-        assert list(ds) == []
+def as_worker(monkeypatch, worker_id: int, workers: int) -> None:
+    info = type("WorkerInfo", (), {"id": worker_id, "num_workers": workers})()
+    monkeypatch.setattr("torch.utils.data.get_worker_info", lambda: info)
+
+
+@pytest.mark.parametrize("parsed", [False, True], ids=["by index", "parsed"])
+def test_workers_share_a_shard_each_reading_its_own_run(even_tree, tmp_path, monkeypatch, parsed):
+    out = pack_wds(even_tree, tmp_path / "one.wds")  # one shard of 24 for five workers
+    if parsed:
+        (out / "all" / "records.bin").write_bytes(b"damaged")  # the index does not load: shards are parsed
+    whole = [digest(data) for data, _ in WDSDataset(out, decode="raw")]
+    runs = []
+    for worker_id in range(5):
+        as_worker(monkeypatch, worker_id, 5)
+        runs.append([digest(data) for data, _ in WDSDataset(out, decode="raw")])
+    assert [len(run) for run in runs] == [5, 5, 5, 5, 4]
+    assert [d for run in runs for d in run] == whole  # each sample once, in the shard's order
+
+
+def test_a_worker_left_without_a_sample_says_how_to_fix_it(even_tree, tmp_path, monkeypatch):
+    out = pack_wds(even_tree, tmp_path / "one.wds")
+    as_worker(monkeypatch, 24, 25)
+    with pytest.warns(RuntimeWarning, match="worker 24 of 25 on rank 0 has no sample to read .* use fewer workers"):
+        assert list(WDSDataset(out, decode="raw")) == []
+
+
+@pytest.mark.filterwarnings("ignore::readers.LoaderWarning")  # drop_last drops a share of so small a set
+@pytest.mark.parametrize("world_size, workers, batch_size, drop_last", [
+    (2, 2, 4, False), (4, 3, 4, False), (4, 3, 8, True), (3, 2, 2, True)])
+def test_every_rank_makes_the_same_number_of_batches(image_tree, tmp_path, world_size, workers, batch_size,
+                                                      drop_last):
+    """Each DataLoader worker batches its own stream, ending in its own partial batch: equal
+    sample counts per rank are not enough for DDP, the workers' runs must match across ranks.
+    Uneven shards (3, 3, 3, 3, 3, 3, 1) dealt whole to workers made 7, 7, 8, 7 batches."""
+    out = pack_wds(image_tree, tmp_path / "u.wds", max_count=3)
+    everything = {digest(data) for data, _ in WDSDataset(out, decode="raw")}
+    batches, seen = [], set()
+    for rank in range(world_size):
+        ds = WDSDataset(out, decode="raw", shuffle=4, rank=rank, world_size=world_size)
+        loader = readers.make_loader(ds, batch_size, workers=workers, drop_last=drop_last, collate_fn=list,
+                                     multiprocessing_context="fork")
+        got = list(loader)
+        batches.append(len(got))
+        assert len(loader) == len(got)  # the loader's length is the real step count
+        seen.update(digest(data) for batch in got for data, _ in batch)
+    assert len(set(batches)) == 1, batches
+    if not drop_last:
+        assert seen == everything
 
 
 # --- stored checksums and labels --------------------------------------------------------

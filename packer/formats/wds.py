@@ -406,13 +406,14 @@ class Writer:
 
     def note_few_shards(self, count: int) -> None:
         """Warn when a split has fewer shards than this machine's cores though it could have more:
-        streaming readers give each rank x DataLoader worker whole shards, so the rest idle."""
+        streaming readers then share shards between DataLoader workers, and a worker whose run
+        starts inside a shard streams past the samples before it (remote, or parsed)."""
         cores = available_cores()
         if len(self.shards) < cores and count > len(self.shards):
             self.warnings.append(
                 f"split {self.split}: {len(self.shards)} shard(s) for {count} samples, fewer than this machine's "
-                f"{cores} cores; streaming readers give each rank x DataLoader worker whole shards, so some "
-                f"would idle: re-pack with a smaller --shard-size or with --max-count "
+                f"{cores} cores; streaming readers then share shards between DataLoader workers, which from "
+                f"object storage read past each other's samples: re-pack with a smaller --shard-size or --max-count "
                 f"{max(1, count // cores)} for {cores} or more shards")
 
     def finish(self, meta: Metadata) -> None:
@@ -660,13 +661,13 @@ class Reader(SplitReader):
         except (CorruptDataError, OSError):
             return False
 
-    def read_stored(self, shard: int) -> Iterator[tuple[int, bytes | CorruptDataError]]:
-        """(index, image bytes) of each sample shard holds, in the order it holds them: one
+    def read_stored(self, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError]]:
+        """(index, image bytes) of each sample shard holds from its start-th, in order: one
         pread each and no tar header parsed (advise("sequential") first, for the kernel to
         read ahead). A sample failing its checksum comes as (index, the error) and the
         stream goes on; a shard cut short raises at the first sample past its end."""
         fd, records = self.shard_fd(shard), self.records
-        for index in self.stored_in(shard).tolist():
+        for index in self.stored_in(shard)[start:].tolist():
             _, crc, offset, size, _ = records[index].tolist()
             data = _io.pread(fd, size, offset)
             if len(data) != size:
