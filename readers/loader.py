@@ -9,9 +9,9 @@ What it sets and why:
 - a worker init that pins OpenMP/MKL/torch to one thread per worker (N workers x N
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
-- for shuffled packed data a ShuffleSampler (DistributedSampler's permutation and rank
-  shares, with the next records hinted to the kernel so cold random reads overlap; a
-  FolderDataset gets the same seeded permutation, unhinted), else
+- for packed data a ShuffleSampler (DistributedSampler's permutation, or index order
+  unshuffled, and rank shares, with the next records hinted to the kernel so cold
+  random reads overlap; a FolderDataset gets the same order, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
   an epoch counter that advances by itself so shuffles differ per epoch;
@@ -343,10 +343,11 @@ def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, 
     if shuffle is None:
         shuffle = train or order == "random"
     # Packed data: the permutation, read ahead. A FolderDataset takes the same seeded permutation
-    # (no hints): the same order as its packed copy, and resumable mid-epoch.
-    if shuffle and (packed or isinstance(dataset, ReaderDataset)):
-        return walk(ShuffleSampler(dataset, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last),
-                    None, True)
+    # (no hints): the same order as its packed copy. Unshuffled (evaluation), index order,
+    # DistributedSampler's share of it under DDP: either way resumable mid-epoch.
+    if packed or isinstance(dataset, ReaderDataset):
+        return walk(ShuffleSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                                   drop_last=drop_last), None, shuffle)
     if world_size > 1:
         return walk(tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                            drop_last=drop_last), None, shuffle)

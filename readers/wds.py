@@ -435,7 +435,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
             if self.packed is not None:
                 try:
                     reader = wds.Reader(self.packed, self.split, check_crc=self.check_crc)
-                    reader.records  # loads and checks the table now: a damaged one means parsing
+                    reader.records, reader.paths, reader.labels  # loaded and checked now: damage means parsing
                 except PackError:
                     return None
                 if [os.path.join(self.packed, name) for name in reader.shards] == self.shards:
@@ -669,6 +669,10 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
                     list(index["classes"]), split)
         if os.path.isdir(path):
             folder = os.path.join(path, split) if split else path
+            if not os.path.isdir(folder):
+                raise FormatError(f"{folder}: no such folder; {path} is a folder of shards, not a packer dataset, "
+                                  f"and split={split!r} names a sub-folder of it: pass the folder that holds the "
+                                  "shards, with no split", folder)
             shards = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(SHARD_SUFFIXES))
             if not shards:
                 raise FormatError(f"{folder}: no shards ({', '.join(SHARD_SUFFIXES)} files) in this folder", folder)

@@ -317,6 +317,24 @@ def test_wrappers_forward_the_state_and_a_random_sampler_refuses_mid_epoch(packs
         unseeded.state_dict()
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_an_evaluation_pass_resumes_mid_epoch_in_index_order(packs, monkeypatch, world_size):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", str(world_size - 1))
+    spec = {"case": "hdf5-random", "loader": "make_loader", "root": packs}
+    evaluation = make_loader(dataset(spec), BATCH, train=False, workers=WORKERS, collate_fn=sample_ids)
+    whole = list(evaluation)
+    share = torch.utils.data.DistributedSampler(range(100), world_size, world_size - 1, shuffle=False)
+    assert list(evaluation.sampler) == list(share)  # index order: DistributedSampler's share of it
+    batches = iter(evaluation)
+    head = [next(batches) for _ in range(2)]
+    state = evaluation.state_dict()
+    del batches
+    again = make_loader(dataset(spec), BATCH, train=False, workers=WORKERS, collate_fn=sample_ids)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert head + list(again) == whole
+
+
 class Plain(torch.utils.data.Dataset):
     """A user's dataset: no packer reader behind it."""
 

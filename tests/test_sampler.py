@@ -179,7 +179,8 @@ def test_make_loader_shuffles_packed_data_with_the_read_ahead_sampler(sorted_tre
     first = [int(n) for sizes, _ in loader for n in sizes]
     assert sorted(first) == sorted(os.path.getsize(sorted_tree / p) for p in dataset.paths)
     assert [int(n) for sizes, _ in loader for n in sizes] != first  # the next epoch reshuffles
-    assert not isinstance(make_loader(dataset, 4, workers=0, train=False).sampler, ShuffleSampler)
+    evaluation = make_loader(dataset, 4, workers=0, train=False).sampler  # index order, and a state to resume
+    assert not evaluation.shuffle and list(evaluation) == list(range(len(dataset)))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
     sampler = make_loader(dataset, 4, workers=0, seed=3).sampler

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
 import readers
-from packer import CorruptDataError, PackError, pack
+from packer import CorruptDataError, FormatError, PackError, pack
 from packer.cli import main
 from packer.formats import _tar, wds
 from packer.verify import verify
@@ -583,15 +583,28 @@ def test_a_packer_folder_streams_by_its_index_the_samples_parsing_gives(imagenet
     assert [label for _, label in got] != sorted(label for _, label in got)  # packed shuffled: a real order
 
 
-def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_path):
+@pytest.mark.parametrize("table", ["records.bin", "paths.bin"])
+def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_path, table):
     out = pack_wds(even_tree, tmp_path / "i.wds", max_count=3)
     expected = list(WDSDataset(out, decode="raw"))
-    records = out / "all" / "records.bin"
-    blob = bytearray(records.read_bytes())
+    damaged = out / "all" / table
+    blob = bytearray(damaged.read_bytes())
     blob[5] ^= 0xFF  # the table fails its CRC-32: the index is not trusted, the shards still are whole
-    records.write_bytes(bytes(blob))
+    damaged.write_bytes(bytes(blob))
     stream = WDSDataset(out, decode="raw")
     assert list(stream) == expected and stream.index_reader() is None
+
+
+def test_a_split_of_a_folder_of_other_tools_shards_names_what_to_pass(even_tree, tmp_path):
+    out = pack_wds(even_tree, tmp_path / "i.wds", max_count=3)
+    foreign = tmp_path / "shards"
+    foreign.mkdir()
+    for shard in shard_files(out):
+        shutil.copy(shard, foreign / shard.name)  # no index.json: not a packer folder
+    assert len(list(WDSDataset(foreign, decode="raw"))) == 24
+    with pytest.raises(FormatError, match=r"shards/train: no such folder; .* is a folder of shards, not a packer "
+                                          r"dataset, and split='train' names a sub-folder of it"):
+        WDSDataset(foreign, split="train")
 
 
 def test_pack_warns_of_names_wids_cannot_read(even_tree, image_tree, tmp_path):
