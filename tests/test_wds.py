@@ -595,7 +595,7 @@ def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_pat
     assert list(stream) == expected and stream.index_reader() is None
 
 
-def test_a_split_of_a_folder_of_other_tools_shards_names_what_to_pass(even_tree, tmp_path):
+def test_a_folder_of_other_tools_shards_is_read_as_such(even_tree, tmp_path):
     out = pack_wds(even_tree, tmp_path / "i.wds", max_count=3)
     foreign = tmp_path / "shards"
     foreign.mkdir()
@@ -605,6 +605,13 @@ def test_a_split_of_a_folder_of_other_tools_shards_names_what_to_pass(even_tree,
     with pytest.raises(FormatError, match=r"shards/train: no such folder; .* is a folder of shards, not a packer "
                                           r"dataset, and split='train' names a sub-folder of it"):
         WDSDataset(foreign, split="train")
+    # Another tool's index.json beside the shards (wids' shard list) does not make it a packer folder.
+    (foreign / "index.json").write_text(json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1,
+                                                    "shardlist": [{"url": "shard-000000.tar", "nsamples": 3}]}))
+    assert len(list(WDSDataset(foreign, decode="raw"))) == 24
+    (foreign / "index.json").write_text("{not json")  # damaged: could be packer's, so it is refused
+    with pytest.raises(FormatError, match="index.json.* is not valid JSON"):
+        WDSDataset(foreign)
 
 
 def test_pack_warns_of_names_wids_cannot_read(even_tree, image_tree, tmp_path):

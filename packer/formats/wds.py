@@ -152,7 +152,19 @@ def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
 
 
 def detect(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, INDEX))
+    return os.path.isfile(os.path.join(path, INDEX)) and not foreign_index(path)
+
+
+def foreign_index(path: str) -> bool:
+    """Whether path's index.json is another tool's (a wids shard list beside the shards): a
+    JSON object with neither of packer's "format" and "wds" keys. One that does not parse
+    counts as packer's, so that its damage is reported."""
+    try:
+        with open(os.path.join(path, INDEX), "rb") as f:
+            index = json.loads(f.read(MAX_METADATA_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(index, dict) and "format" not in index and "wds" not in index
 
 
 def load_index(path: str) -> dict:
