@@ -5,7 +5,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import click
 
 from . import __version__
 from .check import CHECKS, MAX_PIXELS
-from .errors import PackError
+from .errors import PackError, escaping, shown
 from .formats import FORMATS, parse_size
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
@@ -61,28 +60,13 @@ class ByteSize(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-# Characters a terminal acts on instead of showing: C0 and C1 controls, DEL, and the
-# bidirectional overrides that reorder a line. Names and texts read from a dataset (class
-# names, paths, metadata) or a source's file names are untrusted: printed, they are escaped.
-_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def shown(text) -> str:
-    """text with every character in _UNSHOWN written as its escape (\\x1b): one line, shown
-    as it is spelled (a name holding a newline cannot make a line of its own)."""
-    return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
-
-
 @contextlib.contextmanager
 def escaped_warnings():
     """Warnings printed while a command runs (a shard skipped, extents dropped) name paths
-    from the dataset too: their messages are escaped as say's."""
+    from the dataset too: their messages are escaped as say's (worker processes escape
+    their own: packer.engine)."""
     plain = warnings.formatwarning
-
-    def formatted(message, category, filename, lineno, line=None):
-        return plain(shown(message), category, filename, lineno, line)
-
-    warnings.formatwarning = formatted
+    warnings.formatwarning = escaping(plain)
     try:
         yield
     finally:

@@ -13,10 +13,12 @@ import itertools
 import signal
 import threading
 import time
+import warnings
 from collections import deque
 from multiprocessing import Pool
 from typing import Any, Callable, Iterator
 
+from .errors import escaping
 from .interrupts import STOP_SIGNALS, ignore_stop_signals
 
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
@@ -201,8 +203,16 @@ def _start_worker(load: Callable[[Any], Any]) -> None:
     # the job. A worker killed by either can die holding one of the pool's queue locks, and
     # then the parent's Pool.terminate() waits forever: the parent stops its workers.
     ignore_stop_signals()
+    escape_warnings()
     global _load
     _load = load
+
+
+def escape_warnings() -> None:
+    """In a worker process: its warnings name dataset paths too, and it prints them itself
+    (a process started by spawn or forkserver, Python 3.14's default, does not inherit the
+    command's escaping, as a forked one does)."""
+    warnings.formatwarning = escaping(warnings.formatwarning)
 
 
 def _load_part(jobs: list) -> list:

@@ -1,5 +1,28 @@
-"""The one exception family the library raises; the CLI maps it to exit code 1."""
+"""The one exception family the library raises (the CLI maps it to exit code 1), and how the
+untrusted names in messages and warnings are shown."""
 from __future__ import annotations
+
+import re
+
+# Characters a terminal acts on instead of showing: C0 and C1 controls, DEL, and the
+# bidirectional overrides that reorder a line. Names and texts read from a dataset (class
+# names, paths, metadata) or a source's file names are untrusted: printed, they are escaped.
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text) -> str:
+    """text with every character in _UNSHOWN written as its escape (\\x1b): one line, shown
+    as it is spelled (a name holding a newline cannot make a line of its own)."""
+    return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
+
+
+def escaping(format_warning):
+    """A warnings.formatwarning that escapes the message as shown() does, then formats it as
+    format_warning does (escaping twice changes nothing)."""
+    def formatted(message, category, filename, lineno, line=None):
+        return format_warning(shown(message), category, filename, lineno, line)
+
+    return formatted
 
 
 class PackError(Exception):

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import errors
 from .cores import available_cores
-from .engine import stop_signals_blocked
+from .engine import escape_warnings, stop_signals_blocked
 from .errors import PackError
 from .formats import FORMATS, default_output
 from .formats._tables import drop_pages
@@ -212,6 +212,13 @@ def part_task(src: str, fmt: str, folder: str, spec: PartSpec, options: dict) ->
                     {**options, "force": True})
 
 
+def start_part_worker(stop, owner: int) -> None:
+    """The initializer of the pack's own part processes (spawned): stop as their owner says
+    (interrupts.stop_when), and print warnings escaped, as the command does."""
+    escape_warnings()
+    stop_when(stop, owner)
+
+
 def run_part(task: PartTask) -> dict:
     """Pack one part on a worker. A PackError comes back as a value (not all of them pickle),
     so the coordinator can raise it again, naming the part."""
@@ -371,7 +378,7 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
         context = multiprocessing.get_context("spawn")
         stop = context.Event()
         own = executor = concurrent.futures.ProcessPoolExecutor(
-            min(parts, available_cores()), mp_context=context, initializer=stop_when, initargs=(stop, os.getpid()))
+            min(parts, available_cores()), mp_context=context, initializer=start_part_worker, initargs=(stop, os.getpid()))
     # The guard spans the pool's shutdown too: once the merge has published OUT, a stop
     # signal waits (interrupts.hold_stops) until the folder is gone and the pool is down.
     with InterruptGuard(out) as guard:

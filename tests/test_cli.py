@@ -148,6 +148,27 @@ def test_warnings_printed_while_a_command_runs_are_escaped():
     assert warnings.formatwarning is plain  # put back
 
 
+WORKERS_WARN = """
+import functools, multiprocessing, sys, warnings
+from packer.engine import load_in_processes
+multiprocessing.set_start_method(sys.argv[1])
+warn = functools.partial(warnings.warn, category=RuntimeWarning)
+list(load_in_processes([f"shard {i} evil\x1b]0;pwned\x07 was skipped" for i in range(4)], warn, 2, chunk=1))
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn", "forkserver"])
+def test_warnings_printed_by_worker_processes_are_escaped_however_they_start(start):
+    """A worker started by spawn or forkserver (Python 3.14's default) does not inherit the
+    command's escaping: it escapes its own warnings."""
+    done = subprocess.run([sys.executable, "-c", WORKERS_WARN, start], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    for i in range(4):
+        assert f"RuntimeWarning: shard {i} evil\\x1b]0;pwned\\x07 was skipped" in done.stderr, done.stderr
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr
+
+
 def test_info_on_a_non_dataset_names_the_path(tmp_path):
     result = run("info", tmp_path)
     assert result.exit_code == 1
