@@ -151,20 +151,23 @@ def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
     return min(MAX_AUTO_SHARD_SIZE, max(MIN_AUTO_SHARD_SIZE, wanted))
 
 
+PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
+
+
 def detect(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX)) and not foreign_index(path)
 
 
 def foreign_index(path: str) -> bool:
     """Whether path's index.json is another tool's (a wids shard list beside the shards): a
-    JSON object with neither of packer's "format" and "wds" keys. One that does not parse
+    JSON object with keys, none of them packer's. One that does not parse, or is empty,
     counts as packer's, so that its damage is reported."""
     try:
         with open(os.path.join(path, INDEX), "rb") as f:
             index = json.loads(f.read(MAX_METADATA_BYTES + 1))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(index, dict) and "format" not in index and "wds" not in index
+    return isinstance(index, dict) and bool(index) and not PACKER_INDEX_KEYS & set(index)
 
 
 def load_index(path: str) -> dict:
