@@ -220,6 +220,8 @@ def left_alone(out: str, found: list[Leftover], sources: list[str]) -> list[str]
     """Notes for the leftovers that tidy may not touch, and that look like packer's."""
     notes = []
     for leftover in found:
+        if leftover.here and pid_alive(leftover.pid):  # a running pack's (this one's own parts too)
+            continue
         remove = f"remove it (rm -rf '{leftover.path}')"
         if overlaps(leftover.path, sources):
             notes.append(f"left {leftover.path} alone: it is named like a leftover of a pack to {out}, but this "

@@ -298,7 +298,7 @@ def run_parts(executor: Executor, tasks: list[PartTask], guard: InterruptGuard) 
                 task = futures[future]
                 try:
                     reports[task.spec.index] = settled(future, task)
-                except PackError as exc:
+                except Exception as exc:  # a PackError, or a bug's own exception
                     failures[task.spec.index] = exc
             if failures:
                 raise first_failure(failures, futures)
@@ -308,15 +308,18 @@ def run_parts(executor: Executor, tasks: list[PartTask], guard: InterruptGuard) 
     return [reports[task.spec.index] for task in tasks]
 
 
-def first_failure(failures: dict[int, PackError], futures: dict) -> PackError:
-    """The failure of the lowest part index, noting the other parts that failed by now."""
+def first_failure(failures: dict[int, Exception], futures: dict) -> Exception:
+    """The failure of the lowest part index, a bug's before any PackError (its traceback
+    matters most), noting the other parts that failed by now."""
     for future, task in futures.items():
         if future.done() and not future.cancelled() and task.spec.index not in failures:
             try:
                 settled(future, task)
-            except PackError as exc:
+            except Exception as exc:
                 failures[task.spec.index] = exc
-    first, *others = sorted(failures)
+    bugs = [i for i in sorted(failures) if not isinstance(failures[i], PackError)]
+    first = (bugs or sorted(failures))[0]
+    others = [i for i in sorted(failures) if i != first]
     if others:
         say_also(failures[first], "also failed: " + ", ".join(f"part {i}" for i in others))
     return failures[first]

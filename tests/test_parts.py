@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +23,7 @@ from packer import FORMATS, FormatError, PackError, open_reader, pack
 from packer.cli import main
 from packer.formats import read_metadata
 from packer.merge import merge
-from packer.parts import PartSpec, cut_source, part_spec, source_fingerprint
+from packer.parts import PartSpec, cut_source, first_failure, part_spec, settled, source_fingerprint
 from packer.records import Metadata, metadata_crc
 from packer.scan import scan_source
 
@@ -417,6 +418,32 @@ def test_a_dead_worker_is_reported_by_name_and_leaves_nothing(split_tree, tmp_pa
         with pytest.raises(PackError, match=r"part [01]/2 .*executor broke.*worker processes died"):
             pack(str(split_tree), "lmdb", str(out), executor=dying, parts=2, workers=1, progress=False)
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_a_pack_in_parts_says_nothing_of_its_own_staging(split_tree, tmp_path):
+    result = run("pack", split_tree, "--to", "lmdb", "--parts", "2", "--workers", "1", "-o", tmp_path / "p.lmdb")
+    assert result.exit_code == 0, result.output
+    assert "left " not in result.stderr and "warning" not in result.stderr, result.stderr
+
+
+def test_a_bug_in_one_part_is_raised_before_another_parts_packing_error():
+    """Both finished by the time they are looked at: the bug keeps its traceback and names
+    the other part, whichever has the lower index."""
+    tasks = [SimpleNamespace(spec=PartSpec(i, 2), out=f"part{i}") for i in range(2)]
+    futures = {concurrent.futures.Future(): task for task in tasks}
+    failed, buggy = futures
+    failed.set_exception(FileNotFoundError(2, "No such file or directory", "part0/x"))
+    buggy.set_exception(ZeroDivisionError("division by zero"))
+    chosen = first_failure({0: settled_error(failed, tasks[0])}, futures)
+    assert isinstance(chosen, ZeroDivisionError)
+    assert "also failed: part 0" in chosen.__notes__
+    assert any(note.startswith("raised by part 1/2 (part1)") for note in chosen.__notes__)
+
+
+def settled_error(future, task) -> PackError:
+    with pytest.raises(PackError) as caught:
+        settled(future, task)
+    return caught.value
 
 
 def test_a_part_that_raises_a_bug_keeps_its_traceback_and_names_the_part(split_tree, tmp_path):
