@@ -329,14 +329,18 @@ def compare_listings(meta: Metadata, tables: dict, source: Source, report: Verif
     Streams: the packed and the current listing are both in ImageFolder order, so they are
     joined as two sorted streams (listing_changes), a path at a time, not held as
     dictionaries of every path. Problems are reported sorted by path, as they always were."""
-    if sorted(meta.splits) != sorted(source.splits):
-        report.add(SPLITS_DIFFER, [f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}"])
-    from_file = isinstance(meta.params.get("labels"), dict)  # its classes came from a label file
-    if source.classes and not from_file and meta.classes != source.classes:  # a class folder added or gone
-        report.add(CLASSES_DIFFER, [classes_change(meta.classes, source.classes)])
-    skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
     unreadable = {(s["split"], s["path"]): s["reason"] for s in source.skipped}  # folders SRC cannot list now
     under_unreadable: Counter = Counter()
+    unlisted = {split for split, folder in unreadable if folder == split and split in meta.splits}
+    for split in unlisted:  # a split's own folder: each of its records is still checked by path
+        under_unreadable[split, split] = meta.splits[split].count
+    if sorted(meta.splits) != sorted(set(source.splits) | unlisted):
+        report.add(SPLITS_DIFFER, [f"splits differ: packed {sorted(meta.splits)}, SRC has {sorted(source.splits)}"])
+    from_file = isinstance(meta.params.get("labels"), dict)  # its classes came from a label file
+    # A class folder added or gone; not knowable while a split's folder cannot be listed.
+    if source.classes and not from_file and not unlisted and meta.classes != source.classes:
+        report.add(CLASSES_DIFFER, [classes_change(meta.classes, source.classes)])
+    skipped = {(s.get("split"), s["path"]): s["reason"] for s in meta.skipped}
     for split in sorted(set(tables) & set(source.splits)):
         paths, labels = tables[split]
         listing = source.splits[split]

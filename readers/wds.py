@@ -426,6 +426,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 yield where, sample.parts[suffix], sample_label(where, sample.parts, suffix, self.check_crc)
             except CorruptDataError as exc:
                 yield where, None, exc
+        if passed < start:
+            raise CorruptDataError(f"{path}: ended after {passed} samples, {self.shard_counts()[shard]} expected; "
+                                   "the shard is truncated or was replaced (re-create it, or read with "
+                                   "on_error='skip')", path)
 
     def index_reader(self) -> wds.Reader | None:
         """This process's reader of the packer folder's index, opened for streaming; None

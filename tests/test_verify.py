@@ -10,6 +10,7 @@ from packer.cli import main
 from packer.verify import verify
 
 from conftest import jpeg_bytes, write
+from test_scan import as_unprivileged, public_tmp  # noqa: F401  (public_tmp is a fixture)
 
 
 @pytest.fixture(params=list(FORMATS))
@@ -51,6 +52,23 @@ def test_a_class_folder_added_or_gone_is_named_even_empty(packed_tree):
     assert report.problems == ["classes differ: packed 4, SRC now has 5 (added 'aardvark', gone none): a pack of "
                                "SRC now would number its labels differently"]
     assert "changed since packing: re-pack it" in report.advice[0]
+
+
+def test_a_split_folder_src_cannot_list_now_is_a_note_and_its_files_unreadable(public_tmp):
+    """Not "splits differ", "classes differ" (val's own class is not gone) or "not packed"."""
+    src = public_tmp / "src"
+    for relpath in ("train/a/1.jpg", "train/b/2.jpg", "val/a/3.jpg", "val/b/4.jpg", "val/c/5.jpg"):
+        write(src / relpath, jpeg_bytes(len(relpath) + ord(relpath[-5])))
+    for path in [src, *src.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    out = public_tmp / "d.lmdb"
+    pack(str(src), "lmdb", str(out), progress=False, workers=1)
+    assert verify(str(out), str(src), workers=1).ok  # as root: imports everything it loads lazily
+    (src / "val").chmod(0)
+    report = as_unprivileged(lambda: verify(str(out), str(src), workers=1).to_dict(), [src / "val"])
+    assert report["problems_by_kind"] == {"SRC file unreadable": 3}, report
+    assert report["notes"] == ["val: cannot read folder (Permission denied): its 3 packed files were checked one "
+                               "by one, but files added to it since packing cannot be seen; fix its permissions"]
 
 
 def test_skipped_files_are_reported_as_skipped_not_missing(bad_tree, tmp_path):

@@ -503,6 +503,21 @@ def test_workers_share_a_shard_each_reading_its_own_run(even_tree, tmp_path, mon
     assert [d for run in runs for d in run] == whole  # each sample once, in the shard's order
 
 
+def test_a_shard_cut_before_a_workers_run_begins_says_where_it_ended(even_tree, tmp_path, monkeypatch):
+    out = pack_wds(even_tree, tmp_path / "one.wds")  # one shard of 24: worker 1 of 2 reads samples 12-23
+    shard = shard_files(out)[0]
+    with tarfile.open(shard) as whole:
+        members = [(m, whole.extractfile(m).read()) for m in whole.getmembers()]
+    keys = list(dict.fromkeys(m.name.split(".")[0] for m, _ in members))[:5]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as cut:  # a whole tar of the first 5 samples
+        for member, data in members:
+            if member.name.split(".")[0] in keys:
+                cut.addfile(member, io.BytesIO(data))
+    as_worker(monkeypatch, 1, 2)
+    with pytest.raises(CorruptDataError, match=r"ended after 5 samples, 24 expected"):
+        list(WDSDataset(out, decode="raw"))
+
+
 def test_a_worker_left_without_a_sample_says_how_to_fix_it(even_tree, tmp_path, monkeypatch):
     out = pack_wds(even_tree, tmp_path / "one.wds")
     as_worker(monkeypatch, 24, 25)
