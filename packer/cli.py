@@ -212,11 +212,32 @@ class JSONObject(click.ParamType):
             return value
         try:
             found = json.loads(value)
-        except ValueError as exc:
-            self.fail(f"not JSON ({exc}): {value!r}", param, ctx)
+        except ValueError as exc:  # the value is not echoed: it may hold a secret key
+            self.fail(f"not JSON ({exc})", param, ctx)
         if not isinstance(found, dict):
-            self.fail(f"not a JSON object: {value!r}", param, ctx)
+            self.fail(f"not a JSON object (a JSON {type(found).__name__})", param, ctx)
         return found
+
+
+class PathOrURL(click.Path):
+    """An existing path, or a URL (s3://, https://...) passed through unchecked."""
+
+    def convert(self, value, param, ctx):
+        from .remote import is_url
+
+        return value if is_url(value) else super().convert(value, param, ctx)
+
+
+class LocalPath(click.Path):
+    """An existing local path; a URL is refused saying the command reads local datasets only."""
+
+    def convert(self, value, param, ctx):
+        from .remote import is_url
+
+        if isinstance(value, str) and is_url(value):
+            self.fail(f"{value}: {ctx.info_name} reads a local dataset only; download it first (e.g. aws s3 sync "
+                      f"URL DIR), or read it where it is with `packer info` and the readers", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def remote_options(command):
@@ -356,7 +377,7 @@ def pack_facts(result: PackResult) -> dict:
 
 
 @main.command("convert")
-@click.argument("packed", type=click.Path(exists=True))
+@click.argument("packed", type=LocalPath(exists=True))
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
 @click.option("-o", "--out", type=click.Path(),
               help="Output path, or s3://bucket/key to upload [default: PACKED with its extension replaced "
@@ -405,15 +426,6 @@ def merge_command(parts, out, force, workers, as_json):
         click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
 
 
-class PathOrURL(click.Path):
-    """An existing path, or a URL (s3://, https://...) passed through unchecked."""
-
-    def convert(self, value, param, ctx):
-        from .remote import is_url
-
-        return value if is_url(value) else super().convert(value, param, ctx)
-
-
 @main.command("info")
 @click.argument("packed", type=PathOrURL(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
@@ -422,8 +434,11 @@ class PathOrURL(click.Path):
 @library_errors
 def info_command(packed, as_json, storage_options):
     """Show what the packed dataset PACKED (a path, or a URL: s3://bucket/x.lmdb) holds."""
+    from .remote import is_url
     from .verify import info
 
+    if storage_options is not None and not is_url(packed):
+        raise click.UsageError("--storage-options applies to a PACKED given as a URL (s3://bucket/key) only")
     facts = info(packed, storage_options)
     if as_json:
         click.echo(json.dumps(facts, ensure_ascii=False))
@@ -474,7 +489,7 @@ def parts_lines(parts: dict | None) -> list[str]:
 
 
 @main.command("verify")
-@click.argument("packed", type=click.Path(exists=True))
+@click.argument("packed", type=LocalPath(exists=True))
 @click.option("--against", type=click.Path(exists=True, file_okay=False),
               help="Also check that every file of this source folder is packed, byte-identical.")
 @click.option("--check", type=click.Choice(CHECKS), default="full", show_default=True,

@@ -268,10 +268,30 @@ def test_force_replaces_only_a_dataset(flat_tree, s3_bucket):
     ("https://example.com/x.lmdb", "read-only"),
     ("s3://bucket-only", "name the dataset inside the bucket"),
     ("s3://b/x.partial-host-1-abc", "reserved"),
+    ("s3://b/set[ab].lmdb", "holds [ ], which object-store tools read as wildcards"),  # would reach seta.lmdb
+    ("s3://b/runs/*/x.lmdb", "holds *, which"),
 ])
 def test_unwritable_urls_are_refused_before_packing(url, expected, flat_tree):
     result = cli("pack", flat_tree, "--to", "lmdb", "-o", url)
     assert result.exit_code == 1 and expected in result.output and url.rstrip("/") in result.output
+
+
+@pytest.mark.parametrize("command", ["verify", "convert"])
+def test_commands_that_read_local_datasets_only_say_so_for_a_url(command):
+    args = [command, "s3://b/x.lmdb"] + (["--to", "hdf5"] if command == "convert" else [])
+    result = cli(*args)
+    assert result.exit_code == 2 and f"s3://b/x.lmdb: {command} reads a local dataset only; download it first" \
+        in result.output, result.output
+
+
+def test_storage_options_are_refused_without_echoing_them(flat_tree, tmp_path):
+    secret = '{"key": "AKIAEXAMPLE", "secret": "SuperSecret123",}'  # a trailing comma: not JSON
+    for args in (["info", "s3://b/x.lmdb"], ["pack", flat_tree, "--to", "lmdb", "-o", "s3://b/x.lmdb"]):
+        result = cli(*args, "--storage-options", secret)
+        assert result.exit_code == 2 and "not JSON (Expecting property name" in result.output, result.output
+        assert "SuperSecret123" not in result.output and "AKIAEXAMPLE" not in result.output
+    local = cli("info", tmp_path, "--storage-options", '{"anon": true}')  # a local path: a usage error, no traceback
+    assert local.exit_code == 2 and "--storage-options applies to a PACKED given as a URL" in local.output
 
 
 def test_a_missing_staging_dir_is_named_before_packing(flat_tree, s3_bucket, tmp_path):

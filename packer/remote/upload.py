@@ -127,6 +127,9 @@ def filesystem(url: str, storage_options: dict | None):
                         f"pip install '{EXTRA}'", url) from exc
 
 
+GLOB_CHARACTERS = "*?[]"
+
+
 def open_target(url: str, storage_options: dict | None = None, retries: int = RETRIES) -> Target:
     """The Target for OUT url, or a PackError saying why packer cannot write there."""
     if not is_url(url):
@@ -140,6 +143,10 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
                         "imagenet.lmdb", url)
     if ".partial-" in parsed.key:
         raise PackError(f"{url}: names with '.partial-' are reserved for uploads in progress; choose another", url)
+    glob = sorted(set(GLOB_CHARACTERS) & set(parsed.key))
+    if glob:  # fsspec's rm, copy and find take them as patterns: a write would reach other datasets' objects
+        raise PackError(f"{url}: the name holds {' '.join(glob)}, which object-store tools read as wildcards "
+                        "(removing or replacing it could reach other keys); choose a name without * ? [ ]", url)
     url = str(parsed)
     fs, path = filesystem(url, storage_options)
     fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
