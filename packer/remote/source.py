@@ -84,10 +84,28 @@ def filesystem(url: str, storage_options: dict):
     except ImportError as exc:
         raise ImportError(f"reading {url} needs fsspec: pip install '{EXTRA}'") from exc
     try:
-        return fsspec.core.url_to_fs(url, **with_http_timeouts(url, storage_options))
+        fs, path = fsspec.core.url_to_fs(url, **with_http_timeouts(url, one_attempt(url, storage_options)))
     except ImportError as exc:
         raise ImportError(f"reading {url} needs a package packer's remote extra installs ({exc}): "
                           f"pip install '{EXTRA}'") from exc
+    if hasattr(fs, "retries") and isinstance(fs.retries, int):
+        fs.retries = 1  # s3fs retries some errors itself: leave retrying to packer.remote.retry
+    return fs, path
+
+
+# An s3:// request's botocore client: one attempt, bounded. packer.remote.retry is the one
+# that retries; botocore's and s3fs's own attempts inside each of its attempts made a dead
+# endpoint take some 50 s to report instead of about 8.
+S3_CLIENT = {"retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}
+
+
+def one_attempt(url: str, storage_options: dict | None) -> dict:
+    """storage_options for url: an s3:// URL's client gets S3_CLIENT, under the caller's own
+    config_kwargs."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        options["config_kwargs"] = {**S3_CLIENT, **(options.get("config_kwargs") or {})}
+    return options
 
 
 def with_http_timeouts(url: str, storage_options: dict) -> dict:

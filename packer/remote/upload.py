@@ -60,6 +60,7 @@ from ..output import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 from . import is_url, parse_url
 from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
 from .retry import RETRIES, with_retries
+from .source import one_attempt
 
 if TYPE_CHECKING:
     from ..pack import PackResult
@@ -113,15 +114,8 @@ def filesystem(url: str, storage_options: dict | None):
     except ImportError as exc:
         raise PackError(f"{url}: writing to object storage needs fsspec and s3fs: pip install '{EXTRA}'",
                         url) from exc
-    options = dict(storage_options or {})
-    if parse_url(url).scheme in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1})
-        config.setdefault("connect_timeout", 10)
-        config.setdefault("read_timeout", 60)
-        options["config_kwargs"] = config
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        return fsspec.core.url_to_fs(url, **one_attempt(url, storage_options))
     except ImportError as exc:
         raise PackError(f"{url}: writing there needs a package packer's remote extra installs ({exc}): "
                         f"pip install '{EXTRA}'", url) from exc
