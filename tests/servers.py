@@ -421,11 +421,13 @@ def nginx_binary() -> str | None:
 
 class NginxServer(ServerProcess):
     """nginx serving root read-only over HTTP on 127.0.0.1:port, from a config in its own
-    folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it."""
+    folder (no daemon, no system paths). limit_rate (bytes/s, per connection) throttles it;
+    missing_as answers a missing file with that status (403: as S3 to a reader that may not
+    list the bucket)."""
 
     def __init__(self, root: str | os.PathLike, port: int | None = None, limit_rate: int | None = None,
-                 binary: str | None = None, log_requests: bool = False):
-        self.log_requests = log_requests
+                 binary: str | None = None, log_requests: bool = False, missing_as: int | None = None):
+        self.log_requests, self.missing_as = log_requests, missing_as
         self.binary = binary or nginx_binary()
         if self.binary is None:
             raise FileNotFoundError("nginx is not installed (apt-get install nginx-light)")
@@ -477,6 +479,8 @@ class NginxServer(ServerProcess):
         temp = "\n".join(f"    {kind}_temp_path {self.prefix}/{kind};"
                          for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         throttle = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
+        if self.missing_as:
+            throttle += f" try_files $uri ={self.missing_as};"
         access = (f"log_format packer '$connection $connection_requests $status $request_method $uri "
                   f"\"$http_range\" $body_bytes_sent';\n    access_log {self.access_log} packer;"
                   if self.log_requests else "access_log off;")
@@ -522,15 +526,17 @@ http {{
 
 @pytest.fixture
 def nginx():
-    """Factory: nginx(root, limit_rate=None, port=None, log_requests=False) -> a started NginxServer,
+    """Factory: nginx(root, limit_rate=None, port=None, log_requests=False, missing_as=None) -> a started NginxServer,
     stopped after the test; with log_requests, server.requests() lists what it served."""
     if nginx_binary() is None:
         pytest.skip("nginx is not installed, so the HTTP tests cannot run a server (apt-get install nginx-light; "
                     ".ci/run installs it when run as root)")
     servers = []
 
-    def start(root, limit_rate: int | None = None, port: int | None = None, log_requests: bool = False) -> NginxServer:
-        server = NginxServer(root, port=port, limit_rate=limit_rate, log_requests=log_requests).start()
+    def start(root, limit_rate: int | None = None, port: int | None = None, log_requests: bool = False,
+              missing_as: int | None = None) -> NginxServer:
+        server = NginxServer(root, port=port, limit_rate=limit_rate, log_requests=log_requests,
+                             missing_as=missing_as).start()
         servers.append(server)
         return server
 

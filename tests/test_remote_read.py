@@ -409,6 +409,17 @@ def test_wdsdataset_reports_a_dead_server_naming_the_shard(packs, nginx):
         list(dataset)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_store_that_answers_403_for_missing_keys_still_opens_a_dataset(packs, nginx, fmt):
+    """S3 answers 403, not 404, for a missing key to a reader that may not list the bucket
+    (a public bucket, a CDN): the format's probes that meet one go on to the next."""
+    server = nginx(packs[fmt].parent, missing_as=403)
+    url = f"{server.base_url}/{packs[fmt].name}"
+    assert read_metadata(url).count == read_metadata(str(packs[fmt])).count
+    with pytest.raises(remote_source.RemoteError, match="access refused"):  # nothing there: all that is known
+        read_metadata(f"{server.base_url}/nothing.lmdb")
+
+
 def test_a_dead_s3_endpoint_is_tried_once_per_attempt_of_packers_own():
     """packer.remote.retry retries; botocore and s3fs retrying inside each of its attempts
     made 34 connections and some 50 s before the error, where the docs say about 8 s."""

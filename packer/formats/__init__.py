@@ -5,6 +5,7 @@ import os
 
 from ..errors import FormatError
 from ..remote import source as remote_source
+from ..remote.errors import DENIED
 from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
 from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
@@ -50,18 +51,29 @@ def detect_remote(url: str, remote) -> str:
     from ..remote.upload import MANIFEST, parse_manifest
 
     url = url.rstrip("/")
+    # S3 answers 403, not 404, for a missing key to a reader not allowed to list the bucket
+    # (a public bucket, a CDN): a refused probe is passed over, and raised only if no probe finds one.
+    refused = None
     try:
         return parse_manifest(remote.read_object(remote_source.join(url, MANIFEST), 64 << 20), url)["format"]
     except remote_source.RemoteError as exc:
-        if not remote_source.missing(exc):
+        if not (remote_source.missing(exc) or exc.kind == DENIED):
             raise
+        refused = exc if exc.kind == DENIED else None
     marks = sorted(REMOTE_MARKS, key=lambda mark: not url.endswith(FORMATS[mark[0]].extension))
     for name, inside in marks:
-        if inside is not None:
-            if remote.exists(remote_source.join(url, inside)):
+        try:
+            if inside is not None:
+                if remote.exists(remote_source.join(url, inside)):
+                    return name
+            elif remote.exists(url) and remote.open(url).pread(8, 0) == hdf5.HDF5_SIGNATURE:
                 return name
-        elif remote.exists(url) and remote.open(url).pread(8, 0) == hdf5.HDF5_SIGNATURE:
-            return name
+        except remote_source.RemoteError as exc:
+            if exc.kind != DENIED:
+                raise
+            refused = refused or exc
+    if refused is not None:
+        raise refused
     raise FormatError(f"{url}: no packed dataset there (no data.mdb or index.json under it, and not an HDF5 "
                       "file); check the URL, and that the dataset was uploaded whole", url)
 
