@@ -132,6 +132,9 @@ def failure(url: str, exc: BaseException, doing: str = "reading", storage_option
         hint = f"the bucket does not exist{at}: check the bucket name in the URL and the endpoint_url"
         if doing == "writing":
             hint += " (packer writes into an existing bucket; create it first)"
+    elif kind == DENIED and url.split("://", 1)[0].lower() in ("http", "https"):
+        hint = ("access refused by the web server (403): check the URL, and that the server lets this machine "
+                "read the file")
     elif kind == DENIED:
         hint = (f"access refused{at}: check the credentials (storage_options key/secret, or AWS_ACCESS_KEY_ID/"
                 f"AWS_SECRET_ACCESS_KEY/AWS_PROFILE), the endpoint_url, and that they may {doing[:-3]} this bucket")
