@@ -220,7 +220,7 @@ def left_alone(out: str, found: list[Leftover], sources: list[str]) -> list[str]
     """Notes for the leftovers that tidy may not touch, and that look like packer's."""
     notes = []
     for leftover in found:
-        if leftover.here and pid_alive(leftover.pid):  # a running pack's (this one's own parts too)
+        if leftover.here and not leftover.owner_gone():  # a running pack's (this one's own parts too)
             continue
         remove = f"remove it (rm -rf '{leftover.path}')"
         if overlaps(leftover.path, sources):

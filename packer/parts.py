@@ -381,7 +381,8 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
         context = multiprocessing.get_context("spawn")
         stop = context.Event()
         own = executor = concurrent.futures.ProcessPoolExecutor(
-            min(parts, available_cores()), mp_context=context, initializer=start_part_worker, initargs=(stop, os.getpid()))
+            min(parts, available_cores()), mp_context=context, initializer=start_part_worker,
+            initargs=(stop, os.getpid()))
     # The guard spans the pool's shutdown too: once the merge has published OUT, a stop
     # signal waits (interrupts.hold_stops) until the folder is gone and the pool is down.
     with InterruptGuard(out) as guard:

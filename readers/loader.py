@@ -94,7 +94,7 @@ class EpochLoader(tud.DataLoader):
     _progress: list | None = None  # [epoch, batches handed out, finished] of the last pass
 
     def __len__(self) -> int:
-        length = super().__len__()
+        length = super().__len__()  # also what torch checks an IterableDataset's batch count against
         if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
             # Each worker batches its own stream: WDSDataset knows how many batches they make.
             return self.dataset.batches(self.batch_size, self.drop_last, self.num_workers)

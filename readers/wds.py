@@ -204,10 +204,14 @@ class WDSDataset(torch.utils.data.IterableDataset):
         return sum(n // batch_size + (not drop_last and n % batch_size > 0)
                    for n in stream_sizes(len(self), max(1, workers)))
 
+    def run_sizes(self, plan: list[Task], workers: int) -> list[int]:
+        """Samples each of `workers` DataLoader workers reads of this rank's plan."""
+        return stream_sizes(sum(map(self.task_size, plan)), workers)
+
     def worker_tasks(self, plan: list[Task], stream_id: int, workers: int) -> list[Task]:
         """Stream stream_id's run of the plan: its share of the rank's samples (stream_sizes),
         in plan order, cut at sample boundaries."""
-        sizes = stream_sizes(sum(map(self.task_size, plan)), workers)
+        sizes = self.run_sizes(plan, workers)
         begin = sum(sizes[:stream_id])
         end = begin + sizes[stream_id]
         tasks, first = [], 0
@@ -327,7 +331,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"WDSDataset: the state was saved with {position['workers']} DataLoader worker(s) and "
                              f"this loader has {workers}; each worker reads its own run of samples, so resume with "
                              f"{position['workers']} worker(s)")
-        sizes = stream_sizes(sum(map(self.task_size, plan)), workers)
+        sizes = self.run_sizes(plan, workers)
         if "samples" in position:
             if (position["rank"], position["worker"]) != (rank, worker_id):
                 raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s on rank {position['rank']}, "

@@ -33,6 +33,12 @@ def is_url(path) -> bool:
     return bool(match) and match["scheme"].lower() != "file"
 
 
+def scheme_of(url: str) -> str:
+    """url's scheme, lower-cased ("" for a local path)."""
+    match = SCHEME.match(url)
+    return match["scheme"].lower() if match else ""
+
+
 def parse_url(url: str) -> URL:
     """Split s3://bucket/key/parts (or https://host:port/path) into a URL; ValueError if it is none."""
     if not is_url(url):

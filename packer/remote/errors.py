@@ -14,6 +14,7 @@ import os
 import socket
 
 from ..errors import PackError
+from . import scheme_of
 
 MISSING, NO_BUCKET, DENIED, UNREACHABLE, TIMEOUT, SERVER, OTHER = (
     "missing", "no-bucket", "denied", "unreachable", "timeout", "server", "other")
@@ -132,7 +133,7 @@ def failure(url: str, exc: BaseException, doing: str = "reading", storage_option
         hint = f"the bucket does not exist{at}: check the bucket name in the URL and the endpoint_url"
         if doing == "writing":
             hint += " (packer writes into an existing bucket; create it first)"
-    elif kind == DENIED and url.split("://", 1)[0].lower() in ("http", "https"):
+    elif kind == DENIED and scheme_of(url) in ("http", "https"):
         hint = ("access refused by the web server (403): check the URL, and that the server lets this machine "
                 "read the file")
     elif kind == DENIED:

@@ -35,7 +35,7 @@ import posixpath
 import threading
 
 from ..errors import CorruptDataError, FormatError
-from . import is_url as _is_url
+from . import is_url as _is_url, scheme_of
 from .cache import BlockCache, parse_bytes
 from .errors import MISSING, RemoteError
 from .retry import RETRIES, with_retries
@@ -103,7 +103,7 @@ def one_attempt(url: str, storage_options: dict | None) -> dict:
     """storage_options for url: an s3:// URL's client gets S3_CLIENT, under the caller's own
     config_kwargs."""
     options = dict(storage_options or {})
-    if url.split("://", 1)[0].lower() in ("s3", "s3a"):
+    if scheme_of(url) in ("s3", "s3a"):
         options["config_kwargs"] = {**S3_CLIENT, **(options.get("config_kwargs") or {})}
     return options
 
@@ -111,8 +111,7 @@ def one_attempt(url: str, storage_options: dict | None) -> dict:
 def with_http_timeouts(url: str, storage_options: dict) -> dict:
     """storage_options for reading url: an HTTP(S) URL gets HTTP_TIMEOUTS, unless the
     caller's options or fsspec's configuration already give its client_kwargs."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in ("http", "https") or "client_kwargs" in storage_options:
+    if scheme_of(url) not in ("http", "https") or "client_kwargs" in storage_options:
         return storage_options
     import fsspec.config
     if any("client_kwargs" in (fsspec.config.conf.get(name) or {}) for name in ("http", "https")):
