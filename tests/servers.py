@@ -337,7 +337,7 @@ def require_moto() -> None:
             __import__(module)
         except ImportError as exc:
             pytest.skip(f"the S3 tests need moto[server] and s3fs ({exc}); install them with "
-                        "python -m pip install -e '.[test]'")
+                        "python -m pip install -c lock/test.txt -e '.[test]'")
 
 
 # fsspec's HTTP filesystem leaves aiohttp's timeout at its default, 5 minutes for a whole

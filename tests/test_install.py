@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,3 +40,62 @@ def test_python_dash_m_packer_is_the_same_command(tmp_path):
 def test_both_packages_ship_type_information():
     assert (ROOT / "packer" / "py.typed").is_file() and (ROOT / "readers" / "py.typed").is_file()
     assert 'packer = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def lock_pins() -> dict:
+    """lock/test.txt's pins by normalised name: {name: [(version, marker or None)]}."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins: dict = {}
+    for line in (ROOT / "lock" / "test.txt").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            req = Requirement(line)
+            (version,) = [s.version for s in req.specifier if s.operator == "=="]
+            pins.setdefault(canonicalize_name(req.name), []).append((version, req.marker))
+    return pins
+
+
+def test_the_lock_pins_every_requirement_of_the_test_environment_within_its_range():
+    # CI's .ci/lock --check re-resolves with uv (network); this is the offline half: every range
+    # pyproject.toml states, for the library and every extra, admits the version the lock pins.
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = lock_pins()
+    assert "torch" not in pins, "the lock must leave torch to the machine (lock/leave-out.txt)"
+    env = {"python_full_version": "3.11.0", "python_version": "3.11", "sys_platform": "linux",
+           "platform_machine": "x86_64", "platform_system": "Linux", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix"}
+    extras, requirements, todo = project["optional-dependencies"], list(project["dependencies"]), ["test"]
+    while todo:  # the test extra and the extras it names (packer[readers,...])
+        for line in extras[todo.pop()]:
+            req = Requirement(line)
+            if canonicalize_name(req.name) == "packer":
+                todo += sorted(req.extras)
+            else:
+                requirements.append(line)
+    checked = 0
+    for line in requirements:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        if name == "torch":
+            continue
+        versions = [v for v, marker in pins.get(name, []) if marker is None or marker.evaluate(env)]
+        assert versions, f"{req.name} is required by pyproject.toml but not pinned in lock/test.txt: run .ci/lock"
+        assert all(req.specifier.contains(v, prereleases=True) for v in versions), \
+            f"lock/test.txt pins {req.name}=={versions} outside pyproject.toml's {req.specifier}: run .ci/lock"
+        checked += 1
+    assert checked >= 20
+
+
+def test_the_readme_installs_the_test_environment_through_the_lock():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- ci:commands -->", 1)[1].split("```", 2)[1]
+    assert 'pip install -c lock/test.txt -e ".[test]"' in block
+    assert "pip install torch==2.13.0" in block  # only where no torch is installed: see the lock's note
