@@ -251,12 +251,23 @@ def junit_counts(path: str) -> dict:
     return counts
 
 
+def tests_rootdir(tests: list[str]) -> str:
+    """The inner pytest's rootdir, which names the tests in the junit report: the repository for
+    its own tests, else the folder holding the given ones. Left to pytest, it is the common
+    ancestor of the clone and the tests, so a clone under /tmp named a test under /tmp by its path."""
+    files = [os.path.abspath(os.path.join(ROOT, t.split("::")[0])) for t in tests if not t.startswith("-")]
+    if not files:
+        return ROOT
+    common = os.path.commonpath([os.path.dirname(f) for f in files])
+    return ROOT if common == ROOT or common.startswith(ROOT + os.sep) else common
+
+
 def step_tests(run: Run, args) -> None:
     with run.step("tests") as entry:
         xml = os.path.join(run.out, "tests.xml")
         timeout = min(args.tests_timeout, run.left() - MARGIN_S)
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               *args.tests]
+               f"--rootdir={tests_rootdir(args.tests)}", *args.tests]
         code = run.stream(cmd, timeout)
         entry.update(command=cmd[1:], exit_code=code)
         if os.path.exists(xml):
