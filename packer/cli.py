@@ -16,10 +16,11 @@ import click
 from . import __version__
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError, escaping, shown
-from .formats import FORMATS, parse_size
+from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
 from .reencode import MAX_SIDE_LIMIT
+from .scan import plural
 
 
 def library_errors(fn):
@@ -186,6 +187,17 @@ def reencode_args(max_side, quality) -> dict:
     return {"max_side": max_side, "quality": quality}
 
 
+class FormatName(click.ParamType):
+    """--to: a format's name or one of its aliases (h5, webdataset, ...), given as its name."""
+
+    name = "|".join(FORMATS)
+
+    def convert(self, value, param, ctx):
+        if value.lower() in FORMAT_NAMES:
+            return FORMAT_NAMES[value.lower()]
+        self.fail(f"{value!r} is not a format; choose one of: {spellings()}", param, ctx)
+
+
 class PartOption(click.ParamType):
     """--part I/N, checked as the command line is read: a malformed one is a usage error."""
 
@@ -270,7 +282,7 @@ def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResul
 
 @main.command("pack")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
-@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
+@click.option("--to", "fmt", type=FormatName(), required=True, help=f"Output format: {spellings()}.")
 @click.option("-o", "--out", type=click.Path(), help="Output path, or s3://bucket/key to upload [default: SRC + "
               ".lmdb/.h5/.wds].")
 @click.option("--workers", type=click.IntRange(min=1), help="Readers working ahead of the writer: threads for the "
@@ -365,7 +377,8 @@ def report_pack(result: PackResult, verb: str = "packed") -> None:
     for entry in meta.skipped:
         say(f"skipped {entry['path']}: {entry['reason']}")
     splits = ", ".join(f"{name} {s.count}" for name, s in meta.splits.items())
-    say(f"{verb} {meta.count} images ({splits}; {len(meta.classes)} classes, {meta.bytes / 1e6:.1f} MB, "
+    say(f"{verb} {plural(meta.count, 'image')} ({splits}; {plural(len(meta.classes), 'class', 'classes')}, "
+        f"{meta.bytes / 1e6:.1f} MB, "
         f"{len(meta.skipped)} skipped) into {result.out} in {result.seconds:.1f} s: "
         f"{result.files_per_s:.0f} files/s, {result.mb_per_s:.0f} MB/s")
 
@@ -378,7 +391,7 @@ def pack_facts(result: PackResult) -> dict:
 
 @main.command("convert")
 @click.argument("packed", type=LocalPath(exists=True))
-@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), required=True, help="Output format.")
+@click.option("--to", "fmt", type=FormatName(), required=True, help=f"Output format: {spellings()}.")
 @click.option("-o", "--out", type=click.Path(),
               help="Output path, or s3://bucket/key to upload [default: PACKED with its extension replaced "
                    "by .lmdb/.h5/.wds].")
@@ -539,7 +552,7 @@ def report_verify(report) -> None:
               help="Where to write the demo files [default: a temporary folder, removed after].")
 @click.option("--images", type=click.IntRange(min=10), default=1000, show_default=True,
               help="How many images to generate: 10 classes of N // 10 each.")
-@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="lmdb", show_default=True)
+@click.option("--to", "fmt", type=FormatName(), default="lmdb", show_default=True)
 @library_errors
 def demo_command(folder, images, fmt):
     """Generate an ImageNet-style folder, pack it, verify it, read it back; print samples/s."""

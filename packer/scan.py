@@ -385,6 +385,11 @@ def kept_paths(paths: PathTable, kept: np.ndarray, folder: str | None, block: in
     return blob.table()
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """'1 image', '2 images'; '1 class', '3 classes' (nouns: the plural, where not noun + s)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | None]]) -> SplitListing:
     paths = [relative(root, os.path.join(split_root, name)) for name, _ in images]
     refused = {i: why for i, (_, why) in enumerate(images) if why is not None}
@@ -392,8 +397,15 @@ def list_unlabeled(root: str, split_root: str, images: list[tuple[str, str | Non
 
 
 def warn_unlabeled(scan: Scanner, splits: dict[str, SplitListing], split_roots: dict[str, str]) -> None:
-    """A flat split beside labeled ones is almost always a validation set whose labels live in a file."""
+    """A flat split beside labeled ones is almost always a validation set whose labels live in a file;
+    images with no class folder anywhere are most often one class's folder given as SRC."""
     if not any(s.labeled for s in splits.values()):
+        for name, listing in splits.items():
+            if len(listing):
+                scan.warnings.append(
+                    f"{split_roots[name]}: {plural(len(listing), 'image')} and no class folders, packed unlabeled (label -1). packer expects ImageFolder's layout, "
+                    "SRC/<class>/<image> (or SRC/train/<class>/<image>, SRC/val/<class>/<image>): if this is one "
+                    "class's folder, pack the folder above it; to label flat images, pass --labels FILE")
         return
     for name, listing in splits.items():
         if not listing.labeled and len(listing):

@@ -123,8 +123,14 @@ class LoaderStats:
                 f"GPU (readers.CUDAPrefetcher), or a smaller input size")
 
     def summary(self) -> dict:
-        """Figures of the current (or last) epoch, warm-up steps left out."""
+        """Figures of the current (or last) epoch, warm-up steps left out. An epoch no longer
+        than the warm-up measures nothing: its figures are zeros and "note" says why."""
         total = self.wait_s + self.step_s
+        note = {}
+        if self.steps <= self.warmup:
+            note = {"note": f"nothing measured: this epoch ran {self.steps} step(s), all within the first "
+                            f"warmup={self.warmup} left out; run more steps, or LoaderStats(loader, warmup=0) "
+                            f"(make_loader(..., stats=dict(warmup=0)))"}
         return {
             "steps": self.steps,
             "measured_steps": max(0, self.steps - self.warmup),
@@ -133,9 +139,12 @@ class LoaderStats:
             "step_s": self.step_s,
             "wait_fraction": self.wait_s / total if total else 0.0,
             "samples_per_s": self.samples / total if total else 0.0,
+            **note,
         }
 
     def __repr__(self) -> str:
         s = self.summary()
+        if "note" in s:
+            return f"LoaderStats(steps={s['steps']}, {s['note']})"
         return (f"LoaderStats(steps={s['steps']}, wait={s['wait_fraction']:.1%}, "
                 f"samples/s={s['samples_per_s']:.1f})")

@@ -102,7 +102,7 @@ def test_full_check_is_selectable(bad_tree, tmp_path):
 def test_usage_errors_exit_2_and_list_choices(image_tree):
     result = run("pack", image_tree, "--to", "zip")
     assert result.exit_code == 2
-    assert "'zip' is not" in result.stderr and "'lmdb'" in result.stderr
+    assert "'zip' is not a format" in result.stderr and "lmdb (mdb)" in result.stderr
     assert run("pack", image_tree / "nope", "--to", "lmdb").exit_code == 2
 
 
@@ -273,3 +273,17 @@ def test_pack_json_is_one_object_on_stdout(split_tree, tmp_path):
     assert facts["path"] == str(out) and facts["count"] == 16 and facts["classes"] == ["a", "b", "c"]
     assert facts["splits"]["val"]["class_counts"] == [2, 0, 2] and facts["seconds"] >= 0
     assert facts["warnings"] == [] and "packed 16 images" in result.stderr
+
+
+@pytest.mark.parametrize("alias, fmt", [("h5", "hdf5"), ("HDF", "hdf5"), ("webdataset", "wds"), ("tar", "wds")])
+def test_the_formats_common_names_are_accepted(image_tree, tmp_path, alias, fmt):
+    out = tmp_path / "out"
+    result = run("pack", image_tree, "--to", alias, "-o", out, "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert FORMATS[fmt].detect(str(out))
+
+
+def test_an_unknown_format_lists_every_name_accepted(image_tree):
+    result = run("pack", image_tree, "--to", "parquet")
+    assert result.exit_code == 2
+    assert "'parquet' is not a format; choose one of: lmdb (mdb), hdf5 (h5, hdf), wds (webdataset, tar)" in result.stderr

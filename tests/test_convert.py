@@ -96,7 +96,7 @@ def test_existing_output_and_the_input_itself_are_refused(image_tree, tmp_path):
         convert(str(source), "lmdb", None, workers=1, force=True, progress=False)
     assert records(source)["all"][0][0] == (image_tree / records(source)["all"][0][2]).read_bytes()
     result = CliRunner().invoke(main, ["convert", str(source), "--to", "zip"])
-    assert result.exit_code == 2 and "'zip' is not one of" in result.stderr
+    assert result.exit_code == 2 and "'zip' is not a format; choose one of" in result.stderr
 
 
 @pytest.mark.parametrize("workers", [1, 2])

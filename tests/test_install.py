@@ -99,3 +99,14 @@ def test_the_readme_installs_the_test_environment_through_the_lock():
     block = readme.split("<!-- ci:commands -->", 1)[1].split("```", 2)[1]
     assert 'pip install -c lock/test.txt -e ".[test]"' in block
     assert "pip install torch==2.13.0" in block  # only where no torch is installed: see the lock's note
+
+
+def test_python_dash_m_packer_works_from_a_folder_holding_a_packer_folder(tmp_path):
+    # The clone's parent: its `packer/` folder (the clone, no __init__.py) is a namespace package
+    # ahead of the installed packer; `from . import __version__` failed with "unknown location".
+    (tmp_path / "packer" / "packer").mkdir(parents=True)
+    (tmp_path / "packer" / "README.md").write_text("a clone\n")
+    proc = subprocess.run([sys.executable, "-m", "packer", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("packer, version ")

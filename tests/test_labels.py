@@ -67,8 +67,16 @@ def test_flat_val_beside_labeled_train_is_packed_unlabeled_with_a_warning(imagen
             "pass --labels FILE to label them") in result.stderr
 
 
-def test_a_flat_folder_alone_is_not_warned_about(flat_tree):
-    assert not any("no class folders" in w for w in scan_source(flat_tree).warnings)
+def test_images_with_no_class_folder_anywhere_are_warned_about_naming_the_layout(tmp_path):
+    # A class folder given as SRC by mistake: one image, packed unlabeled, said so and how to fix it.
+    src = tmp_path / "n01440764"
+    write(src / "n01440764_10026.JPEG", jpeg_bytes(1))
+    result = run("pack", src, "--to", "lmdb", "-o", tmp_path / "o.lmdb", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert (f"warning: {src}: 1 image and no class folders, packed unlabeled (label -1). packer expects "
+            "ImageFolder's layout, SRC/<class>/<image>") in result.stderr
+    assert "if this is one class's folder, pack the folder above it" in result.stderr
+    assert "packed 1 image (all 1; 0 classes," in result.stderr
 
 
 @pytest.mark.parametrize("shape", ["loc", "csv-names", "csv-indexes", "json-names", "json-indexes"])

@@ -77,3 +77,16 @@ def test_make_loader_stats_option():
     stats = make_loader(data, 2, workers=0, stats=True)
     assert isinstance(stats, LoaderStats) and sum(len(x) for x, _ in stats) == 8
     assert stats.summary()["steps"] == 4
+
+
+def test_an_epoch_within_the_warm_up_says_why_it_measured_nothing():
+    clock = Clock()
+    stats = LoaderStats(scripted(clock, [0.1] * 3), clock=clock, warmup=5)
+    run(stats, clock, 0.2)
+    summary = stats.summary()
+    assert summary["measured_steps"] == 0 and summary["wait_fraction"] == 0.0
+    assert "nothing measured: this epoch ran 3 step(s), all within the first warmup=5" in summary["note"]
+    assert "LoaderStats(loader, warmup=0)" in repr(stats)
+    longer = LoaderStats(scripted(clock, [0.1] * 8), clock=clock, warmup=5)
+    run(longer, clock, 0.3)
+    assert "note" not in longer.summary() and longer.summary()["wait_fraction"] == pytest.approx(0.25)

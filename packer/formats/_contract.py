@@ -71,6 +71,7 @@ class Format:
 
     name: str
     extension: str  # appended to SRC for the default OUT
+    aliases: tuple[str, ...]  # other spellings --to accepts (the names users know it by)
     directory: bool  # OUT is a folder (else one file)
     Writer: type
     Reader: type  # Reader(path, split=None, check_crc=True): one split, random access

@@ -609,5 +609,5 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
 
 RemoteReader = remote_variant(Reader)
 
-FORMAT = Format(name="hdf5", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+FORMAT = Format(name="hdf5", aliases=("h5", "hdf"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

@@ -726,5 +726,5 @@ class Reader(SplitReader):
 
 RemoteReader = remote_variant(Reader)
 
-FORMAT = Format(name="lmdb", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+FORMAT = Format(name="lmdb", aliases=("mdb",), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
                 read_metadata=read_metadata)

@@ -824,7 +824,7 @@ def shard_problems(path: str, shard: dict, table_count: int | None = None) -> li
 RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
-    name="wds", extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
+    name="wds", aliases=("webdataset", "tar"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
     read_metadata=read_metadata, check_files=check_files,
     # Shards in ImageFolder order hold one class each: streaming readers need them mixed.
     shuffled_by_default=True,
