@@ -4,7 +4,8 @@ Accepted shapes, told apart by content:
   LOC CSV    header `ImageId,PredictionString`; the class is the first token of
              PredictionString; ImageId is the file name without its extension
              (ImageNet's LOC_val_solution.csv)
-  CSV        `filename,class` rows (an optional `filename,class` header); class is a class name
+  CSV        `filename,class` rows; class is a class name. A first row that names no image
+             and no class is a header, whatever its words (filename,class; image,label; ...)
   JSON       one object {"filename": "class"}
   integers   one integer per line, for the split's files in sorted name order
              (ILSVRC2012_validation_ground_truth.txt); only with index_base 0 or 1, naming
@@ -27,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .check import IMAGE_EXTENSIONS
 from .errors import BadImageError, SourceError
 from .source_io import read_regular_file
 
@@ -34,7 +36,6 @@ MAX_BYTES = 512 * 1024 * 1024  # ImageNet's LOC_val_solution.csv is about 2 MB
 MAX_NAME = 4096
 INDEX_BASES = (0, 1)
 LOC_HEADER = ["ImageId", "PredictionString"]
-PLAIN_HEADER = ["filename", "class"]
 INTEGER = re.compile(r"[+-]?[0-9]{1,9}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -94,8 +95,15 @@ def parse_shape(text: str, lookup: "ClassLookup", classes: list[str], index_base
     rows = parse_csv_rows(text, path)
     if [c.strip() for c in rows[0]] == LOC_HEADER:
         return "loc", parse_loc(rows[1:], lookup, path), None
-    header = [c.strip().lower() for c in rows[0]] == PLAIN_HEADER
+    header = is_header(rows[0], lookup)
     return "csv", parse_pairs(enumerate(rows[header:], start=1 + header), lookup, path), None
+
+
+def is_header(row: list[str], lookup: "ClassLookup") -> bool:
+    """Whether a CSV's first row is a header: two columns, the first no image's name (the
+    split's images all carry an image extension) and the second no class."""
+    return (len(row) == 2 and not row[0].strip().lower().endswith(IMAGE_EXTENSIONS)
+            and not lookup.knows(row[1]))
 
 
 def read_bounded(path: str) -> bytes:
@@ -116,6 +124,13 @@ class ClassLookup:
         self.classes, self.path = classes, path
         self.index = {c: i for i, c in enumerate(classes)}
         self.numeric_names = any(INTEGER.fullmatch(c) for c in classes)
+
+    def knows(self, value: str) -> bool:
+        """Whether value names a class (or indexes one), as __call__ would take it."""
+        value = value.strip()
+        if value in self.index:
+            return True
+        return not self.numeric_names and bool(INTEGER.fullmatch(value)) and 0 <= int(value) < len(self.classes)
 
     def __call__(self, value, where: str) -> int:
         if isinstance(value, str):

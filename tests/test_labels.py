@@ -219,3 +219,24 @@ def test_verify_against_the_source_accepts_labels_from_a_file(imagenet_tree, tmp
     report = verify(str(out), str(imagenet_tree), workers=1)
     assert report.ok, report.problems
     assert any("labels came from val.json" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("header", ["filename,class", "filename,class_name", "image,label", "path,wnid",
+                                    "File Name,Category"])
+def test_a_csv_header_is_known_by_its_content_whatever_its_words(imagenet_tree, tmp_path, header):
+    labels = label_file(tmp_path, "val.csv", header + "\n" + "".join(f"{n},{c}\n" for n, c in TRUTH.items()))
+    out = tmp_path / "o.lmdb"
+    pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), workers=1, progress=False)
+    assert val_labels(out) == TRUTH
+
+
+def test_a_first_row_naming_an_image_or_a_class_is_data_not_a_header(imagenet_tree, tmp_path):
+    # No header: the first row is a label like the others, and is applied.
+    labels = label_file(tmp_path, "val.csv", "".join(f"{n},{c}\n" for n, c in TRUTH.items()))
+    out = tmp_path / "o.lmdb"
+    pack(str(imagenet_tree), "lmdb", str(out), labels=str(labels), workers=1, progress=False)
+    assert val_labels(out) == TRUTH
+    # A first row with an image's name and an unknown class is a mistake, reported as one.
+    bad = label_file(tmp_path, "bad.csv", f"{VAL[0]},n09999999\n" + "".join(f"{n},{c}\n" for n, c in TRUTH.items()))
+    with pytest.raises(SourceError, match=r"row 1: class 'n09999999' is not one of the 3 class folders"):
+        pack(str(imagenet_tree), "lmdb", str(tmp_path / "b.lmdb"), labels=str(bad), workers=1, progress=False)
