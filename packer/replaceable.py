@@ -59,7 +59,7 @@ def folder_problem(path: str) -> str | None:
     else:
         return "is a folder " + (f"holding {listing(entries)}" if entries else "that is empty") + \
             f", with no {DATA_FILE} (LMDB) or {wds.INDEX} (WDS)"
-    meta, wrong = checked_metadata(path, fmt)
+    wrong = checked_metadata(path, fmt)[1]
     if wrong:
         return wrong
     if allowed is None:
