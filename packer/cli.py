@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from .check import CHECKS, MAX_PIXELS
-from .errors import PackError, escaping, shown
+from .errors import PackError, escaping, json_shown, shown
 from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
@@ -340,7 +340,7 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
                            lambda out, force: pack(src, fmt, out, force=force, **kwargs))
     report_pack(result)
     if as_json:
-        click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
+        click.echo(json_shown(pack_facts(result)))
 
 
 def dask_client(address: str):
@@ -436,7 +436,7 @@ def merge_command(parts, out, force, workers, as_json):
     result = merge(list(parts), out, force=force, workers=workers)
     report_pack(result, verb="merged")
     if as_json:
-        click.echo(json.dumps(pack_facts(result), ensure_ascii=False))
+        click.echo(json_shown(pack_facts(result)))
 
 
 @main.command("info")
@@ -454,7 +454,7 @@ def info_command(packed, as_json, storage_options):
         raise click.UsageError("--storage-options applies to a PACKED given as a URL (s3://bucket/key) only")
     facts = info(packed, storage_options)
     if as_json:
-        click.echo(json.dumps(facts, ensure_ascii=False))
+        click.echo(json_shown(facts))
         return
     echo_shown(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}, "
                f"{facts.get('checksum', 'crc32')} record checksums), "
@@ -518,8 +518,7 @@ def verify_command(packed, against, check, workers, as_json):
     report = verify(packed, against, check=check, workers=workers)
     report_verify(report)
     if as_json:
-        click.echo(json.dumps({"path": os.path.abspath(packed), "against": against, **report.to_dict()},
-                              ensure_ascii=False))
+        click.echo(json_shown({"path": os.path.abspath(packed), "against": against, **report.to_dict()}))
     if not report.ok:
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""

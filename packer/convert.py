@@ -87,6 +87,43 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
     return base + FORMATS[fmt].extension
 
 
+# Conversions recorded in full under params.converted_from, newest first, each holding the
+# params of what it converted: every one nests two levels deeper, and metadata is refused
+# past packer.records.MAX_NESTING. Older ones are only counted (EARLIER), so any number of
+# chained converts keeps valid metadata.
+KEPT_CONVERSIONS = 8
+EARLIER = "earlier_conversions"
+
+
+def kept_chain(params: dict, keep: int) -> dict:
+    """params with at most keep conversions under its converted_from; the rest counted in
+    the last one kept's params as EARLIER."""
+    origin = params.get("converted_from")
+    if not isinstance(origin, dict):
+        return params
+    if keep == 0:
+        rest = {key: value for key, value in params.items() if key != "converted_from"}
+        return {**rest, EARLIER: chain_length(origin)}
+    inner = origin.get("params")
+    if not isinstance(inner, dict):
+        return params
+    return {**params, "converted_from": {**origin, "params": kept_chain(inner, keep - 1)}}
+
+
+def chain_length(origin) -> int:
+    """The conversions recorded under origin, the counted ones included."""
+    length = 0
+    while isinstance(origin, dict):
+        length += 1
+        params = origin.get("params")
+        if not isinstance(params, dict):
+            break
+        earlier = params.get(EARLIER)
+        length += earlier if type(earlier) is int and earlier > 0 else 0
+        origin = params.get("converted_from")
+    return length
+
+
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
@@ -121,7 +158,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     jobs = RecordJobs(listings, orders)
     params = {"format": fmt, "workers": workers, **options, "shuffle_seed": seed,
               "converted_from": {"path": packed, "format": src_fmt, "created": src_meta.created,
-                                 "params": src_meta.params}}
+                                 "params": kept_chain(src_meta.params, KEPT_CONVERSIONS - 1)}}
 
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:

@@ -2,6 +2,7 @@
 untrusted names in messages and warnings are shown."""
 from __future__ import annotations
 
+import json
 import re
 
 # Characters a terminal acts on instead of showing: C0 and C1 controls, DEL, and the
@@ -14,6 +15,13 @@ def shown(text) -> str:
     """text with every character in _UNSHOWN written as its escape (\\x1b): one line, shown
     as it is spelled (a name holding a newline cannot make a line of its own)."""
     return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text))
+
+
+def json_shown(value) -> str:
+    """value as JSON text, names as they are (for scripts), with every character in _UNSHOWN
+    written as its JSON escape (\\u202e): json.dumps escapes only C0 controls, and --json
+    output printed to a terminal must not reorder or retitle it either."""
+    return _UNSHOWN.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
 
 
 def escaping(format_warning):

@@ -11,7 +11,9 @@ and "parts", which names each part it was merged from.
 Parts are refused, each by name, when one is not a part, is half-written (a staging name
 of packer.output: OUT.partial-*, OUT.complete-*), is given twice, is of another source,
 format, options or record checksum kind, or of another count of parts, when two hold the same slice, or when
-one is missing.
+one is missing. Beyond the fingerprint (a hash of the source, which an edit can copy), every
+part must declare its source as the others do (declared: file counts, splits, classes),
+and hold what it declares (its tables' lengths and class counts).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import numpy as np
 from . import __version__
 from .convert import RECORD_CHUNK
 from .cores import available_cores
-from .errors import FormatError, PackError
+from .errors import FormatError, PackError, shown
 from .formats import FORMATS, ReaderCache, open_reader, read_metadata
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
@@ -153,10 +155,39 @@ def refuse_mismatch(parts: list[Part]) -> None:
             raise PackError(f"{part.path}: its records carry {part.meta.checksum} checksums, but {first.path}'s carry "
                             f"{first.meta.checksum}; pack every part with the same --checksum (or `packer convert` "
                             f"this one with --checksum {first.meta.checksum})", part.path)
+        refuse_disagreement(part, first)
         if reencode_options(part) != reencode_options(first):
             raise PackError(f"{part.path}: re-encoded with other --max-side/--quality than {first.path} "
                             f"({reencode_options(part)} vs {reencode_options(first)}); pack every part with the "
                             "same options", part.path)
+
+
+def declared(part: Part) -> dict[str, object]:
+    """What every part of one source declares alike, whatever its slice: the fingerprint
+    vouches for none of it (it is a hash of the source, which the merge does not have)."""
+    return {"the source's file count (parts.total)": part.facts["total"],
+            "splits": sorted(part.meta.splits),
+            "files each split lists": {name: entry["listed"] for name, entry in sorted(part.facts["splits"].items())},
+            "labeled splits": sorted(name for name, split in part.meta.splits.items() if split.labeled),
+            "classes": part.meta.classes,
+            "folders the scan left out": part.scan_skipped}
+
+
+def refuse_disagreement(part: Part, first: Part) -> None:
+    """A part that declares its source otherwise than the first part: of another source
+    under an edited fingerprint, or damaged; merged, its records would be misplaced or
+    mislabeled."""
+    theirs = declared(first)
+    for what, mine in declared(part).items():
+        if mine != theirs[what]:
+            raise PackError(f"{part.path}: its metadata gives {what} as {brief(mine)}, but {first.path}'s gives "
+                            f"{brief(theirs[what])}; parts of one pack agree on it, so one of them is of another "
+                            "source or was edited: pack every part from the same source again", part.path)
+
+
+def brief(value) -> str:
+    text = shown(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def reencode_options(part: Part) -> tuple | None:
@@ -317,6 +348,11 @@ def split_tables(part: Part) -> dict[str, tuple[PathTable, np.ndarray]]:
         if len(paths) != info.count or len(labels) != info.count:
             raise FormatError(f"{part.path}: split {name} holds {len(paths)} paths and {len(labels)} labels for the "
                               f"{info.count} records its metadata lists; the part is damaged, pack it again",
+                              part.path)
+        held = np.bincount(labels[labels >= 0], minlength=len(part.meta.classes)).tolist() if info.labeled else []
+        if held != list(info.class_counts):
+            raise FormatError(f"{part.path}: split {name} holds {brief(held)} records per class, but its metadata "
+                              f"lists {brief(info.class_counts)}; the part is damaged or was edited, pack it again",
                               part.path)
         tables[name] = (paths, labels)
     return tables

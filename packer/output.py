@@ -21,7 +21,8 @@ that is a source of this write, or holds or lies in one.
 
 Before any of that, check_target refuses an OUT that is a source, inside one or holding
 one (compared by device and inode, so symlinks and bind mounts cannot hide it), and
---force replaces only a packer dataset, never other files or folders.
+--force replaces only a dataset packer provably wrote (packer.replaceable), never other
+files or folders.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import Iterator
 
 import lmdb
 
-from . import interrupts
+from . import interrupts, replaceable
 from .errors import FormatError, OutputExistsError, PackError
 
 PARTIAL, COMPLETE, OLD = "partial", "complete", "old"
@@ -304,17 +305,18 @@ def refuse_missing_folder(out: str) -> None:
 
 
 def refuse_existing(out: str, force: bool, notes: list[str] = ()) -> None:
-    """Refuse an existing OUT without force, and with force anything but a packer dataset."""
+    """Refuse an existing OUT without force, and with force anything but a dataset packer wrote."""
     if not os.path.lexists(out):
         return
     if not force:
         settled = "".join(f"; {note}" for note in notes)
         raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)"
                                 f"{settled}", out)
-    if not is_dataset(out):
-        raise OutputExistsError(f"{out} exists and is not a packer dataset: --force replaces only a dataset, "
-                                "never other files or folders; remove it yourself if it is not needed, or "
-                                "choose -o elsewhere", out)
+    found = replaceable.problem(out)
+    if found:
+        raise OutputExistsError(f"{out} exists and is not a packer dataset: it {found}; --force replaces only a "
+                                "dataset packer wrote, never other files or folders; remove it yourself if it is "
+                                "not needed, or choose -o elsewhere", out)
 
 
 def check_target(out: str, sources: list[str], force: bool) -> Tidied:

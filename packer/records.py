@@ -515,6 +515,9 @@ class Metadata:
     parts: dict | None = None  # a part, or a merge of parts (module docstring); None: packed in one piece
     reencode: dict | None = None  # records stored re-encoded (the module docstring), None: none
     checksum: str = record_checksums.LEGACY  # the kind of every record's checksum (packer.checksum)
+    # Read back with a "crc32" that matched (every pack since metadata checksums): what
+    # `--force` asks of a dataset before it replaces it (packer.replaceable). Not stored.
+    sealed: bool = field(default=False, compare=False, repr=False)
 
     @property
     def written_version(self) -> int:
@@ -623,7 +626,7 @@ class Metadata:
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
                    format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None,
-                   reencode=_reencode(d.get("reencode"), splits), checksum=kind)
+                   reencode=_reencode(d.get("reencode"), splits), checksum=kind, sealed="crc32" in d)
 
 
 def parse_json(raw: bytes | str, where: str, what: str):

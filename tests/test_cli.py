@@ -126,7 +126,9 @@ def test_names_from_a_dataset_are_printed_with_their_control_characters_escaped(
     assert verify.exit_code == 1
     assert "evil\\x1b]0;pwned\\x07\\nok: fake\\u202e/b.jpg" in verify.stderr
     assert not any(c in verify.stderr for c in "\x1b\x07\u202e")
-    assert json.loads(run("info", out, "--json").output)["classes"] == [evil, "plain"]  # scripts get the name
+    as_json = run("info", out, "--json").output
+    assert json.loads(as_json)["classes"] == [evil, "plain"]  # scripts get the name
+    assert not any(c in as_json for c in "\x1b\x07\u202e") and "fake\\u202e" in as_json  # a terminal shows it
     odd = tmp_path / evil  # an error naming it: one line, escaped
     odd.mkdir()
     error = run("info", odd)

@@ -10,8 +10,10 @@ from click.testing import CliRunner
 
 from packer import FORMATS, CorruptDataError, OutputExistsError, PackError, open_reader, pack
 from packer.cli import main
-from packer.convert import convert, converted_output
+from packer.convert import EARLIER, KEPT_CONVERSIONS, convert, converted_output
 from packer.formats import detect_format, read_metadata
+
+from conftest import jpeg_bytes, write
 
 
 def packed(src: Path, fmt: str, folder: Path, **kwargs) -> Path:
@@ -72,6 +74,28 @@ def test_lmdb_to_hdf5_to_lmdb_round_trip_needs_no_source_folder(bad_tree, tmp_pa
     assert origin["path"] == str(h5) and origin["format"] == "hdf5"
     assert origin["params"]["converted_from"]["path"] == str(first)
     assert origin["params"]["converted_from"]["params"]["on_error"] == "skip"
+
+
+def test_any_number_of_chained_converts_keeps_valid_metadata(tmp_path):
+    """Each convert records what it converted, nested: past the nesting cap the metadata was
+    refused. The newest KEPT_CONVERSIONS are kept whole, the older ones counted."""
+    write(tmp_path / "src" / "a" / "0.jpg", jpeg_bytes(0))
+    current = packed(tmp_path / "src", "lmdb", tmp_path)
+    chained = 60
+    for step in range(chained):
+        fmt = ("hdf5", "lmdb")[step % 2]
+        out = tmp_path / f"step{step}{FORMATS[fmt].extension}"
+        convert(str(current), fmt, str(out), workers=1, progress=False)
+        current = out
+    meta = read_metadata(current)
+    origin, kept = meta.params["converted_from"], 0
+    while "converted_from" in origin["params"]:
+        kept += 1
+        assert origin["path"] == str(tmp_path / f"step{chained - 1 - kept}{FORMATS[origin['format']].extension}")
+        origin = origin["params"]["converted_from"]
+    assert kept + 1 == KEPT_CONVERSIONS
+    assert origin["params"][EARLIER] == chained - KEPT_CONVERSIONS
+    assert CliRunner().invoke(main, ["info", str(current)]).exit_code == 0
 
 
 def test_default_output_replaces_the_extension(image_tree, tmp_path):

@@ -27,7 +27,7 @@ from packer.parts import PartSpec, cut_source, first_failure, part_spec, settled
 from packer.records import Metadata, metadata_crc
 from packer.scan import scan_source
 
-from conftest import jpeg_bytes
+from conftest import jpeg_bytes, write
 
 
 def records(path) -> dict[str, list]:
@@ -296,6 +296,79 @@ def test_merge_refuses_an_existing_out_without_force(four_parts, tmp_path):
     with pytest.raises(PackError, match="already exists"):
         merge(four_parts, str(out), workers=1, progress=False)
     merge(four_parts, str(out), workers=1, progress=False, force=True)
+
+
+# Parts whose metadata was edited with its checksum recomputed: what each declares is
+# cross-checked against the other parts and against what it holds.
+
+
+def edit_wds_part(path: str, change) -> str:
+    """Rewrite a wds part's index.json by change(index), its crc32 recomputed: an edit no checksum sees."""
+    where = Path(path) / "index.json"
+    index = json.loads(where.read_text())
+    change(index)
+    index["crc32"] = metadata_crc(index, ("wds",))
+    where.write_text(json.dumps(index))
+    return path
+
+
+def part_of_another_source(src: Path, of: list[str], folder: Path, index: int = 3) -> str:
+    """Part index/4 of src, its fingerprint edited to be that of the parts in of."""
+    fingerprint = read_metadata(of[0]).parts["fingerprint"]
+    other = pack(str(src), "wds", str(folder / f"forged{index}.wds"), part=f"{index}/4", progress=False, workers=1).out
+    return edit_wds_part(other, lambda index: index["parts"].update(fingerprint=fingerprint))
+
+
+@pytest.fixture
+def four_wds_parts(split_tree, parts_dir) -> list[str]:
+    return pack_parts(split_tree, "wds", parts_dir, 4)
+
+
+def test_merge_refuses_a_part_of_another_source_with_the_fingerprint_copied(four_wds_parts, tmp_path):
+    other = tmp_path / "other"  # the same splits and file counts, other classes
+    for cls in ["ant", "bee", "cat"]:
+        for i in range(4):
+            write(other / "train" / cls / f"{cls}{i}.jpg", jpeg_bytes(4000 + i))
+    for cls in ["ant", "cat"]:
+        for i in range(2):
+            write(other / "val" / cls / f"{cls}{i}.jpg", jpeg_bytes(4100 + i))
+    forged = part_of_another_source(other, four_wds_parts, tmp_path)
+    message = refused(four_wds_parts[:3] + [forged], tmp_path / "m.wds", "gives classes as")
+    assert message.startswith(f"{forged}: ") and "['ant', 'bee', 'cat']" in message
+
+
+def test_merge_refuses_a_part_of_a_source_with_one_more_file(split_tree, four_wds_parts, tmp_path):
+    bigger = shutil.copytree(split_tree, tmp_path / "bigger")
+    write(bigger / "train" / "c" / "c9.jpg", jpeg_bytes(99))
+    forged = part_of_another_source(bigger, four_wds_parts, tmp_path)  # was an IndexError in plan_split
+    message = refused(four_wds_parts[:3] + [forged], tmp_path / "m.wds",
+                      r"file count \(parts.total\) as 17, but .*gives 16")
+    assert forged in message
+
+
+def test_merge_refuses_a_part_that_moves_files_between_splits(four_wds_parts, tmp_path):
+    def move(index):  # train lists one more, val one fewer: the same total
+        index["parts"]["splits"]["train"]["listed"] += 1
+        index["parts"]["splits"]["val"]["listed"] -= 1
+        bounds = {"train": (0, 13), "val": (13, 16)}
+        start, stop = index["parts"]["start"], index["parts"]["stop"]
+        for name, (first, end) in bounds.items():
+            index["parts"]["splits"][name].update(start=min(max(start - first, 0), end - first),
+                                                  stop=min(max(stop - first, 0), end - first))
+    forged = edit_wds_part(four_wds_parts[0], move)
+    Metadata.from_dict(json.loads((Path(forged) / "index.json").read_text()), "here", ("wds",))  # valid alone
+    refused(four_wds_parts, tmp_path / "m.wds", "gives files each split lists as")
+
+
+def test_merge_refuses_a_part_whose_class_counts_are_not_what_it_holds(four_wds_parts, tmp_path):
+    def rotate(index):
+        counts = index["splits"]["train"]["class_counts"]
+        index["splits"]["train"]["class_counts"] = counts[1:] + counts[:1]
+    counts = read_metadata(four_wds_parts[1]).splits["train"].class_counts
+    assert counts != counts[1:] + counts[:1]
+    forged = edit_wds_part(four_wds_parts[1], rotate)
+    message = refused(four_wds_parts, tmp_path / "m.wds", "records per class, but its metadata lists", FormatError)
+    assert message.startswith(f"{forged}: split train")
 
 
 # The "parts" metadata: checked when read.

@@ -264,6 +264,50 @@ def test_force_replaces_only_a_dataset(flat_tree, s3_bucket):
     assert result.exit_code == 1 and "not a packer dataset" in result.output
 
 
+def hdf5_model_bytes(tmp_path: Path) -> bytes:
+    import h5py
+    import numpy as np
+
+    with h5py.File(tmp_path / "model.h5", "w") as f:  # a user's model, as h5py or Keras saves one
+        f.create_dataset("dense/kernel", data=np.ones((4, 4), np.float32))
+    return (tmp_path / "model.h5").read_bytes()
+
+
+# Look-alikes at s3://bucket/<out>: the objects the bucket holds, and what the refusal says was found.
+REMOTE_LOOK_ALIKES = {
+    "data.mdb and a user's file": ({"proj/data.mdb": b"", "proj/thesis.tex": b"x"}, "proj", "a data.mdb without valid"),
+    "a user's HDF5 model": ({"model.h5": None}, "model.h5", "an HDF5 object without valid packer metadata"),
+    "index.json {}": ({"w/index.json": b"{}", "w/train/a.tar": b"t"}, "w", "an index.json without valid"),
+    "index.json with a count": ({"w/index.json": b'{"count": 3}'}, "w", "an index.json without valid"),
+    "index.json that does not parse": ({"w/index.json": b"{not json"}, "w", "an index.json without valid"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REMOTE_LOOK_ALIKES))
+def test_force_refuses_a_remote_look_alike_and_keeps_it(kind, flat_tree, s3_bucket, tmp_path):
+    objects, out, found = REMOTE_LOOK_ALIKES[kind]
+    fs = s3fs_of(s3_bucket)
+    for key, data in objects.items():
+        fs.pipe_file(f"{s3_bucket.name}/{key}", hdf5_model_bytes(tmp_path) if data is None else data)
+    result = cli("pack", flat_tree, "--to", "wds", "-o", f"{s3_bucket.url}/{out}", "--force",
+                 "--storage-options", options_json(s3_bucket))
+    assert result.exit_code == 1 and "not a packer dataset: it " in result.output and found in result.output, \
+        result.output
+    assert s3_bucket.keys() == sorted(objects)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_force_refuses_a_remote_dataset_with_a_users_object_beside_its_own(fmt, flat_tree, s3_bucket):
+    url, options = f"{s3_bucket.url}/ds", options_json(s3_bucket)
+    assert cli("pack", flat_tree, "--to", fmt, "-o", url, "--storage-options", options).exit_code == 0
+    s3fs_of(s3_bucket).pipe_file(f"{s3_bucket.name}/ds/thesis.tex", b"chapter one")
+    before = s3_bucket.keys()
+    result = cli("pack", flat_tree, "--to", "lmdb", "-o", url, "--force", "--storage-options", options)
+    named = f"({url}/thesis.tex)," if fmt == "hdf5" else f"and also {url}/thesis.tex,"  # under an object / a folder
+    assert result.exit_code == 1 and f"{named} which packer did not write" in result.output, result.output
+    assert s3_bucket.keys() == before
+
+
 @pytest.mark.parametrize("url, expected", [
     ("https://example.com/x.lmdb", "read-only"),
     ("s3://bucket-only", "name the dataset inside the bucket"),

@@ -213,7 +213,6 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
     splits = section["splits"]
     if sorted(splits) != sorted(meta.splits):
         return f"the shard index lists splits {sorted(splits)}, the metadata {sorted(meta.splits)}"
-    files = []
     for split, entry in splits.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
             return f"split {split!r} has no list of shards"
@@ -227,9 +226,16 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
             problem = shard_entry_problem(shard, split)
             if problem:
                 return problem
+    return None if path is None else outside_problem(path, named_files(section))  # None: remote: just names
+
+
+def named_files(section: dict) -> list[str]:
+    """Every file a checked "wds" section names, relative to the dataset folder."""
+    files = []
+    for entry in section["splits"].values():
         files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
-        files += [wids] if wids is not None else []
-    return None if path is None else outside_problem(path, files)  # None: remote, where names are just names
+        files += [entry["wids_index"]] if entry.get("wids_index") is not None else []
+    return files
 
 
 def shard_entry_problem(shard, split: str) -> str | None:

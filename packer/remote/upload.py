@@ -20,7 +20,8 @@ read it.
 How a write goes (write_to_url, upload_dataset):
 1. Check OUT before packing: a writable URL naming a key, the bucket there and the
    credentials accepted (a probe object written into the staging prefix), OUT absent, or
-   with --force a packer dataset. Settle what dead writers left (below).
+   with --force a dataset packer wrote (packer.replaceable; here: its metadata checked and
+   no object under OUT/ that its packer.json, or its format, does not name). Settle what dead writers left (below).
 2. Pack into a local staging folder (staging_dir, default $TMPDIR) as a local pack does.
 3. Upload every file to the staging prefix OUT.partial-<host>-<pid>-<token>/ beside OUT
    (fsspec put: multipart for large files, several files at once), packer.json last.
@@ -54,12 +55,15 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .. import replaceable
 from ..errors import OutputExistsError, PackError
+from ..formats import read_metadata, wds
 from ..interrupts import Interrupted
 from ..output import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 from . import is_url, parse_url
 from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
 from .retry import RETRIES, with_retries
+from . import source as remote_source
 from .source import one_attempt
 
 if TYPE_CHECKING:
@@ -247,10 +251,42 @@ def refuse_existing(target: Target, force: bool, notes: list[str] = ()) -> None:
         settled = "".join(f"; {note}" for note in notes)
         raise OutputExistsError(f"{target.url} already exists (pass --force to replace it, or -o to write "
                                 f"elsewhere){settled}", target.url)
-    if remote_dataset(target) is None:
-        raise OutputExistsError(f"{target.url} exists and is not a packer dataset: --force replaces only a "
-                                "dataset, never other objects; remove it yourself if it is not needed, or choose "
-                                "-o elsewhere", target.url)
+    found = replace_problem(target)
+    if found:
+        raise OutputExistsError(f"{target.url} exists and is not a packer dataset: it {found}; --force replaces "
+                                "only a dataset packer wrote, never other objects; remove it yourself if it is not "
+                                "needed, or choose -o elsewhere", target.url)
+
+
+def replace_problem(target: Target) -> str | None:
+    """What keeps the objects at OUT from being a dataset packer wrote, as packer.replaceable
+    asks of a local one, or None: its metadata read back checked, and under OUT/ no object
+    but those its packer.json (or, copied by hand, its format) names."""
+    fmt = remote_dataset(target)
+    found = target.call(target.url, lambda: target.fs.find(target.path + "/"), doing="reading")
+    under = sorted(path[len(target.path) + 1:] for path in found if path.startswith(target.path + "/"))
+    if fmt is None:
+        held = f"holds {replaceable.listing(under)}" if under else "is an object that is not HDF5"
+        return f"{held}, with no {MANIFEST}, {ENTRY['lmdb']} or {ENTRY['wds']}"
+    if fmt == "hdf5" and under:  # an object at OUT and others under OUT/: a replace would delete those
+        shown = replaceable.listing([target.url_of(f"{target.path}/{name}") for name in under])
+        return f"is an HDF5 object with other objects under its name too ({shown}), which packer did not write"
+    what = {"lmdb": f"a {ENTRY['lmdb']}", "wds": f"an {ENTRY['wds']}", "hdf5": "an HDF5 object"}[fmt]
+    remote = remote_source.remote_for(target.url, storage_options=target.storage_options)
+    try:
+        if fmt == "wds":
+            index, meta = wds.open_index(target.url, remote)
+            allowed = {ENTRY["wds"], *wds.named_files(index["wds"])}
+        else:
+            meta = read_metadata(target.url, storage_options=target.storage_options)
+            allowed = {ENTRY["lmdb"], replaceable.LMDB_LOCK} if fmt == "lmdb" else set()
+    except PackError as exc:
+        return f"holds {what} without valid packer metadata ({exc})"
+    manifest = read_manifest(target, target.path)
+    if manifest is not None:
+        allowed = {*manifest["objects"], MANIFEST}
+    return replaceable.metadata_problem(meta, fmt, what) or replaceable.unexpected(
+        [target.url_of(f"{target.path}/{name}") for name in under if name not in allowed], fmt)
 
 
 # --- leftovers of dead writers ---------------------------------------------------------
