@@ -82,11 +82,11 @@ def filesystem(url: str, storage_options: dict):
     try:
         import fsspec.core
     except ImportError as exc:
-        raise ImportError(f"reading {url} needs fsspec: pip install '{EXTRA}'") from exc
+        raise ImportError(f"reading {redact(url)} needs fsspec: pip install '{EXTRA}'") from exc
     try:
         fs, path = fsspec.core.url_to_fs(url, **with_http_timeouts(url, one_attempt(url, storage_options)))
     except ImportError as exc:
-        raise ImportError(f"reading {url} needs a package packer's remote extra installs ({exc}): "
+        raise ImportError(f"reading {redact(url)} needs a package packer's remote extra installs ({exc}): "
                           f"pip install '{EXTRA}'") from exc
     if hasattr(fs, "retries") and isinstance(fs.retries, int):
         fs.retries = 1  # s3fs retries some errors itself: leave retrying to packer.remote.retry
