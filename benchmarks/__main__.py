@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", help="write results JSON here (e.g. results.json)")
     run.add_argument("--chart", help="write a PNG chart here (needs matplotlib)")
-    cmp = sub.add_parser("compare", help="exit 1 when NEW regressed from OLD beyond the tolerance")
+    cmp = sub.add_parser("compare", help="exit 1 when NEW regressed from OLD beyond the tolerance or holds a "
+                                          "figure that cannot be judged, 2 when a file cannot be read as results")
     cmp.add_argument("old", metavar="OLD.json")
     cmp.add_argument("new", metavar="NEW.json")
     cmp.add_argument("--tolerance", type=float, default=0.1, help="allowed relative change (default: 0.1)")

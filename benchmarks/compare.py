@@ -5,74 +5,134 @@ when they rise by more than it. A case that produced a figure before and an erro
 is a regression too; a case absent from either file is listed, not judged. The
 references (the decode ceiling, `tar cf`) are shown for context, not judged: they
 measure the machine, and a slower machine shows in them first.
+
+A gate must not pass what it cannot judge: a median that is not a finite positive number
+(NaN, infinity, zero, a string) is a failure on either side, in OLD as much as in NEW (a
+bad baseline would otherwise switch its case off for good), and so is a NEW with no
+judged figure at all (`{}`, or every case crashed). Exit codes: 0 no regression,
+1 a regression or a figure that cannot be judged, 2 a file that cannot be read as results.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 
-
+OK, REGRESSED, UNREADABLE = 0, 1, 2
 REFERENCES = ("ceiling decode", "pack tar")
+# A case's status: "ok" has a median; "error" (run.py's word for a failed or crashed case
+# process) and "crashed" have none. "n/a" (a format not built here) is not a result.
+FAILED = ("error", "crashed")
 
 
-def figures(results: dict) -> dict[str, tuple[float | None, bool]]:
-    """Every comparable figure: name -> (value, or None for an error; higher is better)."""
+class Unreadable(ValueError):
+    """A results file that is not JSON, or not shaped as run.py writes it."""
+
+
+def load(path: str) -> dict:
+    """The results at path; Unreadable naming the file and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except OSError as exc:
+        raise Unreadable(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    except ValueError as exc:
+        raise Unreadable(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(found, dict):
+        raise Unreadable(f"{path}: a JSON {type(found).__name__}, not the object `python -m benchmarks run "
+                         "--out` writes")
+    return found
+
+
+def section(results: dict, key: str, path: str) -> dict:
+    value = results.get(key, {})
+    if not isinstance(value, dict):
+        raise Unreadable(f"{path}: {key!r} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def figures(results: dict, path: str = "results") -> dict[str, tuple[object, bool]]:
+    """Every comparable figure: name -> (the median, or None for a failed case; higher is better)."""
     out = {}
 
-    def add(name: str, case: dict | None, higher: bool) -> None:
-        if not case or case.get("status") not in ("ok", "error"):
+    def add(name: str, case, higher: bool) -> None:
+        if not isinstance(case, dict) or case.get("status") not in ("ok", *FAILED):
             return
-        out[name] = (case["median"] if case["status"] == "ok" else None, higher)
+        out[name] = (case.get("median", "no median") if case["status"] == "ok" else None, higher)
 
     add("ceiling decode", results.get("ceiling"), True)
-    for fmt, case in results.get("pack", {}).items():
+    for fmt, case in section(results, "pack", path).items():
         add(f"pack {fmt}", case, False)
-    for source, entry in results.get("sources", {}).items():
-        for measure, states in entry.get("measures", {}).items():
+    for source, entry in section(results, "sources", path).items():
+        measures = entry.get("measures", {}) if isinstance(entry, dict) else None
+        if not isinstance(measures, dict):
+            raise Unreadable(f"{path}: sources.{source} has no 'measures' object")
+        for measure, states in measures.items():
+            if not isinstance(states, dict):
+                raise Unreadable(f"{path}: sources.{source}.measures.{measure} is not an object")
             for state, case in states.items():
                 add(f"{source} {measure} {state}", case, True)
     return out
 
 
-def compare(old: dict, new: dict, tolerance: float) -> tuple[list[str], int]:
-    """(report lines, number of regressions)."""
-    a, b = figures(old), figures(new)
-    lines, regressions = [], 0
+def judgeable(value) -> bool:
+    """Whether value is a median a change can be computed from: a finite number above zero."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def shown(value) -> str:
+    if value is None:
+        return "error"
+    return f"{value:,.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+
+
+def compare(old: dict, new: dict, tolerance: float, names: tuple[str, str] = ("OLD", "NEW")) -> tuple[list[str], int]:
+    """(report lines, number of failures: regressions, figures that cannot be judged, and
+    a comparison that judged nothing)."""
+    a, b = figures(old, names[0]), figures(new, names[1])
+    lines, failures, judged_cases = [], 0, 0
     for name in sorted(a.keys() | b.keys()):
         if name not in a or name not in b:
             lines.append(f"{'':>10} {name}: only in {'OLD' if name in a else 'NEW'}")
             continue
         (x, higher), (y, _) = a[name], b[name]
         judged = name not in REFERENCES
-        if x is None or y is None:
+        if y is None or x is None:  # a case failed: a regression when it worked before
             worse = judged and x is not None
-            regressions += worse
-            lines.append(f"{'REGRESSION' if worse else '':>10} {name}: {'error' if x is None else f'{x:,.4g}'} -> "
-                         f"{'error' if y is None else f'{y:,.4g}'}")
+            failures += worse
+            lines.append(f"{'REGRESSION' if worse else '':>10} {name}: {shown(x)} -> {shown(y)}")
             continue
-        change = (y - x) / x if x else 0.0
+        if not (judgeable(x) and judgeable(y)):
+            failures += judged
+            side = " and ".join(s for s, v in (("OLD", x), ("NEW", y)) if not judgeable(v))
+            lines.append(f"{'UNJUDGED' if judged else 'reference':>10} {name}: {shown(x)} -> {shown(y)} "
+                         f"({side} median is not a finite positive number)")
+            continue
+        change = (y - x) / x
+        judged_cases += judged
         worse = judged and (change < -tolerance if higher else change > tolerance)
-        regressions += worse
+        failures += worse
         verdict = "REGRESSION" if worse else ("ok" if judged else "reference")
         lines.append(f"{verdict:>10} {name}: {x:,.4g} -> {y:,.4g} ({change:+.1%})")
-    return lines, regressions
+    if not judged_cases:  # NEW is {}, every case crashed, or OLD and NEW share no measured case
+        failures += 1
+        lines.append(f"{'EMPTY':>10} no case was measured in both OLD and NEW: nothing was judged")
+    return lines, failures
 
 
 def main(args) -> int:
     try:
-        docs = []
-        for path in (args.old, args.new):
-            with open(path) as f:
-                docs.append(json.load(f))
-    except (OSError, ValueError) as exc:
-        print(f"cannot read results: {exc}", file=sys.stderr)
-        return 2
-    old, new = docs
-    for key in ("cpu", "cpus_usable", "gpu"):
-        if old.get("machine", {}).get(key) != new.get("machine", {}).get(key):
-            print(f"warning: machines differ in {key}: {old.get('machine', {}).get(key)!r} vs "
-                  f"{new.get('machine', {}).get(key)!r}", file=sys.stderr)
-    lines, regressions = compare(old, new, args.tolerance)
+        old, new = load(args.old), load(args.new)
+        for key in ("cpu", "cpus_usable", "gpu"):
+            was, now = section(old, "machine", args.old).get(key), section(new, "machine", args.new).get(key)
+            if was != now:
+                print(f"warning: machines differ in {key}: {was!r} vs {now!r}", file=sys.stderr)
+        lines, failures = compare(old, new, args.tolerance, (args.old, args.new))
+    except Unreadable as exc:
+        print(f"cannot read results: {exc}; compare takes two files written by `python -m benchmarks run "
+              f"--out` (exit {UNREADABLE})", file=sys.stderr)
+        return UNREADABLE
     print("\n".join(lines))
-    print(f"{regressions} regression(s) beyond {args.tolerance:.0%}")
-    return 1 if regressions else 0
+    print(f"{failures} regression(s) beyond {args.tolerance:.0%} or unjudged figure(s)")
+    return REGRESSED if failures else OK

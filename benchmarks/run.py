@@ -47,22 +47,51 @@ def generate(folder: str, n: int, seed: int, workers: int) -> None:
     make_corpus(folder, classes=classes, per_class=per_class, seed=seed, workers=workers)
 
 
+class WorkdirError(Exception):
+    """The workdir holds something the suite did not make where it would write."""
+
+
 def reuse_corpus(folder: str, n: int, seed: int) -> None:
-    """Generate the corpus into folder unless a --keep'd workdir already holds this exact one."""
+    """Generate the corpus into folder unless a --keep'd workdir already holds this exact one.
+
+    The stamp beside the folder (corpus.json) is the suite's mark: written before a
+    corpus is generated and completed after, so the suite replaces only a corpus it made
+    (an interrupted one too). A folder without a stamp is someone else's: refused, never
+    deleted."""
     stamp = folder + ".json"
     want = {"images": n, "seed": seed, "shape": corpus_shape(n)}
-    if os.path.isdir(folder):
-        try:
-            with open(stamp) as f:
-                if json.load(f) == json.loads(json.dumps(want)):
-                    log(f"reusing the corpus in {folder}")
-                    return
-        except (OSError, ValueError):
-            pass
+    if os.path.lexists(folder):
+        made = read_stamp(stamp)
+        if made is None:
+            raise WorkdirError(f"{folder} exists and was not made by the benchmark suite (no {stamp} beside it); "
+                               "it is left as it is: pass another --workdir, or move the folder away")
+        if made == {**json.loads(json.dumps(want)), "complete": True}:
+            log(f"reusing the corpus in {folder}")
+            return
+        log(f"replacing the corpus in {folder}: it was made for {made}")
         shutil.rmtree(folder)
+    write_stamp(stamp, {**want, "complete": False})
     generate(folder, n, seed, max(1, available_cores()))
-    with open(stamp, "w") as f:
-        json.dump(want, f)
+    write_stamp(stamp, {**want, "complete": True})
+
+
+def read_stamp(stamp: str) -> dict | None:
+    """The suite's stamp of a corpus, or None where there is none of its shape. A stamp
+    written before "complete" existed was written only after its corpus was whole."""
+    try:
+        with open(stamp) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(found, dict) or not {"images", "seed", "shape"} <= found.keys():
+        return None
+    return {"complete": True, **found}
+
+
+def write_stamp(stamp: str, facts: dict) -> None:
+    with open(stamp + ".tmp", "w") as f:
+        json.dump(facts, f)
+    os.replace(stamp + ".tmp", stamp)
 
 
 def run_children(groups: list[list[dict]], ctx: dict, opts: Options, workdir: str) -> list[dict]:
@@ -311,7 +340,11 @@ def main(args) -> int:
         if problem:
             log(f"--data {args.data}: {problem}")
             return 2
-    results = run(args)
+    try:
+        results = run(args)
+    except WorkdirError as exc:
+        log(f"--workdir {args.workdir}: {exc}")
+        return 2
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from .check import CHECKS, MAX_PIXELS
-from .errors import PackError, escaping, json_shown, shown
+from .errors import PackError, escaping, json_shown, redact, redacted, shown
 from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .pack import ON_ERROR, PackResult, pack
@@ -82,6 +82,12 @@ def say(message: str) -> None:
 def echo_shown(line: str) -> None:
     """One line of output on stdout, escaped as say's."""
     click.echo(shown(line))
+
+
+def echo_json(facts: dict) -> None:
+    """--json: one JSON object on stdout, URL credentials redacted and unshowable characters
+    escaped, as everywhere else."""
+    click.echo(json_shown(redacted(facts)))
 
 
 class PackerGroup(click.Group):
@@ -247,13 +253,26 @@ class LocalPath(click.Path):
         from .remote import is_url
 
         if isinstance(value, str) and is_url(value):
-            self.fail(f"{value}: {ctx.info_name} reads a local dataset only; download it first (e.g. aws s3 sync "
-                      f"URL DIR), or read it where it is with `packer info` and the readers", param, ctx)
+            self.fail(f"{redact(value)}: {ctx.info_name} reads a local dataset only; download it first (e.g. aws s3 "
+                      f"sync URL DIR), or read it where it is with `packer info` and the readers", param, ctx)
         return super().convert(value, param, ctx)
+
+
+def deadline_option(command):
+    """--deadline: how long one remote request may take, its retries included (packer.remote.retry)."""
+    return click.option("--deadline", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+                        help="With a URL: seconds one remote request may take, retries included, before the "
+                             "command fails naming it [default: 90; or storage options' \"deadline\"].")(command)
+
+
+def with_deadline(storage_options: dict | None, deadline: float | None) -> dict | None:
+    """storage_options with --deadline in them (the library's one way to set it)."""
+    return storage_options if deadline is None else {**(storage_options or {}), "deadline": deadline}
 
 
 def remote_options(command):
     """-o s3://bucket/key: where to pack before uploading, and how to reach the store."""
+    command = deadline_option(command)
     command = click.option("--storage-options", type=JSONObject(),
                            help="With -o URL: fsspec/s3fs options as a JSON object, e.g. '{\"client_kwargs\": "
                                 "{\"endpoint_url\": \"http://minio:9000\"}}' [default: from AWS_* and "
@@ -263,21 +282,21 @@ def remote_options(command):
                              "dataset [default: $TMPDIR].")(command)
 
 
-def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResult:
+def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=None) -> PackResult:
     """write(out, force) where out is local; to a URL, packed in a staging folder and uploaded
     (packer.remote.upload)."""
     from .remote import is_url
 
     if out is None or not is_url(out):
-        given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options))
-                 if value is not None]
+        given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options),
+                                          ("--deadline", deadline)) if value is not None]
         if given:
             raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
         return write(out, force)
     from .remote.upload import write_to_url
 
     return write_to_url(out, fmt, lambda local: write(local, False), force=force, staging_dir=staging_dir,
-                        storage_options=storage_options)
+                        storage_options=with_deadline(storage_options, deadline))
 
 
 @main.command("pack")
@@ -316,7 +335,7 @@ def write_out(out, fmt, force, staging_dir, storage_options, write) -> PackResul
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 part, parts, dask, max_side, quality, checksum, staging_dir, storage_options, **shards):
+                 part, parts, dask, max_side, quality, checksum, staging_dir, storage_options, deadline, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder.
 
     Every image is stored byte for byte, except those --max-side re-encodes.
@@ -334,13 +353,14 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
         with dask_client(dask) as client:
             executor = client.get_executor(pure=False)
             result = write_out(out, fmt, force, staging_dir, storage_options,
-                               lambda out, force: pack(src, fmt, out, executor=executor, force=force, **kwargs))
+                               lambda out, force: pack(src, fmt, out, executor=executor, force=force, **kwargs),
+                               deadline)
     else:
         result = write_out(out, fmt, force, staging_dir, storage_options,
-                           lambda out, force: pack(src, fmt, out, force=force, **kwargs))
+                           lambda out, force: pack(src, fmt, out, force=force, **kwargs), deadline)
     report_pack(result)
     if as_json:
-        click.echo(json_shown(pack_facts(result)))
+        echo_json(pack_facts(result))
 
 
 def dask_client(address: str):
@@ -404,7 +424,7 @@ def pack_facts(result: PackResult) -> dict:
 @shard_options
 @library_errors
 def convert_command(packed, fmt, out, force, workers, max_side, quality, checksum, staging_dir, storage_options,
-                    **shards):
+                    deadline, **shards):
     """Convert the packed dataset PACKED to another format, byte for byte (except the
     records --max-side re-encodes).
 
@@ -414,7 +434,7 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, checksu
 
     report_pack(write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
         packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality), checksum=checksum,
-        **writer_options(fmt, **shards))), verb="converted")
+        **writer_options(fmt, **shards)), deadline), verb="converted")
 
 
 @main.command("merge")
@@ -436,7 +456,7 @@ def merge_command(parts, out, force, workers, as_json):
     result = merge(list(parts), out, force=force, workers=workers)
     report_pack(result, verb="merged")
     if as_json:
-        click.echo(json_shown(pack_facts(result)))
+        echo_json(pack_facts(result))
 
 
 @main.command("info")
@@ -444,17 +464,21 @@ def merge_command(parts, out, force, workers, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 @click.option("--storage-options", type=JSONObject(),
               help="For a URL: fsspec/s3fs options as a JSON object [default: from AWS_* variables].")
+@deadline_option
 @library_errors
-def info_command(packed, as_json, storage_options):
+def info_command(packed, as_json, storage_options, deadline):
     """Show what the packed dataset PACKED (a path, or a URL: s3://bucket/x.lmdb) holds."""
     from .remote import is_url
     from .verify import info
 
-    if storage_options is not None and not is_url(packed):
-        raise click.UsageError("--storage-options applies to a PACKED given as a URL (s3://bucket/key) only")
-    facts = info(packed, storage_options)
+    given = [name for name, value in (("--storage-options", storage_options), ("--deadline", deadline))
+             if value is not None]
+    if given and not is_url(packed):
+        raise click.UsageError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a PACKED "
+                               "given as a URL (s3://bucket/key) only")
+    facts = info(packed, with_deadline(storage_options, deadline))
     if as_json:
-        click.echo(json_shown(facts))
+        echo_json(facts)
         return
     echo_shown(f"{facts['path']}: {facts['format']} (format version {facts['format_version']}, "
                f"{facts.get('checksum', 'crc32')} record checksums), "
@@ -518,7 +542,7 @@ def verify_command(packed, against, check, workers, as_json):
     report = verify(packed, against, check=check, workers=workers)
     report_verify(report)
     if as_json:
-        click.echo(json_shown({"path": os.path.abspath(packed), "against": against, **report.to_dict()}))
+        echo_json({"path": os.path.abspath(packed), "against": against, **report.to_dict()})
     if not report.ok:
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""

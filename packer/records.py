@@ -59,7 +59,7 @@ import numpy as np
 
 from . import checksum as record_checksums
 from .crc import crc32
-from .errors import CorruptDataError, FormatError
+from .errors import CorruptDataError, FormatError, redacted
 
 # Bumped when a layout changes incompatibly; readers refuse newer versions by name.
 # 2: the record checksum may be of another kind than CRC-32 ("checksum").
@@ -546,10 +546,10 @@ class Metadata:
                 for name, s in self.splits.items()
             },
             "skipped": list(self.skipped),
-            "source": self.source,
+            "source": redacted(self.source),  # a dataset is shared: no credential of a URL goes in
             "created": self.created,
             "packer_version": self.packer_version,
-            "params": dict(self.params),
+            "params": redacted(dict(self.params)),
         }
         if self.parts is not None:
             d["parts"] = self.parts

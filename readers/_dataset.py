@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch.utils.data
 
-from packer.errors import CorruptDataError
+from packer.errors import CorruptDataError, redact
 from packer.formats import CAN_ADVISE
 
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
@@ -133,5 +133,5 @@ class ReaderDataset(torch.utils.data.Dataset):
         self.reader.close()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.reader.path!r}, split={self.split!r}, "
+        return (f"{type(self).__name__}({redact(self.reader.path)!r}, split={self.split!r}, "
                 f"samples={len(self)}, classes={len(self.classes)}, decode={self.decode!r})")

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 __all__ = ["bounded_http_waits", "fake_aws_env", "s3_endpoint", "s3_bucket", "s3_server", "s3_auth_server", "http_root",
-           "nginx", "link", "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
+           "nginx", "link", "stalling", "MotoServer", "NginxServer", "Link", "S3Bucket", "free_port", "FAKE_AWS_ENV"]
 
 HOST = "127.0.0.1"
 AUTH_SETUP = ("create_user", "create_access_key", "put_user_policy")  # the requests moto lets through unsigned
@@ -666,6 +666,86 @@ def run_link(port: int, upstream: int, delay: float, rate: float) -> None:
     asyncio.run(main())
 
 
+# --- servers that accept and then do not answer ----------------------------------------
+
+
+class StallingServer(ServerProcess):
+    """A TCP server on 127.0.0.1:port that accepts every connection and reads the request, then
+    answers never (mode "silent") or an HTTP response one byte a second ("trickle"), so no
+    socket read timeout ever fires: see run_stalling."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.port, self.port_fixed = free_port(), False
+        self.proc: subprocess.Popen | None = None
+        self.log = Path(tempfile.mkstemp(prefix="packer-stall-", suffix=".log")[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def launch(self) -> None:
+        log_from = log_size(self.log)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "stall", str(self.port), self.mode],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        wait_listening(self.port, self.proc, f"the {self.mode} server", self.log, log_from)
+
+    def accepted(self) -> int:
+        """Connections accepted so far (one line each in the log)."""
+        return self.log.read_text().count("accepted")
+
+    def close(self) -> None:
+        kill_process(self.proc)
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def stalling():
+    """Factory: stalling("silent" | "trickle") -> a started StallingServer, closed after the test."""
+    servers = []
+
+    def start(mode: str) -> StallingServer:
+        started = StallingServer(mode).start()
+        servers.append(started)
+        return started
+
+    yield start
+    for started in servers:
+        started.close()
+
+
+TRICKLE = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"x" * 100000  # a header that never ends
+
+
+def run_stalling(port: int, mode: str) -> None:
+    """Accept until killed; each connection gets silence, or TRICKLE at one byte a second."""
+    import asyncio
+
+    async def serve(reader, writer):
+        print("accepted", flush=True)
+        try:
+            await reader.read(65536)
+            if mode == "silent":
+                await asyncio.sleep(3600)
+            for i in range(len(TRICKLE)):
+                writer.write(TRICKLE[i:i + 1])
+                await writer.drain()
+                await asyncio.sleep(1.0)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, HOST, port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
 def run_moto(port: int, snapshot: Path) -> None:
     """moto's S3 server on port, holding the objects snapshot/<bucket>/<quoted key> from the start."""
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -683,5 +763,7 @@ def run_moto(port: int, snapshot: Path) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "link":
     run_link(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "stall":
+    run_stalling(int(sys.argv[2]), sys.argv[3])
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "moto":
     run_moto(int(sys.argv[2]), Path(sys.argv[3]))

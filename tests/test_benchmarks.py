@@ -287,6 +287,99 @@ def test_compare_rejects_unreadable_results(tmp_path, capsys):
     assert "cannot read results" in capsys.readouterr().err
 
 
+def crashed(results: dict) -> dict:
+    """results with every case and pack failed as run.py records a case process that died."""
+    dead = {"status": "error", "error": "case process exited -9: "}
+    return {**results, "ceiling": dead, "pack": {"lmdb": dead},
+            "sources": {"lmdb": {"measures": {"raw": {"warm": dead}}}}}
+
+
+@pytest.mark.parametrize("new", [
+    results_with(float("nan"), float("nan")),
+    results_with(float("inf"), 10.0),
+    {},
+    {"machine": {"cpu": "x"}, "sources": {}},
+    crashed(results_with(1000.0, 10.0)),
+    {**results_with(1000.0, 10.0), "pack": {"lmdb": {"status": "crashed"}},
+     "sources": {"lmdb": {"measures": {"raw": {"warm": {"status": "crashed"}}}}}},
+    results_with("fast", 10.0),
+], ids=["nan", "infinite", "empty", "no-cases", "every-case-crashed", "status-crashed", "not-a-number"])
+def test_compare_fails_on_results_it_cannot_judge(tmp_path, capsys, new):
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(results_with(1000.0, 10.0)))
+    new_path.write_text(json.dumps(new))
+    assert bench_main(["compare", str(old_path), str(new_path)]) == 1
+    assert re.search(r"^ *(REGRESSION|UNJUDGED|EMPTY) ", capsys.readouterr().out, re.M)
+
+
+def test_a_nan_in_old_fails_the_gate_instead_of_switching_its_case_off(tmp_path, capsys):
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(results_with(float("nan"), 10.0)))
+    new_path.write_text(json.dumps(results_with(1.0, 10.0)))  # a 99.9% fall hidden behind the NaN
+    assert bench_main(["compare", str(old_path), str(new_path)]) == 1
+    assert "UNJUDGED lmdb raw warm: nan -> 1 (OLD median is not a finite positive number)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, what", [
+    ("[1, 2]", "a JSON list, not the object"),
+    ('{"sources": []}', "'sources' is a JSON list"),
+    ('{"sources": {"lmdb": 3}}', "sources.lmdb has no 'measures' object"),
+    ('{"pack": "fast"}', "'pack' is a JSON str"),
+    ("", "not JSON"),
+], ids=["list", "sources-list", "source-not-object", "pack-string", "empty-file"])
+def test_compare_says_which_file_is_malformed_and_exits_2(tmp_path, capsys, text, what):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(results_with(1000.0, 10.0)))
+    bad.write_text(text)
+    assert bench_main(["compare", str(good), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read results: {bad}: {what}" in err and "Traceback" not in err
+
+
+def test_compare_of_a_missing_file_exits_2_naming_it(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(results_with(1000.0, 10.0)))
+    assert bench_main(["compare", str(tmp_path / "absent.json"), str(good)]) == 2
+    assert f"cannot read results: {tmp_path / 'absent.json'}: cannot read it" in capsys.readouterr().err
+
+
+def test_run_refuses_a_workdir_corpus_it_did_not_make(tmp_path, capsys):
+    corpus = tmp_path / "wd" / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "thesis.tex").write_text("years of work")
+    assert bench_main(["run", "--generate", "20", "--workdir", str(tmp_path / "wd"), "--formats", "lmdb"]) == 2
+    assert (corpus / "thesis.tex").read_text() == "years of work"
+    assert f"{corpus} exists and was not made by the benchmark suite" in capsys.readouterr().err
+
+
+def test_run_replaces_only_a_corpus_its_stamp_says_it_made(tmp_path):
+    from benchmarks.run import reuse_corpus
+
+    corpus = tmp_path / "corpus"
+    reuse_corpus(str(corpus), 20, seed=0)
+    stamp = json.loads((tmp_path / "corpus.json").read_text())
+    assert stamp["complete"] is True and stamp["images"] == 20
+    first = sorted(p.name for p in corpus.rglob("*.JPEG"))
+    (corpus / "marker").write_text("kept while the stamp matches")
+    reuse_corpus(str(corpus), 20, seed=0)
+    assert (corpus / "marker").exists()
+    reuse_corpus(str(corpus), 30, seed=0)  # other parameters: its own corpus, replaced
+    assert not (corpus / "marker").exists() and len(list(corpus.rglob("*.JPEG"))) >= 30 > len(first)
+
+
+def test_an_interrupted_corpus_is_the_suites_own_and_is_made_again(tmp_path):
+    from benchmarks.run import reuse_corpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "half-written.jpg").write_bytes(b"\xff\xd8")
+    (tmp_path / "corpus.json").write_text(json.dumps({"images": 20, "seed": 0, "shape": [2, 10],
+                                                      "complete": False}))
+    reuse_corpus(str(corpus), 20, seed=0)
+    assert not (corpus / "half-written.jpg").exists()
+    assert json.loads((tmp_path / "corpus.json").read_text())["complete"] is True
+
+
 @pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
 def test_read_ahead_study_reports_every_depth_and_restores_the_default(tmp_path):
     from benchmarks.suites import read_ahead

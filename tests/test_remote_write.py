@@ -664,7 +664,7 @@ def test_transient_errors_are_retried_and_refusals_are_not(s3_bucket):
 
     calls, slept = [], []
 
-    def refused_twice():
+    def refused_twice(timeout):
         calls.append(1)
         if len(calls) < 3:
             raise ConnectionRefusedError(111, "Connection refused")
@@ -676,7 +676,7 @@ def test_transient_errors_are_retried_and_refusals_are_not(s3_bucket):
     fs = s3fs_of(s3_bucket)
     calls.clear()
 
-    def missing():
+    def missing(timeout):
         calls.append(1)
         return fs.cat_file(f"{s3_bucket.name}/no/such/key")
 
@@ -690,7 +690,7 @@ def test_giving_up_says_it_retried(s3_bucket):
     from packer.remote.errors import RemoteError
     from packer.remote.retry import with_retries
 
-    def down():
+    def down(timeout):
         raise ConnectionResetError(104, "Connection reset by peer")
 
     with pytest.raises(RemoteError, match=r"cannot be reached.*\(retried\)"):

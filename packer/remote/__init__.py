@@ -10,6 +10,8 @@ import os
 import re
 from typing import NamedTuple
 
+from ..errors import redact
+
 # Any scheme fsspec may open (s3://, gs://, https://, ...), but not file://, which is a local path.
 SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -42,9 +44,9 @@ def scheme_of(url: str) -> str:
 def parse_url(url: str) -> URL:
     """Split s3://bucket/key/parts (or https://host:port/path) into a URL; ValueError if it is none."""
     if not is_url(url):
-        raise ValueError(f"{url}: not a URL such as s3://bucket/key or https://host/path")
+        raise ValueError(redact(f"{url}: not a URL such as s3://bucket/key or https://host/path"))
     scheme, _, rest = url.partition("://")
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise ValueError(f"{url}: the URL names no bucket or host")
+        raise ValueError(redact(f"{url}: the URL names no bucket or host"))
     return URL(scheme.lower(), bucket, key.strip("/"))

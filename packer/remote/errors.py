@@ -13,7 +13,7 @@ import asyncio
 import os
 import socket
 
-from ..errors import PackError
+from ..errors import PackError, redact
 from . import scheme_of
 
 MISSING, NO_BUCKET, DENIED, UNREACHABLE, TIMEOUT, SERVER, OTHER = (
@@ -116,9 +116,21 @@ def endpoint_of(storage_options: dict | None) -> str:
     return endpoint or "the default endpoint (AWS S3; set client_kwargs.endpoint_url for another store)"
 
 
+def cause(exc: BaseException) -> BaseException | None:
+    """exc, to chain under the RemoteError that reports it; None (a traceback without it) where
+    the text of exc or of any exception it chains holds a URL credential, which a traceback
+    would print as it is (backends put the whole URL in their messages)."""
+    for one in chain(exc):
+        text = f"{one} {one!r}"
+        if redact(text) != text:
+            return None
+    return exc
+
+
 def describe(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
+    return redact(f"{type(exc).__name__}: {text}")[:300]  # redacted first: a cut URL hides its '@'
+
 
 
 def failure(url: str, exc: BaseException, doing: str = "reading", storage_options: dict | None = None,

@@ -34,11 +34,11 @@ import os
 import posixpath
 import threading
 
-from ..errors import CorruptDataError, FormatError
+from ..errors import CorruptDataError, FormatError, redact
 from . import is_url as _is_url, scheme_of
 from .cache import BlockCache, parse_bytes
 from .errors import MISSING, RemoteError
-from .retry import RETRIES, with_retries
+from .retry import RETRIES, bounded, split_deadline, with_retries
 
 EXTRA = "packer[remote]"
 DEFAULT_BLOCK_SIZE = 8 << 20
@@ -82,11 +82,11 @@ def filesystem(url: str, storage_options: dict):
     try:
         import fsspec.core
     except ImportError as exc:
-        raise ImportError(f"reading {url} needs fsspec: pip install '{EXTRA}'") from exc
+        raise ImportError(f"reading {redact(url)} needs fsspec: pip install '{EXTRA}'") from exc
     try:
         fs, path = fsspec.core.url_to_fs(url, **with_http_timeouts(url, one_attempt(url, storage_options)))
     except ImportError as exc:
-        raise ImportError(f"reading {url} needs a package packer's remote extra installs ({exc}): "
+        raise ImportError(f"reading {redact(url)} needs a package packer's remote extra installs ({exc}): "
                           f"pip install '{EXTRA}'") from exc
     if hasattr(fs, "retries") and isinstance(fs.retries, int):
         fs.retries = 1  # s3fs retries some errors itself: leave retrying to packer.remote.retry
@@ -146,7 +146,7 @@ class Remote:
                  retries: int = RETRIES):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ValueError(f"storage_options must be a dict, not {type(storage_options).__name__}")
-        self.storage_options = dict(storage_options or {})
+        self.deadline, self.storage_options = split_deadline(storage_options)
         self.cache_dir = None if cache_dir is None else os.path.abspath(os.fspath(cache_dir))
         self.block_size = DEFAULT_BLOCK_SIZE if block_size is None else parse_bytes(block_size, "block_size")
         if self.block_size < 4096:
@@ -160,7 +160,12 @@ class Remote:
 
     def info(self, url: str) -> dict:
         fs, path = self.fs(url)
-        return with_retries(url, lambda: fs.info(path), self.retries, storage_options=self.storage_options)
+        return self.attempts(url, lambda timeout: fs.info(path, **bounded(fs, timeout)), "its size")
+
+    def attempts(self, url: str, call, what: str):
+        """call(seconds left) with this Remote's retries and deadline (packer.remote.retry)."""
+        return with_retries(url, call, self.retries, storage_options=self.storage_options, deadline=self.deadline,
+                            what=what)
 
     def identity(self, url: str) -> tuple[str, int, str]:
         return identity_of(self.info(url), url)
@@ -194,7 +199,8 @@ class Remote:
         return data
 
     def __repr__(self) -> str:
-        return f"Remote(cache_dir={self.cache_dir!r}, cache_limit={self.cache_limit}, block_size={self.block_size})"
+        return (f"Remote(cache_dir={self.cache_dir!r}, cache_limit={self.cache_limit}, block_size={self.block_size}, "
+                f"deadline={self.deadline:g})")
 
 
 class _Process:
@@ -410,12 +416,12 @@ class RemoteSource:
 
     def fetch(self, start: int, end: int) -> bytes:
         """Bytes [start, end) from the server: one ranged request, retried on transient errors."""
-        def get():
-            data = self.fs.cat_file(self.path, start=start, end=end)
+        def get(timeout: float) -> bytes:
+            data = self.fs.cat_file(self.path, start=start, end=end, **bounded(self.fs, timeout))
             if len(data) != end - start:
                 raise OSError(f"short read: {len(data)} of {end - start} bytes at {start}")
             return data
-        data = with_retries(self.url, get, self.remote.retries, storage_options=self.remote.storage_options)
+        data = self.remote.attempts(self.url, get, f"bytes {start}-{end - 1}")
         state = process_state()
         with state.lock:
             self.fetched_bytes += len(data)
@@ -477,7 +483,7 @@ class RemoteSource:
         """Nothing to release: blocks stay cached for the next source of this object."""
 
     def __repr__(self) -> str:
-        return f"RemoteSource({self.url!r}, size={self.size})"
+        return f"RemoteSource({redact(self.url)!r}, size={self.size})"
 
 
 class SourceFile(io.RawIOBase):

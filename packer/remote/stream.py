@@ -13,7 +13,7 @@ import io
 import queue
 import threading
 
-from .retry import with_retries
+from .retry import bounded
 from .source import Remote
 
 CHUNK = 4 << 20
@@ -41,8 +41,8 @@ class ShardStream(io.RawIOBase):
             offset = 0
             while offset < size and not self.stopped.is_set():
                 end = min(size, offset + CHUNK)
-                chunk = with_retries(self.url, lambda: self.fetch(fs, path, offset, end), self.remote.retries,
-                                     storage_options=self.remote.storage_options)
+                chunk = self.remote.attempts(self.url, lambda timeout: self.fetch(fs, path, offset, end, timeout),
+                                             f"bytes {offset}-{end - 1}")
                 self.put(chunk)
                 offset = end
             self.put(_END)
@@ -50,8 +50,8 @@ class ShardStream(io.RawIOBase):
             self.put(exc)
 
     @staticmethod
-    def fetch(fs, path: str, start: int, end: int) -> bytes:
-        data = fs.cat_file(path, start=start, end=end)
+    def fetch(fs, path: str, start: int, end: int, timeout: float) -> bytes:
+        data = fs.cat_file(path, start=start, end=end, **bounded(fs, timeout))
         if len(data) != end - start:
             raise OSError(f"short read: {len(data)} of {end - start} bytes at {start}")
         return data

@@ -52,6 +52,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -62,8 +63,8 @@ from ..interrupts import Interrupted
 from ..output import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 from . import is_url, parse_url
 from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
-from .retry import RETRIES, with_retries
 from . import source as remote_source
+from .retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
 from .source import one_attempt
 
 if TYPE_CHECKING:
@@ -90,17 +91,27 @@ class Target:
     path: str  # bucket/key, as fsspec names it
     storage_options: dict
     retries: int = RETRIES
+    deadline: float = DEADLINE
 
-    def call(self, what: str, fn: Callable, doing: str = "writing"):
-        """fn(), retried (packer.remote.retry), in a worker thread: see run_all."""
+    def call(self, what: str, fn: Callable, doing: str = "writing", size: int = 0, request: str = ""):
+        """fn(seconds left), retried (packer.remote.retry) within the deadline, a second more
+        per MIN_RATE bytes of size moved, in a worker thread: see run_all."""
         def attempt():
-            return with_retries(what, fn, self.retries, doing, self.storage_options)
+            return with_retries(what, fn, self.retries, doing, self.storage_options,
+                                deadline=self.deadline + size / MIN_RATE, what=request)
 
         if threading.current_thread() is not threading.main_thread():
             return attempt()
         result = []
         run_all([lambda: result.append(attempt())])
         return result[0]
+
+    def run(self, path: str, method: str, *args, doing: str = "writing", size: int = 0, **kwargs):
+        """self.fs.method(*args, **kwargs) on the object at path, as call() makes it: each
+        attempt bounded by the time left."""
+        fn = getattr(self.fs, method)
+        return self.call(self.url_of(path), lambda timeout: fn(*args, **kwargs, **bounded(self.fs, timeout)),
+                         doing, size, f"({method})")
 
     def url_of(self, path: str) -> str:
         return f"{parse_url(self.url).scheme}://{path}"
@@ -146,11 +157,12 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
         raise PackError(f"{url}: the name holds {' '.join(glob)}, which object-store tools read as wildcards "
                         "(removing or replacing it could reach other keys); choose a name without * ? [ ]", url)
     url = str(parsed)
+    deadline, storage_options = split_deadline(storage_options)
     fs, path = filesystem(url, storage_options)
     fs.invalidate_cache()  # fsspec reuses a filesystem per options: forget listings an earlier write saw
     if hasattr(fs, "retries") and isinstance(fs.retries, int):
         fs.retries = 1  # s3fs retries timeouts itself: leave retrying to packer.remote.retry
-    return Target(url, fs, path.rstrip("/"), dict(storage_options or {}), retries)
+    return Target(url, fs, path.rstrip("/"), storage_options, retries, deadline)
 
 
 # --- what is at OUT ------------------------------------------------------------------
@@ -162,7 +174,8 @@ def check_bucket(target: Target) -> None:
     if not target.s3:
         return
     try:
-        target.call(target.url, lambda: target.fs.call_s3("head_bucket", Bucket=bucket))
+        target.call(target.url, lambda timeout: target.fs.call_s3("head_bucket", Bucket=bucket,
+                                                                  **bounded(target.fs, timeout)))
     except RemoteError as exc:
         if exc.kind in (MISSING, NO_BUCKET):  # HEAD has no body: a 404 is all S3 says
             where = endpoint_of(target.storage_options)
@@ -173,11 +186,11 @@ def check_bucket(target: Target) -> None:
 
 
 def exists(target: Target, path: str) -> bool:
-    return bool(target.call(target.url_of(path), lambda: target.fs.exists(path)))
+    return bool(target.run(path, "exists", path))
 
 
 def is_file(target: Target, path: str) -> bool:
-    return bool(target.call(target.url_of(path), lambda: target.fs.isfile(path)))
+    return bool(target.run(path, "isfile", path))
 
 
 def remote_dataset(target: Target, path: str | None = None) -> str | None:
@@ -191,7 +204,7 @@ def remote_dataset(target: Target, path: str | None = None) -> str | None:
         if is_file(target, f"{path}/{entry}"):
             return fmt
     if is_file(target, path):
-        head = target.call(target.url_of(path), lambda: target.fs.cat_file(path, start=0, end=len(HDF5_SIGNATURE)))
+        head = target.run(path, "cat_file", path, start=0, end=len(HDF5_SIGNATURE))
         if head == HDF5_SIGNATURE:
             return "hdf5"
     return None
@@ -202,8 +215,7 @@ def read_manifest(target: Target, path: str) -> dict | None:
     where = f"{path}/{MANIFEST}"
     if not is_file(target, where):
         return None
-    raw = target.call(target.url_of(where), lambda: target.fs.cat_file(where, start=0, end=MANIFEST_LIMIT + 1),
-                      doing="reading")
+    raw = target.run(where, "cat_file", where, start=0, end=MANIFEST_LIMIT + 1, doing="reading")
     return parse_manifest(raw, target.url_of(where))
 
 
@@ -315,11 +327,12 @@ def stagings(target: Target) -> list[Staging]:
         bucket, _, key = target.path.partition("/")
         prefix = key + ".partial-"
         found = []
-        for page in target.call(target.url, lambda: list_prefixes(target, bucket, prefix), doing="reading"):
+        for page in target.call(target.url, lambda timeout: list_prefixes(target, bucket, prefix, timeout),
+                                doing="reading", request="(a listing of staging prefixes)"):
             found.append(f"{bucket}/{page.rstrip('/')}")
     else:
         found = [path.rstrip("/") for path in
-                 target.call(target.url, lambda: target.fs.glob(f"{target.path}.partial-*"), doing="reading")]
+                 target.run(target.path, "glob", f"{target.path}.partial-*", doing="reading")]
     result = []
     for path in found:
         rest = posixpath.basename(path)[len(name):]
@@ -329,14 +342,15 @@ def stagings(target: Target) -> list[Staging]:
     return result
 
 
-def list_prefixes(target: Target, bucket: str, prefix: str) -> list[str]:
-    """The 'folders' under bucket/prefix* (one level), by S3's delimiter listing."""
+def list_prefixes(target: Target, bucket: str, prefix: str, timeout: float) -> list[str]:
+    """The 'folders' under bucket/prefix* (one level), by S3's delimiter listing, within timeout seconds."""
     found, token = [], None
+    ends = time.monotonic() + timeout
     while True:
         kwargs = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
         if token:
             kwargs["ContinuationToken"] = token
-        page = target.fs.call_s3("list_objects_v2", **kwargs)
+        page = target.fs.call_s3("list_objects_v2", **kwargs, **bounded(target.fs, ends - time.monotonic()))
         found.extend(item["Prefix"] for item in page.get("CommonPrefixes", []))
         if not page.get("IsTruncated"):
             return found
@@ -381,9 +395,9 @@ def tidy(target: Target) -> tuple[list[str], list[str]]:
 
 def remove(target: Target, path: str) -> None:
     """Delete path and everything under it, if there is anything."""
-    def rm():
+    def rm(timeout: float):
         with contextlib.suppress(FileNotFoundError):
-            target.fs.rm(path, recursive=True)
+            target.fs.rm(path, recursive=True, **bounded(target.fs, timeout))
         target.fs.invalidate_cache(path)
 
     target.call(target.url_of(path), rm)
@@ -459,8 +473,9 @@ def manifest_bytes(fmt: str, objects: dict[str, int]) -> bytes:
 def put(target: Target, local: str, path: str) -> None:
     """Upload one file: on S3 in one PUT below two parts' size, else as a multipart upload
     (s3fs aborts it on failure, so no parts are left behind)."""
-    options = {"chunksize": part_size(os.path.getsize(local))} if target.s3 else {}
-    target.call(target.url_of(path), lambda: target.fs.put_file(local, path, **options))
+    size = os.path.getsize(local)
+    options = {"chunksize": part_size(size)} if target.s3 else {}
+    target.run(path, "put_file", local, path, size=size, **options)
 
 
 def part_size(size: int) -> int:
@@ -469,11 +484,11 @@ def part_size(size: int) -> int:
 
 
 def put_bytes(target: Target, path: str, data: bytes) -> None:
-    target.call(target.url_of(path), lambda: target.fs.pipe_file(path, data))
+    target.run(path, "pipe_file", path, data, size=len(data))
 
 
-def copy(target: Target, source: str, path: str) -> None:
-    target.call(target.url_of(path), lambda: target.fs.copy(source, path))
+def copy(target: Target, source: str, path: str, size: int = 0) -> None:
+    target.run(path, "copy", source, path, size=size)
 
 
 def publish(target: Target, stage: str, fmt: str, objects: dict[str, int], replacing: bool) -> None:
@@ -482,13 +497,15 @@ def publish(target: Target, stage: str, fmt: str, objects: dict[str, int], repla
     if replacing:
         remove_old(target, keep_object=fmt == "hdf5")
     if fmt == "hdf5":  # one copy: the object at OUT is the old one or the new one, never neither
-        copy(target, f"{stage}/{posixpath.basename(out)}", out)
+        single = f"{stage}/{posixpath.basename(out)}"
+        copy(target, single, out, target.run(single, "size", single, doing="reading"))
         return
     entry = ENTRY.get(fmt)
     keys = ordered(fmt, objects)
-    run_all([lambda key=key: copy(target, f"{stage}/{key}", f"{out}/{key}") for key in keys if key != entry])
+    run_all([lambda key=key: copy(target, f"{stage}/{key}", f"{out}/{key}", objects[key])
+             for key in keys if key != entry])
     if entry in objects:
-        copy(target, f"{stage}/{entry}", f"{out}/{entry}")
+        copy(target, f"{stage}/{entry}", f"{out}/{entry}", objects[entry])
     copy(target, f"{stage}/{MANIFEST}", f"{out}/{MANIFEST}")
 
 
@@ -498,9 +515,9 @@ def remove_old(target: Target, keep_object: bool) -> None:
     out = target.path
     for first in (MANIFEST, *ENTRY.values()):
         delete_object(target, f"{out}/{first}")
-    rest = target.call(target.url, lambda: target.fs.find(out + "/"), doing="reading")
+    rest = target.run(out, "find", out + "/", doing="reading")
     if rest:
-        target.call(target.url, lambda: target.fs.rm(rest))
+        target.run(out, "rm", rest)
     if not keep_object:
         delete_object(target, out)
     target.fs.invalidate_cache(out)
@@ -508,9 +525,9 @@ def remove_old(target: Target, keep_object: bool) -> None:
 
 def delete_object(target: Target, path: str) -> None:
     """Delete one object if it is there (deleting a missing key is no error in S3)."""
-    def rm():
+    def rm(timeout: float):
         with contextlib.suppress(FileNotFoundError):
-            target.fs.rm_file(path)
+            target.fs.rm_file(path, **bounded(target.fs, timeout))
 
     target.call(target.url_of(path), rm)
 
