@@ -275,7 +275,8 @@ def replace_problem(target: Target) -> str | None:
     asks of a local one, or None: its metadata read back checked, and under OUT/ no object
     but those its packer.json (or, copied by hand, its format) names."""
     fmt = remote_dataset(target)
-    found = target.call(target.url, lambda: target.fs.find(target.path + "/"), doing="reading")
+    found = target.call(target.url, lambda timeout: target.fs.find(target.path + "/", **bounded(target.fs, timeout)),
+                        doing="reading")
     under = sorted(path[len(target.path) + 1:] for path in found if path.startswith(target.path + "/"))
     if fmt is None:
         held = f"holds {replaceable.listing(under)}" if under else "is an object that is not HDF5"
