@@ -28,15 +28,13 @@ def not_regular_reason(mode: int) -> str:
     return f"not a regular file ({file_kind(mode)})"
 
 
-def read_regular_file(path: str, max_bytes: int | None = None) -> bytes | bytearray:
-    """The bytes of the regular file at path (a bytearray where it is too large for one
-    read: see read_size); with max_bytes, a larger file is refused before it is read (its
-    size as fstat reports it on the opened file).
+def open_regular_file(path: str, max_bytes: int | None = None) -> tuple[int, int]:
+    """(a blocking descriptor of the regular file at path, its size), checked as
+    read_regular_file checks it before reading; the caller closes the descriptor.
 
     Raises:
-        OSError: it cannot be opened or read (missing, permission denied, I/O error).
-        BadImageError: it is not a regular file, it is over max_bytes, it changed size
-            while being read, or it is too large to hold in memory; .reason says which.
+        OSError: it cannot be opened.
+        BadImageError: it is not a regular file, or it is over max_bytes.
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -50,7 +48,25 @@ def read_regular_file(path: str, max_bytes: int | None = None) -> bytes | bytear
         if max_bytes is not None and info.st_size > max_bytes:
             raise BadImageError(path, f"larger than {max_bytes // 2**20} MB ({info.st_size} bytes)")
         os.set_blocking(fd, True)  # O_NONBLOCK was for the open; a network or FUSE file could EAGAIN with it
-        return read_size(fd, info.st_size, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def read_regular_file(path: str, max_bytes: int | None = None) -> bytes | bytearray:
+    """The bytes of the regular file at path (a bytearray where it is too large for one
+    read: see read_size); with max_bytes, a larger file is refused before it is read (its
+    size as fstat reports it on the opened file).
+
+    Raises:
+        OSError: it cannot be opened or read (missing, permission denied, I/O error).
+        BadImageError: it is not a regular file, it is over max_bytes, it changed size
+            while being read, or it is too large to hold in memory; .reason says which.
+    """
+    fd, size = open_regular_file(path, max_bytes)
+    try:
+        return read_size(fd, size, path)
     finally:
         os.close(fd)
 

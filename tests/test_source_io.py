@@ -2,7 +2,6 @@
 reads regular files only, without blocking, and no more than their size."""
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from packer.errors import BadImageError
 from packer.folder import FolderReader
 from packer.source_io import read_regular_file
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes, needs_prlimit, run_capped, write
 from test_pack import within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,29 +73,12 @@ def test_the_folder_reader_refuses_a_fifo_naming_it(tmp_path):
 
 
 # Memory: a source read holds the file once, and runs out of memory with packer's error.
-CAPPED_READ = r"""
-import sys
-from packer.pack import load_file
 
-if sys.argv[2] == "measure":  # the address space the imports take, before any read
-    print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmPeak:")))
-else:
-    loaded = load_file(sys.argv[1], "header")
-    print(len(loaded.data) if loaded.data is not None else loaded.reason)
-"""
-
-
-def read_capped(path: Path, headroom: int) -> subprocess.CompletedProcess:
-    """load_file(path) (what pack runs for each file) in a process whose address space is
-    capped (prlimit --as) at what its imports took plus headroom bytes."""
-    script = path.parent / "capped_read.py"
-    script.write_text(CAPPED_READ)
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # thread stacks out of the baseline
-    measured = subprocess.run([sys.executable, str(script), str(path), "measure"], capture_output=True, text=True,
-                              env=env, check=True, timeout=60)
-    cap = int(measured.stdout) * 1024 + headroom
-    return subprocess.run(["prlimit", f"--as={cap}", sys.executable, str(script), str(path), "read"],
-                          capture_output=True, text=True, env=env, timeout=60)
+def load_capped(tmp_path: Path, path: Path, headroom: int):
+    """load_file(path) (what pack runs for each file) under an address-space cap of headroom."""
+    return run_capped(tmp_path, "from packer.pack import load_file",
+                      "loaded = load_file(sys.argv[1], 'header')\n"
+                      "print(len(loaded.data) if loaded.data is not None else loaded.reason)", [str(path)], headroom)
 
 
 def sparse_file(path: Path, size: int) -> Path:
@@ -105,24 +87,19 @@ def sparse_file(path: Path, size: int) -> Path:
     return path
 
 
-needs_prlimit = pytest.mark.skipif(not shutil.which("prlimit") or not os.path.exists("/proc/self/status"),
-                                   reason="needs prlimit (util-linux) and /proc")
-
-
 @needs_prlimit
 def test_a_source_file_over_2_gib_is_read_holding_it_once(tmp_path):
     """Linux returns at most ~2 GiB a read, so this file comes in two pieces: read into one
     buffer, it fits under a cap of its size plus 256 MiB (joining the pieces held it twice)."""
     size = 2 * 2**30 + 16 * 2**20
-    done = read_capped(sparse_file(tmp_path / "huge.jpg", size), size + 256 * 2**20)
+    done = load_capped(tmp_path, sparse_file(tmp_path / "huge.jpg", size), size + 256 * 2**20)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.startswith("not an image (starts with b'\\x00\\x00")  # read whole, then sniffed
 
 
 @needs_prlimit
 def test_a_source_file_larger_than_memory_is_refused_naming_it(tmp_path):
-    """Past the memory it may have, a read is packer's error naming the file, never a MemoryError traceback."""
-    path = sparse_file(tmp_path / "big.jpg", 2**30)
-    done = read_capped(path, 128 * 2**20)
+    """Past the memory it may have, a read is packer's error, never a MemoryError traceback."""
+    done = load_capped(tmp_path, sparse_file(tmp_path / "big.jpg", 2**30), 128 * 2**20)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.strip() == f"too large to hold in memory ({2**30} bytes); free memory, or leave the file out of SRC"
