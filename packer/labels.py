@@ -42,6 +42,10 @@ LOC_HEADER = ["ImageId", "PredictionString"]
 PLAIN_HEADER = ["filename", "class"]
 INTEGER = re.compile(r"[+-]?[0-9]{1,9}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+DRIVE = re.compile(r"[A-Za-z]:")
+# A name of one component, no leading dot, no "..", no control character, "/", "\\" or ":":
+# checked_key keeps it as it is.
+PLAIN_NAME = re.compile(r"[\w\-+ ]+(?:\.[\w\-+ ]+)*")
 
 
 @dataclass
@@ -206,9 +210,11 @@ def checked_key(key, path: str, where: str) -> str:
     if not isinstance(key, str) or not key.strip():
         raise SourceError(f"{path}: {where}: file name missing", path)
     key = key.strip()
+    if len(key) <= MAX_NAME and PLAIN_NAME.fullmatch(key):  # most rows: the checks below cannot refuse it
+        return key
     parts = key.replace("\\", "/").split("/")
     if (len(key) > MAX_NAME or CONTROL.search(key) or key.startswith(("/", "\\")) or ".." in parts
-            or re.match(r"[A-Za-z]:", key)):
+            or DRIVE.match(key)):
         raise SourceError(f"{path}: {where}: {shorten(key)!r} is not a file name inside the split folder "
                           "(absolute paths, '..' and control characters are refused)", path)
     return "/".join(p for p in parts if p not in ("", "."))
