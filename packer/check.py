@@ -67,7 +67,7 @@ def problem(data: bytes, level: str = "header", max_pixels: int = MAX_PIXELS) ->
         return "empty file (0 bytes)"
     kind = sniff(data)
     if kind is None:
-        return f"not an image (starts with {data[:8]!r}; expected JPEG, PNG, BMP, TIFF, WebP or PNM)"
+        return f"not an image (starts with {bytes(data[:8])!r}; expected JPEG, PNG, BMP, TIFF, WebP or PNM)"
     if kind == "jpeg":
         reason = jpeg_problem(data, max_pixels)
     elif kind == "png":

@@ -130,5 +130,10 @@ class CorruptDataError(PackError):
         self.reason = reason
 
 
+class ReplacedError(CorruptDataError):
+    """A dataset was replaced at its path (pack --force) since the Dataset reading it was
+    made: reading on would mix the two, so no on_error setting skips past it."""
+
+
 class FormatError(PackError):
     """A path is not a packed dataset, or not one this version can read."""

@@ -19,6 +19,7 @@ refused, so that packing applies its on_error policy to them without ever openin
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import tempfile
@@ -254,7 +255,8 @@ def scan_source(src: str | os.PathLike, on_error: str = "fail", labels: LabelFil
             splits[name] = list_unlabeled(root, split_roots[name], images)
     if labels is not None:
         if not isinstance(labels, LabelFile):
-            labels = read_label_file(labels, classes, labels_index_base)
+            labels = read_label_file(labels, classes, labels_index_base,
+                                     functools.partial(label_names, root, splits, split_roots))
         apply_labels(scan, splits, split_roots, labels)
     warn_unlabeled(scan, splits, split_roots)
     hidden = scan.hidden.warning(root)
@@ -452,6 +454,13 @@ def label_keys(root: str, split_root: str, relpath: str, stems: bool) -> tuple[s
     return in_split, relpath
 
 
+def label_names(root: str, splits: dict[str, SplitListing], split_roots: dict[str, str], stems: bool) -> set[str]:
+    """Every name a label file may give an image of the flat splits by (label_keys): what
+    read_label_file keeps entries of, so that its memory follows the images, not the file."""
+    return {key for name, listing in splits.items() if not listing.labeled
+            for relpath in listing.paths for key in label_keys(root, split_roots[name], relpath, stems)}
+
+
 def keyed_labels(scan: Scanner, flat: dict[str, SplitListing], labels: LabelFile,
                  split_roots: dict[str, str]) -> dict[str, np.ndarray]:
     found, used = {}, set()
@@ -466,12 +475,13 @@ def keyed_labels(scan: Scanner, flat: dict[str, SplitListing], labels: LabelFile
         if (values != UNLABELED).any():
             found[name] = values
     if not found:
-        sample = ", ".join(sorted(labels.by_key)[:3])
+        sample = ", ".join((sorted(labels.by_key) + labels.unmatched_names)[:3])
         raise SourceError(f"{labels.path}: names none of the images of the flat split(s) "
                           f"{', '.join(sorted(flat))} (it names e.g. {sample}); is it the right file?", scan.root)
-    unknown = sorted(labels.by_key.keys() - used)
+    unknown = labels.unmatched_names + sorted(labels.by_key.keys() - used)
     if unknown:
-        scan.warnings.append(f"{labels.name}: {len(unknown)} name(s) match no image of the split "
+        scan.warnings.append(f"{labels.name}: {labels.unmatched + len(unknown) - len(labels.unmatched_names)} "
+                             "name(s) match no image of the split "
                              f"(first: {', '.join(unknown[:5])}); they were ignored")
     return found
 

@@ -44,6 +44,8 @@ class ReaderDataset(torch.utils.data.Dataset):
         return len(self.reader)
 
     def __getitem__(self, index: int):
+        if self.check_not_cut is not None:  # the file cut short since: an error, not SIGBUS (docs/safety.md)
+            self.check_not_cut()
         if index < 0:
             if index < -len(self):  # not wrapped round to a record at the end
                 raise IndexError(f"index {index} out of range for split {self.split!r} of {len(self)} records")
@@ -79,9 +81,8 @@ class ReaderDataset(torch.utils.data.Dataset):
         the next batch (readers.heap).
         """
         keep_heap_in_worker()
-        check_not_cut = getattr(self.reader, "check_not_cut", None)
-        if check_not_cut is not None:  # the file cut short since: an error, not SIGBUS (packer's SplitReader)
-            check_not_cut()
+        if self.check_not_cut is not None:  # before the hints below read the record tables
+            self.check_not_cut()
         indexes = list(indexes)
         hint = self.read_ahead()
         if hint is not None:
@@ -89,6 +90,12 @@ class ReaderDataset(torch.utils.data.Dataset):
             for k in range(0, len(wanted), HINT_CHUNK):
                 hint(wanted[k:k + HINT_CHUNK])
         return [self[i] for i in indexes]
+
+    @property
+    def check_not_cut(self):
+        """The reader's check that the file it maps its tables from was not cut short since
+        (packer's SplitReader.check_not_cut: one fstat), or None for a reader with none."""
+        return getattr(self.reader, "check_not_cut", None)
 
     def read_ahead(self) -> ReadAhead | None:
         """This dataset's hinting state, or None when its reader takes no hints."""

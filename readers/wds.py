@@ -30,8 +30,10 @@ import numpy as np
 import torch.distributed
 import torch.utils.data
 
-from packer.errors import CorruptDataError, FormatError, PackError
+from packer.errors import CorruptDataError, FormatError, PackError, ReplacedError
 from packer.formats import _tar, wds
+from packer.formats._reader import current_identity
+from packer.formats._tables import replaced_error
 from packer import checksum as record_checksums
 from packer.records import PATH_ENCODING_ERRORS, choose_split
 from packer.remote import source as remote_source
@@ -125,7 +127,12 @@ class WDSDataset(torch.utils.data.IterableDataset):
         check_rank(rank, world_size, "WDSDataset")
         self.remote = remote_of(path_or_urls, storage_options)
         self.prefetch_shards = int(prefetch_shards)
+        # A packer folder's index.json, whose identity (taken before it is read, checked after)
+        # ties every worker's stream to the dataset these shards, counts and classes are of.
+        self.index_file = index_file_of(path_or_urls, self.remote)
+        self.identity = None if self.index_file is None else current_identity(self.index_file, self.remote)
         self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
+        self.check_replaced()
         # A local packer folder is streamed through its index (read_shards); this process's reader of it:
         self.packed = None if self.remote is not None else packed_folder(path_or_urls)
         self._index: wds.Reader | bool | None = None  # False: not a packer folder, or its index did not load
@@ -387,11 +394,19 @@ class WDSDataset(torch.utils.data.IterableDataset):
                     raise CorruptDataError(f"{path}: ended after {got} samples, {expected} expected; the shard "
                                            "is truncated or was replaced (re-create it, or read with "
                                            "on_error='skip')", path)
+            except ReplacedError:
+                raise  # not damage to skip: every shard from here on is the other dataset's
             except CorruptDataError as exc:
                 if self.on_error == "fail":
                     raise
                 warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
                               RuntimeWarning, stacklevel=2)
+
+    def check_replaced(self) -> None:
+        """Raise the project's error if the packer folder was replaced (pack --force) since
+        this Dataset read its index: its shards would be read under a stale class list."""
+        if self.index_file is not None and current_identity(self.index_file, self.remote) != self.identity:
+            raise replaced_error(self.index_file)
 
     def shard_samples(self, shard: int, opener, start: int = 0
                       ) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
@@ -418,7 +433,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
             return
         path = self.shards[shard]
         passed = 0
+        opened = False
         for sample in _tar.iter_samples(path, opener=opener):
+            if not opened:  # checked once the shard is open: then the shard read is the dataset's checked
+                self.check_replaced()
+                opened = True
             suffix = _tar.image_suffix(sample.parts)
             if suffix is None:
                 continue
@@ -427,9 +446,12 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 continue
             where = f"{path}: {sample.key}"
             try:
-                yield where, sample.parts[suffix], sample_label(where, sample.parts, suffix, self.check_crc)
+                yield where, sample.parts[suffix], sample_label(where, sample.parts, suffix, self.check_crc,
+                                                                len(self.classes))
             except CorruptDataError as exc:
                 yield where, None, exc
+        if not opened:
+            self.check_replaced()
         if passed < start:
             raise CorruptDataError(f"{path}: ended after {passed} samples, {self.shard_counts()[shard]} expected; "
                                    "the shard is truncated or was replaced (re-create it, or read with "
@@ -443,6 +465,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
             if self.packed is not None:
                 try:
                     reader = wds.Reader(self.packed, self.split, check_crc=self.check_crc)
+                except PackError:
+                    return None
+                if reader.identity != self.identity:  # its tables and labels are another dataset's
+                    raise replaced_error(self.index_file)
+                try:
                     reader.records, reader.paths, reader.labels  # loaded and checked now: damage means parsing
                 except PackError:
                     return None
@@ -476,8 +503,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
 
 
-def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool) -> int:
-    """The sample's label (-1 without a .cls member), checked against packer's .json member."""
+def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool, classes: int = 0) -> int:
+    """The sample's label (-1 without a .cls member), checked against packer's .json member
+    and, where the class list is known (classes > 0), to be one of its indexes."""
     label = -1
     if parts.get("cls") is not None:
         try:
@@ -485,6 +513,10 @@ def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool) ->
         except ValueError as exc:
             raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label; the "
                                    "shard is damaged (re-create it, or read with on_error='skip')", where) from exc
+        if classes and not 0 <= label < classes:
+            raise CorruptDataError(f"{where}: label {label} is outside the {classes} classes of the dataset's "
+                                   f"index (0 to {classes - 1}); the shard is not this dataset's or is damaged "
+                                   "(re-pack, or read with on_error='skip')", where)
     meta = parts.get("json")
     # Other tools' .json members hold their own fields: only packer's (with a checksum kind's key) are checked.
     if check_crc and meta is not None and any(key in meta for key in KIND_KEYS):
@@ -693,6 +725,18 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
         raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing; only local "
                           "files are read)", missing[0])
     return urls, None, [], split
+
+
+def index_file_of(path_or_urls, remote) -> str | None:
+    """The index.json of the packer folder path_or_urls names (local or at a URL), else None."""
+    if remote is not None:
+        if isinstance(path_or_urls, (str, os.PathLike)):
+            url = os.fspath(path_or_urls).rstrip("/")
+            if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
+                return remote_source.join(url, wds.INDEX)
+        return None
+    folder = packed_folder(path_or_urls)
+    return None if folder is None else os.path.join(os.path.abspath(folder), wds.INDEX)
 
 
 def packed_folder(path_or_urls) -> str | None:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,34 @@ import pytest
 from PIL import Image
 
 from servers import *  # noqa: F401,F403  (S3 and HTTP servers on loopback: tests/servers.py)
+
+# run_capped's script: the imports, then (measuring) the address space they took, or the body.
+CAPPED_SCRIPT = """
+import os, sys
+{imports}
+if os.environ.get("PACKER_TEST_MEASURE"):
+    print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmPeak:")))
+    sys.exit(0)
+{body}
+"""
+
+needs_prlimit = pytest.mark.skipif(not shutil.which("prlimit") or not os.path.exists("/proc/self/status"),
+                                   reason="needs prlimit (util-linux) and /proc")
+
+
+def run_capped(tmp_path: Path, imports: str, body: str, args: list[str], headroom: int) -> subprocess.CompletedProcess:
+    """The script (imports, then body; sys.argv[1:] is args) in a fresh interpreter whose
+    address space is capped (prlimit --as) at what the imports took plus headroom bytes:
+    what the body may use. Marked tests need needs_prlimit."""
+    script = tmp_path / "capped.py"
+    script.write_text(CAPPED_SCRIPT.format(imports=imports, body=body))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # thread stacks out of the baseline
+    measured = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True,
+                              env={**env, "PACKER_TEST_MEASURE": "1"}, timeout=60)
+    cap = int(measured.stdout) * 1024 + headroom
+    return subprocess.run(["prlimit", f"--as={cap}", sys.executable, str(script), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
 
 # Real data shared beside the checkout (../shared/data), or wherever PACKER_SHARED_DATA points.
 SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")

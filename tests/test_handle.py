@@ -1,8 +1,14 @@
 """packer.formats._handle: shared per-process handles, and finalizers that run while it holds its lock."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
+import pytest
+
+from conftest import jpeg_bytes, write
+from packer import pack
 from packer.formats import _handle
 
 
@@ -27,3 +33,44 @@ def test_a_release_from_a_finalizer_inside_acquire_does_not_deadlock(tmp_path):
     assert result == ["my-handle"] and closed == ["other-handle"]  # the deferred release was done
     _handle.release(mine, ("id",))
     assert closed == ["other-handle", "my-handle"]
+
+
+# A training script's normal shape: Datasets held at module level (so a spawned or forkserver
+# worker, which imports the script again, makes its own), read in the main process and in
+# DataLoader workers, and still held when the interpreter exits.
+QUIET_EXIT_SCRIPT = r"""
+import sys
+import io  # kept alive to the end of shutdown (sys.stdout's), so cleared after packer's module globals
+from torch.utils.data import DataLoader
+import readers
+
+root, context = sys.argv[1], sys.argv[2]
+datasets = [readers.LMDBDataset(f"{root}/d.lmdb", decode="raw"), readers.HDF5Dataset(f"{root}/d.h5", decode="raw"),
+            readers.WDSMapDataset(f"{root}/d.wds", decode="raw"), readers.WDSDataset(f"{root}/d.wds", decode="raw"),
+            readers.FolderDataset(f"{root}/src", decode="raw")]
+io.held_datasets = datasets  # reachable until packer's globals are None, as from any module that outlives them
+
+if __name__ == "__main__":
+    for ds in datasets:
+        if not isinstance(ds, readers.WDSDataset):
+            ds[0]  # opened in this process, and left open
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+        assert len(list(loader)) == 6
+    print("read")
+"""
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_datasets_held_at_exit_print_nothing(tmp_path, context):
+    """No reader or Dataset of any format prints at interpreter shutdown ('Exception ignored
+    in ... __del__', a warning), in the main process or a worker, under any start method."""
+    src = tmp_path / "src"
+    for i in range(6):
+        write(src / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(i, size=(16, 16)))
+    for fmt, ext in (("lmdb", ".lmdb"), ("hdf5", ".h5"), ("wds", ".wds")):
+        pack(str(src), fmt, str(tmp_path / f"d{ext}"), workers=1, progress=False)
+    script = tmp_path / "train.py"
+    script.write_text(QUIET_EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), context], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "read\n", "")

@@ -127,6 +127,26 @@ def test_a_file_cut_short_under_a_dataloader_batch_is_an_error_not_sigbus(tmp_pa
                      result.stderr)
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_a_file_cut_short_before_a_lone_item_is_an_error_not_sigbus(tmp_path, fmt):
+    """ds[i] outside a DataLoader batch (an evaluation loop, a notebook) checks the file's size
+    too before its record's tables are read."""
+    src = tmp_path / "src"
+    for i in range(1200):
+        write(src / f"c{i % 2}" / f"{i:04d}.jpg", jpeg_bytes(i % 7, size=(8, 8)))
+    out = packed(tmp_path, fmt, src)
+    data = out / "data.mdb" if fmt == "lmdb" else out
+    code = ("import os, sys, readers\n"
+            "ds = {'lmdb': readers.LMDBDataset, 'hdf5': readers.HDF5Dataset}[sys.argv[2]](sys.argv[1], decode='raw')\n"
+            "ds[0]\n"
+            "os.truncate(sys.argv[3], os.path.getsize(sys.argv[3]) // 2)\n"
+            "ds[len(ds) - 1]\n")
+    result = run_python(code, str(out), fmt, str(data))
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert re.search(rf"{re.escape(str(data))}: truncated while in use: \d+ bytes, \d+ when this Dataset was made",
+                     result.stderr)
+
+
 # Case 12: every table is range-checked when it loads ---------------------------------------------
 
 def lmdb_put(out: Path, key: str, value: bytes | None, split: str = "all", checksum: bool = True) -> None:

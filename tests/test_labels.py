@@ -15,7 +15,7 @@ from packer.errors import SourceError
 from packer.formats import open_reader, read_metadata
 from packer.scan import scan_source
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes, needs_prlimit, run_capped, write
 
 WNIDS = ["n01440764", "n01443537", "n01484850"]
 VAL = [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(1, 7)]
@@ -240,3 +240,59 @@ def test_a_first_row_naming_an_image_or_a_class_is_data_not_a_header(imagenet_tr
     bad = label_file(tmp_path, "bad.csv", f"{VAL[0]},n09999999\n" + "".join(f"{n},{c}\n" for n, c in TRUTH.items()))
     with pytest.raises(SourceError, match=r"row 1: class 'n09999999' is not one of the 3 class folders"):
         pack(str(imagenet_tree), "lmdb", str(tmp_path / "b.lmdb"), labels=str(bad), workers=1, progress=False)
+
+
+def imagenet_shaped_csv(path: Path, size: int, labelled: dict[str, str]) -> Path:
+    """A filename,class CSV of about size bytes, ImageNet's shape (1,000 classes named in turn,
+    about 40 bytes a row): labelled's rows first, then rows naming images that are not there."""
+    with open(path, "w") as f:
+        f.write("".join(f"{name},{wnid}\n" for name, wnid in labelled.items()))
+        row = 0
+        while f.tell() < size:
+            f.write("".join(f"ILSVRC2012_val_{row + k:08d}.png,{WNIDS[(row + k) % 3]}\n" for k in range(20000)))
+            row += 20000
+    return path
+
+
+@needs_prlimit
+def test_a_large_label_file_is_parsed_in_memory_bounded_by_the_images_it_labels(imagenet_tree, tmp_path):
+    """An 8 MB CSV under a cap of 48 MiB over the interpreter's: read as a stream, keeping only
+    the rows naming an image of the split (the whole text, its lines and rows took ~25 bytes
+    a byte). The rows naming no image are counted in the warning."""
+    csv_file = imagenet_shaped_csv(tmp_path / "val.csv", 8 * 2**20, TRUTH)
+    done = run_capped(tmp_path, "from packer.scan import scan_source",
+                      "source = scan_source(sys.argv[1], labels=sys.argv[2])\n"
+                      "print(source.splits['val'].labels.tolist(), source.warnings)",
+                      [str(imagenet_tree), str(csv_file)], 48 * 2**20)
+    assert (done.returncode, done.stderr) == (0, "")
+    rows = sum(1 for _ in open(csv_file)) - len(TRUTH)
+    assert done.stdout.startswith(str([WNIDS.index(TRUTH[name]) for name in VAL]))
+    assert f"val.csv: {rows} name(s) match no image of the split (first: ILSVRC2012_val_00000000.png" in done.stdout
+
+
+@pytest.mark.parametrize("shape", ["json", "csv-crlf", "loc", "integers"])
+def test_a_label_file_of_many_chunks_parses_as_it_did_whole(tmp_path, shape):
+    """Files of 3 MB, parsed a 1 MiB chunk at a time: tokens and line endings cut at a
+    chunk's end, a byte-order mark, every entry found once (checked against the text parsed
+    whole by json or by lines)."""
+    from packer.labels import CHUNK, read_label_file
+
+    names = [f"dir {i % 7}/img_{i:07d}.JPEG" for i in range(70000)]
+    truth = {name: WNIDS[(i * 7) % 3] for i, name in enumerate(names)}
+    if shape == "json":
+        text = json.dumps(truth, indent=1)
+    elif shape == "csv-crlf":
+        text = "filename,class\r\n" + "".join(f'"{n}",{c}\r\n' for n, c in truth.items())
+    elif shape == "loc":
+        text = loc_csv(truth)
+    else:
+        text = "".join(f"{WNIDS.index(c) + 1}\n" for c in truth.values()) * 16  # 2 bytes a line
+    path = label_file(tmp_path, "labels.txt", "\ufeff" + text)
+    assert path.stat().st_size > 2 * CHUNK
+    found = read_label_file(path, WNIDS, 1 if shape == "integers" else None)
+    if shape == "integers":
+        assert list(found.by_position) == [WNIDS.index(c) for c in truth.values()] * 16
+    else:
+        key = (lambda n: Path(n).stem) if shape == "loc" else (lambda n: n)
+        assert found.by_key == {key(n): WNIDS.index(c) for n, c in truth.items()}
+    assert found.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()

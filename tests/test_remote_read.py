@@ -664,3 +664,23 @@ def test_the_http_read_timeouts_give_way_to_the_callers_client_kwargs(readers_ow
     own = {"client_kwargs": {"headers": {"Authorization": "Bearer t"}}}
     assert remote_source.with_http_timeouts("https://host/x.h5", own) is own
     assert remote_source.with_http_timeouts("s3://bucket/x.h5", {}) == {}
+
+
+def test_a_wdsdataset_stream_refuses_a_dataset_replaced_at_its_url(packs, s3, tmp_path):
+    """A packer folder uploaded again over the one a WDSDataset was made of (other classes)
+    is refused, as the local stream refuses one replaced by pack --force."""
+    import s3fs
+
+    bucket, options = s3
+    fs = s3fs.S3FileSystem(**options)
+    url = f"{bucket}/replaced.wds"
+    fs.put(str(packs["wds"]), url, recursive=True)
+    dataset = WDSDataset(url, "val", decode="raw", storage_options=options)
+    assert len(list(dataset)) == len(dataset)
+    other = tmp_path / "other"
+    for i, c in enumerate(("ant", "bee", "cat", "dog") * 3):
+        write(other / "val" / c / f"{c}{i}.jpg", jpeg_bytes(7000 + i))
+    pack(str(other), "wds", str(tmp_path / "other.wds"), progress=False, options={"max_count": 10})
+    fs.put(f"{tmp_path / 'other.wds'}/", url, recursive=True)  # its files over the old ones, not a folder inside
+    with pytest.raises(CorruptDataError, match=r"index\.json was replaced since this Dataset was created"):
+        list(dataset)

@@ -13,7 +13,7 @@ from packer.errors import BadImageError
 from packer.folder import FolderReader
 from packer.source_io import read_regular_file
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes, needs_prlimit, run_capped, write
 from test_pack import within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +70,36 @@ def test_the_folder_reader_refuses_a_fifo_naming_it(tmp_path):
     assert reader.read(0)[2] == "cat/a.jpg"
     with pytest.raises(BadImageError, match=r"^cat/pipe.jpg: not a regular file \(FIFO\)$"):
         within(10, reader.read, 1)
+
+
+# Memory: a source read holds the file once, and runs out of memory with packer's error.
+
+def load_capped(tmp_path: Path, path: Path, headroom: int):
+    """load_file(path) (what pack runs for each file) under an address-space cap of headroom."""
+    return run_capped(tmp_path, "from packer.pack import load_file",
+                      "loaded = load_file(sys.argv[1], 'header')\n"
+                      "print(len(loaded.data) if loaded.data is not None else loaded.reason)", [str(path)], headroom)
+
+
+def sparse_file(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+@needs_prlimit
+def test_a_source_file_over_2_gib_is_read_holding_it_once(tmp_path):
+    """Linux returns at most ~2 GiB a read, so this file comes in two pieces: read into one
+    buffer, it fits under a cap of its size plus 256 MiB (joining the pieces held it twice)."""
+    size = 2 * 2**30 + 16 * 2**20
+    done = load_capped(tmp_path, sparse_file(tmp_path / "huge.jpg", size), size + 256 * 2**20)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("not an image (starts with b'\\x00\\x00")  # read whole, then sniffed
+
+
+@needs_prlimit
+def test_a_source_file_larger_than_memory_is_refused_naming_it(tmp_path):
+    """Past the memory it may have, a read is packer's error, never a MemoryError traceback."""
+    done = load_capped(tmp_path, sparse_file(tmp_path / "big.jpg", 2**30), 128 * 2**20)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.strip() == f"too large to hold in memory ({2**30} bytes); free memory, or leave the file out of SRC"

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 import readers
 from packer import CorruptDataError, FormatError, PackError, pack
 from packer.cli import main
+from packer.errors import ReplacedError
 from packer.formats import _tar, wds
 from packer.verify import verify
 from readers import WDSDataset
@@ -862,3 +863,73 @@ def test_on_error_speaks_the_cli_vocabulary(image_tree, tmp_path):
     assert WDSDataset(out, decode="raw", on_error="skip").on_error == "skip"
     with pytest.raises(ValueError, match="on_error must be one of fail, skip"):
         WDSDataset(out, decode="raw", on_error="ignore")
+
+
+# --- a stream across a replacement (pack --force) ----------------------------------------
+
+def cats_and_dogs(root: Path, classes: tuple[str, str], seed: int) -> Path:
+    """8 JPEGs, the same file names under either class list, other images for each seed."""
+    for i in range(8):
+        write(root / classes[i // 4] / f"img_{i}.jpg", jpeg_bytes(seed + i, size=(16, 16)))
+    return root
+
+
+def stream_labels(loader) -> list[tuple[str, int]]:
+    return sorted((digest(data), int(label)) for data, label in loader)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_a_stream_over_a_replaced_dataset_refuses_to_read_it(tmp_path, context):
+    """The second epoch after pack --force replaced the folder (same shard names and counts,
+    other classes) raises, in every worker and under every start method; it never labels the
+    new images with the old class list."""
+    old = cats_and_dogs(tmp_path / "old", ("cat", "dog"), 100)
+    new = cats_and_dogs(tmp_path / "new", ("ant", "cat"), 200)
+    out = pack_wds(old, tmp_path / "d.wds", max_count=2)
+    ds = WDSDataset(out, decode="raw")
+    assert ds.classes == ["cat", "dog"]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    expected = sorted((digest(p.read_bytes()), ds.classes.index(p.parent.name)) for p in old.rglob("*.jpg"))
+    assert stream_labels(loader) == expected
+    shards = [p.name for p in shard_files(out)]
+    pack_wds(new, out, max_count=2, force=True)
+    assert [p.name for p in shard_files(out)] == shards and len(WDSDataset(out)) == len(ds)
+    with pytest.raises(ReplacedError, match=r"index\.json was replaced since this Dataset was created"):
+        stream_labels(loader)
+    with pytest.raises(ReplacedError):  # in this process too (no workers)
+        list(ds)
+    assert WDSDataset(out).classes == ["ant", "cat"]  # a Dataset made after reads the new one
+
+
+def test_a_stream_skipping_damage_still_refuses_a_replaced_dataset(tmp_path):
+    """on_error='skip' skips damage, not a replacement: no epoch of warnings and no samples."""
+    out = pack_wds(cats_and_dogs(tmp_path / "old", ("cat", "dog"), 100), tmp_path / "d.wds", max_count=2)
+    ds = WDSDataset(out, decode="raw", on_error="skip")
+    pack_wds(cats_and_dogs(tmp_path / "new", ("ant", "cat"), 200), out, max_count=2, force=True)
+    with pytest.raises(ReplacedError, match="was replaced"):
+        list(ds)
+
+
+def test_a_parsed_packer_shard_with_a_label_outside_the_classes_names_the_shard(tmp_path):
+    """A shard the index does not describe is parsed, and its .cls labels are checked
+    against the class list (here 2 classes, a label 7)."""
+    out = pack_wds(cats_and_dogs(tmp_path / "src", ("cat", "dog"), 100), tmp_path / "d.wds", max_count=2)
+    shard = shard_files(out)[0]
+    members = []
+    with tarfile.open(shard) as tar:
+        for info in tar.getmembers():
+            data = tar.extractfile(info).read()
+            if info.name.endswith(".cls"):
+                data = b"7"
+            elif info.name.endswith(".json"):
+                meta = json.loads(data)
+                data = json.dumps({**meta, "label": 7}).encode()
+            members.append((info.name, data))
+    members.append(("__pad__.txt", b"a member that makes the shard another size than the index says"))
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(CorruptDataError, match=rf"{shard.name}: .*label 7 is outside the 2 classes"):
+        list(WDSDataset(out, decode="raw"))

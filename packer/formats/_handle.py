@@ -13,6 +13,7 @@ the old dataset consistently, and a reader opened after gets a handle of the new
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -114,6 +115,11 @@ class LazyHandle:
 
     _handle: Any = None
     _handle_pid: int | None = None
+    # Set when the interpreter begins to exit (see quiet_exit): a reader still held then (a
+    # module-level Dataset) is left to the operating system to close, since module globals
+    # (os, threading) may already be None when its __del__ runs, and a failing __del__ prints.
+    # A class attribute: module globals are cleared at shutdown, classes' are not.
+    exiting = False
 
     def handle(self) -> Any:
         if self._handle is None or self._handle_pid != os.getpid():
@@ -142,6 +148,8 @@ class LazyHandle:
         self.__dict__.update(state)
 
     def __del__(self):
+        if self.exiting:
+            return
         try:
             self.close()
         except Exception:
@@ -152,3 +160,10 @@ class LazyHandle:
 
     def _close(self, handle: Any) -> None:
         raise NotImplementedError
+
+
+@atexit.register
+def quiet_exit() -> None:
+    """Mark readers as exiting: atexit handlers run before module globals are cleared, and
+    the descriptors and maps of handles still open are closed with the process."""
+    LazyHandle.exiting = True

@@ -38,6 +38,19 @@ def remote_variant(cls: type) -> type:
     return variant
 
 
+def current_identity(path: str, remote=None) -> tuple | None:
+    """The identity of the file (or, with remote, the object) now at path: _tables.file_identity,
+    or Remote.identity; None when there is none there (gone, mid-replacement)."""
+    try:
+        return file_identity(path) if remote is None else remote.identity(path)
+    except OSError:
+        return None
+    except remote_source.RemoteError as exc:
+        if not remote_source.missing(exc):
+            raise
+        return None
+
+
 class SplitReader(LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and
     read_image(i), and read_order() where records may be stored out of index order.
@@ -87,19 +100,7 @@ class SplitReader(LazyHandle):
     def check_identity(self, identity: tuple | None = None) -> None:
         """Raise if the dataset was replaced at its path since this reader read its metadata
         (identity: of a file just opened; else the file now at the path)."""
-        try:
-            if identity is not None:
-                now = identity
-            elif self.remote is not None:
-                now = self.remote.identity(self.identity_file)
-            else:
-                now = file_identity(self.identity_file)
-        except OSError:
-            now = None
-        except remote_source.RemoteError as exc:
-            if not remote_source.missing(exc):
-                raise
-            now = None
+        now = identity if identity is not None else current_identity(self.identity_file, self.remote)
         if now != self.identity:
             raise replaced_error(self.identity_file)
 

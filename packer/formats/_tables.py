@@ -28,7 +28,7 @@ import tempfile
 import numpy as np
 
 from ..crc import crc32
-from ..errors import CorruptDataError, FormatError
+from ..errors import CorruptDataError, FormatError, ReplacedError
 
 DAMAGED = "the dataset is damaged: restore it from a copy or re-pack it"
 # Entries checked per numpy pass: keeps each check's temporaries well under a MB, so a large
@@ -204,8 +204,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def replaced_error(what: str) -> CorruptDataError:
-    return CorruptDataError(f"{what} was replaced since this Dataset was created (re-create the Dataset / "
+def replaced_error(what: str) -> ReplacedError:
+    return ReplacedError(f"{what} was replaced since this Dataset was created (re-create the Dataset / "
                             "restart the DataLoader)", what)
 
 

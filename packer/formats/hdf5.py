@@ -335,6 +335,8 @@ class Reader(SplitReader):
         return f, images, fd
 
     def __del__(self):
+        if self.exiting:  # see LazyHandle.exiting
+            return
         if self.is_open and (self.remote is not None or threading.current_thread() is not threading.main_thread()):
             _orphans.append(functools.partial(self._close_handle, self._handle, self.path, self.identity,
                                               self.remote is None))  # see _orphans
