@@ -70,6 +70,18 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
+def tree(root: Path, n: int, seed: int = 0) -> Path:
+    """n images in two class folders, c0 and c1."""
+    for i in range(n):
+        write(root / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(seed + i))
+    return root
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under folder, by relative path: what a refusal must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:
     """ROOT/class<c>/<i>.jpg: classes in runs, each 96x80 JPEG large enough (over a page)
     for LMDB to keep it in overflow pages, so it gets a stored extent."""

@@ -108,9 +108,14 @@ def test_a_record_cut_off_while_a_reader_has_it_open_is_an_error_not_a_map_read(
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
-def test_a_file_cut_short_under_a_dataloader_batch_is_an_error_not_sigbus(tmp_path, fmt):
+@pytest.mark.parametrize("before, after", [
+    ("ds.__getitems__(list(range(64)))", "ds.__getitems__(list(range(len(ds) - 64, len(ds))))"),  # a batch
+    ("ds[0]", "ds[len(ds) - 1]"),  # a lone item: an evaluation loop, a notebook
+], ids=["batch", "item"])
+def test_a_file_cut_short_under_a_dataset_is_an_error_not_sigbus(tmp_path, fmt, before, after):
     """1,200 records: tables large enough to be mapped from the file, so a read after the cut
-    would touch a page past its end. A batch (__getitems__, what DataLoader calls) checks first."""
+    would touch a page past its end. A batch (__getitems__, what DataLoader calls) and a lone
+    ds[i] check the file's size before their records' tables are read."""
     src = tmp_path / "src"
     for i in range(1200):
         write(src / f"c{i % 2}" / f"{i:04d}.jpg", jpeg_bytes(i % 7, size=(8, 8)))
@@ -118,29 +123,9 @@ def test_a_file_cut_short_under_a_dataloader_batch_is_an_error_not_sigbus(tmp_pa
     data = out / "data.mdb" if fmt == "lmdb" else out
     code = ("import os, sys, readers\n"
             "ds = {'lmdb': readers.LMDBDataset, 'hdf5': readers.HDF5Dataset}[sys.argv[2]](sys.argv[1], decode='raw')\n"
-            "ds.__getitems__(list(range(64)))\n"
+            f"{before}\n"
             "os.truncate(sys.argv[3], os.path.getsize(sys.argv[3]) // 2)\n"
-            "ds.__getitems__(list(range(len(ds) - 64, len(ds))))\n")
-    result = run_python(code, str(out), fmt, str(data))
-    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
-    assert re.search(rf"{re.escape(str(data))}: truncated while in use: \d+ bytes, \d+ when this Dataset was made",
-                     result.stderr)
-
-
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
-def test_a_file_cut_short_before_a_lone_item_is_an_error_not_sigbus(tmp_path, fmt):
-    """ds[i] outside a DataLoader batch (an evaluation loop, a notebook) checks the file's size
-    too before its record's tables are read."""
-    src = tmp_path / "src"
-    for i in range(1200):
-        write(src / f"c{i % 2}" / f"{i:04d}.jpg", jpeg_bytes(i % 7, size=(8, 8)))
-    out = packed(tmp_path, fmt, src)
-    data = out / "data.mdb" if fmt == "lmdb" else out
-    code = ("import os, sys, readers\n"
-            "ds = {'lmdb': readers.LMDBDataset, 'hdf5': readers.HDF5Dataset}[sys.argv[2]](sys.argv[1], decode='raw')\n"
-            "ds[0]\n"
-            "os.truncate(sys.argv[3], os.path.getsize(sys.argv[3]) // 2)\n"
-            "ds[len(ds) - 1]\n")
+            f"{after}\n")
     result = run_python(code, str(out), fmt, str(data))
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
     assert re.search(rf"{re.escape(str(data))}: truncated while in use: \d+ bytes, \d+ when this Dataset was made",

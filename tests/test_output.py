@@ -24,7 +24,7 @@ from packer.errors import OutputExistsError, PackError
 from packer.output import HOST, check_target, staged
 from packer.pack import write_dataset
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes, snapshot, tree, write
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (".partial-", ".complete-", ".old-")
@@ -37,16 +37,6 @@ def run(*args):
 def run_packer(*args, prefix: tuple = ()) -> subprocess.CompletedProcess:
     return subprocess.run([*prefix, sys.executable, "-m", "packer.cli", *map(str, args)], cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
-
-
-def tree(root: Path, n: int, seed: int = 0) -> Path:
-    for i in range(n):
-        write(root / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(seed + i))
-    return root
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def leftovers(folder: Path) -> list[str]:

@@ -15,21 +15,11 @@ from packer.cli import main
 from packer.formats import wds
 from packer.records import metadata_crc
 
-from conftest import jpeg_bytes, write
+from conftest import jpeg_bytes, snapshot, tree, write
 
 
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def tree(root: Path, n: int, seed: int = 0) -> Path:
-    for i in range(n):
-        write(root / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(seed + i))
-    return root
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def count(path: Path) -> int:
