@@ -152,18 +152,21 @@ class EpochLoader(tud.DataLoader):
         ahead), left out of the position."""
         epoch, batches = self.position()
         batches = max(0, batches - unconsumed)
+        pass_batches = self.pass_batches()
+        if pass_batches is not None:
+            pass_batches = max(0, pass_batches - unconsumed)
         state = {"kind": "EpochLoader", "version": STATE_VERSION, **self._settings(), "epoch": epoch,
                  "batches": batches, "sampler": None, "dataset": None}
         if isinstance(self.dataset, tud.IterableDataset):
+            state["workers"] = self.num_workers
             if hasattr(self.dataset, "state_dict"):
-                position = None if not batches else {"workers": max(1, self.num_workers), "batches": batches,
-                                                     "batch_size": self.batch_size, "drop_last": self.drop_last}
-                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch, "position": position}
+                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch,
+                                    "position": self._stream_position(epoch, batches, pass_batches)}
             elif batches:
                 raise ValueError(f"EpochLoader.state_dict: {type(self.dataset).__name__} has no state_dict(), so "
                                  "a pass over it cannot be resumed mid-epoch; save at an epoch's end")
         elif hasattr(self.sampler, "state_dict"):
-            state["sampler"] = sampler_state(self.sampler, epoch, self.pass_batches(), self.batch_size)
+            state["sampler"] = sampler_state(self.sampler, epoch, pass_batches, self.batch_size)
         elif batches:
             raise ValueError(f"EpochLoader.state_dict: the loader's {type(self.sampler).__name__} has no seeded, "
                              "stateful order, so a pass cannot be resumed mid-epoch; use make_loader over packed "
@@ -185,7 +188,7 @@ class EpochLoader(tud.DataLoader):
                                      f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
                                      "another kind of loader")
                 expected = (sampler_position(self.sampler, state[name], batches, self.batch_size)
-                            if name == "sampler" else batches)
+                            if name == "sampler" else stream_batches(state[name], batches))
                 check_part(state[name], epoch, expected, name)
                 target.load_state_dict(state[name])
             elif batches and hasattr(target, "load_state_dict") and (
@@ -196,10 +199,19 @@ class EpochLoader(tud.DataLoader):
         self._iterator = None  # persistent workers hold the old state: the next pass starts new ones
 
     def _settings(self) -> dict:
-        settings = {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
-        if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own run of samples
-            settings["workers"] = self.num_workers
-        return settings
+        return {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
+
+    def _stream_position(self, epoch: int, batches: int, pass_batches: int | None) -> dict | None:
+        """An IterableDataset's position: None at an epoch's start, else this rank's batches
+        (of the pass, after a resume on other ranks or workers, with the passes before it)."""
+        history, before = ([], 0)
+        if pass_batches is not None and hasattr(self.dataset, "pass_history"):
+            history, before = self.dataset.pass_history(epoch, max(1, self.num_workers))
+        if pass_batches is None or not (batches or history):
+            return None
+        position = {"workers": max(1, self.num_workers), "batch_size": self.batch_size, "drop_last": self.drop_last,
+                    "batches": before + pass_batches if history else batches}
+        return {**position, "history": history} if history else position
 
 
 def sampler_state(sampler, epoch: int, pass_batches: int | None, batch_size: int) -> dict:
@@ -220,6 +232,15 @@ def sampler_position(sampler, part, batches: int, batch_size: int):
             or not isinstance(world_size, int) or world_size < 1):
         return part.get("position") if isinstance(part, dict) else None
     return min(batches * batch_size, sampler.pass_length(world_size))
+
+
+def stream_batches(part, batches: int):
+    """The batch count a stream's state saved after `batches` batches of its epoch must
+    hold: the loader's, unless the pass followed a resume on other ranks or workers."""
+    position = part.get("position") if isinstance(part, dict) else None
+    if isinstance(position, dict) and "history" in position:
+        return position.get("batches", position.get("samples"))
+    return batches
 
 
 def check_part(part, epoch: int, position: int, name: str) -> None:
