@@ -249,6 +249,17 @@ def test_a_state_is_a_few_hundred_bytes_at_imagenet_scale():
         assert len(elsewhere) == -(-(1_281_167 - 8000) // 5)
 
 
+def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--records", "20000", "--repeats", "1"],
+                          cwd=HERE.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    timed = {row["order"]: row for row in rows if "ratio" in row}
+    assert set(timed) == {"random", "block", "stream"} and all(row["ratio"] > 0 for row in timed.values())
+    drift = [row for row in rows if "drift_from" in row]
+    assert len(drift) == 3 and all(0 < row["mean_moved"] < 1 for row in drift)
+
+
 if __name__ == "__main__":
     job = json.loads(Path(sys.argv[2]).read_text())
     if job["gloo"]:
