@@ -321,8 +321,9 @@ class BlockShuffleSampler(RankedSampler):
         if self._layout is not None and self._layout[0] == self.epoch:
             return self._layout[1]
         n_blocks = math.ceil(self.count / self.block_size)
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(n_blocks) if self.shuffle else np.arange(n_blocks)
+        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n_blocks) if self.shuffle
+                 else np.arange(n_blocks))
+        rng = np.random.default_rng([self.seed, self.epoch, 0])  # one rank's draws before the order was global
         starts = order * self.block_size
         stops = np.minimum(starts + self.block_size, self.count)
         groups, pieces, begins, begin = [], [], [], 0
@@ -338,6 +339,13 @@ class BlockShuffleSampler(RankedSampler):
         found = (np.concatenate(pieces or [np.zeros(0, np.int64)]), groups, np.array(begins, dtype=np.int64))
         self._layout = (self.epoch, found)
         return found
+
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(state, dict) and "start" not in state and state.get("world_size") != 1:
+            raise ValueError(f"BlockShuffleSampler.load_state_dict: this state was saved on {state.get('world_size')!r} "
+                             "ranks by an earlier packer, whose block order on several ranks was another; it cannot "
+                             "be resumed mid-epoch: start the epoch afresh (load it with the packer that saved it)")
+        super().load_state_dict(state)
 
     def global_order(self) -> np.ndarray:
         order = self.layout()[0]

@@ -249,6 +249,18 @@ def test_a_state_is_a_few_hundred_bytes_at_imagenet_scale():
         assert len(elsewhere) == -(-(1_281_167 - 8000) // 5)
 
 
+def test_a_block_state_from_before_the_global_order_is_refused_on_several_ranks():
+    class Records:
+        def __len__(self):
+            return 100
+
+    old = {**BlockShuffleSampler(Records(), rank=0, world_size=2).state_dict(), "position": 10}
+    del old["start"]  # what packer saved before: that position counted another order
+    with pytest.raises(ValueError, match="saved on 2 ranks by an earlier packer.*start the epoch afresh"):
+        BlockShuffleSampler(Records(), rank=0, world_size=2).load_state_dict(old)
+    BlockShuffleSampler(Records()).load_state_dict({**old, "world_size": 1})  # one rank's order is unchanged
+
+
 def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():
     done = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--records", "20000", "--repeats", "1"],
                           cwd=HERE.parent, capture_output=True, text=True, timeout=120)
