@@ -30,12 +30,15 @@ def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
     if not isinstance(history, list):
         raise ValueError(f"{kind}.load_state_dict: history must be a list of passes, got {history!r}")
     for segment in history:
-        if not isinstance(segment, dict) or set(segment) != set(SEGMENT_KEYS) or not all(
-                isinstance(segment[k], int) and not isinstance(segment[k], bool) and segment[k] >= (k != "batches")
-                for k in SEGMENT_KEYS if k != "drop_last") or not isinstance(segment["drop_last"], bool):
+        if not (isinstance(segment, dict) and set(segment) == set(SEGMENT_KEYS) and valid_segment(segment)):
             raise ValueError(f"{kind}.load_state_dict: each pass of the history needs the ints "
                              f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, got {segment!r}")
     return [dict(segment) for segment in history]
+
+
+def valid_segment(segment: dict) -> bool:
+    counts = all(type(segment[key]) is int and segment[key] >= (key != "batches") for key in SEGMENT_KEYS[:-1])
+    return counts and type(segment["drop_last"]) is bool
 
 
 def offsets(dataset) -> np.ndarray:
@@ -68,10 +71,18 @@ def rest(dataset, history: list[dict]) -> list:
     """The samples no stream of the history's passes yielded, as tasks in the epoch's shard order."""
     first = offsets(dataset)
     taken = np.zeros(int(first[-1]), dtype=bool)
-    for depth, segment in enumerate(history):
-        for rank in range(segment["world_size"]):
-            plan = rank_plan(dataset, rank, segment["world_size"], history[:depth])
+    pool = None  # what the pass being replayed dealt: None, the epoch's own plan
+    for segment in history:
+        world_size = segment["world_size"]
+        for rank in range(world_size):
+            plan = dataset.plan(rank, world_size) if pool is None else share(dataset, pool, rank, world_size)
             mark_consumed(dataset, plan, rank, segment, first, taken)
+        pool = untaken(dataset, taken, first)
+    return pool
+
+
+def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
+    """The samples not marked in `taken`, as runs in the epoch's shard order."""
     tasks = []
     counts = dataset.shard_counts()
     for shard in shard_order(dataset):

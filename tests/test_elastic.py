@@ -261,6 +261,19 @@ def test_a_block_state_from_before_the_global_order_is_refused_on_several_ranks(
     BlockShuffleSampler(Records()).load_state_dict({**old, "world_size": 1})  # one rank's order is unchanged
 
 
+def test_a_stream_state_with_a_damaged_history_is_refused_with_what_it_needs(packs):
+    loader = build(packs, "stream", 0, 0, 2)
+    batches = iter(loader)
+    next(batches)
+    state = build(packs, "stream", 0, 0, 3)
+    state.load_state_dict(loader.state_dict())
+    saved = state.state_dict()
+    assert saved["dataset"]["position"]["history"][0]["world_size"] == 2  # resumed on 3: the 2 ranks' pass
+    saved["dataset"]["position"]["history"][0]["batches"] = -1
+    with pytest.raises(ValueError, match="each pass of the history needs the ints world_size, workers, batches"):
+        build(packs, "stream", 0, 0, 3).load_state_dict(saved)
+
+
 def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():
     done = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--records", "20000", "--repeats", "1"],
                           cwd=HERE.parent, capture_output=True, text=True, timeout=120)
