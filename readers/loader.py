@@ -91,7 +91,7 @@ class EpochLoader(tud.DataLoader):
 
     _next_epoch = 0
     _resume_batches: int | None = None  # batches of _next_epoch a loaded state has consumed
-    _progress: list | None = None  # [epoch, batches handed out, finished] of the last pass
+    _progress: list | None = None  # [epoch, batches handed out, finished, batches before it] of the last pass
 
     def __len__(self) -> int:
         length = super().__len__()  # also what torch checks an IterableDataset's batch count against
@@ -113,7 +113,7 @@ class EpochLoader(tud.DataLoader):
         for target in (self.sampler, self.dataset):
             if hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
-        progress = self._progress = [epoch, skip, False]
+        progress = self._progress = [epoch, skip, False, skip]
         batches = super().__iter__()
         if self.num_workers and getattr(self.dataset, "_resume", None) is not None:
             self.dataset._resume = None  # the workers took their copies: later ones start afresh
@@ -136,6 +136,15 @@ class EpochLoader(tud.DataLoader):
             return self._progress[0], self._progress[1]
         return self._next_epoch, 0
 
+    def pass_batches(self) -> int | None:
+        """Batches handed out in the pass of position(): those of the pass under way, 0 for
+        a loaded state's pending pass, None for a pass not begun (it starts the epoch)."""
+        if self._resume_batches is not None:
+            return 0
+        if self._progress is not None and not self._progress[2]:
+            return self._progress[1] - self._progress[3]
+        return None
+
     def state_dict(self, unconsumed: int = 0) -> dict:
         """Plain data (ints, bools, strings; torch.save- and JSON-able) to resume from.
 
@@ -143,19 +152,21 @@ class EpochLoader(tud.DataLoader):
         ahead), left out of the position."""
         epoch, batches = self.position()
         batches = max(0, batches - unconsumed)
+        pass_batches = self.pass_batches()
+        if pass_batches is not None:
+            pass_batches = max(0, pass_batches - unconsumed)
         state = {"kind": "EpochLoader", "version": STATE_VERSION, **self._settings(), "epoch": epoch,
                  "batches": batches, "sampler": None, "dataset": None}
         if isinstance(self.dataset, tud.IterableDataset):
+            state["workers"] = self.num_workers
             if hasattr(self.dataset, "state_dict"):
-                position = None if not batches else {"workers": max(1, self.num_workers), "batches": batches,
-                                                     "batch_size": self.batch_size, "drop_last": self.drop_last}
-                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch, "position": position}
+                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch,
+                                    "position": self._stream_position(epoch, batches, pass_batches)}
             elif batches:
                 raise ValueError(f"EpochLoader.state_dict: {type(self.dataset).__name__} has no state_dict(), so "
                                  "a pass over it cannot be resumed mid-epoch; save at an epoch's end")
         elif hasattr(self.sampler, "state_dict"):
-            position = min(batches * self.batch_size, len(self.sampler))
-            state["sampler"] = {**self.sampler.state_dict(), "epoch": epoch, "position": position}
+            state["sampler"] = sampler_state(self.sampler, epoch, pass_batches, self.batch_size)
         elif batches:
             raise ValueError(f"EpochLoader.state_dict: the loader's {type(self.sampler).__name__} has no seeded, "
                              "stateful order, so a pass cannot be resumed mid-epoch; use make_loader over packed "
@@ -176,7 +187,8 @@ class EpochLoader(tud.DataLoader):
                     raise ValueError(f"EpochLoader.load_state_dict: the state holds a {name} state and this "
                                      f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
                                      "another kind of loader")
-                expected = min(batches * self.batch_size, len(self.sampler)) if name == "sampler" else batches
+                expected = (sampler_position(self.sampler, state[name], batches, self.batch_size)
+                            if name == "sampler" else stream_batches(state[name], batches))
                 check_part(state[name], epoch, expected, name)
                 target.load_state_dict(state[name])
             elif batches and hasattr(target, "load_state_dict") and (
@@ -187,10 +199,48 @@ class EpochLoader(tud.DataLoader):
         self._iterator = None  # persistent workers hold the old state: the next pass starts new ones
 
     def _settings(self) -> dict:
-        settings = {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
-        if isinstance(self.dataset, tud.IterableDataset):  # each worker reads its own run of samples
-            settings["workers"] = self.num_workers
-        return settings
+        return {"batch_size": self.batch_size, "drop_last": bool(self.drop_last)}
+
+    def _stream_position(self, epoch: int, batches: int, pass_batches: int | None) -> dict | None:
+        """An IterableDataset's position: None at an epoch's start, else this rank's batches
+        (of the pass, after a resume on other ranks or workers, with the passes before it)."""
+        history, before = ([], 0)
+        if pass_batches is not None and hasattr(self.dataset, "pass_history"):
+            history, before = self.dataset.pass_history(epoch, max(1, self.num_workers))
+        if pass_batches is None or not (batches or history):
+            return None
+        position = {"workers": max(1, self.num_workers), "batch_size": self.batch_size, "drop_last": self.drop_last,
+                    "batches": before + pass_batches if history else batches}
+        return {**position, "history": history} if history else position
+
+
+def sampler_state(sampler, epoch: int, pass_batches: int | None, batch_size: int) -> dict:
+    """The sampler's state at the loader's position: the indexes of the batches handed out
+    in this pass (the workers draw ahead of them), or the start of an epoch not begun."""
+    state = {**sampler.state_dict(), "epoch": epoch}
+    if pass_batches is None:
+        return {**state, "position": 0, **({"start": 0} if "start" in state else {})}
+    return {**state, "position": min(pass_batches * batch_size, len(sampler))}
+
+
+def sampler_position(sampler, part, batches: int, batch_size: int):
+    """The position a sampler state saved after `batches` batches of its epoch must hold:
+    the batches' indexes, for a pass that began the epoch (on the world size that saved
+    it); a resumed pass's own count is not the loader's, so its part is taken as it is."""
+    world_size = part.get("world_size") if isinstance(part, dict) else None
+    if (not hasattr(sampler, "pass_length") or part.get("start", 0) != 0 or isinstance(world_size, bool)
+            or not isinstance(world_size, int) or world_size < 1):
+        return part.get("position") if isinstance(part, dict) else None
+    return min(batches * batch_size, sampler.pass_length(world_size))
+
+
+def stream_batches(part, batches: int):
+    """The batch count a stream's state saved after `batches` batches of its epoch must
+    hold: the loader's, unless the pass followed a resume on other ranks or workers."""
+    position = part.get("position") if isinstance(part, dict) else None
+    if isinstance(position, dict) and "history" in position:
+        return position.get("batches", position.get("samples"))
+    return batches
 
 
 def check_part(part, epoch: int, position: int, name: str) -> None:

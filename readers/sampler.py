@@ -9,8 +9,8 @@ BlockShuffleSampler: near-sequential reads from storage, well-mixed batches.
 
 A true random permutation makes every read a seek, which on a cold cache is as slow as
 the disk's random reads. This sampler cuts the records, in the order they are stored,
-into blocks of `block_size` consecutive records, shuffles the blocks, and deals them to
-the ranks; each rank then shuffles the records within each run of `window` of its blocks.
+into blocks of `block_size` consecutive records, shuffles the blocks, and shuffles the
+records within each run of `window` of them; the ranks take that order by position.
 Reads stay inside a few contiguous byte ranges at a time, which the sampler asks the
 kernel to fetch ahead (Reader.will_need: one large sequential read per block, started
 one window early), while a batch still draws from `window` places spread over the whole
@@ -21,19 +21,19 @@ ImageFolder order (classes in runs) a batch sees about `window` blocks' worth of
 classes; packed with --shuffle-seed, storage order is already random and any order mixes
 fully. class_entropy() measures it (docs/cold-storage.md has the figures).
 
-Resuming (docs/resume.md): a sampler's order is fixed by (seed, epoch, world size, dataset),
-so its state is that plus a position, the indexes of the epoch's order this rank has
-consumed: state_dict() gives {"kind", "version", "dataset", the settings, "epoch",
-"position"} as plain ints, bools and strings (torch.save- and JSON-able), and
-load_state_dict(state) makes the next pass of that epoch start at that position. The
-position is the same on every rank (each yields len(self) indexes), so rank 0's state
-resumes any rank. A state taken while iterating counts the indexes handed out, which a
-DataLoader draws ahead of the batches it has yielded: readers.make_loader's loader and
-torchdata's StatefulDataLoader record the position of the batches consumed instead.
+Resuming (docs/resume.md): a sampler's global order is fixed by (seed, epoch, dataset)
+alone, and ranks take it by position (readers.elastic), so the samples consumed are
+always the order's first C: state_dict() gives {"kind", "version", "dataset", the
+settings, "world_size", "epoch", "start", "position"} as plain ints, bools and strings
+(torch.save- and JSON-able), from which C = start + position x world_size, and
+load_state_dict(state) makes the next pass the rest from C, dealt to any number of
+ranks. The position is the same on every rank (each yields len(self) indexes), so rank
+0's state resumes every rank. A state taken while iterating counts the indexes handed
+out, which a DataLoader draws ahead of the batches it has yielded: readers.make_loader's
+loader and torchdata's StatefulDataLoader record the position of the batches consumed.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
 from typing import Iterable, Iterator
@@ -43,7 +43,8 @@ import torch.utils.data
 
 from packer.formats import CAN_ADVISE
 
-from .ranks import check_rank, deal, world
+from .elastic import consumed, elastic_fields, pass_length, rank_positions
+from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
@@ -101,14 +102,18 @@ def reader_of(dataset):
 
 class RankedSampler(torch.utils.data.Sampler):
     """What the samplers share: this process's rank and world size (given, or
-    readers.ranks.world()'s when both are None) and the epoch that reseeds the shuffle."""
+    readers.ranks.world()'s when both are None), the epoch that reseeds the shuffle, and
+    the elastic resume (readers.elastic): a subclass gives the epoch's global order, and
+    each pass deals the rest of it, from where a loaded state says, to this world's ranks."""
+
+    drop_last = False  # True: a pass leaves out the rest's last (rest mod world size) indexes
 
     def __init__(self, rank: int | None, world_size: int | None):
         check_rank(rank, world_size, type(self).__name__)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, position) a loaded state starts at
-        self._progress: list[int] | None = None  # [epoch, indexes handed out] of the last pass
+        self._resume: tuple[int, int] | None = None  # (epoch, samples of its global order consumed)
+        self._progress: list[int] | None = None  # [epoch, indexes handed out, global start] of the last pass
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -117,38 +122,62 @@ class RankedSampler(torch.utils.data.Sampler):
         return world(self.rank, self.world_size)
 
     def settings(self) -> dict:
-        """What fixes the order besides the epoch; a state loads only where these match."""
+        """What fixes the global order besides the epoch; a state loads only where these match."""
+        raise NotImplementedError
+
+    def global_order(self) -> np.ndarray:
+        """The current epoch's indexes in the order all ranks together consume them."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """{"kind", "version", settings, "epoch", "position"}: where the current pass is
-        (or where a loaded state will start the next one)."""
+        """{"kind", "version", settings, "world_size", "epoch", "start", "position"}: the
+        pass under way (or the one a loaded state will start) began `start` samples into
+        the epoch's global order, and this rank has consumed `position` indexes of it."""
         if self._resume is not None:
-            epoch, position = self._resume
+            (epoch, start), position = self._resume, 0
         elif self._progress is not None and self._progress[0] == self.epoch:
-            epoch, position = self._progress
+            epoch, position, start = self._progress
         else:
-            epoch, position = self.epoch, 0
-        return {"kind": type(self).__name__, "version": STATE_VERSION, **self.settings(), "epoch": epoch,
-                "position": position}
+            epoch, position, start = self.epoch, 0, 0
+        return {"kind": type(self).__name__, "version": STATE_VERSION, **self.settings(),
+                "world_size": self.world()[1], "epoch": epoch, "start": start, "position": position}
 
     def load_state_dict(self, state: dict) -> None:
-        """Set the epoch, and make the next pass over it skip the first state["position"]
-        indexes of this rank's order. Raises ValueError if the state is another sampler's,
-        or was saved over other data, seed or world size."""
+        """Set the epoch, and make the next pass over it the part of its global order that
+        no rank of the saving run had consumed, dealt to this run's ranks (any number).
+        Raises ValueError if the state is another sampler's, or was saved over other data
+        or with another seed."""
         kind = type(self).__name__
         check_state(state, kind, self.settings())
         epoch = checked_count(state, "epoch", kind)
+        world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
         self.epoch = epoch
-        self._resume = (epoch, checked_count(state, "position", kind, len(self)))
+        self._resume = (epoch, consumed(self.count, start, position, world_size))
+
+    def pass_start(self) -> int:
+        """Where in the global order the pending, current or last pass of this epoch starts."""
+        if self._resume is not None and self._resume[0] == self.epoch:
+            return self._resume[1]
+        if self._progress is not None and self._progress[0] == self.epoch:
+            return self._progress[2]
+        return 0
+
+    def pass_length(self, world_size: int, start: int = 0) -> int:
+        """Indexes each rank takes in a pass from `start` on `world_size` ranks."""
+        return pass_length(self.count, start, world_size, self.drop_last)
 
     def start(self) -> int:
-        """The position this pass starts at (a loaded state's, if it is for this epoch; used
+        """The global start of this pass (a loaded state's, if it is for this epoch; used
         once), recorded as the pass's progress."""
         resume, self._resume = self._resume, None
         start = resume[1] if resume is not None and resume[0] == self.epoch else 0
-        self._progress = [self.epoch, start]
+        self._progress = [self.epoch, 0, start]
         return start
+
+    def pass_positions(self, start: int) -> np.ndarray:
+        """The places in the global order this rank reads in a pass from `start`."""
+        rank, world_size = self.world()
+        return rank_positions(self.count, start, rank, world_size, self.drop_last)
 
     def counted(self, indexes: Iterable[int]) -> Iterator[int]:
         """indexes, each counted in the pass's progress as it is handed out."""
@@ -156,6 +185,9 @@ class RankedSampler(torch.utils.data.Sampler):
         for index in indexes:
             progress[1] += 1
             yield index
+
+    def __len__(self) -> int:
+        return self.pass_length(self.world()[1], self.pass_start())
 
 
 class ReadAhead:
@@ -209,33 +241,29 @@ class ShuffleSampler(RankedSampler):
         self.read_ahead: ReadAhead | None = None  # the last pass's, for inspection
 
     def share(self, world_size: int) -> int:
-        """Indexes per rank (DistributedSampler's num_samples)."""
-        if self.drop_last and self.count % world_size:
-            return math.ceil((self.count - world_size) / world_size)
-        return math.ceil(self.count / world_size)
+        """Indexes per rank in a whole epoch (DistributedSampler's num_samples)."""
+        return self.pass_length(world_size)
 
-    def indexes(self) -> np.ndarray:
-        """This rank's indexes for the current epoch, in reading order."""
-        rank, world_size = self.world()
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.count, generator=generator).numpy()
-        else:
-            order = np.arange(self.count)
-        total = self.share(world_size) * world_size
-        if total > len(order) and len(order):  # pad by repeating from the start, as DistributedSampler
-            order = np.resize(order, total)
-        return order[rank:total:world_size].astype(np.int64)
+    def global_order(self) -> np.ndarray:
+        """The epoch's permutation (index order unshuffled): the same on any number of ranks."""
+        if not self.shuffle:
+            return np.arange(self.count, dtype=np.int64)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.count, generator=generator).numpy()
+
+    def indexes(self, start: int = 0) -> np.ndarray:
+        """This rank's indexes for the current epoch in a pass from `start` (DistributedSampler's
+        share from 0), in reading order."""
+        return self.global_order()[self.pass_positions(start)].astype(np.int64)
 
     def settings(self) -> dict:
         return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
-                "drop_last": bool(self.drop_last), "world_size": self.world()[1]}
+                "drop_last": bool(self.drop_last)}
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        indexes = self.indexes()
-        return self.counted(self.read_ahead_of(indexes[self.start():]))
+        return self.counted(self.read_ahead_of(self.indexes(self.start())))
 
     def read_ahead_of(self, indexes: np.ndarray) -> Iterator[int]:
         if self.reader is None:
@@ -248,9 +276,6 @@ class ShuffleSampler(RankedSampler):
         for k in range(0, len(indexes), HINT_CHUNK):
             hint(indexes[k + ahead:k + ahead + HINT_CHUNK])
             yield from indexes[k:k + HINT_CHUNK].tolist()
-
-    def __len__(self) -> int:
-        return self.share(self.world()[1])
 
 
 class BlockShuffleSampler(RankedSampler):
@@ -266,10 +291,13 @@ class BlockShuffleSampler(RankedSampler):
         rank, world_size: this process's share; default readers.ranks.world().
         prefetch: start reading each window's blocks one window before they are used.
 
-    Every rank yields len(self) indexes, the largest rank's share, so DDP never hangs: a
-    rank with fewer repeats records from the start of its own share (WDSDataset's rule).
-    Blocks are dealt whole to ranks, each to the rank holding the fewest records so far,
-    so shares are disjoint and reads stay sequential on every rank.
+    The epoch's global order is the same on any number of ranks (readers.elastic): the
+    blocks in a permutation seeded by (seed, epoch), cut into windows of `window` blocks,
+    each window's records shuffled; ranks take it by position, as ShuffleSampler takes
+    its permutation, so every rank reads from the same window at a time, 1/world_size of
+    its records, and yields len(self) indexes (at most world_size - 1 padded repeats in
+    all). On one machine the ranks share the page cache, so each block is still read
+    once; on several, each machine reads every window's blocks (docs/resume.md).
     """
 
     def __init__(self, dataset, block_size: int = BLOCK_SIZE, window: int = WINDOW, shuffle: bool = True,
@@ -285,86 +313,91 @@ class BlockShuffleSampler(RankedSampler):
         self.stored = reader.storage_order() if reader is not None else None
         self.block_size, self.window, self.shuffle, self.seed = block_size, window, shuffle, int(seed)
         self.fingerprint = dataset_fingerprint(dataset, self.stored)
+        self._layout: tuple | None = None  # (epoch, layout()'s result): worked out once per epoch
 
-    def blocks(self, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
-        """(this rank's blocks as [start, stop) stored positions, the largest rank's record
-        count) for the current epoch."""
+    def layout(self) -> tuple[np.ndarray, list[list[tuple[int, int]]], np.ndarray]:
+        """(the epoch's global order as stored positions, each window's blocks as [start,
+        stop) stored positions, where each window begins in the order)."""
+        if self._layout is not None and self._layout[0] == self.epoch:
+            return self._layout[1]
         n_blocks = math.ceil(self.count / self.block_size)
-        order = np.arange(n_blocks)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(n_blocks)
+        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n_blocks) if self.shuffle
+                 else np.arange(n_blocks))
+        rng = np.random.default_rng([self.seed, self.epoch, 0])  # one rank's draws before the order was global
         starts = order * self.block_size
         stops = np.minimum(starts + self.block_size, self.count)
-        owned, load = deal((((a, b), b - a) for a, b in zip(starts.tolist(), stops.tolist())), world_size)
-        return owned[rank], max(load)
-
-    def windows(self) -> Iterator[tuple[list[tuple[int, int]], np.ndarray]]:
-        """(blocks, stored positions in the order they are read) per window of this rank."""
-        rank, world_size = self.world()
-        blocks, share = self.blocks(rank, world_size)
-        rng = np.random.default_rng([self.seed, self.epoch, rank])
-        for w in range(0, len(blocks), self.window):
-            group = blocks[w:w + self.window]
+        groups, pieces, begins, begin = [], [], [], 0
+        for w in range(0, n_blocks, self.window):
+            group = list(zip(starts[w:w + self.window].tolist(), stops[w:w + self.window].tolist()))
             positions = np.concatenate([np.arange(a, b) for a, b in group])
             if self.shuffle:
                 rng.shuffle(positions)
-            yield group, positions
-        deficit = share - sum(b - a for a, b in blocks)
-        if deficit > 0:  # padding: repeat this rank's first records (any rank's, if it has none)
-            own = np.concatenate([np.arange(a, b) for a, b in blocks]) if blocks else np.arange(self.count)
-            yield [], np.resize(own, deficit)
+            groups.append(group)
+            pieces.append(positions)
+            begins.append(begin)
+            begin += len(positions)
+        found = (np.concatenate(pieces or [np.zeros(0, np.int64)]), groups, np.array(begins, dtype=np.int64))
+        self._layout = (self.epoch, found)
+        return found
+
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(state, dict) and "start" not in state and state.get("world_size") != 1:
+            raise ValueError(f"BlockShuffleSampler.load_state_dict: this state was saved on {state.get('world_size')!r} "
+                             "ranks by an earlier packer, whose block order on several ranks was another; it cannot "
+                             "be resumed mid-epoch: start the epoch afresh (load it with the packer that saved it)")
+        super().load_state_dict(state)
+
+    def global_order(self) -> np.ndarray:
+        order = self.layout()[0]
+        return order if self.stored is None else self.stored[order]
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch n, and start reading its first windows now: a DataLoader
         starts its workers before it draws the first index, and the fetches overlap that."""
         super().set_epoch(epoch)
         if self.reader is not None:
-            start = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
-            for group, _ in itertools.islice(self.windows_from(start), 2):
-                self.hint(group)
+            _, groups, begins = self.layout()
+            windows = window_runs(begins, self.pass_positions(self.pass_start()))[0]
+            for w in dict.fromkeys(windows[:2].tolist()):
+                self.hint(groups[w])
 
-    def positions(self) -> np.ndarray:
-        """Every stored position this rank reads in the current epoch, in order."""
-        return np.concatenate([p for _, p in self.windows()] or [np.zeros(0, np.int64)])
+    def positions(self, start: int = 0) -> np.ndarray:
+        """The stored positions this rank reads in the current epoch, in a pass from `start`."""
+        return self.layout()[0][self.pass_positions(start)]
 
     def settings(self) -> dict:
         return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
-                "block_size": self.block_size, "window": self.window, "world_size": self.world()[1]}
+                "block_size": self.block_size, "window": self.window}
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.read_windows(self.windows_from(self.start())))
+        return self.counted(self.read_windows(self.pass_positions(self.start())))
 
-    def windows_from(self, start: int) -> Iterator[tuple[list[tuple[int, int]], np.ndarray]]:
-        """windows() less the first `start` positions: whole windows skipped unread (each
-        still shuffled, so the generator's draws stay those of the full pass)."""
-        for group, positions in self.windows():
-            if start >= len(positions):
-                start -= len(positions)
-                continue
-            yield group, positions[start:]
-            start = 0
-
-    def read_windows(self, pending: Iterator[tuple[list[tuple[int, int]], np.ndarray]]) -> Iterator[int]:
-        current = next(pending, None)
-        if current is not None:
-            self.hint(current[0])
-        while current is not None:
-            following = next(pending, None)
-            if following is not None:
-                self.hint(following[0])  # read ahead while this window is consumed
-            indexes = current[1] if self.stored is None else self.stored[current[1]]
-            yield from indexes.tolist()
-            current = following
+    def read_windows(self, places: np.ndarray) -> Iterator[int]:
+        """The records at these places of the global order, each window's blocks hinted
+        one window ahead of the records read from it."""
+        order, groups, begins = self.layout()
+        windows, edges = window_runs(begins, places)
+        if len(windows):
+            self.hint(groups[windows[0]])
+        for run in range(len(windows)):
+            if run + 1 < len(windows):
+                self.hint(groups[windows[run + 1]])  # read ahead while this window is consumed
+            positions = order[places[edges[run]:edges[run + 1]]]
+            yield from (positions if self.stored is None else self.stored[positions]).tolist()
 
     def hint(self, blocks: list[tuple[int, int]]) -> None:
         if self.reader is not None:
             for start, stop in blocks:
                 self.reader.will_need(start, stop)
 
-    def __len__(self) -> int:
-        rank, world_size = self.world()
-        return self.count if world_size == 1 else self.blocks(rank, world_size)[1]
+
+def window_runs(begins: np.ndarray, places: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(the window of each run of consecutive places in one window, the runs' edges in places)."""
+    windows = np.searchsorted(begins, places, side="right") - 1
+    cuts = (np.flatnonzero(np.diff(windows)) + 1).tolist()
+    edges = [0, *cuts, len(places)]
+    return windows[edges[:-1]] if len(places) else windows[:0], edges
 
 
 def class_entropy(labels: np.ndarray, indexes, batch_size: int) -> float:

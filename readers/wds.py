@@ -24,7 +24,7 @@ import os
 import random
 import warnings
 import zlib
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch.distributed
@@ -39,23 +39,17 @@ from packer.records import PATH_ENCODING_ERRORS, choose_split
 from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
+from ._stream import Task, consumed_samples, replay_shuffle, stream_sizes
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
 from .ranks import check_rank, deal, worker, world
 from .sampler import STATE_VERSION, check_state, checked_count
+from .wds_elastic import checked_history, continue_or_deal, rank_plan
 
 ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
 ON_ERROR_ALIASES = {"raise": "fail"}
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
-
-
-class Task(NamedTuple):
-    """A run of one shard's samples: from start to stop (None: to its end)."""
-
-    shard: int
-    start: int = 0
-    stop: int | None = None
 
 
 class WDSDataset(torch.utils.data.IterableDataset):
@@ -144,7 +138,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
         self.shard_counts()
-        self._resume: tuple[int, dict | None] | None = None  # (epoch, position) the next pass starts at
+        self._resume: tuple[int, dict | None, int] | None = None  # (epoch, position, its world size) to start at
+        self._loaded: tuple[int, dict | None, int] | None = None  # the last state loaded, as _resume
+        self._history: list[dict] = []  # the passes of this epoch before this process's (readers.wds_elastic)
         self._progress: list[int] | None = None  # [epoch, samples yielded, rank, worker, workers] of this process
         self._fingerprint: str | None = None  # fingerprint(), worked out once
 
@@ -235,8 +231,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
         keep_heap_in_worker()
         rank, world_size = self.world()
         worker_id, workers = worker()
-        plan = self.plan(rank, world_size)
+        history = self.resumed_history(world_size, workers)
+        plan = rank_plan(self, rank, world_size, history)
         stream_id, skip = self.resume_point(plan, rank, worker_id, workers)
+        self._history = history
         tasks = self.worker_tasks(plan, stream_id, workers)
         if not tasks and plan:
             warnings.warn(f"WDSDataset: DataLoader worker {worker_id} of {workers} on rank {rank} has no sample "
@@ -288,8 +286,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def settings(self) -> dict:
         """What fixes every worker's stream besides the epoch; a state loads only where these match."""
-        return {"dataset": self.fingerprint(), "split": self.split, "seed": self.seed, "shuffle": self.shuffle,
-                "world_size": self.world()[1]}
+        return {"dataset": self.fingerprint(), "split": self.split, "seed": self.seed, "shuffle": self.shuffle}
 
     def fingerprint(self) -> str:
         """The shards, named without their folder (a dataset may move): their names and
@@ -305,24 +302,50 @@ class WDSDataset(torch.utils.data.IterableDataset):
         """{"kind", "version", settings, "epoch", "position"}: this process's place in the
         current pass (a worker's own stream), a loaded state's, or None at an epoch's start."""
         if self._resume is not None:
-            epoch, position = self._resume
+            epoch, position = self._resume[:2]
         elif self._progress is not None and self._progress[0] == self.epoch:
             epoch, samples, rank, worker_id, workers = self._progress
             position = {"rank": rank, "worker": worker_id, "workers": workers, "samples": samples}
+            if self._history:
+                position["history"] = self._history
         else:
             epoch, position = self.epoch, None
-        return {"kind": "WDSDataset", "version": STATE_VERSION, **self.settings(), "epoch": epoch,
-                "position": None if position is None else dict(position)}
+        return {"kind": "WDSDataset", "version": STATE_VERSION, **self.settings(), "world_size": self.world()[1],
+                "epoch": epoch, "position": None if position is None else dict(position)}
 
     def load_state_dict(self, state: dict) -> None:
         """Set the epoch, and make the next pass over it start where the state says. Raises
         ValueError if the state was saved over other shards, or with another seed, shuffle
-        buffer or world size."""
+        buffer. A state saved on another number of ranks or DataLoader workers resumes with
+        the samples its streams had not yielded, dealt anew (readers.wds_elastic)."""
         check_state(state, "WDSDataset", self.settings())
         epoch = checked_count(state, "epoch", "WDSDataset")
         position = checked_position(state.get("position"))
+        saved_world = checked_count(state, "world_size", "WDSDataset")
+        if saved_world < 1:
+            raise ValueError(f"WDSDataset.load_state_dict: world_size must be >= 1, got {saved_world}")
         self.set_epoch(epoch)
-        self._resume = (epoch, position)
+        self._resume = self._loaded = (epoch, position, saved_world)
+
+    def resumed_history(self, world_size: int, workers: int) -> list[dict]:
+        """The passes before the one starting now: a loaded state's, and its own pass too
+        when it was saved on other ranks or workers (then its position is used up)."""
+        if self._resume is None or self._resume[0] != self.epoch:
+            return []
+        epoch, position, saved_world = self._resume
+        history, position = continue_or_deal(position, saved_world, world_size, workers)
+        self._resume = (epoch, position, saved_world)
+        return history
+
+    def pass_history(self, epoch: int, workers: int) -> tuple[list[dict], int]:
+        """(the passes of `epoch` before the one a loader over this dataset with `workers`
+        workers has under way or pending, the batches of that pass handed out before it
+        was saved): what its loader's state must carry besides its own batches."""
+        if self._loaded is None or self._loaded[0] != epoch:
+            return [], 0
+        _, position, saved_world = self._loaded
+        history, kept = continue_or_deal(position, saved_world, self.world()[1], workers)
+        return history, kept.get("batches", 0) if kept else 0
 
     def resume_point(self, plan: list[Task], rank: int, worker_id: int, workers: int) -> tuple[int, int]:
         """(the stream this worker reads, samples of it already consumed): (worker_id, 0)
@@ -576,22 +599,6 @@ def shuffled(items: Iterable, size: int, rng: random.Random, buffer: list | None
     yield from buffer
 
 
-def replay_shuffle(n: int, size: int, rng: random.Random, skip: int) -> tuple[list[int], int, bool]:
-    """shuffled() over n items, replayed on their ordinals until `skip` are out: (slots, the
-    buffer as ordinals; inputs consumed; drained: the input had ended and the buffer was
-    shuffled, so slots are what is left to yield, in order), with rng where shuffled's is."""
-    slots = list(range(min(size, n)))
-    consumed, out = len(slots), 0
-    while out < skip and consumed < n:
-        slots[rng.randrange(size)] = consumed
-        consumed += 1
-        out += 1
-    if out == skip:
-        return slots, consumed, False
-    rng.shuffle(slots)
-    return slots[skip - out:], n, True
-
-
 def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drained: bool, size: int,
                     rng: random.Random) -> Iterator:
     """shuffled()'s output from a replayed state on: source yields (ordinal, sample) in
@@ -606,33 +613,6 @@ def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drain
     return shuffled((sample for _, sample in source), size, rng, buffer)
 
 
-def stream_sizes(total: int, workers: int) -> list[int]:
-    """Samples each of a rank's `workers` DataLoader workers reads of its `total`: equal to
-    within one, the first ones one more."""
-    return [total // workers + (w < total % workers) for w in range(workers)]
-
-
-def consumed_samples(sizes: list[int], batches: int, batch_size: int, drop_last: bool) -> tuple[list[int], int]:
-    """(samples each worker has yielded, the worker whose batch comes next) once a
-    DataLoader over an IterableDataset has handed out `batches` batches: it takes one batch
-    from each worker in turn, skipping workers with none left (each batches its own
-    stream; drop_last drops each one's partial batch)."""
-    left = [n // batch_size + (0 if drop_last or n % batch_size == 0 else 1) for n in sizes]
-    taken = [0] * len(sizes)
-    remaining, following = batches, 0
-    while remaining and any(left):
-        for w in range(len(sizes)):
-            if left[w] and remaining:
-                left[w] -= 1
-                taken[w] += 1
-                remaining -= 1
-                following = (w + 1) % len(sizes)
-    if remaining:
-        raise ValueError(f"WDSDataset: the state has {batches} batches read, more than this epoch's "
-                         f"{batches - remaining}; it was saved over other data")
-    return [min(t * batch_size, n) for t, n in zip(taken, sizes)], following
-
-
 POSITION_KEYS = ({"rank", "worker", "workers", "samples"}, {"workers", "batches", "batch_size", "drop_last"})
 
 
@@ -640,6 +620,9 @@ def checked_position(position) -> dict | None:
     """A state's position: None, one worker's or a loader's (see WDSDataset), checked."""
     if position is None:
         return None
+    if isinstance(position, dict) and "history" in position:
+        return {**checked_position({k: v for k, v in position.items() if k != "history"}),
+                "history": checked_history(position["history"])}
     if not isinstance(position, dict) or set(position) not in POSITION_KEYS:
         raise ValueError(f"WDSDataset.load_state_dict: position must be None or a dict with the keys "
                          f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {position!r}")

@@ -1,0 +1,60 @@
+"""An epoch's global order dealt to any number of ranks: what makes a resume elastic.
+
+A sampler's order is one sequence of the dataset's N indexes fixed by (seed, epoch)
+alone: the global order. A pass on W ranks that starts C samples into it deals the rest
+by position, as DistributedSampler deals a permutation: rank r takes rest[r::W]. So at
+step s the ranks together consume the next W x batch_size samples of the global order
+whatever W is, and once every rank has consumed p indexes, the samples consumed are
+exactly the first C + p * W of it. That one count resumes the epoch on any number of
+ranks: the rest is the global order from there, dealt again.
+
+Equal shares: without drop_last the rest is padded to a multiple of W with indexes from
+the start of the global order (at most W - 1 repeats; from C = 0 exactly
+DistributedSampler's padding); with drop_last its last (rest mod W) indexes are left out.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int:
+    """Indexes each of `world_size` ranks takes of the rest of a global order of `count`
+    that starts `start` samples in."""
+    rest = max(0, count - start)
+    return rest // world_size if drop_last else math.ceil(rest / world_size)
+
+
+def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """The positions in the global order that `rank` reads, in order, in a pass from `start`."""
+    share = pass_length(count, start, world_size, drop_last)
+    slots = rank + world_size * np.arange(share, dtype=np.int64)  # places in the rest, padded
+    rest = max(0, count - start)
+    # A place past the rest's end is padding: the global order again from its start.
+    return np.where(slots < rest, start + slots, (slots - rest) % max(count, 1))
+
+
+def consumed(count: int, start: int, position: int, world_size: int) -> int:
+    """Samples of the global order consumed once every rank of a pass from `start` on
+    `world_size` ranks has consumed `position` indexes (padding counts nothing)."""
+    return min(count, start + position * world_size)
+
+
+def elastic_fields(state: dict, kind: str, count: int, drop_last: bool) -> tuple[int, int, int]:
+    """(world_size, start, position) of a sampler state, checked: a position within that
+    pass, a start within the epoch."""
+    values = []
+    for key, most in (("world_size", None), ("start", count)):
+        value = state.get(key, 0 if key == "start" else None)  # states before elastic resume began at 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "world_size" else 0) \
+                or (most is not None and value > most):
+            raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= {1 if key == 'world_size' else 0}"
+                             f"{'' if most is None else f' <= {most}'}, got {value!r}")
+        values.append(value)
+    world_size, start = values
+    most = pass_length(count, start, world_size, drop_last)
+    position = state.get("position")
+    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= most:
+        raise ValueError(f"{kind}.load_state_dict: position must be an int >= 0 <= {most}, got {position!r}")
+    return world_size, start, position

@@ -1,0 +1,163 @@
+"""The rest of a WDSDataset epoch after passes on other ranks and workers: an elastic stream resume.
+
+A stream has no one global order to count into, as the samplers have: each DataLoader
+worker of each rank reads its own run of shards through its own shuffle buffer, so the
+order depends on the number of ranks and workers. To resume on another number, each
+saving pass, a segment {"world_size", "workers", "batches", "batch_size", "drop_last"},
+is replayed on sample numbers alone, stream by stream, as a same-world resume replays its
+own stream (wds.replay_shuffle): which samples each stream had yielded to a batch handed
+out. The samples no stream had yielded, in the epoch's shard order, are the rest. It is
+cut into equal contiguous shares for the new ranks (padded with at most world_size - 1
+repeats of its first samples), each share into one run per worker, and each run streams
+through the worker's shuffle buffer. A state saved during such a pass lists the segments
+before it ("history"), so resuming again replays them all: the state stays a few
+numbers per resume, and loading costs one replay of the samples consumed.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+
+from ._stream import Task, consumed_samples, replay_shuffle
+
+SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")
+
+
+def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
+    """A position's "history": a list of segments, each checked."""
+    if not isinstance(history, list):
+        raise ValueError(f"{kind}.load_state_dict: history must be a list of passes, got {history!r}")
+    for segment in history:
+        if not (isinstance(segment, dict) and set(segment) == set(SEGMENT_KEYS) and valid_segment(segment)):
+            raise ValueError(f"{kind}.load_state_dict: each pass of the history needs the ints "
+                             f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, got {segment!r}")
+    return [dict(segment) for segment in history]
+
+
+def valid_segment(segment: dict) -> bool:
+    counts = all(type(segment[key]) is int and segment[key] >= (key != "batches") for key in SEGMENT_KEYS[:-1])
+    return counts and type(segment["drop_last"]) is bool
+
+
+def offsets(dataset) -> np.ndarray:
+    """Each shard's first sample number: samples are numbered shard by shard, in list order."""
+    return np.concatenate([[0], np.cumsum(dataset.shard_counts())]).astype(np.int64)
+
+
+def shard_order(dataset) -> list[int]:
+    """The epoch's shard order, as WDSDataset.plan deals it."""
+    order = list(range(len(dataset.shards)))
+    if dataset.shuffle:
+        order = np.random.default_rng([dataset.seed, dataset.epoch]).permutation(len(order)).tolist()
+    return order
+
+
+def numbers(dataset, tasks, first: np.ndarray) -> np.ndarray:
+    """The sample numbers of the tasks' samples, in order."""
+    runs = [first[t.shard] + np.arange(t.start, t.start + dataset.task_size(t), dtype=np.int64) for t in tasks]
+    return np.concatenate(runs) if runs else np.zeros(0, np.int64)
+
+
+def rank_plan(dataset, rank: int, world_size: int, history: list[dict]) -> list:
+    """This rank's tasks in a pass after `history`: the epoch's own plan when there is none."""
+    if not history:
+        return dataset.plan(rank, world_size)
+    return share(dataset, rest(dataset, history), rank, world_size)
+
+
+def rest(dataset, history: list[dict]) -> list:
+    """The samples no stream of the history's passes yielded, as tasks in the epoch's shard order."""
+    first = offsets(dataset)
+    taken = np.zeros(int(first[-1]), dtype=bool)
+    pool = None  # what the pass being replayed dealt: None, the epoch's own plan
+    for segment in history:
+        world_size = segment["world_size"]
+        for rank in range(world_size):
+            plan = dataset.plan(rank, world_size) if pool is None else share(dataset, pool, rank, world_size)
+            mark_consumed(dataset, plan, rank, segment, first, taken)
+        pool = untaken(dataset, taken, first)
+    return pool
+
+
+def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
+    """The samples not marked in `taken`, as runs in the epoch's shard order."""
+    tasks = []
+    counts = dataset.shard_counts()
+    for shard in shard_order(dataset):
+        left = ~taken[first[shard]:first[shard] + counts[shard]]
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], left, [False]]).astype(np.int8)))
+        tasks.extend(Task(shard, int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
+    return tasks
+
+
+def mark_consumed(dataset, plan: list, rank: int, segment: dict, first: np.ndarray, taken: np.ndarray) -> None:
+    """Mark in `taken` the samples this rank's streams had yielded to the segment's batches."""
+    workers = segment["workers"]
+    sizes = dataset.run_sizes(plan, workers)
+    yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
+    for stream_id in range(workers):
+        ordinals = np.zeros(sizes[stream_id], dtype=bool)
+        rng = stream_rng(dataset, rank, stream_id)
+        if rng is None:
+            ordinals[:yielded[stream_id]] = True
+        else:
+            slots, read, _ = replay_shuffle(sizes[stream_id], dataset.shuffle, rng, yielded[stream_id])
+            ordinals[:read] = True
+            ordinals[slots] = False  # still in the buffer: read, not yet yielded
+        taken[numbers(dataset, dataset.worker_tasks(plan, stream_id, workers), first)[ordinals]] = True
+
+
+def stream_rng(dataset, rank: int, stream_id: int) -> random.Random | None:
+    """The shuffle buffer's generator of a stream, as WDSDataset.stream seeds it."""
+    if dataset.shuffle <= 1:
+        return None
+    seed = np.random.SeedSequence([dataset.seed, dataset.epoch, rank, stream_id]).generate_state(1)[0]
+    return random.Random(int(seed))
+
+
+def share(dataset, pool: list, rank: int, world_size: int) -> list:
+    """This rank's contiguous, equal share of the pool's samples; the last ranks' shortfall
+    (world_size - 1 samples at most in all) repeats the pool's first samples."""
+    total = sum(map(dataset.task_size, pool))
+    each = math.ceil(total / world_size)
+    begin, end = min(total, rank * each), min(total, (rank + 1) * each)
+    tasks = cut(dataset, pool, begin, end)
+    return tasks + cut(dataset, pool, 0, each - (end - begin))
+
+
+def cut(dataset, pool: list, begin: int, end: int) -> list:
+    """The pool's samples [begin, end), as tasks."""
+    tasks, first = [], 0
+    for task in pool:
+        size = dataset.task_size(task)
+        low, high = max(begin, first), min(end, first + size)
+        if low < high:
+            tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
+        first += size
+    return tasks
+
+
+def segment_of(position: dict, world_size: int) -> dict:
+    """A loader position's pass, as a history segment."""
+    return {"world_size": world_size, "workers": position["workers"], "batches": position["batches"],
+            "batch_size": position["batch_size"], "drop_last": position["drop_last"]}
+
+
+def continue_or_deal(position: dict | None, saved_world: int, world_size: int, workers: int
+                     ) -> tuple[list[dict], dict | None]:
+    """(the history of the pass a state resumes, the position to skip to in it, or None to
+    start it afresh): the saved pass goes on where its ranks and workers are this run's,
+    else it ends, and the rest is dealt anew."""
+    if position is None:
+        return [], None
+    history = position.get("history", [])
+    if saved_world == world_size and position["workers"] == workers:
+        return history, position
+    if "samples" in position:
+        raise ValueError(f"WDSDataset: this state is one DataLoader worker's (torchdata's StatefulDataLoader "
+                         f"saves those), saved on {saved_world} rank(s) with {position['workers']} worker(s); "
+                         f"here there are {world_size} and {workers}. A worker's state holds its own stream "
+                         "only: resume on another number of ranks or workers through readers.make_loader")
+    return history + [segment_of(position, saved_world)], None

@@ -1,0 +1,301 @@
+"""Elastic resume (docs/resume.md, readers.elastic, readers.wds_elastic): a state saved on
+W1 ranks with K1 DataLoader workers, loaded on W2 ranks with K2, yields the samples no rank
+had handed out, each once (at most W2 - 1 padded repeats), the same number of batches on
+every rank, then the epochs a run started on W2 yields; the samplers' global order is the
+same on every world size.
+
+Ranks are separate processes told RANK and WORLD_SIZE (one run joins a gloo group), each
+with real DataLoader workers; rank 0 saves the one state every rank loads. Samples are
+named by the CRC-32 of their raw bytes, so every sample of the epoch is counted. The
+processes run this file as a script: `python tests/test_elastic.py save|resume JOBFILE`.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
+
+import readers  # noqa: E402
+from packer import pack  # noqa: E402
+from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
+
+from conftest import class_sorted_tree  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+BATCH, SEED = 5, 3
+CASES = ("random", "block", "stream")  # over LMDB (shuffled storage), HDF5, WDS shards
+SAMPLER_CASES = ("random", "block")
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("elastic")
+    src = class_sorted_tree(root / "src", classes=4, per_class=25)
+    pack(str(src), "lmdb", str(root / "d.lmdb"), workers=1, progress=False, shuffle=True, shuffle_seed=1)
+    pack(str(src), "hdf5", str(root / "d.h5"), workers=1, progress=False)
+    pack(str(src), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 9})
+    return str(root)
+
+
+def sample_ids(batch) -> list[int]:
+    return [zlib.crc32(bytes(image)) for image, _ in batch]
+
+
+def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None):
+    root = Path(root)
+    if case == "stream":
+        data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
+        return make_loader(data, BATCH, workers=workers, collate_fn=sample_ids, drop_last=False)
+    data = (readers.LMDBDataset(root / "d.lmdb", decode="raw") if case == "random"
+            else readers.HDF5Dataset(root / "d.h5", decode="raw"))
+    loader = make_loader(data, BATCH, workers=workers, seed=SEED, order=case, block_size=4, window=3,
+                         collate_fn=sample_ids, drop_last=False)
+    if rank is not None:  # in-process ranks: the sampler told its place
+        sampler = loader.sampler
+        sampler.rank, sampler.world_size = rank, world_size
+    return loader
+
+
+def stops(batches: int) -> tuple[int, ...]:
+    """Where a pass is stopped, in batches handed out: 0 and batches - 1 inside the first and
+    the last batch (the workers have read it ahead), and at the end."""
+    return 0, 1, batches // 2, batches - 1, batches
+
+
+def flat(batches) -> list[int]:
+    return [s for batch in batches for s in batch]
+
+
+def interleaved(ranks: list[list[int]]) -> list[int]:
+    """Samples in the order all ranks consume them: rank r's i-th is the global (r + W i)-th."""
+    return [s for step in zip(*ranks) for s in step]
+
+
+def save_side(job: dict) -> dict:
+    """Per case: a whole epoch 0, and for each stop the batches handed out before the state."""
+    record = {}
+    for case in CASES:
+        full = list(build(job["root"], case, job["workers"]))
+        heads = {}
+        for k in stops(len(full)):
+            loader = build(job["root"], case, job["workers"])
+            batches = iter(loader)  # the workers start reading ahead
+            heads[k] = [next(batches) for _ in range(k)]
+            state = loader.state_dict()
+            del batches
+            if job["rank"] == 0:
+                torch.save(state, Path(job["folder"]) / f"{case}-{k}.pt")
+        record[case] = {"full": full, "heads": heads}
+    return record
+
+
+def resume_side(job: dict) -> dict:
+    """Per case and stop: the rest of epoch 0 from rank 0's state and the epoch after it,
+    and a fresh run's epochs 0 and 1 on this world."""
+    record = {}
+    for case in CASES:
+        fresh = build(job["root"], case, job["workers"])
+        record[case] = {"fresh": [list(fresh), list(fresh)]}
+        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+            k = int(path.stem.rpartition("-")[2])
+            loader = build(job["root"], case, job["workers"])
+            loader.load_state_dict(torch.load(Path(job["folder"]) / f"{case}-{k}.pt", weights_only=True))
+            record[case][k] = [list(loader), list(loader)]
+    return record
+
+
+def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False) -> list:
+    """Run world_size processes of `phase`; each rank's record."""
+    procs = []
+    for rank in range(world_size):
+        job = {"root": root, "folder": str(folder), "workers": workers, "rank": rank, "gloo": gloo,
+               "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
+        path = folder / f"job-{phase}-{world_size}-{rank}.json"
+        path.write_text(json.dumps(job))
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+        procs.append(subprocess.Popen([sys.executable, __file__, phase, str(path)], cwd=HERE.parent, env=env,
+                                      stderr=subprocess.PIPE, text=True))
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{phase} rank {rank} of {world_size} failed:\n{err[-4000:]}"
+    return [json.loads((folder / f"{phase}-{world_size}-{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def check_resumes(saved: list, resumed: list, name: str) -> None:
+    """Every stop: the rest is the samples no rank had handed out, each once but for at most
+    W2 - 1 repeats, in equal batch counts; the next epoch is a fresh W2 run's."""
+    w2 = len(resumed)
+    for case in CASES:
+        everything = {s for r in saved for s in flat(r[case]["full"])}
+        assert len(everything) == 100
+        global_order = interleaved([flat(r[case]["full"]) for r in saved])[:100]
+        for k in stops(len(saved[0][case]["full"])):
+            where = f"{name} {case} after {k} batches"
+            handed = {s for r in saved for s in flat(r[case]["heads"][str(k)])}
+            left = everything - handed
+            rests = [r[case][str(k)][0] for r in resumed]
+            assert len({len(b) for b in rests}) == 1, f"{where}: ranks make different batch counts"
+            got = collections.Counter(s for batches in rests for s in flat(batches))
+            assert left <= set(got), f"{where}: {len(left - set(got))} samples never handed out are skipped"
+            if k == 0:  # nothing handed out: the epoch as a run started on W2 reads it (its own padding)
+                assert rests == [r[case]["fresh"][0] for r in resumed], where
+            else:
+                assert sum(got.values()) - len(left) < w2, f"{where}: {sum(got.values()) - len(left)} repeats"
+            if case in SAMPLER_CASES:  # the rest of the one global order, from where it stopped
+                assert interleaved([flat(b) for b in rests])[:len(left)] == [s for s in global_order if s in left]
+            for rank in range(w2):
+                assert resumed[rank][case][str(k)][1] == resumed[rank][case]["fresh"][1], f"{where}: next epoch"
+
+
+def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, tmp_path):
+    a, b = tmp_path / "from2", tmp_path / "from3"
+    a.mkdir()
+    b.mkdir()
+    saved2 = run_ranks("save", a, packs, world_size=2, workers=2)
+    check_resumes(saved2, run_ranks("resume", a, packs, world_size=1, workers=0), "2x2 -> 1x0")
+    resumed3 = run_ranks("resume", a, packs, world_size=3, workers=1)
+    check_resumes(saved2, resumed3, "2x2 -> 3x1")
+    saved3 = run_ranks("save", b, packs, world_size=3, workers=1)
+    check_resumes(saved3, run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True), "3x1 -> 2x2 gloo")
+    for case in SAMPLER_CASES:  # elastic determinism: one global order on 1, 2 and 3 ranks
+        on_two = interleaved([flat(r[case]["full"]) for r in saved2])[:100]
+        assert interleaved([flat(r[case]["fresh"][0]) for r in resumed3])[:100] == on_two
+        assert interleaved([flat(r[case]["full"]) for r in saved3])[:100] == on_two
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_state_saved_after_an_elastic_resume_resumes_again(packs, case):
+    """2 ranks -> 3 ranks (a state saved mid-way) -> 1 rank with 2 workers: every sample once."""
+    handed, state = [], None
+    for world_size, workers, take in ((2, 0, 3), (3, 2, 2)):
+        states = []
+        for rank in range(world_size):
+            loader = build(packs, case, workers, rank, world_size)
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+            batches = iter(loader)
+            handed += flat(next(batches) for _ in range(take))
+            states.append(loader.state_dict())
+            del batches
+        state = states[0]
+        assert all(s == state for s in states), "every rank saves the same state"
+    last = build(packs, case, 2, 0, 1)
+    last.load_state_dict(torch.load(save_to_bytes(state), weights_only=True))
+    rest = flat(last)
+    assert sorted(set(handed) | set(rest)) == sorted(set(flat(build(packs, case, 0))))
+    assert not set(handed) & set(rest) and len(rest) == len(set(rest))
+    assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
+
+
+def save_to_bytes(state: dict):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@pytest.mark.parametrize("kind", [ShuffleSampler, BlockShuffleSampler])
+def test_torchdata_resumes_a_sampler_on_another_world_size(packs, kind):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = readers.LMDBDataset(Path(packs) / "d.lmdb", decode="raw")
+
+    def loader(rank, world_size):
+        sampler = kind(data, seed=SEED, rank=rank, world_size=world_size)
+        return StatefulDataLoader(data, BATCH, sampler=sampler, num_workers=2, collate_fn=sample_ids)
+
+    handed, states = [], []
+    for rank in range(3):
+        saving = loader(rank, 3)
+        batches = iter(saving)
+        handed += flat(next(batches) for _ in range(4))
+        states.append(saving.state_dict())
+        del batches
+    rest = []
+    for rank in range(2):
+        resuming = loader(rank, 2)
+        resuming.load_state_dict(states[0])
+        rest.append(flat(resuming))
+    assert len(rest[0]) == len(rest[1])
+    assert sorted(handed + interleaved(rest)[:100 - len(handed)]) == sorted(set(flat(loader(0, 1))))
+
+
+def test_a_state_is_a_few_hundred_bytes_at_imagenet_scale():
+    class ImageNet:
+        def __len__(self):
+            return 1_281_167
+
+    for sampler in (ShuffleSampler(ImageNet(), rank=3, world_size=8), BlockShuffleSampler(ImageNet(), rank=3,
+                                                                                            world_size=8)):
+        batches = iter(sampler)
+        for _ in range(1000):
+            next(batches)
+        state = sampler.state_dict()
+        assert state["position"] == 1000 and len(json.dumps(state)) < 400
+        elsewhere = type(sampler)(ImageNet(), rank=0, world_size=5)
+        elsewhere.load_state_dict(json.loads(json.dumps(state)))
+        assert len(elsewhere) == -(-(1_281_167 - 8000) // 5)
+
+
+def test_a_block_state_from_before_the_global_order_is_refused_on_several_ranks():
+    class Records:
+        def __len__(self):
+            return 100
+
+    old = {**BlockShuffleSampler(Records(), rank=0, world_size=2).state_dict(), "position": 10}
+    del old["start"]  # what packer saved before: that position counted another order
+    with pytest.raises(ValueError, match="saved on 2 ranks by an earlier packer.*start the epoch afresh"):
+        BlockShuffleSampler(Records(), rank=0, world_size=2).load_state_dict(old)
+    BlockShuffleSampler(Records()).load_state_dict({**old, "world_size": 1})  # one rank's order is unchanged
+
+
+def test_a_stream_state_with_a_damaged_history_is_refused_with_what_it_needs(packs):
+    loader = build(packs, "stream", 0, 0, 2)
+    batches = iter(loader)
+    next(batches)
+    state = build(packs, "stream", 0, 0, 3)
+    state.load_state_dict(loader.state_dict())
+    saved = state.state_dict()
+    assert saved["dataset"]["position"]["history"][0]["world_size"] == 2  # resumed on 3: the 2 ranks' pass
+    assert len(json.dumps(saved)) < 1000
+    saved["dataset"]["position"]["history"][0]["batches"] = -1
+    with pytest.raises(ValueError, match="each pass of the history needs the ints world_size, workers, batches"):
+        build(packs, "stream", 0, 0, 3).load_state_dict(saved)
+
+
+def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--records", "20000", "--repeats", "1"],
+                          cwd=HERE.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    timed = {row["order"]: row for row in rows if "ratio" in row}
+    assert set(timed) == {"random", "block", "stream"} and all(row["ratio"] > 0 for row in timed.values())
+    drift = [row for row in rows if "drift_from" in row]
+    assert len(drift) == 3 and all(0 < row["mean_moved"] < 1 for row in drift)
+
+
+if __name__ == "__main__":
+    job = json.loads(Path(sys.argv[2]).read_text())
+    if job["gloo"]:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    result = save_side(job) if sys.argv[1] == "save" else resume_side(job)
+    Path(job["out"]).write_text(json.dumps(result))
+    if job["gloo"]:
+        dist.barrier()
+        dist.destroy_process_group()
