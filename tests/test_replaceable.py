@@ -15,7 +15,7 @@ from packer.cli import main
 from packer.formats import wds
 from packer.records import metadata_crc
 
-from conftest import jpeg_bytes, snapshot, tree, write
+from conftest import snapshot, tree, write
 
 
 def run(*args):
