@@ -92,9 +92,9 @@ def test_target_size_keeps_the_aspect_ratio_and_leaves_images_within_the_limit_a
 
 def test_expected_size_is_upright():
     data = encoded(photo(900, 400), orientation=6)  # shown rotated: 400 wide, 900 high
-    assert expected_size(data, 256) == (114, 256)
-    assert expected_size(encoded(photo(900, 400), orientation=3), 256) == (256, 114)
-    assert expected_size(encoded(photo(200, 100)), 256) is None
+    assert expected_size(data, Reencode(256)) == (114, 256)
+    assert expected_size(encoded(photo(900, 400), orientation=3), Reencode(256)) == (256, 114)
+    assert expected_size(encoded(photo(200, 100)), Reencode(256)) is None
 
 
 def test_images_within_the_limit_are_not_re_encoded():
