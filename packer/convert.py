@@ -90,7 +90,8 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
-            quality: int | None = None, baseline_420: bool = False, checksum: str = record_checksums.DEFAULT) -> PackResult:
+            quality: int | None = None, baseline_420: bool = False,
+            checksum: str = record_checksums.DEFAULT) -> PackResult:
     """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
 
     shuffle and shuffle_seed as for pack(): wds output is shuffled by default. max_side and

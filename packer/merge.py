@@ -160,9 +160,11 @@ def refuse_mismatch(parts: list[Part]) -> None:
 
 
 def reencode_options(part: Part) -> tuple | None:
-    """(max_side, quality, form) a part was packed with, None without --max-side or --baseline-420."""
+    """(max_side, quality[, form]) a part was packed with, None without --max-side or --baseline-420."""
     found = part.meta.reencode
-    return None if found is None else (found["max_side"], found["quality"], found.get("form"))
+    if found is None:
+        return None
+    return (found["max_side"], found["quality"], *([found["form"]] if "form" in found else []))
 
 
 def merged_reencode(parts: list[Part]) -> dict | None:

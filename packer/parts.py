@@ -230,8 +230,8 @@ def run_part(task: PartTask) -> dict:
     if decoding and multiprocessing.current_process().daemon:
         # Decoding runs in processes, which a daemonic worker (Dask's, by default) may not start.
         options = {**options, "workers": 1}
-        notes.append("--check full, --max-side and --baseline-420 decoded each part in its worker's own process, which may not "
-                     "start others (daemonic): run more parts, or start Dask workers with "
+        notes.append("--check full, --max-side and --baseline-420 decoded each part in its worker's own process, "
+                     "which may not start others (daemonic): run more parts, or start Dask workers with "
                      "DASK_DISTRIBUTED__WORKER__DAEMON=False")
     try:
         result = pack(task.src, task.fmt, task.out, part=task.spec, progress=False, **options)

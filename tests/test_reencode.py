@@ -386,7 +386,8 @@ def test_convert_to_baseline_420_adds_its_counts_and_refuses_a_smaller_side_afte
     both = tmp_path / "both.h5"
     convert(str(small), "hdf5", str(both), workers=1, progress=False, baseline_420=True)
     # The 4 re-encoded under 250 px are in the form already; cmyk, rotated and the PNG are re-encoded now.
-    assert read_metadata(both).reencode == {"max_side": 250, "quality": 90, "counts": {"all": 7}, "form": "baseline-420"}
+    assert read_metadata(both).reencode == {"max_side": 250, "quality": 90, "counts": {"all": 7},
+                                            "form": "baseline-420"}
     assert verify(str(both), str(forms_tree), workers=1).ok
     again = tmp_path / "again.lmdb"  # nothing left to re-encode: the record stands
     convert(str(both), "lmdb", str(again), workers=1, progress=False, baseline_420=True, max_side=300)
