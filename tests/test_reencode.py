@@ -428,3 +428,18 @@ def test_cli_baseline_420_and_info_forms(forms_tree, tmp_path):
     assert facts["forms"]["hardware"] == 4 and facts["forms"]["baseline_420"] == 2 and facts["forms"]["jpeg"] == 6
     for command in ("pack", "convert"):
         assert "--baseline-420" in " ".join(runner.invoke(main, [command, "--help"]).output.split())
+
+
+def test_the_resolution_benchmark_measures_the_baseline_420_variants(forms_tree, tmp_path, capsys):
+    from benchmarks.suites import resolution
+
+    result = tmp_path / "result.json"
+    resolution.main([str(forms_tree), "--work", str(tmp_path / "work"), "--sides", "full,b420,250+b420",
+                     "--repeats", "1", "--pack-repeats", "1", "--sample", "7", "--workers", "1", "--every-q90",
+                     "--json", str(result)])
+    table = capsys.readouterr().out
+    assert "| baseline-420 | 5 of 7 |" in table and "| max-side-250+baseline-420 | 7 of 7 |" in table
+    assert "| every-q90 | 7 of 7 |" in table and "- (sample only)" in table
+    reads = json.loads(result.read_text())["reads"]
+    assert set(reads) == {"full", "baseline-420", "max-side-250+baseline-420", "every-q90"}
+    assert all(rate["rrc224_per_s"] > 0 and rate["sample_bytes"] > 0 for rate in reads.values())

@@ -183,6 +183,8 @@ def main(argv=None) -> None:
                               "image_bytes": sum(map(len, samples["every-q90"])), "pack_s": float("nan"),
                               "sample_only": True}
     rates = read_rates(samples, args.repeats)
+    for name, datas in samples.items():  # the timed records' bytes: every-q90 compares with full's here
+        rates[name]["sample_bytes"] = sum(map(len, datas))
     env = {"corpus": os.path.abspath(args.corpus), "pack_workers": workers, "sample": args.sample,
            "repeats": args.repeats, "pack_repeats": args.pack_repeats, "python": platform.python_version(),
            "cpu": platform.processor(), "cores": available_cores(), "read_clock": "thread CPU time, torch 1 thread, bytes in memory",
