@@ -137,7 +137,10 @@ SAMPLE = 1000  # records info reads for its census: a few MB, enough for shares 
 def census(path: str, meta, sample: int = SAMPLE) -> dict:
     """How many of `sample` records, spread evenly over all splits in storage order, are in
     each form: {"sampled", "jpeg", "baseline_420", "hardware", "progressive",
-    "subsampling": {"4:2:0": n, ...}}. Reads those records' bytes (headers parsed only)."""
+    "subsampling": {"4:2:0": n, ...}, "unreadable"}. Reads those records' bytes (headers
+    parsed only); a record that cannot be read (damaged, a shard missing) is counted as
+    unreadable, not raised: info describes a dataset, verify judges it."""
+    from .errors import PackError
     from .formats import ReaderCache
 
     total = meta.count
@@ -146,13 +149,19 @@ def census(path: str, meta, sample: int = SAMPLE) -> dict:
     for name, split in meta.splits.items():
         bounds.append((name, start, start + split.count))
         start += split.count
-    counts = {"sampled": 0, "jpeg": 0, "baseline_420": 0, "hardware": 0, "progressive": 0, "subsampling": {}}
+    counts = {"sampled": 0, "jpeg": 0, "baseline_420": 0, "hardware": 0, "progressive": 0, "subsampling": {},
+              "unreadable": 0}
     readers = ReaderCache(path)
     try:
         for k in picks:
             name, first = next((name, lo) for name, lo, hi in bounds if lo <= k < hi)
-            form = jpeg_form(readers[name].read(k - first)[0])
             counts["sampled"] += 1
+            try:
+                data = readers[name].read(k - first)[0]
+            except (PackError, OSError):
+                counts["unreadable"] += 1
+                continue
+            form = jpeg_form(data)
             if form is None:
                 continue
             counts["jpeg"] += 1
@@ -179,5 +188,6 @@ def form_summary(counts: dict) -> str:
     seen = ", ".join(f"{name} {share(k)}" for name, k in sorted(counts["subsampling"].items(), key=lambda kv: -kv[1]))
     return (f"{share(counts['hardware'])} decodable by GPU JPEG engines (baseline 8-bit YCbCr 4:4:4/4:2:2/4:2:0/"
             f"4:4:0 or gray), {share(counts['baseline_420'])} baseline 4:2:0 or gray, "
-            f"{share(counts['progressive'])} progressive, {share(n - counts['jpeg'])} not JPEG; "
-            f"{seen or 'no JPEG'} (of {n} records sampled evenly)")
+            f"{share(counts['progressive'])} progressive, {share(n - counts['jpeg'] - counts['unreadable'])} not JPEG; "
+            f"{seen or 'no JPEG'} (of {n} records sampled evenly"
+            + (f"; {counts['unreadable']} unreadable: run packer verify)" if counts["unreadable"] else ")"))

@@ -66,7 +66,29 @@ def test_census_counts_the_forms_of_an_even_sample(tmp_path):
     meta = read_metadata(out)
     every = census(str(out), meta)
     assert every == {"sampled": 10, "jpeg": 10, "baseline_420": 6, "hardware": 9, "progressive": 1,
-                     "subsampling": {"4:2:0": 7, "4:4:4": 3}}
+                     "subsampling": {"4:2:0": 7, "4:4:4": 3}, "unreadable": 0}
     assert "90% decodable by GPU JPEG engines" in form_summary(every) and "60% baseline 4:2:0" in form_summary(every)
     some = census(str(out), meta, sample=5)  # records 0, 2, 4 of class a (6 records), 6, 8 of b
     assert some["sampled"] == 5 and some["baseline_420"] == 3
+
+
+def test_info_describes_a_damaged_dataset_and_counts_what_it_cannot_read(tmp_path):
+    from click.testing import CliRunner
+
+    from packer.cli import main
+
+    src = tmp_path / "src"
+    for i in range(4):
+        write(src / "a" / f"{i}.jpg", jpeg(quality=95, subsampling=0))
+    out = tmp_path / "out.wds"
+    pack(str(src), "wds", str(out), workers=1, progress=False)
+    shard = next(out.rglob("shard-*.tar"))
+    damaged = bytearray(shard.read_bytes())
+    damaged[1000] ^= 0xFF  # inside the first record's image: its checksum no longer matches
+    shard.write_bytes(bytes(damaged))
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 unreadable: run packer verify" in result.output and "75% decodable by GPU JPEG engines" in result.output
+    shard.unlink()
+    result = CliRunner().invoke(main, ["info", str(out)])
+    assert result.exit_code == 0 and "4 unreadable" in result.output, result.output
