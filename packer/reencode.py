@@ -172,7 +172,9 @@ def _resized(image, size: tuple[int, int]):
     image.load()
     if image.mode not in ("L", "RGB"):
         image = image.convert("RGB")  # CMYK, palette, alpha, 16-bit: as the readers convert them
-    return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
+    if image.size == size:  # re-encoded for its form alone: a copy, which outlives the closed file
+        return image.copy()
+    return image.resize(size, Image.Resampling.LANCZOS)
 
 
 def _encode(image, quality: int) -> bytes:
