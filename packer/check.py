@@ -35,7 +35,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")
 # Markers that carry no length field: TEM, RST0-7, SOI, EOI.
 _STANDALONE = {0x01, *range(0xD0, 0xD8), 0xD8, 0xD9}
-_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# Start-of-frame markers (SOF0-SOF15 less DHT C4, JPG C8, DAC CC): the frame header with the size.
+SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+SOS = 0xDA  # start of scan
 
 
 def sniff(data: bytes) -> str | None:
@@ -97,15 +99,20 @@ def too_large(reason: str) -> str:
     return f"{reason}; if the image is genuine, raise the limit with --max-pixels"
 
 
-def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
-    pos, size_seen = 2, False
-    n = len(data)
+def jpeg_segments(data: bytes):
+    """(marker, start, end) of each JPEG marker segment from SOI up to the first SOS, in
+    order: data[start:end] is its payload (end may run past the data when it is cut short).
+
+    Stops where the data ends; raises ValueError with the reason on a byte that is no marker.
+    The header check (jpeg_problem) and packer.jpeg_form both read headers through it.
+    """
+    pos, n = 2, len(data)
     while pos < n:
         if data[pos] != 0xFF:
-            return f"corrupt JPEG (no marker at byte {pos})"
-        marker = data[pos + 1] if pos + 1 < n else None
-        if marker is None:
-            break
+            raise ValueError(f"corrupt JPEG (no marker at byte {pos})")
+        if pos + 1 >= n:
+            return
+        marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
             pos += 1
             continue
@@ -113,26 +120,37 @@ def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
             pos += 2
             continue
         if pos + 4 > n:
-            break
+            return
         (length,) = struct.unpack_from(">H", data, pos + 2)
-        if marker in _SOF:
-            if pos + 9 > n:
-                break
-            height, width = struct.unpack_from(">HH", data, pos + 5)
-            if width == 0:
-                return "corrupt JPEG (zero width in frame header)"
-            if (reason := size_problem(width, height, max_pixels)) is not None:
-                return too_large(reason)
-            size_seen = True
-        if marker == 0xDA:  # start of scan: entropy data follows; EOI must come after it
-            if not size_seen:
-                return "corrupt JPEG (scan before frame header)"
-            # Entropy-coded data never contains FF D9 (FF is always stuffed), so an EOI
-            # after the first scan exists exactly when the file was not cut short.
-            if data.rfind(b"\xff\xd9", pos) == -1:
-                return "truncated JPEG (no end-of-image marker)"
-            return None
+        yield marker, pos + 4, pos + 2 + length
+        if marker == SOS:
+            return
         pos += 2 + length
+
+
+def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
+    size_seen = False
+    try:
+        for marker, start, end in jpeg_segments(data):
+            if marker in SOF_MARKERS:
+                if start + 5 > len(data):
+                    break
+                height, width = struct.unpack_from(">HH", data, start + 1)
+                if width == 0:
+                    return "corrupt JPEG (zero width in frame header)"
+                if (reason := size_problem(width, height, max_pixels)) is not None:
+                    return too_large(reason)
+                size_seen = True
+            if marker == SOS:  # entropy data follows; EOI must come after it
+                if not size_seen:
+                    return "corrupt JPEG (scan before frame header)"
+                # Entropy-coded data never contains FF D9 (FF is always stuffed), so an EOI
+                # after the first scan exists exactly when the file was not cut short.
+                if data.rfind(b"\xff\xd9", start - 4) == -1:
+                    return "truncated JPEG (no end-of-image marker)"
+                return None
+    except ValueError as exc:
+        return str(exc)
     return "truncated JPEG (ends inside the header)"
 
 

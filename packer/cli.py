@@ -166,9 +166,15 @@ def writer_options(fmt, shuffle_seed, no_shuffle, **given) -> dict:
 
 
 def reencode_options(command):
-    """--max-side and --quality, which pack and convert share (packer.reencode)."""
+    """--max-side, --baseline-420 and --quality, which pack and convert share (packer.reencode)."""
     command = click.option("--quality", type=click.IntRange(1, 100),
-                           help="JPEG quality of the images --max-side re-encodes [default: 90].")(command)
+                           help="JPEG quality of the images --max-side or --baseline-420 re-encodes "
+                                "[default: 90].")(command)
+    command = click.option("--baseline-420", "baseline_420", is_flag=True,
+                           help="Store every image as a baseline (not progressive) 8-bit JPEG, YCbCr 4:2:0 or "
+                                "grayscale: the form cheapest to decode, which GPU JPEG engines take "
+                                "(docs/resolution.md). Images already in it are stored byte for byte, the others "
+                                "re-encoded at their size (combines with --max-side).")(command)
     return click.option("--max-side", type=click.IntRange(1, MAX_SIDE_LIMIT),
                         help="Re-encode as JPEG each image whose long side, upright by its EXIF orientation, is "
                              "over N pixels, to N (aspect ratio kept, Lanczos, stored upright): less to decode "
@@ -187,10 +193,11 @@ def checksum_option(command):
                              "CRC-32).")(command)
 
 
-def reencode_args(max_side, quality) -> dict:
-    if quality is not None and max_side is None:
-        raise click.UsageError("--quality sets the JPEG quality of the images --max-side re-encodes: pass --max-side")
-    return {"max_side": max_side, "quality": quality}
+def reencode_args(max_side, quality, baseline_420=False) -> dict:
+    if quality is not None and max_side is None and not baseline_420:
+        raise click.UsageError("--quality sets the JPEG quality of the images --max-side or --baseline-420 "
+                               "re-encodes: pass --max-side or --baseline-420")
+    return {"max_side": max_side, "quality": quality, "baseline_420": baseline_420}
 
 
 class FormatName(click.ParamType):
@@ -335,10 +342,11 @@ def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=Non
 @shard_options
 @library_errors
 def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, labels, labels_index_base, as_json,
-                 part, parts, dask, max_side, quality, checksum, staging_dir, storage_options, deadline, **shards):
+                 part, parts, dask, max_side, quality, baseline_420, checksum, staging_dir, storage_options,
+                 deadline, **shards):
     """Pack the ImageFolder tree SRC into one dataset file or folder.
 
-    Every image is stored byte for byte, except those --max-side re-encodes.
+    Every image is stored byte for byte, except those --max-side or --baseline-420 re-encodes.
     """
     if labels_index_base is not None and labels is None:
         raise click.UsageError("--labels-index-base applies to a --labels file: pass one")
@@ -346,7 +354,7 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
         raise click.UsageError("--part packs one part; --parts and --dask pack them all: pass one or the other")
     kwargs = dict(workers=workers, on_error=on_error, check=check, force=force, max_pixels=max_pixels,
                   labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
-                  part=part, parts=parts, **reencode_args(max_side, quality), checksum=checksum,
+                  part=part, parts=parts, **reencode_args(max_side, quality, baseline_420), checksum=checksum,
                   **writer_options(fmt, **shards))
     kwargs.pop("force")
     if dask is not None:
@@ -423,18 +431,18 @@ def pack_facts(result: PackResult) -> dict:
 @remote_options
 @shard_options
 @library_errors
-def convert_command(packed, fmt, out, force, workers, max_side, quality, checksum, staging_dir, storage_options,
-                    deadline, **shards):
+def convert_command(packed, fmt, out, force, workers, max_side, quality, baseline_420, checksum, staging_dir,
+                    storage_options, deadline, **shards):
     """Convert the packed dataset PACKED to another format, byte for byte (except the
-    records --max-side re-encodes).
+    records --max-side or --baseline-420 re-encodes).
 
     Reads PACKED only: the folder it was packed from is not needed.
     """
     from .convert import convert
 
     report_pack(write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
-        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality), checksum=checksum,
-        **writer_options(fmt, **shards)), deadline), verb="converted")
+        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality, baseline_420),
+        checksum=checksum, **writer_options(fmt, **shards)), deadline), verb="converted")
 
 
 @main.command("merge")
@@ -500,13 +508,27 @@ def info_command(packed, as_json, storage_options, deadline):
     for line in parts_lines(facts.get("parts")):
         echo_shown(line)
     echo_shown(f"  parameters: {json.dumps(facts['params'])}")
-    reencoded = facts.get("reencode")
-    if reencoded:
-        echo_shown(f"  re-encoded: {sum(reencoded['counts'].values())} images over {reencoded['max_side']} px "
-                   f"(JPEG quality {reencoded['quality']}); the others are byte-identical to the source")
+    for line in reencode_lines(facts):
+        echo_shown(line)
     echo_shown(f"  skipped: {len(facts['skipped'])}")
     for entry in facts["skipped"]:
         echo_shown(f"    {entry['path']}: {entry['reason']}")
+
+
+def reencode_lines(facts: dict) -> list[str]:
+    """info's lines on re-encoded images (packer.reencode) and the images' JPEG forms (packer.jpeg_form)."""
+    from .jpeg_form import form_summary
+
+    lines = []
+    reencoded = facts.get("reencode")
+    if reencoded:
+        which = " or ".join(([f"over {reencoded['max_side']} px"] if reencoded["max_side"] < MAX_SIDE_LIMIT else [])
+                            + (["not baseline 4:2:0"] if facts.get("reencode_form") else []))
+        lines.append(f"  re-encoded: {sum(reencoded['counts'].values())} images {which} "
+                     f"(JPEG quality {reencoded['quality']}); the others are byte-identical to the source")
+    if facts.get("forms"):
+        lines.append(f"  JPEG forms: {form_summary(facts['forms'])}")
+    return lines
 
 
 def parts_lines(parts: dict | None) -> list[str]:

@@ -1,6 +1,6 @@
 """Converts a packed dataset to another format, byte for byte, through the pack machinery.
 
-With max_side (convert --max-side) the records over it are re-encoded on the way
+With max_side or baseline_420 (convert --max-side, --baseline-420) the records they name are re-encoded on the way
 (packer.reencode), by the same worker processes; every other record keeps its bytes.
 
 The records come from the packed dataset's Reader instead of the source folder (which is
@@ -27,7 +27,7 @@ from .formats._tables import spilled_array
 from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, write_dataset, write_listings,
                    write_order)
 from .records import Metadata
-from .reencode import Reencode, combined, reencode_spec
+from .reencode import Reencode, combinable, combined, reencode_spec
 from .verify import packed_max_pixels
 from .scan import SplitListing
 
@@ -127,21 +127,25 @@ def chain_length(origin) -> int:
 def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
-            quality: int | None = None, checksum: str = record_checksums.DEFAULT) -> PackResult:
+            quality: int | None = None, baseline_420: bool = False,
+            checksum: str = record_checksums.DEFAULT) -> PackResult:
     """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
 
     shuffle and shuffle_seed as for pack(): wds output is shuffled by default. max_side and
-    quality as for pack(): the records over max_side are re-encoded, the others kept.
+    quality as for pack(): the records over max_side are re-encoded, the others kept;
+    baseline_420 as for pack(), except after a pack with it and a larger max_side (refused:
+    packer.reencode.combinable).
     checksum as for pack(): the output's record checksum kind, whatever the input's.
     """
     record_checksums.check_kind(checksum)
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
-    reencode = reencode_spec(max_side, quality)
+    reencode = reencode_spec(max_side, quality, baseline_420)
     options = format_named(fmt).writer_options(options)
     start = time.perf_counter()
     packed = os.path.abspath(packed)
     src_fmt = detect_format(packed)
     src_meta = read_metadata(packed)
+    combinable(src_meta.reencode, reencode, packed)
     out = os.path.abspath(out or converted_output(packed, src_fmt, fmt))
     tidied = check_target(out, sources=[packed], force=force)
     workers = workers or available_cores()

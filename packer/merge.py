@@ -157,7 +157,7 @@ def refuse_mismatch(parts: list[Part]) -> None:
                             f"this one with --checksum {first.meta.checksum})", part.path)
         refuse_disagreement(part, first)
         if reencode_options(part) != reencode_options(first):
-            raise PackError(f"{part.path}: re-encoded with other --max-side/--quality than {first.path} "
+            raise PackError(f"{part.path}: re-encoded with other --max-side/--baseline-420/--quality than {first.path} "
                             f"({reencode_options(part)} vs {reencode_options(first)}); pack every part with the "
                             "same options", part.path)
 
@@ -191,9 +191,11 @@ def brief(value) -> str:
 
 
 def reencode_options(part: Part) -> tuple | None:
-    """(max_side, quality) a part was packed with, None without --max-side."""
+    """(max_side, quality[, form]) a part was packed with, None without --max-side or --baseline-420."""
     found = part.meta.reencode
-    return None if found is None else (found["max_side"], found["quality"])
+    if found is None:
+        return None
+    return (found["max_side"], found["quality"], *([found["form"]] if "form" in found else []))
 
 
 def merged_reencode(parts: list[Part]) -> dict | None:

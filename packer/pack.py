@@ -93,7 +93,7 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
     """Read and check one file; errors become a reason, so the parent decides the policy.
 
     job is the file's path, or a Loaded already decided without opening it (a refused file).
-    reencode: re-encode the file when it is over its max_side (packer.reencode). kind: the
+    reencode: re-encode the file as packer.reencode says (over max_side, or not in the form asked for). kind: the
     record checksum kind to compute (packer.checksum).
     """
     if isinstance(job, Loaded):
@@ -113,8 +113,8 @@ def load_file(job: str | Loaded, level: str, max_pixels: int = MAX_PIXELS,
 
 
 def loaded_under(spec: Reencode, data: bytes, max_pixels: int, kind: str = record_checksums.LEGACY) -> Loaded:
-    """data as stored under spec: re-encoded when over its max_side, else as it is; with
-    its checksum of kind."""
+    """data as stored under spec: re-encoded when spec says so, else as it is; with its
+    checksum of kind."""
     try:
         smaller = reencode_image(data, spec, max_pixels)
     except BadImageError as exc:
@@ -180,7 +180,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
          progress: bool | None = None, options: dict | None = None,
          shuffle: bool | None = None, shuffle_seed: int = 0, max_pixels: int = MAX_PIXELS,
          labels: str | os.PathLike | None = None, labels_index_base: int | None = None,
-         max_side: int | None = None, quality: int | None = None,
+         max_side: int | None = None, quality: int | None = None, baseline_420: bool = False,
          part=None, parts: int | None = None, executor=None,
          checksum: str = record_checksums.DEFAULT) -> PackResult:
     """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
@@ -191,8 +191,9 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     (packer.check.MAX_PIXELS). labels, a label file, labels the flat (unlabeled) splits
     (packer.labels: shapes, and labels_index_base for a list of class indexes); its name
     and SHA-256 go into the metadata params. max_side re-encodes, as JPEGs at quality, the
-    images whose upright long side is over it (packer.reencode); every other image is
-    stored byte for byte.
+    images whose upright long side is over it (packer.reencode), and baseline_420 those
+    not already baseline 4:2:0 (or grayscale) JPEGs (packer.jpeg_form); every other image
+    is stored byte for byte.
 
     Packing in parts (packer.parts, docs/parts.md): part="I/N" (or (I, N)) packs part I,
     counted from 0, of N, a dataset of its own that `packer merge` joins with the others
@@ -207,7 +208,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
     """
     record_checksums.check_kind(checksum)
     seed = shuffle_seed_for(fmt, shuffle, shuffle_seed)
-    reencode = reencode_spec(max_side, quality)
+    reencode = reencode_spec(max_side, quality, baseline_420)
     options = format_named(fmt).writer_options(options)
     if on_error not in ON_ERROR:
         raise PackError(f"on_error must be one of {', '.join(ON_ERROR)}, not {on_error!r}")
@@ -222,7 +223,7 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                              workers=workers, on_error=on_error, check=check, options=options, shuffle=shuffle,
                              shuffle_seed=shuffle_seed, max_pixels=max_pixels, labels=labels,
                              labels_index_base=labels_index_base, max_side=max_side, quality=quality,
-                             checksum=checksum)
+                             baseline_420=baseline_420, checksum=checksum)
     spec = None if part is None else part_spec(part)
     start = time.perf_counter()
     out = os.path.abspath(out or (spec.output(src, fmt) if spec else default_output(src, fmt)))
@@ -298,7 +299,7 @@ def fill_writer(make_writer: Callable[[str, dict], Any], stage: str, options: di
 
 
 def decodes_images(check: str, reencoding: bool) -> bool:
-    """Whether a pack decodes its images (--check full, --max-side): CPU-bound work, done in
+    """Whether a pack decodes its images (--check full, --max-side, --baseline-420): CPU-bound work, done in
     worker processes. Reading and the header check are I/O-bound: threads, which skip the
     pipe that processes send every file through."""
     return check == "full" or reencoding

@@ -225,12 +225,13 @@ def run_part(task: PartTask) -> dict:
     from .pack import decodes_images, pack
 
     options, notes = task.options, []
-    decoding = decodes_images(options.get("check", "header"), options.get("max_side") is not None)
+    decoding = decodes_images(options.get("check", "header"),
+                              options.get("max_side") is not None or bool(options.get("baseline_420")))
     if decoding and multiprocessing.current_process().daemon:
         # Decoding runs in processes, which a daemonic worker (Dask's, by default) may not start.
         options = {**options, "workers": 1}
-        notes.append("--check full and --max-side decoded each part in its worker's own process, which may not "
-                     "start others (daemonic): run more parts, or start Dask workers with "
+        notes.append("--check full, --max-side and --baseline-420 decoded each part in its worker's own process, "
+                     "which may not start others (daemonic): run more parts, or start Dask workers with "
                      "DASK_DISTRIBUTED__WORKER__DAEMON=False")
     try:
         result = pack(task.src, task.fmt, task.out, part=task.spec, progress=False, **options)

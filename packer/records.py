@@ -34,13 +34,18 @@ source is listed, an empty range included. A merged dataset has instead
   {"fingerprint": ..., "count": N, "total": T,
    "merged": [{"index": I, "path": ..., "host": ..., "created": ..., "count": <records>}, ...]}
 one entry per part, in index order.
-"reencode", present only in a dataset packed or converted with --max-side (packer.reencode),
-is {"max_side": N, "quality": Q, "counts": {split: records re-encoded}}: the records whose
-upright long side was over N are stored as JPEGs at quality Q, the others byte for byte.
-Its absence (every pack before it existed, and every pack without --max-side) means no
-record was re-encoded. It changes no byte layout, so format_version stays; a packer that
-predates it reads such a dataset (the key is covered by "crc32") and only its
-`verify --against` would report the re-encoded records as differing from the source.
+"reencode", present only in a dataset packed or converted with --max-side or
+--baseline-420 (packer.reencode), is {"max_side": N, "quality": Q, "counts": {split:
+records re-encoded}}: the records whose upright long side was over N are stored as JPEGs
+at quality Q, the others byte for byte. With --baseline-420 the metadata also holds
+"reencode_form": "baseline-420": the records not already baseline 4:2:0 (or grayscale)
+JPEGs were re-encoded too, and N is 65535 when no --max-side bounded them. The form is a
+key of its own, beside "reencode" rather than in it, because packers that predate it
+accept a "reencode" with exactly those three keys: they read such a dataset, and only
+their `verify --against` reports the records re-encoded for their form as differing.
+Metadata.reencode holds it as "form". Their absence (every pack before they existed, and
+every pack without either option) means no record was re-encoded. They change no byte
+layout, so format_version stays (the keys are covered by "crc32").
 "checksum" names the kind of every record's checksum (packer.checksum: "crc32" or
 "xxh3"); absent, in every pack written before kinds existed and every pack written with
 "crc32" (whose metadata is then what any packer wrote), it is "crc32". A dataset
@@ -80,6 +85,7 @@ MAX_NAME_BYTES = 255  # a file name's limit on common file systems
 MAX_PARTS = 1_000_000  # parts a source may be packed in
 FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")
 MAX_SIDE = 65535  # a JPEG's largest dimension: the largest "reencode" max_side
+REENCODE_FORM = "baseline-420"  # the one "reencode_form" (packer.jpeg_form.BASELINE_420)
 # The keys metadata without a "crc32" may hold: all that packer wrote before it had one.
 UNCHECKED_KEYS = frozenset({"format", "format_version", "count", "bytes", "classes", "splits", "skipped",
                             "source", "created", "packer_version", "params"})
@@ -474,9 +480,13 @@ def _parts(value, splits: dict[str, "SplitInfo"]) -> dict:
     else:
         _merged(value, sum(s.count for s in splits.values()))
     return value
-def _reencode(value, splits: dict[str, "SplitInfo"]) -> dict | None:
+def _reencode(value, splits: dict[str, "SplitInfo"], form=None) -> dict | None:
     if value is None:
+        if form is not None:
+            raise _Invalid(f"reencode_form is {_show(form)}, but there is no reencode object")
         return None
+    if form is not None and form != REENCODE_FORM:
+        raise _Invalid(f"reencode_form is {_show(form)}, not {REENCODE_FORM!r}")
     if not isinstance(value, dict) or set(value) != {"max_side", "quality", "counts"}:
         raise _Invalid(f"reencode is {_show(value)}, not an object with max_side, quality and counts")
     if _count(value["max_side"], "reencode max_side", MAX_SIDE) < 1:
@@ -488,7 +498,10 @@ def _reencode(value, splits: dict[str, "SplitInfo"]) -> dict | None:
         raise _Invalid(f"reencode counts is {_show(counts)}, not an object keyed by the dataset's splits")
     for name, count in counts.items():
         _count(count, f"reencode count of split {name!r}", splits[name].count)
-    return {"max_side": value["max_side"], "quality": value["quality"], "counts": dict(counts)}
+    found = {"max_side": value["max_side"], "quality": value["quality"], "counts": dict(counts)}
+    if form is not None:
+        found["form"] = form
+    return found
 
 
 @dataclass
@@ -555,6 +568,9 @@ class Metadata:
             d["parts"] = self.parts
         if self.reencode is not None:  # absent otherwise: metadata without it reads as before
             d["reencode"] = self.reencode
+            if isinstance(self.reencode, dict) and "form" in self.reencode:  # _parse refuses any other type
+                d["reencode"] = {key: value for key, value in self.reencode.items() if key != "form"}
+                d["reencode_form"] = self.reencode["form"]
         if self.checksum != record_checksums.LEGACY:  # absent: crc32, metadata as every packer wrote it
             d["checksum"] = self.checksum
         try:
@@ -626,7 +642,8 @@ class Metadata:
                    packer_version=_text(d.get("packer_version", ""), "packer_version"),
                    params=_params(d.get("params", {})), skipped=_skipped(d.get("skipped", [])),
                    format_version=version, parts=_parts(d["parts"], splits) if "parts" in d else None,
-                   reencode=_reencode(d.get("reencode"), splits), checksum=kind, sealed="crc32" in d)
+                    reencode=_reencode(d.get("reencode"), splits, d.get("reencode_form")), checksum=kind,
+                    sealed="crc32" in d)
 
 
 def parse_json(raw: bytes | str, where: str, what: str):

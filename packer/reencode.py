@@ -1,4 +1,4 @@
-"""Opt-in re-encoding at a bounded resolution: the images `pack --max-side` and `convert --max-side` shrink.
+"""Opt-in re-encoding: the images `pack`/`convert` `--max-side` shrink and `--baseline-420` re-forms.
 
 Decoding is what bounds training throughput once records are packed, and its cost grows
 with the pixels stored: storing images at a bounded long side is how FFCV speeds up
@@ -6,14 +6,16 @@ ImageNet training (docs/resolution.md has the measured gain and the accuracy tra
 
 The rule is a pure function of the source image, so verify can re-derive it: an image is
 re-encoded if and only if its upright long side (after its EXIF orientation) is over
-max_side. Every other image is stored byte for byte, exactly as without the option. A
-re-encoded image is:
+max_side, or, with baseline_420, it is not already a baseline 4:2:0 (or grayscale) 8-bit
+JPEG (packer.jpeg_form: the form cheapest to decode, which GPU JPEG engines take). Every
+other image is stored byte for byte, exactly as without the options. A re-encoded image is:
   - decoded (JPEG through libjpeg's DCT scaling down to at least twice the target size,
     as Pillow's thumbnail() does, so the final filter still sees the detail), CMYK and
     palette/alpha images converted to RGB as the readers convert them, grayscale kept
     grayscale;
   - resized with Lanczos so its long side is max_side and its aspect ratio kept (short
-    side rounded, at least 1 pixel: target_size);
+    side rounded, at least 1 pixel: target_size), if it is over max_side; one re-encoded
+    only for its form keeps its size;
   - turned upright by its EXIF orientation (after resizing: a lossless transpose of fewer
     pixels), so the stored pixels are upright and carry no orientation tag;
   - encoded as baseline JPEG at `quality` with 4:2:0 chroma subsampling (libjpeg-turbo,
@@ -28,6 +30,7 @@ import numpy as np
 
 from .check import MAX_PIXELS, open_lazily, size_problem
 from .errors import BadImageError, PackError
+from .jpeg_form import BASELINE_420, in_baseline_420
 
 DEFAULT_QUALITY = 90  # FFCV's default JPEG quality for its ImageNet datasets
 MAX_SIDE_LIMIT = 65535  # JPEG's largest dimension
@@ -43,28 +46,46 @@ _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 
 @dataclass(frozen=True)
 class Reencode:
-    """What to re-encode (images whose upright long side is over max_side) and how (JPEG quality)."""
+    """What to re-encode (images whose upright long side is over max_side and, with
+    baseline_420, images not in that form) and how (JPEG quality). A max_side of
+    MAX_SIDE_LIMIT, which no image is over, bounds nothing."""
 
-    max_side: int
+    max_side: int = MAX_SIDE_LIMIT
     quality: int = DEFAULT_QUALITY
+    baseline_420: bool = False
 
     def record(self, counts: dict[str, int]) -> dict:
         """The metadata's "reencode" object (packer.records checks it when read)."""
-        return {"max_side": self.max_side, "quality": self.quality, "counts": dict(counts)}
+        found = {"max_side": self.max_side, "quality": self.quality, "counts": dict(counts)}
+        if self.baseline_420:
+            found["form"] = BASELINE_420
+        return found
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Reencode":
+        return cls(record["max_side"], record["quality"], record.get("form") == BASELINE_420)
+
+    def keeps(self, data: bytes, upright: tuple[int, int]) -> bool:
+        """Whether an image of this upright size is stored as it is (data: its bytes)."""
+        return max(upright) <= self.max_side and (not self.baseline_420 or in_baseline_420(data))
 
 
-def reencode_spec(max_side: int | None, quality: int | None) -> Reencode | None:
-    """The checked Reencode for pack()/convert() arguments, or None when max_side is None."""
-    if max_side is None:
+def reencode_spec(max_side: int | None, quality: int | None, baseline_420: bool = False) -> Reencode | None:
+    """The checked Reencode for pack()/convert() arguments, or None when neither max_side
+    nor baseline_420 asks for one."""
+    if max_side is None and not baseline_420:
         if quality is not None:
-            raise PackError("quality applies to re-encoded images: pass max_side too")
+            raise PackError("quality applies to re-encoded images: pass max_side or baseline_420 too")
         return None
+    if not isinstance(baseline_420, bool):
+        raise PackError(f"baseline_420 must be True or False, not {baseline_420!r}")
+    max_side = MAX_SIDE_LIMIT if max_side is None else max_side
     if isinstance(max_side, bool) or not isinstance(max_side, int) or not 1 <= max_side <= MAX_SIDE_LIMIT:
         raise PackError(f"max_side must be a whole number of pixels from 1 to {MAX_SIDE_LIMIT}, not {max_side!r}")
     quality = DEFAULT_QUALITY if quality is None else quality
     if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
         raise PackError(f"quality must be a JPEG quality from 1 to 100 (default {DEFAULT_QUALITY}), not {quality!r}")
-    return Reencode(max_side, quality)
+    return Reencode(max_side, quality, baseline_420)
 
 
 def orientation_of(image) -> int:
@@ -91,11 +112,14 @@ def target_size(width: int, height: int, max_side: int) -> tuple[int, int] | Non
     return max(1, round(width * scale)), max_side
 
 
-def expected_size(data: bytes, max_side: int, max_pixels: int = MAX_PIXELS) -> tuple[int, int] | None:
-    """The upright (width, height) data is stored at when re-encoded under max_side, or None
-    when it is stored as it is. Reads the header only."""
+def expected_size(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) -> tuple[int, int] | None:
+    """The upright (width, height) data is stored at when re-encoded under spec, or None
+    when it is stored as it is. Reads the headers only."""
     with _opened(data, max_pixels) as image:
-        return target_size(*upright_size(*image.size, orientation_of(image)), max_side)
+        upright = upright_size(*image.size, orientation_of(image))
+    if spec.keeps(data, upright):
+        return None
+    return target_size(*upright, spec.max_side) or upright
 
 
 def stored_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
@@ -105,15 +129,15 @@ def stored_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
 
 
 def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) -> bytes | None:
-    """The re-encoded JPEG bytes of data, or None when data is kept as it is (not over max_side).
+    """The re-encoded JPEG bytes of data, or None when data is kept as it is (Reencode.keeps).
 
     Raises BadImageError, without a path (the caller knows it), when the image cannot be decoded.
     """
     with _opened(data, max_pixels) as image:
         orientation = orientation_of(image)
-        size = target_size(*image.size, spec.max_side)  # the long side is the same upright or not
-        if size is None:
+        if spec.keeps(data, image.size):  # the long side is the same upright or not
             return None
+        size = target_size(*image.size, spec.max_side) or image.size
         try:
             pixels = _resized(image, size)
         except Exception as exc:  # Pillow raises many types for damaged data
@@ -143,10 +167,13 @@ def _resized(image, size: tuple[int, int]):
     """image decoded and resized to size (Lanczos) in L or RGB."""
     from PIL import Image
 
-    image.draft(None, (size[0] * DRAFT_GAP, size[1] * DRAFT_GAP))  # JPEG (and MPO) only; others ignore it
+    if size != image.size:
+        image.draft(None, (size[0] * DRAFT_GAP, size[1] * DRAFT_GAP))  # JPEG (and MPO) only; others ignore it
     image.load()
     if image.mode not in ("L", "RGB"):
         image = image.convert("RGB")  # CMYK, palette, alpha, 16-bit: as the readers convert them
+    if image.size == size:  # re-encoded for its form alone: a copy, which outlives the closed file
+        return image.copy()
     return image.resize(size, Image.Resampling.LANCZOS)
 
 
@@ -160,15 +187,39 @@ def _encode(image, quality: int) -> bytes:
                                   colorsubsampling="420")
 
 
+def combinable(previous: dict | None, spec: Reencode | None, where: str) -> None:
+    """Refuse a conversion whose re-encoded records could not be counted (combined()).
+
+    A dataset packed with baseline_420 does not record which of its records were
+    re-encoded for their form: a smaller max_side re-encodes some of them again and some
+    records kept as they were, and the union is unknown.
+    """
+    if spec is None or previous is None or previous.get("form") != BASELINE_420:
+        return
+    if spec.max_side < previous["max_side"]:
+        raise PackError(f"{where} was packed with --baseline-420, which does not record which records it re-encoded, "
+                        f"so a smaller --max-side ({spec.max_side}) cannot count the records re-encoded in all: pack "
+                        f"the source folder with --max-side {spec.max_side} --baseline-420 instead", where)
+
+
 def combined(previous: dict | None, spec: Reencode | None, counts: dict[str, int]) -> dict | None:
     """The "reencode" metadata of a converted dataset: its source's, with this conversion's applied.
 
     A smaller max_side re-encodes every record the earlier one did (their long side is the
-    earlier max_side) and more, so this pass's counts are the totals; a max_side no smaller
-    re-encodes nothing, and the earlier record stands.
+    earlier max_side) and more, so this pass's counts are the totals. A max_side no smaller
+    re-encodes only records not in the form baseline_420 asks for: none if the earlier
+    pass asked for it too (the earlier record stands), else none the earlier pass
+    re-encoded (packer's JPEGs are in that form), so the counts add up. combinable()
+    refuses the one case left, a smaller max_side after baseline_420.
     """
     if spec is None:
         return previous
-    if previous is not None and spec.max_side >= previous["max_side"]:
+    if previous is None:
+        return spec.record(counts)
+    before = Reencode.from_record(previous)
+    if spec.max_side < before.max_side:
+        return spec.record(counts)
+    if before.baseline_420 or not spec.baseline_420:
         return previous
-    return spec.record(counts)
+    total = {name: previous["counts"].get(name, 0) + counts.get(name, 0) for name in {*previous["counts"], *counts}}
+    return Reencode(before.max_side, spec.quality, True).record(total)

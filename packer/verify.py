@@ -1,12 +1,13 @@
 """info and verify: what a packed dataset holds, and whether it is intact and matches its source.
 
 Records are compared with their source byte for byte, except in a dataset packed with
---max-side (Metadata.reencode): there a source image over max_side must be stored
+--max-side or --baseline-420 (Metadata.reencode): there a source image the rule of
+packer.reencode re-encodes (over max_side, or not in baseline 4:2:0 form) must be stored
 re-encoded, a decodable JPEG of the size packer.reencode derives from the source's size
 and orientation (its long side exactly, its short side to within a pixel of rounding,
 which a second re-encode by `convert --max-side` can shift), and every other one byte
 for byte. Without --against, such a dataset's images are checked to be no larger than
-max_side.
+max_side and, with --baseline-420, to be in that form (their headers say so).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_meta
 from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
-from .reencode import expected_size, stored_size
+from .jpeg_form import census, jpeg_form
+from .reencode import MAX_SIDE_LIMIT, Reencode, expected_size, stored_size
 from .scan import DEFAULT_SPLIT, Source, scan_source
 
 BLOCK = 256  # records per verification task
@@ -44,13 +46,15 @@ def own_size(path: str) -> int:
 
 def info(path: str, storage_options: dict | None = None) -> dict:
     """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict.
-    path may be a URL (its disk_bytes are then None: nothing is listed)."""
+    path may be a URL (its disk_bytes are then None: nothing is listed). For a local
+    dataset, "forms" is the census of its JPEG forms in a sample (packer.jpeg_form)."""
     from .remote.source import remote_for
 
     remote = remote_for(path, storage_options=storage_options)
     if remote is None:
         meta = read_metadata(path)
-        facts = {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path)}
+        facts = {**meta.to_dict(), "path": os.path.abspath(path), "disk_bytes": disk_bytes(path),
+                 "forms": census(path, meta)}
     else:
         meta = read_metadata(path, storage_options=storage_options)
         facts = {**meta.to_dict(), "path": path, "disk_bytes": None}
@@ -80,7 +84,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)  # kind -> how many of problems are of it
     advice: list[str] = field(default_factory=list)  # what to do about the problems found
-    reencoded: bool = False  # the dataset was packed with --max-side: some records are compared by size
+    reencoded: bool = False  # packed with --max-side or --baseline-420: some records are compared by size
 
     @property
     def ok(self) -> bool:
@@ -104,13 +108,13 @@ class BlockVerifier:
     Picklable without its readers, so each worker process of the engine opens its own once
     and keeps them for every block it checks. Images over max_pixels (the limit the dataset
     was packed with) count as problems; against is the source folder to compare with.
-    max_side: the dataset's re-encoding limit (Metadata.reencode), None when it has none."""
+    reencode: the dataset's re-encoding rule (Metadata.reencode), None when it has none."""
 
     def __init__(self, path: str, check: str, against: str | None, max_pixels: int = MAX_PIXELS,
-                 max_side: int | None = None):
+                 reencode: Reencode | None = None):
         self.readers = ReaderCache(path)
         self.check, self.against, self.max_pixels = check, against, max_pixels
-        self.max_side = max_side
+        self.reencode = reencode
 
     def __call__(self, block: tuple[str, int, int]) -> list[tuple[str, str]]:
         split, start, stop = block
@@ -128,10 +132,10 @@ class BlockVerifier:
             reason = problem(data, self.check, self.max_pixels)
             if reason:
                 problems.append((DAMAGED, f"{where} ({relpath}): {reason}"))
-            elif self.max_side is not None:
-                problems += over_max_side(data, self.max_side, f"{where} ({relpath})", self.max_pixels)
+            elif self.reencode is not None:
+                problems += outside_rule(data, self.reencode, f"{where} ({relpath})", self.max_pixels)
             if self.against is not None:
-                problems += compare_with_source(self.against, relpath, data, where, self.max_side,
+                problems += compare_with_source(self.against, relpath, data, where, self.reencode,
                                                 self.check == "full", self.max_pixels)
         return problems
 
@@ -139,22 +143,30 @@ class BlockVerifier:
         self.readers.close()
 
 
-def over_max_side(data: bytes, max_side: int, where: str, max_pixels: int) -> list[tuple[str, str]]:
-    """A problem if the stored image is larger than the max_side its dataset was packed with."""
+def outside_rule(data: bytes, spec: Reencode, where: str, max_pixels: int) -> list[tuple[str, str]]:
+    """A problem if the stored image is larger than the max side its dataset was packed
+    with, or, packed with --baseline-420, not in that form."""
     try:
         width, height = stored_size(data, max_pixels)
     except BadImageError as exc:
         return [(DAMAGED, f"{where}: {exc.reason}")]
-    if max(width, height) > max_side:
-        return [(DAMAGED, f"{where}: stored image is {width}x{height}, over the max side {max_side} the dataset "
+    if max(width, height) > spec.max_side:
+        return [(DAMAGED, f"{where}: stored image is {width}x{height}, over the max side {spec.max_side} the dataset "
                           "was packed with")]
+    form = jpeg_form(data) if spec.baseline_420 else None
+    if spec.baseline_420 and (form is None or not form.baseline_420):
+        found = "not a JPEG" if form is None else (
+            f"a {'baseline' if form.baseline else 'progressive' if form.progressive else 'non-baseline'} "
+            f"{form.precision}-bit {form.colorspace} {form.subsampling} JPEG")
+        return [(DAMAGED, f"{where}: stored image is {found}, but the dataset was packed with --baseline-420 "
+                          "(baseline YCbCr 4:2:0 or grayscale JPEGs only)")]
     return []
 
 
-def compare_with_source(root: str, relpath: str, data: bytes, where: str, max_side: int | None = None,
+def compare_with_source(root: str, relpath: str, data: bytes, where: str, reencode: Reencode | None = None,
                         decoded: bool = False, max_pixels: int = MAX_PIXELS) -> list[tuple[str, str]]:
     """Problems of one record against its source file: bytes, or for one re-encoded under
-    max_side, its size (decoded: the record has already been fully decoded)."""
+    the rule reencode, its size (decoded: the record has already been fully decoded)."""
     # Imported here only to keep this change to one function; a FIFO or device in SRC must not hang verify.
     from .errors import BadImageError
     from .source_io import read_regular_file
@@ -167,29 +179,29 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str, max_si
         return [(SRC_UNREADABLE, f"{relpath}: cannot read the source file ({exc.strerror or exc})")]
     except BadImageError as exc:
         return [(SRC_UNREADABLE, f"{relpath}: cannot compare with the source file: {exc.reason}")]
-    if max_side is not None:
-        return compare_reencoded(original, data, f"{where} ({relpath})", max_side, decoded, max_pixels)
+    if reencode is not None:
+        return compare_reencoded(original, data, f"{where} ({relpath})", reencode, decoded, max_pixels)
     if original != data:
         return [(DIFFERS, f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
                           f"{len(original)} in SRC)")]
     return []
 
 
-def compare_reencoded(original: bytes, data: bytes, where: str, max_side: int, decoded: bool,
+def compare_reencoded(original: bytes, data: bytes, where: str, spec: Reencode, decoded: bool,
                       max_pixels: int) -> list[tuple[str, str]]:
-    """A record of a dataset packed with max_side against its source: re-encoded to the
-    expected size if the source is over max_side, byte-identical if not."""
+    """A record of a dataset packed with --max-side or --baseline-420 against its source:
+    re-encoded to the expected size if the rule re-encodes the source, byte-identical if not."""
     try:
-        expected = expected_size(original, max_side, max_pixels)
+        expected = expected_size(original, spec, max_pixels)
     except BadImageError as exc:
         return [(DIFFERS, f"{where}: the source file is no longer a readable image ({exc.reason})")]
     if expected is None:
         if original != data:
             return [(DIFFERS, f"{where}: differs from the source file ({len(data)} stored bytes, {len(original)} "
-                              f"in SRC; it is not over the max side {max_side}, so it is stored as it is)")]
+                              f"in SRC; {rule_text(spec, kept=True)}, so it is stored as it is)")]
         return []
     if original == data:
-        return [(DIFFERS, f"{where}: stored as it is, but the source is over the max side {max_side} "
+        return [(DIFFERS, f"{where}: stored as it is, but the source is {rule_text(spec, kept=False)} "
                           "and must be stored re-encoded")]
     try:
         size = stored_size(data, max_pixels)
@@ -197,7 +209,7 @@ def compare_reencoded(original: bytes, data: bytes, where: str, max_side: int, d
         return [(DAMAGED, f"{where}: {exc.reason}")]
     if not re_encoded_size_fits(size, expected):
         return [(DIFFERS, f"{where}: stored image is {size[0]}x{size[1]}, re-encoding the source under the max side "
-                          f"{max_side} gives {expected[0]}x{expected[1]} (by its size and orientation)")]
+                          f"{spec.max_side} gives {expected[0]}x{expected[1]} (by its size and orientation)")]
     reason = None if decoded else problem(data, "full", max_pixels)
     if reason is None and sniff(data) != "jpeg":
         reason = "a re-encoded record that is not a JPEG"
@@ -227,14 +239,14 @@ def verify(path: str, against: str | None = None, check: str = "full",
         root = source.root
         compare_listings(meta, tables, source, report)
     max_pixels = packed_max_pixels(meta)
-    max_side = None if meta.reencode is None else meta.reencode["max_side"]
-    if max_side is not None:
+    reencode = None if meta.reencode is None else Reencode.from_record(meta.reencode)
+    if reencode is not None:
         report.reencoded = True
         report.notes.append(reencode_note(meta.reencode, against))
     blocks = [(split, start, min(start + BLOCK, meta.splits[split].count))
               for split in tables for start in range(0, meta.splits[split].count, BLOCK)]
     workers = min(workers or available_cores(), max(len(blocks), 1))
-    verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels, max_side)
+    verifier = BlockVerifier(os.path.abspath(path), check, root, max_pixels, reencode)
     bar = progress_bar(sum(stop - start for _, start, stop in blocks), progress)
     try:
         for (_, start, stop), found in zip(blocks, load_in_processes(blocks, verifier, workers, chunk=1)):
@@ -249,12 +261,29 @@ def verify(path: str, against: str | None = None, check: str = "full",
     return report
 
 
+def rule_text(spec: Reencode, kept: bool) -> str:
+    """What the re-encoding rule says of a source image it keeps (kept) or re-encodes."""
+    parts = []
+    if spec.max_side < MAX_SIDE_LIMIT:
+        parts.append(f"not over the max side {spec.max_side}" if kept else f"over the max side {spec.max_side}")
+    if spec.baseline_420:
+        parts.append("already baseline 4:2:0" if kept else "not baseline 4:2:0")
+    return (" and " if kept else " or ").join(parts)
+
+
 def reencode_note(reencode: dict, against: str | None) -> str:
+    spec = Reencode.from_record(reencode)
     count = sum(reencode["counts"].values())
+    which = " or ".join(([f"over {spec.max_side} px"] if spec.max_side < MAX_SIDE_LIMIT else [])
+                        + (["not baseline 4:2:0"] if spec.baseline_420 else []))
+    checked = []
+    if spec.max_side < MAX_SIDE_LIMIT:
+        checked.append("no larger than that")
+    if spec.baseline_420:
+        checked.append("baseline 4:2:0 or grayscale JPEGs")
     how = ("compared with SRC by decoded size, the others byte for byte" if against is not None
-           else "checked to be no larger than that")
-    return (f"{count} records were re-encoded when packed (images over {reencode['max_side']} px, JPEG quality "
-            f"{reencode['quality']}): {how}")
+           else "checked to be " + " and ".join(checked))
+    return f"{count} records were re-encoded when packed (images {which}, JPEG quality {spec.quality}): {how}"
 
 
 def progress_bar(total: int, enabled: bool | None):

@@ -72,9 +72,9 @@ def test_parts_default_to_the_cluster_threads(split_tree, tmp_path, client):
     assert result.metadata.parts["count"] == 2
 
 
-@pytest.mark.parametrize("decoding", [{"check": "full"}, {"max_side": 48}])
+@pytest.mark.parametrize("decoding", [{"check": "full"}, {"max_side": 48}, {"baseline_420": True}])
 def test_decoding_runs_in_daemonic_dask_workers(bad_tree, tmp_path, client, decoding):
-    """Dask workers may not start processes: --check full and --max-side decode in the worker
+    """Dask workers may not start processes: --check full, --max-side and --baseline-420 decode in the worker
     itself, and say so (--max-side failed: 'daemonic processes are not allowed to have children')."""
     single = single_pack(bad_tree, "lmdb", tmp_path, on_error="skip", **decoding)
     out = tmp_path / "full.lmdb"

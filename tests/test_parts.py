@@ -267,6 +267,13 @@ def test_merge_refuses_parts_re_encoded_differently(split_tree, four_parts, tmp_
     assert other in message and "(32, 90)" in message
 
 
+def test_merge_refuses_parts_packed_with_another_form(split_tree, four_parts, tmp_path):
+    other = pack(str(split_tree), "lmdb", str(tmp_path / "p3-b420.lmdb"), part="3/4", baseline_420=True,
+                 progress=False, workers=1).out
+    message = refused(four_parts[:3] + [other], tmp_path / "m.lmdb", "other --max-side/--baseline-420")
+    assert "(65535, 90, 'baseline-420') vs None" in message
+
+
 def test_merge_refuses_parts_of_another_format(split_tree, four_parts, tmp_path):
     other = pack(str(split_tree), "hdf5", str(tmp_path / "p3.h5"), part="3/4", progress=False, workers=1).out
     refused(four_parts[:3] + [other], tmp_path / "m.lmdb", "every part must be packed --to the same format")

@@ -1,4 +1,5 @@
-"""pack/convert --max-side: which images are re-encoded, how, what the metadata says, and verify --against."""
+"""pack/convert --max-side and --baseline-420: which images are re-encoded, how, what the metadata says, and
+verify."""
 from __future__ import annotations
 
 import io
@@ -15,7 +16,7 @@ from packer.cli import main
 from packer.convert import convert
 from packer.formats import read_metadata
 from packer.pack import load_file
-from packer.records import Metadata
+from packer.records import Metadata, metadata_crc
 from packer.reencode import Reencode, expected_size, reencode_image, reencode_spec, target_size
 from packer.verify import DAMAGED, DIFFERS, verify
 
@@ -92,9 +93,9 @@ def test_target_size_keeps_the_aspect_ratio_and_leaves_images_within_the_limit_a
 
 def test_expected_size_is_upright():
     data = encoded(photo(900, 400), orientation=6)  # shown rotated: 400 wide, 900 high
-    assert expected_size(data, 256) == (114, 256)
-    assert expected_size(encoded(photo(900, 400), orientation=3), 256) == (256, 114)
-    assert expected_size(encoded(photo(200, 100)), 256) is None
+    assert expected_size(data, Reencode(256)) == (114, 256)
+    assert expected_size(encoded(photo(900, 400), orientation=3), Reencode(256)) == (256, 114)
+    assert expected_size(encoded(photo(200, 100)), Reencode(256)) is None
 
 
 def test_images_within_the_limit_are_not_re_encoded():
@@ -295,3 +296,150 @@ def test_the_resolution_benchmark_measures_every_variant(mixed_tree, tmp_path, c
     facts = json.loads(result.read_text())
     assert facts["packs"]["max-side-256"]["image_bytes"] < facts["packs"]["full"]["image_bytes"]
     assert all(rate["rrc224_per_s"] > 0 and rate["decode_per_s"] > 0 for rate in facts["reads"].values())
+
+
+@pytest.fixture
+def forms_tree(tmp_path) -> Path:
+    """SRC/<class>/...: JPEGs in every common form (baseline 4:2:0 at quality 95, 4:4:4,
+    progressive, grayscale, CMYK, EXIF-rotated 4:4:4) and a PNG."""
+    src = tmp_path / "forms"
+
+    def jpeg(image: Image.Image, **options) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, "JPEG", **options)
+        return buf.getvalue()
+
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    write(src / "a" / "420.jpg", jpeg(photo(300, 200), quality=95, subsampling=2))
+    write(src / "a" / "444.jpg", jpeg(photo(300, 200, seed=1), quality=95, subsampling=0))
+    write(src / "a" / "progressive.jpg", jpeg(photo(320, 240, seed=2), quality=90, progressive=True))
+    write(src / "b" / "gray.jpg", jpeg(photo(200, 300, "L", seed=3), quality=90))
+    write(src / "b" / "cmyk.jpg", jpeg(photo(200, 150, "CMYK", seed=4), quality=90))
+    write(src / "b" / "rotated.jpg", jpeg(photo(300, 100, seed=5), quality=90, subsampling=0, exif=exif))
+    write(src / "b" / "flat.png", encoded(photo(100, 80, seed=6), "PNG"))
+    return src
+
+
+def test_baseline_420_keeps_images_in_the_form_and_re_encodes_the_others_at_their_size(forms_tree, tmp_path):
+    from packer.jpeg_form import jpeg_form
+
+    out = tmp_path / "b420.lmdb"
+    pack(str(forms_tree), "lmdb", str(out), workers=2, progress=False, baseline_420=True)
+    found = stored(out)
+    for relpath in ("a/420.jpg", "b/gray.jpg"):  # already baseline 4:2:0 or gray: byte for byte
+        assert found[relpath] == (forms_tree / relpath).read_bytes()
+    for relpath, size in (("a/444.jpg", (300, 200)), ("a/progressive.jpg", (320, 240)), ("b/cmyk.jpg", (200, 150)),
+                          ("b/rotated.jpg", (100, 300)), ("b/flat.png", (100, 80))):
+        assert found[relpath] != (forms_tree / relpath).read_bytes()
+        assert opened(found[relpath]).size == size, relpath  # its size, upright
+    assert all(jpeg_form(data).baseline_420 for data in found.values())
+    assert mean_difference(opened(found["a/444.jpg"]), photo(300, 200, seed=1)) < 3
+    meta = read_metadata(out)
+    assert meta.reencode == {"max_side": 65535, "quality": 90, "counts": {"all": 5}, "form": "baseline-420"}
+    # Packers that predate the form read "reencode" with exactly these keys; the form sits beside it.
+    written = meta.to_dict()
+    assert set(written["reencode"]) == {"max_side", "quality", "counts"} and written["reencode_form"] == "baseline-420"
+    assert verify(str(out), workers=1).ok
+    report = verify(str(out), str(forms_tree), workers=1)
+    assert report.ok, report.problems
+
+
+def test_baseline_420_combines_with_max_side(forms_tree, tmp_path):
+    out = tmp_path / "both.wds"
+    pack(str(forms_tree), "wds", str(out), workers=1, progress=False, baseline_420=True, max_side=250, quality=80)
+    found = stored(out)
+    assert opened(found["a/420.jpg"]).size == (250, 167)  # in the form, but over the side
+    assert opened(found["a/444.jpg"]).size == (250, 167)
+    assert found["b/gray.jpg"] != (forms_tree / "b/gray.jpg").read_bytes()  # 300 px high
+    assert opened(found["b/cmyk.jpg"]).size == (200, 150)  # within the side, not in the form
+    assert read_metadata(out).reencode == {"max_side": 250, "quality": 80, "counts": {"all": 7}, "form": "baseline-420"}
+    assert verify(str(out), str(forms_tree), workers=1).ok
+
+
+def test_verify_finds_records_not_in_the_recorded_form(forms_tree, tmp_path):
+    import lmdb
+
+    out = tmp_path / "plain.lmdb"
+    pack(str(forms_tree), "lmdb", str(out), workers=1, progress=False)
+    meta = read_metadata(out)
+    meta.reencode = {"max_side": 65535, "quality": 90, "counts": {"all": 0}, "form": "baseline-420"}
+    env = lmdb.open(str(out), subdir=True, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"__meta__", meta.to_json())
+    env.close()
+    report = verify(str(out), workers=1)
+    assert report.kinds[DAMAGED] == 5, report.problems
+    assert any("(a/444.jpg): stored image is a baseline 8-bit YCbCr 4:4:4 JPEG, but the dataset was packed with "
+               "--baseline-420" in problem for problem in report.problems)
+    assert any("(a/progressive.jpg): stored image is a progressive" in problem for problem in report.problems)
+    assert any("(b/flat.png): stored image is not a JPEG" in problem for problem in report.problems)
+    report = verify(str(out), str(forms_tree), workers=1)
+    assert report.kinds[DIFFERS] == 5, report.problems
+    assert any("(b/cmyk.jpg): stored as it is, but the source is not baseline 4:2:0 and must be stored re-encoded"
+               in problem for problem in report.problems)
+
+
+def test_convert_to_baseline_420_adds_its_counts_and_refuses_a_smaller_side_after_it(forms_tree, tmp_path):
+    small = tmp_path / "small.lmdb"
+    pack(str(forms_tree), "lmdb", str(small), workers=1, progress=False, max_side=250)  # 420, 444, progressive, gray
+    both = tmp_path / "both.h5"
+    convert(str(small), "hdf5", str(both), workers=1, progress=False, baseline_420=True)
+    # The 4 re-encoded under 250 px are in the form already; cmyk, rotated and the PNG are re-encoded now.
+    assert read_metadata(both).reencode == {"max_side": 250, "quality": 90, "counts": {"all": 7},
+                                            "form": "baseline-420"}
+    assert verify(str(both), str(forms_tree), workers=1).ok
+    again = tmp_path / "again.lmdb"  # nothing left to re-encode: the record stands
+    convert(str(both), "lmdb", str(again), workers=1, progress=False, baseline_420=True, max_side=300)
+    assert read_metadata(again).reencode == read_metadata(both).reencode and stored(again) == stored(both)
+    refused = tmp_path / "refused.lmdb"
+    with pytest.raises(PackError, match="packed with --baseline-420, which does not record which records"):
+        convert(str(both), "lmdb", str(refused), workers=1, progress=False, max_side=200)
+    assert not refused.exists()
+
+
+def test_metadata_reencode_form_is_checked():
+    meta = Metadata.from_json(_metadata_json(), "test")
+    meta.reencode = {"max_side": 65535, "quality": 90, "counts": {"train": 3}, "form": "baseline-420"}
+    assert Metadata.from_json(meta.to_json(), "test").reencode == meta.reencode
+    meta.reencode["form"] = "progressive"
+    with pytest.raises(FormatError, match="reencode_form"):
+        meta.to_json()
+    d = json.loads(_metadata_json())
+    d["reencode_form"] = "baseline-420"  # without a reencode object
+    d["crc32"] = metadata_crc({k: v for k, v in d.items() if k != "crc32"})
+    with pytest.raises(FormatError, match="no reencode object"):
+        Metadata.from_dict(d, "test")
+
+
+def test_cli_baseline_420_and_info_forms(forms_tree, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "out.lmdb"
+    result = runner.invoke(main, ["pack", str(forms_tree), "--to", "lmdb", "-o", str(out), "--baseline-420",
+                                  "--quality", "85", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    text = runner.invoke(main, ["info", str(out)]).output
+    assert "re-encoded: 5 images not baseline 4:2:0 (JPEG quality 85)" in text
+    assert "JPEG forms: 100% decodable by GPU JPEG engines" in text
+    plain = tmp_path / "plain.lmdb"
+    assert runner.invoke(main, ["pack", str(forms_tree), "--to", "lmdb", "-o", str(plain)]).exit_code == 0
+    facts = json.loads(runner.invoke(main, ["info", "--json", str(plain)]).output)
+    # 420, gray and 444 (the rotated one too) are baseline; progressive, CMYK and the PNG are not.
+    assert facts["forms"]["hardware"] == 4 and facts["forms"]["baseline_420"] == 2 and facts["forms"]["jpeg"] == 6
+    for command in ("pack", "convert"):
+        assert "--baseline-420" in " ".join(runner.invoke(main, [command, "--help"]).output.split())
+
+
+def test_the_resolution_benchmark_measures_the_baseline_420_variants(forms_tree, tmp_path, capsys):
+    from benchmarks.suites import resolution
+
+    result = tmp_path / "result.json"
+    resolution.main([str(forms_tree), "--work", str(tmp_path / "work"), "--sides", "full,b420,250+b420",
+                     "--repeats", "1", "--pack-repeats", "1", "--sample", "7", "--workers", "1", "--every-q90",
+                     "--json", str(result)])
+    table = capsys.readouterr().out
+    assert "| baseline-420 | 5 of 7 |" in table and "| max-side-250+baseline-420 | 7 of 7 |" in table
+    assert "| every-q90 | 7 of 7 |" in table and "- (sample only)" in table
+    reads = json.loads(result.read_text())["reads"]
+    assert set(reads) == {"full", "baseline-420", "max-side-250+baseline-420", "every-q90"}
+    assert all(rate["rrc224_per_s"] > 0 and rate["sample_bytes"] > 0 for rate in reads.values())

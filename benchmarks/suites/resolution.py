@@ -1,8 +1,13 @@
-"""Stored resolution against training-read cost: pack time, packed size and decode+RandomResizedCrop(224)
-per core, for a corpus packed at full size and with `--max-side` (docs/resolution.md).
+"""Stored resolution and JPEG form against training-read cost: pack time, packed size and
+decode+RandomResizedCrop(224) per core, for a corpus packed at full size and with `--max-side`
+and/or `--baseline-420` (docs/resolution.md).
 
-    python benchmarks/suites/resolution.py CORPUS --work DIR [--sides full,512,320] [--repeats 5]
-        [--pack-repeats 3] [--sample 2000] [--workers N] [--skip-pack] [--json out.json]
+    python benchmarks/suites/resolution.py CORPUS --work DIR [--sides full,512,320,b420,512+b420]
+        [--repeats 5] [--pack-repeats 3] [--sample 2000] [--workers N] [--skip-pack] [--every-q90]
+        [--json out.json] [--time-variant NAME]
+
+A variant is "full" (as packed from the source), a max side N, "b420" (--baseline-420), or
+N+b420 (both).
 
 Each variant is packed into DIR/<variant>.lmdb with packer.pack (header check, `workers`
 processes when re-encoding); the packs run interleaved `pack-repeats` times (a shared machine
@@ -14,11 +19,16 @@ torch on one thread, as one DataLoader worker runs it: one untimed warm-up pass,
 `repeats` passes interleaved across variants; the median of this thread's CPU time
 (time.thread_time: what one core delivers, far less disturbed by other processes than
 wall time) gives samples/s per core. A bare decode (readers.decode.decode_array) column
-shows how much of that is the decode.
+shows how much of that is the decode. --every-q90 adds a read-only variant: the full
+sample's records each re-encoded as baseline 4:2:0 JPEG at quality 90 whatever their form, as
+FFCV stores them, which separates the gain of the form from that of the lower quality.
+--time-variant NAME (after a pack) only decodes+crops NAME's sample `repeats` times and
+prints its rate: a whole process to time from outside, one variant at a time.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -34,25 +44,37 @@ from packer.cores import available_cores  # noqa: E402
 from packer.verify import disk_bytes  # noqa: E402
 
 
-def parse_sides(text: str) -> list[int | None]:
-    """"full,512,320" -> [None, 512, 320] (None: stored as packed from the source)."""
-    return [None if side == "full" else int(side) for side in text.split(",")]
+B420 = "b420"
 
 
-def variant_name(side: int | None) -> str:
-    return "full" if side is None else f"max-side-{side}"
+def parse_sides(text: str) -> list[tuple[int | None, bool]]:
+    """"full,512,b420,320+b420" -> [(None, False), (512, False), (None, True), (320, True)]:
+    (max side, baseline 4:2:0); (None, False) is stored as packed from the source."""
+    variants = []
+    for item in text.split(","):
+        words = item.split("+")
+        side = next((int(word) for word in words if word not in ("full", B420)), None)
+        variants.append((side, B420 in words))
+    return variants
+
+
+def variant_name(variant: tuple[int | None, bool]) -> str:
+    side, b420 = variant
+    names = ([] if side is None else [f"max-side-{side}"]) + (["baseline-420"] if b420 else [])
+    return "+".join(names) or "full"
 
 
 def pack_variants(corpus: str, work: Path, sides: list, repeats: int, workers: int) -> dict:
     """Pack every variant `repeats` times, interleaved; the median wall time and the pack's facts."""
-    seconds: dict[str, list[float]] = {variant_name(side): [] for side in sides}
+    seconds: dict[str, list[float]] = {variant_name(variant): [] for variant in sides}
     facts: dict[str, dict] = {}
     for _ in range(repeats):
-        for side in sides:
-            name = variant_name(side)
+        for side, b420 in sides:
+            name = variant_name((side, b420))
             out = work / f"{name}.lmdb"
             start = time.perf_counter()
-            result = pack(corpus, "lmdb", str(out), workers=workers, force=True, progress=False, max_side=side)
+            result = pack(corpus, "lmdb", str(out), workers=workers, force=True, progress=False, max_side=side,
+                          baseline_420=b420)
             seconds[name].append(time.perf_counter() - start)
             meta = result.metadata
             facts[name] = {"path": str(out), "images": meta.count, "image_bytes": meta.bytes,
@@ -73,6 +95,21 @@ def sample_records(path: str, sample: int) -> list[bytes]:
         return [reader.read(i)[0] for i in range(0, count, step)][:sample]
     finally:
         reader.close()
+
+
+def every_q90(datas: list[bytes]) -> list[bytes]:
+    """Each record re-encoded as a baseline 4:2:0 (or grayscale) JPEG at quality 90, as FFCV
+    stores its JPEGs: no record kept as it is."""
+    from PIL import Image
+
+    from packer.reencode import _encode
+
+    out = []
+    for data in datas:
+        with Image.open(io.BytesIO(data)) as image:
+            image = image.convert("L" if image.mode == "L" else "RGB")
+            out.append(_encode(image, 90))
+    return out
 
 
 def read_rates(samples: dict[str, list[bytes]], repeats: int) -> dict[str, dict]:
@@ -108,8 +145,9 @@ def markdown(facts: dict, rates: dict) -> str:
     for name, fact in facts.items():
         rate = rates[name]
         ratio = f"{rate['rrc224_per_s'] / full:.2f}x" if full else "-"
+        pack_s = "- (sample only)" if fact.get("sample_only") else f"{fact['pack_s']:.1f}"
         rows.append(f"| {name} | {fact['reencoded']:,} of {fact['images']:,} | {fact['image_bytes'] / 1e6:,.0f} MB "
-                    f"| {fact['pack_s']:.1f} | {rate['rrc224_per_s']:.0f} | {ratio} | {rate['decode_per_s']:.0f} |")
+                    f"| {pack_s} | {rate['rrc224_per_s']:.0f} | {ratio} | {rate['decode_per_s']:.0f} |")
     return "\n".join(rows)
 
 
@@ -123,8 +161,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sample", type=int, default=2000, help="records timed per variant")
     parser.add_argument("--workers", type=int, default=None, help="pack workers [default: the usable cores]")
     parser.add_argument("--skip-pack", action="store_true", help="time the reads of variants packed earlier")
+    parser.add_argument("--every-q90", action="store_true", help="add the full sample re-encoded at quality 90")
+    parser.add_argument("--time-variant", help="only decode+crop this packed variant's sample, repeats times")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.time_variant:
+        return time_variant(Path(args.work), args.time_variant, args.sample, args.repeats)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sides = parse_sides(args.sides)
@@ -135,7 +177,14 @@ def main(argv=None) -> None:
         facts = pack_variants(args.corpus, work, sides, args.pack_repeats, workers)
         (work / "packs.json").write_text(json.dumps(facts, indent=1))
     samples = {name: sample_records(fact["path"], args.sample) for name, fact in facts.items()}
+    if args.every_q90 and "full" in samples:
+        samples["every-q90"] = every_q90(samples["full"])
+        facts["every-q90"] = {"images": len(samples["every-q90"]), "reencoded": len(samples["every-q90"]),
+                              "image_bytes": sum(map(len, samples["every-q90"])), "pack_s": float("nan"),
+                              "sample_only": True}
     rates = read_rates(samples, args.repeats)
+    for name, datas in samples.items():  # the timed records' bytes: every-q90 compares with full's here
+        rates[name]["sample_bytes"] = sum(map(len, datas))
     env = {"corpus": os.path.abspath(args.corpus), "pack_workers": workers, "sample": args.sample,
            "repeats": args.repeats, "pack_repeats": args.pack_repeats, "python": platform.python_version(),
            "cpu": platform.processor(), "cores": available_cores(), "read_clock": "thread CPU time, torch 1 thread, bytes in memory",
@@ -143,6 +192,25 @@ def main(argv=None) -> None:
     print(markdown(facts, rates))
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "packs": facts, "reads": rates}, indent=2))
+
+
+def time_variant(work: Path, name: str, sample: int, repeats: int) -> None:
+    """Decode+RandomResizedCrop(224) the sample of one packed variant, repeats passes, after a warm-up."""
+    import torch
+
+    from readers.transforms import RandomResizedCrop
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    datas = sample_records(str(work / f"{name}.lmdb"), sample)
+    crop = RandomResizedCrop(224, flip=0.5)
+    for data in datas:
+        crop(data)
+    start = time.thread_time()
+    for _ in range(repeats):
+        for data in datas:
+            crop(data)
+    print(f"{name}: {len(datas) * repeats / (time.thread_time() - start):.0f} samples/s per core")
 
 
 if __name__ == "__main__":
