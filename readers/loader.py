@@ -161,7 +161,11 @@ class EpochLoader(tud.DataLoader):
         if self._resume_batches is not None:
             return self._next_epoch, self._resume_batches
         if self._progress is not None and not self._progress[2]:
-            return self._progress[0], self._progress[1]
+            epoch, batches = self._progress[0], self._progress[1]
+            # Every batch handed out, the end not yet seen (Lightning saves there, at an epoch's
+            # end): that epoch is over, and a resume starts the next one.
+            if batches < len(self):
+                return epoch, batches
         return self._next_epoch, 0
 
     def state_dict(self, unconsumed: int = 0) -> dict:

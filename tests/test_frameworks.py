@@ -78,7 +78,10 @@ class Recorder(L.LightningModule):
         self.seen: dict[str, list[int]] = {}
 
     def train_dataloader(self):
-        return make(self.job)
+        loader = make(self.job)
+        if self.job.get("epoch_line"):  # docs/frameworks.md's line for end-of-epoch resumes
+            loader.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)
+        return loader
 
     def training_step(self, batch, index):
         self.seen.setdefault(str(self.current_epoch), []).extend(batch)
@@ -144,7 +147,7 @@ def test_lightning_defaults_give_each_rank_its_own_share_every_epoch(packs, tmp_
 
 @pytest.mark.parametrize("loader", ["make_loader", "wds"])
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
-    job = {"root": str(packs), "loader": loader, "mid_step": 11}  # 7 or 8 steps an epoch: mid-epoch 1
+    job = {"root": str(packs), "loader": loader, "mid_step": 11, "epoch_line": True}  # 7 or 8 steps an epoch: mid-epoch 1
     whole = run("lightning", job, tmp_path, "whole")
     check_whole_epochs(whole, range(EPOCHS))
     (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
