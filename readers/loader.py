@@ -134,6 +134,11 @@ class EpochLoader(tud.DataLoader):
             raise RuntimeError("make_loader: an Accelerator runs several processes here, so this loader holds the "
                                "whole dataset for accelerator.prepare() to shard; pass the loader to "
                                "accelerator.prepare() and iterate what it returns (docs/frameworks.md)")
+        return self._pass()
+
+    def _pass(self):
+        """One pass, begun at its first batch, not at iter(): Lightning makes the iterator of
+        an epoch it resumes at before it sets that epoch on the sampler."""
         epoch = self.coming_epoch()
         self._next_epoch = epoch + 1
         skip, self._resume_batches = self._resume_batches or 0, None
@@ -145,7 +150,7 @@ class EpochLoader(tud.DataLoader):
         batches = super().__iter__()
         if self.num_workers and getattr(self.dataset, "_resume", None) is not None:
             self.dataset._resume = None  # the workers took their copies: later ones start afresh
-        return self._counted(batches, progress)
+        yield from self._counted(batches, progress)
 
     @staticmethod
     def _counted(batches, progress: list):
