@@ -41,6 +41,9 @@ def packs(tmp_path_factory):
     root = tmp_path_factory.mktemp("frameworks")
     pack(str(source), "lmdb", str(root / "d.lmdb"), workers=1, progress=False)
     pack(str(source), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 16})
+    # Shards of 12 to 22 samples: the ranks' shares, so the batch counts, change with the epoch.
+    pack(str(source), "wds", str(root / "uneven.wds"), workers=1, progress=False,
+         options={"shard_size": 2_000_000, "max_count": None})
     return root
 
 
@@ -199,7 +202,8 @@ if __name__ == "__main__":
     {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
 
 
-@pytest.mark.parametrize("loader, stateful, at", [("make_loader", False, 3), ("make_loader", True, 3)])
+@pytest.mark.parametrize("loader, stateful, at", [("make_loader", False, 3), ("make_loader", True, 3),
+                                                  ("wds", False, 3)])
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful, at):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1 if at == 3 else 0, at]}
@@ -257,3 +261,12 @@ def test_a_state_saved_after_an_epochs_last_batch_resumes_at_the_next_epoch(pack
     state = loader.state_dict()
     assert (state["epoch"], state["batches"], state["sampler"]["epoch"]) == (1, 0, 1)
 
+
+
+def test_a_stream_loaders_length_is_the_pass_it_is_about_to_run(packs):
+    stream = readers.WDSDataset(packs / "uneven.wds", decode="raw", shuffle=32, seed=SEED, rank=0,
+                                world_size=2)
+    loader = readers.make_loader(stream, BATCH, workers=1, collate_fn=labels_of)
+    lengths = [(len(loader), len(list(loader))) for _ in range(3)]
+    assert len({ran for _, ran in lengths}) > 1  # the passes differ, so the length must follow them
+    assert all(said == ran for said, ran in lengths), lengths
