@@ -169,9 +169,16 @@ class EpochLoader(tud.DataLoader):
             epoch, batches = self._progress[0], self._progress[1]
             # Every batch handed out, the end not yet seen (Lightning saves there, at an epoch's
             # end): that epoch is over, and a resume starts the next one.
-            if batches < len(self):
+            if not self.ran_out(batches):
                 return epoch, batches
         return self._next_epoch, 0
+
+    def ran_out(self, batches: int) -> bool:
+        """Whether a pass has handed out all its batches (False where its length is unknown)."""
+        try:
+            return batches >= len(self)
+        except TypeError:  # an IterableDataset without a length
+            return False
 
     def state_dict(self, unconsumed: int = 0) -> dict:
         """Plain data (ints, bools, strings; torch.save- and JSON-able) to resume from.
@@ -459,7 +466,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
                                  give_back=pin and policy.workers > 0),
         pin_memory=pin, drop_last=drop_last,
-        worker_init_fn=functools.partial(worker_init, rank=process_rank(), user_init=worker_init_fn) if policy.workers else None,
+        worker_init_fn=(functools.partial(worker_init, rank=process_rank(), user_init=worker_init_fn)
+                        if policy.workers else None),
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,
         prefetch_factor=policy.prefetch_factor)
     warn_if_drop_last_drops_much(loader, walk.sampler)

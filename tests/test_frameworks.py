@@ -140,8 +140,6 @@ def accelerate_run(job: dict) -> None:
             seen.setdefault(str(epoch), []).extend(batch.tolist())
             if job.get("save_at") == [epoch, step]:
                 accelerator.save_state(out / "state")
-        if job.get("save_at") == [epoch, "end"]:
-            accelerator.save_state(out / "state")
     record(out, accelerator.process_index, seen)
 
 
@@ -198,22 +196,16 @@ def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(pack
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-if __name__ == "__main__":
-    {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
-
-
-@pytest.mark.parametrize("loader, stateful, at", [("make_loader", False, 3), ("make_loader", True, 3),
-                                                  ("wds", False, 3)])
-def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful, at):
+@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False)])
+def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
-    job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1 if at == 3 else 0, at]}
+    job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1, 3]}
     whole = run("accelerate", job, tmp_path, "whole", torchrun=True)
     check_whole_epochs(whole, range(EPOCHS))
     resumed = run("accelerate", {**job, "save_at": None, "resume": str(tmp_path / "whole" / "state"),
-                                 "resume_at": [1, 3 if at == 3 else 0]}, tmp_path, "resumed", torchrun=True)
-    done = 3 * BATCH if at == 3 else 0  # each step gives each rank one batch of BATCH
-    for rank in (0, 1):
-        assert resumed[rank] == {"1": whole[rank]["1"][done:], "2": whole[rank]["2"]}
+                                 "resume_at": [1, 3]}, tmp_path, "resumed", torchrun=True)
+    for rank in (0, 1):  # each step gives each rank one batch of BATCH
+        assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}
 
 
 def test_make_loader_not_prepared_under_accelerate_says_to_prepare_it(packs, tmp_path):
@@ -270,3 +262,7 @@ def test_a_stream_loaders_length_is_the_pass_it_is_about_to_run(packs):
     lengths = [(len(loader), len(list(loader))) for _ in range(3)]
     assert len({ran for _, ran in lengths}) > 1  # the passes differ, so the length must follow them
     assert all(said == ran for said, ran in lengths), lengths
+
+
+if __name__ == "__main__":
+    {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
