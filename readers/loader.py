@@ -24,6 +24,7 @@ What it sets and why:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -41,7 +42,7 @@ from .buffers import WorkerBatch
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
 from .heap import keep_heap
-from .ranks import local_world_size, world
+from .ranks import accelerate_shards, local_world_size, process_rank, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
 from .sampler import STATE_VERSION, check_state, checked_count
 from .stats import LoaderStats, LoaderWarning
@@ -92,13 +93,34 @@ class EpochLoader(tud.DataLoader):
     _next_epoch = 0
     _resume_batches: int | None = None  # batches of _next_epoch a loaded state has consumed
     _progress: list | None = None  # [epoch, batches handed out, finished, batches before it] of the last pass
+    _told: int | None = None  # the epoch this loader last set on its sampler
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.dataset, tud.IterableDataset):
+            # Frameworks set the epoch on a loader's sampler only (Lightning does, each epoch):
+            # an IterableDataset's has no set_epoch, so this one stands in and carries it over.
+            object.__setattr__(self, "sampler", EpochSetter())  # past DataLoader's guard on `sampler`
+        self._told = getattr(self.sampler, "epoch", None)
 
     def __len__(self) -> int:
         length = super().__len__()  # also what torch checks an IterableDataset's batch count against
         if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
-            # Each worker batches its own stream: WDSDataset knows how many batches they make.
+            # Each worker batches its own stream: WDSDataset knows how many batches they make,
+            # which differs between epochs; between passes, count the next one's.
+            if self._progress is None or self._progress[2]:
+                self.dataset.set_epoch(self.coming_epoch())
             return self.dataset.batches(self.batch_size, self.drop_last, self.num_workers)
         return length
+
+    def coming_epoch(self) -> int:
+        """The epoch the next pass runs: one set on the sampler from outside (a framework's,
+        through its set_epoch) since this loader last set it, else the loader's own count."""
+        outside = getattr(self.sampler, "epoch", None)
+        if outside is not None and outside != self._told:
+            self.set_epoch(outside)
+            self._told = outside
+        return self._next_epoch
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
@@ -108,16 +130,27 @@ class EpochLoader(tud.DataLoader):
         self._progress = None
 
     def __iter__(self):
-        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        if accelerate_shards():
+            raise RuntimeError("make_loader: an Accelerator runs several processes here, so this loader holds the "
+                               "whole dataset for accelerator.prepare() to shard; pass the loader to "
+                               "accelerator.prepare() and iterate what it returns (docs/frameworks.md)")
+        return self._pass()
+
+    def _pass(self):
+        """One pass, begun at its first batch, not at iter(): Lightning makes the iterator of
+        an epoch it resumes at before it sets that epoch on the sampler."""
+        epoch = self.coming_epoch()
+        self._next_epoch = epoch + 1
         skip, self._resume_batches = self._resume_batches or 0, None
         for target in (self.sampler, self.dataset):
             if hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
+        self._told = epoch
         progress = self._progress = [epoch, skip, False, skip]
         batches = super().__iter__()
         if self.num_workers and getattr(self.dataset, "_resume", None) is not None:
             self.dataset._resume = None  # the workers took their copies: later ones start afresh
-        return self._counted(batches, progress)
+        yield from self._counted(batches, progress)
 
     @staticmethod
     def _counted(batches, progress: list):
@@ -132,18 +165,33 @@ class EpochLoader(tud.DataLoader):
         """(epoch, batches of it handed out): of the pass under way, else of the next pass."""
         if self._resume_batches is not None:
             return self._next_epoch, self._resume_batches
-        if self._progress is not None and not self._progress[2]:
+        if self.under_way():
             return self._progress[0], self._progress[1]
         return self._next_epoch, 0
+
+    def under_way(self) -> bool:
+        """Whether a pass has begun and not ended. One that has handed out every batch, its
+        end not yet seen (Lightning saves there, at an epoch's end), is over: a resume starts
+        the next epoch."""
+        progress = self._progress
+        return progress is not None and not progress[2] and not self.ran_out(progress[1] - progress[3])
 
     def pass_batches(self) -> int | None:
         """Batches handed out in the pass of position(): those of the pass under way, 0 for
         a loaded state's pending pass, None for a pass not begun (it starts the epoch)."""
         if self._resume_batches is not None:
             return 0
-        if self._progress is not None and not self._progress[2]:
+        if self.under_way():
             return self._progress[1] - self._progress[3]
         return None
+
+    def ran_out(self, batches: int) -> bool:
+        """Whether a pass that handed out `batches` has handed out all of its own (len() is the
+        pass's: the rest of the epoch after a resume; False where its length is unknown)."""
+        try:
+            return batches >= len(self)
+        except TypeError:  # an IterableDataset without a length
+            return False
 
     def state_dict(self, unconsumed: int = 0) -> dict:
         """Plain data (ints, bools, strings; torch.save- and JSON-able) to resume from.
@@ -241,6 +289,20 @@ def stream_batches(part, batches: int):
     if isinstance(position, dict) and "history" in position:
         return position.get("batches", position.get("samples"))
     return batches
+
+
+class EpochSetter(tud.Sampler):
+    """An IterableDataset loader's sampler (torch's yields None forever; so does this one)
+    that takes set_epoch: EpochLoader reads the epoch from it as from any sampler."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        return itertools.repeat(None)
 
 
 def check_part(part, epoch: int, position: int, name: str) -> None:
@@ -458,7 +520,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
                                  give_back=pin and policy.workers > 0),
         pin_memory=pin, drop_last=drop_last,
-        worker_init_fn=functools.partial(worker_init, rank=rank, user_init=worker_init_fn) if policy.workers else None,
+        worker_init_fn=(functools.partial(worker_init, rank=process_rank(), user_init=worker_init_fn)
+                        if policy.workers else None),
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,
         prefetch_factor=policy.prefetch_factor)
     warn_if_drop_last_drops_much(loader, walk.sampler)

@@ -5,10 +5,15 @@ make_loader, the samplers and WDSDataset, as webdataset's pytorch_worker_info do
 torch.distributed when a process group is initialised, else the RANK and WORLD_SIZE
 environment variables that torchrun and SLURM launchers set (also the seam tests use),
 else one rank. deal() is the one rule for splitting an epoch's work among ranks.
+
+Under Hugging Face Accelerate, the data is one rank's: accelerator.prepare() deals a
+loader's batches among the processes itself (docs/frameworks.md), so a share of the data
+dealt again would leave each rank 1/N of its share.
 """
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Iterable
 
 import torch.distributed as dist
@@ -26,6 +31,8 @@ def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, 
     """(rank, world size): the given pair, else torch.distributed's, else RANK/WORLD_SIZE, else (0, 1)."""
     if rank is not None:
         return rank, world_size
+    if accelerate_shards():
+        return 0, 1
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     try:
@@ -35,6 +42,27 @@ def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, 
     if not 0 <= rank < world_size:
         raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
     return rank, world_size
+
+
+def accelerate_shards() -> bool:
+    """Whether Accelerate runs more than one process here, so that its prepare() shards the loaders.
+
+    Read from its shared state, which exists once an Accelerator (or PartialState) is made;
+    Accelerate is never imported for this: a process that has not imported it is not using it."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
+    return shared.get("num_processes", 1) > 1
+
+
+def process_rank() -> int:
+    """This process's rank among the training processes, whoever shards the data (the seed
+    of its workers' augmentations: ranks must not draw the same ones)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", 0))
+    except ValueError:
+        return 0
 
 
 def local_world_size() -> int:

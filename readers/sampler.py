@@ -40,6 +40,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch.utils.data
+import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
@@ -100,11 +101,17 @@ def reader_of(dataset):
     return reader if hasattr(reader, "will_need") else None
 
 
-class RankedSampler(torch.utils.data.Sampler):
+class RankedSampler(torch.utils.data.distributed.DistributedSampler):
     """What the samplers share: this process's rank and world size (given, or
     readers.ranks.world()'s when both are None), the epoch that reseeds the shuffle, and
     the elastic resume (readers.elastic): a subclass gives the epoch's global order, and
-    each pass deals the rest of it, from where a loaded state says, to this world's ranks."""
+    each pass deals the rest of it, from where a loaded state says, to this world's ranks.
+
+    A DistributedSampler by type only (its constructor is not run): that is how a sampler
+    says it deals the ranks their shares already, so that frameworks which shard a
+    loader's sampler (Lightning's use_distributed_sampler, its default) leave it as it is
+    and call its set_epoch, instead of dealing each rank's share out again.
+    """
 
     drop_last = False  # True: a pass leaves out the rest's last (rest mod world size) indexes
 
@@ -120,6 +127,10 @@ class RankedSampler(torch.utils.data.Sampler):
 
     def world(self) -> tuple[int, int]:
         return world(self.rank, self.world_size)
+
+    @property
+    def num_replicas(self) -> int:  # DistributedSampler's name for the world size
+        return self.world()[1]
 
     def settings(self) -> dict:
         """What fixes the global order besides the epoch; a state loads only where these match."""

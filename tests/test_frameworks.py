@@ -1,0 +1,268 @@
+"""packer's loaders under PyTorch Lightning and Hugging Face Accelerate (docs/frameworks.md):
+2 CPU ranks over gloo, the 125-image ImageNet sample (one image per class, so a label
+names a sample), every sample counted per rank per epoch; resumed from the frameworks'
+own checkpoints at an epoch's end and mid-epoch, which must replay exactly what an
+uninterrupted run saw.
+
+The runs are new processes running this file as a script:
+`python tests/test_frameworks.py lightning|accelerate JOBFILE`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
+
+import readers  # noqa: E402
+from packer import pack  # noqa: E402
+
+L = pytest.importorskip("lightning")
+pytest.importorskip("accelerate")
+import torch  # noqa: E402
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+BATCH, SEED, EPOCHS = 8, 5, 3
+SAMPLES = 125
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    source = Path(os.environ.get("PACKER_SHARED_DATA", "/work/shared/data")) / "imagenet-sample"
+    if not source.is_dir():
+        pytest.skip(f"{source} is not present (set PACKER_SHARED_DATA)")
+    root = tmp_path_factory.mktemp("frameworks")
+    pack(str(source), "lmdb", str(root / "d.lmdb"), workers=1, progress=False)
+    pack(str(source), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 16})
+    # Shards of 12 to 22 samples: the ranks' shares, so the batch counts, change with the epoch.
+    pack(str(source), "wds", str(root / "uneven.wds"), workers=1, progress=False,
+         options={"shard_size": 2_000_000, "max_count": None})
+    return root
+
+
+def labels_of(batch) -> torch.Tensor:
+    """The collate: each sample's label (its name: one image per class), as a tensor, which
+    Accelerate's dispatch slices among the ranks."""
+    return torch.tensor([label for _, label in batch])
+
+
+def make(job: dict):
+    """The loader a job trains on, built as a user would, after the ranks are up."""
+    import torch.utils.data as tud
+
+    root = Path(job["root"])
+    if job["loader"] == "wds":
+        data = readers.WDSDataset(root / "d.wds", decode="raw", shuffle=32, seed=SEED)
+        return readers.make_loader(data, BATCH, workers=1, collate_fn=labels_of)
+    data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
+    if job["loader"] == "sampler":  # a plain DataLoader over packer's sampler
+        return tud.DataLoader(data, BATCH, sampler=readers.ShuffleSampler(data, seed=SEED), drop_last=True,
+                              collate_fn=labels_of)
+    return readers.make_loader(data, BATCH, workers=1, seed=SEED, collate_fn=labels_of)
+
+
+def record(out: Path, rank: int, seen: dict) -> None:
+    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+class Recorder(L.LightningModule):
+    """Trains nothing; records the labels each rank is given, per epoch."""
+
+    def __init__(self, job: dict):
+        super().__init__()
+        self.job = job
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: dict[str, list[int]] = {}
+
+    def train_dataloader(self):
+        return make(self.job)
+
+    def training_step(self, batch, index):
+        self.seen.setdefault(str(self.current_epoch), []).extend(batch.tolist())
+        return self.w.sum() * 0.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_train_end(self):
+        record(Path(self.job["out"]), self.global_rank, self.seen)
+
+
+def lightning_run(job: dict) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = Path(job["out"])
+    checkpoints = [ModelCheckpoint(out / "end", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)]
+    if job.get("mid_step"):
+        checkpoints.append(ModelCheckpoint(out / "mid", save_top_k=-1, every_n_train_steps=job["mid_step"],
+                                           save_on_train_epoch_end=False))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=EPOCHS, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=checkpoints,
+                        num_sanity_val_steps=0)
+    trainer.fit(Recorder(job), ckpt_path=job.get("resume"))
+
+
+def accelerate_run(job: dict) -> None:
+    """One rank of 2 under torchrun: prepare() the loader, train EPOCHS epochs (from a
+    saved state, if the job says), save the state after job["save_at"] = [epoch, steps]."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    out = Path(job["out"])
+    stateful = job.get("stateful", False)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    loader = make(job)
+    if job.get("unprepared"):
+        try:
+            next(iter(loader))
+        except RuntimeError as exc:
+            (out / f"error{accelerator.process_index}.txt").write_text(str(exc))
+        return
+    loader = accelerator.prepare(loader)
+    start, skip = 0, 0
+    if job.get("resume"):
+        accelerator.load_state(job["resume"])
+        start, skip = job["resume_at"]
+    seen: dict[str, list[int]] = {}
+    for epoch in range(start, EPOCHS):
+        loader.set_epoch(epoch)  # docs/frameworks.md: Accelerate's own count restarts in a new process
+        batches = loader
+        if epoch == start and skip and not stateful:
+            batches = accelerator.skip_first_batches(loader, skip)
+        for step, batch in enumerate(batches, 1):
+            seen.setdefault(str(epoch), []).extend(batch.tolist())
+            if job.get("save_at") == [epoch, step]:
+                accelerator.save_state(out / "state")
+    record(out, accelerator.process_index, seen)
+
+
+def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False) -> dict:
+    """Run a job; {rank: {epoch: labels}} from its record files."""
+    out = tmp_path / name
+    out.mkdir()
+    job = {**job, "out": str(out)}
+    (out / "job.json").write_text(json.dumps(job))
+    command = [sys.executable, __file__, kind, str(out / "job.json")]
+    if torchrun:
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=240, env=env)
+    assert done.returncode == 0, f"the {kind} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def check_whole_epochs(seen: dict, epochs) -> None:
+    """Every epoch, the ranks' samples are disjoint and cover the dataset (less drop_last's
+    share), and each epoch's order differs from the one before."""
+    for epoch in epochs:
+        ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1])
+        kept = len(ranks[0]) + len(ranks[1])  # less than SAMPLES by drop_last, more by padding
+        union = set(ranks[0]) | set(ranks[1])
+        assert len(union) == min(kept, SAMPLES), f"epoch {epoch}: {len(union)} of {kept} samples distinct"
+        assert kept > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {SAMPLES} samples seen"
+        if epoch:
+            assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
+
+
+def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(packs, tmp_path):
+    seen = run("lightning", {"root": str(packs), "loader": "sampler"}, tmp_path, "full")
+    check_whole_epochs(seen, range(EPOCHS))
+
+
+@pytest.mark.parametrize("loader", ["make_loader", "wds"])
+def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
+    job = {"root": str(packs), "loader": loader, "mid_step": 11}  # 7 or 8 steps an epoch: mid-epoch 1
+    whole = run("lightning", job, tmp_path, "whole")
+    check_whole_epochs(whole, range(EPOCHS))
+    (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
+    (mid,) = (tmp_path / "whole" / "mid").glob("*step=11.ckpt")
+    after_end = run("lightning", {**job, "mid_step": None, "resume": str(end)}, tmp_path, "after-end")
+    after_mid = run("lightning", {**job, "mid_step": None, "resume": str(mid)}, tmp_path, "after-mid")
+    for rank in (0, 1):
+        assert after_end[rank] == {e: whole[rank][e] for e in ("1", "2")}
+        steps_before = 11 - len(whole[rank]["0"]) // BATCH
+        assert after_mid[rank]["1"] == whole[rank]["1"][steps_before * BATCH:]
+        assert after_mid[rank]["2"] == whole[rank]["2"]
+
+
+@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False)])
+def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful):
+    """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
+    job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1, 3]}
+    whole = run("accelerate", job, tmp_path, "whole", torchrun=True)
+    check_whole_epochs(whole, range(EPOCHS))
+    resumed = run("accelerate", {**job, "save_at": None, "resume": str(tmp_path / "whole" / "state"),
+                                 "resume_at": [1, 3]}, tmp_path, "resumed", torchrun=True)
+    for rank in (0, 1):  # each step gives each rank one batch of BATCH
+        assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}
+
+
+def test_make_loader_not_prepared_under_accelerate_says_to_prepare_it(packs, tmp_path):
+    out = tmp_path / "unprepared"
+    with pytest.raises(FileNotFoundError):  # no records: the run stops at the error
+        run("accelerate", {"root": str(packs), "loader": "make_loader", "unprepared": True}, tmp_path,
+            "unprepared", torchrun=True)
+    for rank in (0, 1):
+        assert "accelerator.prepare()" in (out / f"error{rank}.txt").read_text()
+
+
+# What the frameworks rely on, in one process.
+
+def test_an_epoch_set_on_the_sampler_before_the_first_batch_is_the_pass_run(packs):
+    data = readers.LMDBDataset(packs / "d.lmdb", decode="raw")
+    loader = readers.make_loader(data, BATCH, workers=0, seed=SEED, collate_fn=labels_of)
+    first = [b.tolist() for b in loader]
+    batches = iter(loader)  # Lightning makes a resumed epoch's iterator, then sets its epoch
+    loader.sampler.set_epoch(4)
+    expected = readers.ShuffleSampler(data, seed=SEED, drop_last=True)
+    expected.set_epoch(4)
+    order = list(expected)
+    assert [b.tolist() for b in batches] == [data.reader.labels[order[k:k + BATCH]].tolist()
+                                             for k in range(0, len(order) - BATCH + 1, BATCH)] != first
+    assert loader.state_dict()["epoch"] == 5  # and passes go on from the epoch set
+
+
+def test_a_stream_loader_takes_its_epoch_through_its_sampler(packs):
+    def loader():
+        stream = readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=32, seed=SEED)
+        return readers.make_loader(stream, BATCH, workers=0, collate_fn=labels_of)
+
+    framework, direct = loader(), loader()
+    framework.sampler.set_epoch(2)  # what Lightning calls, each epoch
+    direct.set_epoch(2)
+    assert [b.tolist() for b in framework] == [b.tolist() for b in direct]
+
+
+def test_a_state_saved_after_an_epochs_last_batch_resumes_at_the_next_epoch(packs):
+    data = readers.LMDBDataset(packs / "d.lmdb", decode="raw")
+    loader = readers.make_loader(data, BATCH, workers=0, seed=SEED, collate_fn=labels_of)
+    batches = iter(loader)
+    for _ in range(len(loader)):  # Lightning saves here, before asking for a batch past the last
+        next(batches)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"], state["sampler"]["epoch"]) == (1, 0, 1)
+
+
+
+def test_a_stream_loaders_length_is_the_pass_it_is_about_to_run(packs):
+    stream = readers.WDSDataset(packs / "uneven.wds", decode="raw", shuffle=32, seed=SEED, rank=0,
+                                world_size=2)
+    loader = readers.make_loader(stream, BATCH, workers=1, collate_fn=labels_of)
+    lengths = [(len(loader), len(list(loader))) for _ in range(3)]
+    assert len({ran for _, ran in lengths}) > 1  # the passes differ, so the length must follow them
+    assert all(said == ran for said, ran in lengths), lengths
+
+
+if __name__ == "__main__":
+    {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
