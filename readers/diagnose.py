@@ -1,0 +1,505 @@
+"""diagnose(): runs a training loop's own loader (and step) and names, from what it measured,
+the setting that keeps the GPU waiting.
+
+It times every next() against every step (readers.stats' split of wall time), the start of
+each epoch, the threads each DataLoader worker keeps busy (from /proc), and, for a map-style
+Dataset, what one sample costs inside a worker: stage by stage (read, decode, transform)
+for packer's Datasets, then collate and the hand-over of a batch to the main process. A
+setting is named only when those figures say it holds the loop back, and each finding
+gives the numbers, what to set and the rate that setting should give. When the step is the
+limit, nothing asks for more data throughput.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import time
+
+import torch
+from multiprocessing.reduction import ForkingPickler
+
+from packer.cores import available_cores
+
+from ._dataset import ReaderDataset
+from .decode import decode
+from .stats import batch_samples
+
+WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time: data is the limit
+START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
+BUSY_THREAD = 0.2  # a worker's thread running this share of the wall time counts as busy
+PROBE_SECONDS = 0.5  # time spent timing samples in this process, at most
+HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
+
+
+@dataclasses.dataclass
+class Finding:
+    """One setting that holds the loop back: what was measured, and what to set."""
+
+    setting: str
+    evidence: str
+    fix: str
+    share: float = 0.0  # the part of the measured wall time it explains; orders the findings
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """What limits the loop ("data" or "step"), how much of its time it waited, and why."""
+
+    limit: str
+    wait_fraction: float
+    findings: list
+    figures: dict
+
+    def to_dict(self) -> dict:
+        return {"limit": self.limit, "wait_fraction": self.wait_fraction,
+                "findings": [f.to_dict() for f in self.findings], "figures": self.figures}
+
+    def __str__(self) -> str:
+        f = self.figures
+        lines = [f"limit: {self.limit} (the loop waited for data {self.wait_fraction:.0%} of "
+                 f"{f['wall_s']:.2f} s; {f['samples_per_s']:.0f} samples/s over {f['steps']} steps, "
+                 f"{f['epochs']} epochs)",
+                 f"loader: num_workers={f['workers']}, persistent_workers={f['persistent_workers']}, "
+                 f"prefetch_factor={f['prefetch_factor']}, pin_memory={f['pin_memory']}, "
+                 f"batch_size={f['batch_size']}; {f['cores']} usable cores",
+                 f"per batch: step {f['step_ms']:.1f} ms, wait {f['wait_ms']:.1f} ms (steady), "
+                 f"epoch start {f['start_ms']:.0f} ms"]
+        if f["stages_ms"]:
+            stages = ", ".join(f"{name} {ms:.2f}" for name, ms in f["stages_ms"].items())
+            lines.append(f"inside a worker, ms a sample: {stages}; a batch: {f['batch_cost_ms']:.1f} ms")
+        if not self.findings:
+            lines.append("no setting to change: " + ("the step is the limit" if self.limit == "step" else
+                                                     "the data is the limit, and the workers are all busy"))
+        for k, finding in enumerate(self.findings, 1):
+            lines += [f"{k}. {finding.setting}: {finding.evidence}", f"   fix: {finding.fix}"]
+        return "\n".join(lines)
+
+
+def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2) -> Diagnosis:
+    """Run up to `steps` batches of `loader` for `epochs` epochs, calling step(batch) on each,
+    and say what holds the loop back.
+
+    Args:
+        loader: any iterable of batches (a torch DataLoader, make_loader's, a WebLoader).
+        step: the training step, timed with CUDA synchronised where CUDA is in use; None
+            measures the data alone (then the data is always the limit).
+    """
+    if steps < 2 or epochs < 1:
+        raise ValueError(f"diagnose: steps must be >= 2 and epochs >= 1, got {steps} and {epochs}")
+    settings = loader_settings(loader)
+    stages = probe_samples(loader, settings)
+    run = run_loop(loader, step, steps, epochs)
+    return judge(settings, stages, run, timed_step=step is not None)
+
+
+def loader_settings(loader) -> dict:
+    """The DataLoader arguments of loader, or of the DataLoader it wraps."""
+    inner = loader
+    while not hasattr(inner, "num_workers") and hasattr(inner, "loader"):
+        inner = inner.loader
+    workers = int(getattr(inner, "num_workers", 0) or 0)
+    return {
+        "workers": workers,
+        "persistent_workers": bool(getattr(inner, "persistent_workers", False)),
+        "prefetch_factor": (getattr(inner, "prefetch_factor", None) or 2) if workers else None,
+        "pin_memory": bool(getattr(inner, "pin_memory", False)),
+        "batch_size": getattr(inner, "batch_size", None),
+        "dataset": getattr(inner, "dataset", None),
+        "collate_fn": getattr(inner, "collate_fn", None),
+    }
+
+
+def probe_samples(loader, settings: dict) -> dict:
+    """ms a sample of each stage a worker runs, timed here with one torch thread (as DataLoader
+    workers run), for a map-style Dataset; {} for an iterable one."""
+    dataset = settings["dataset"]
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return {}
+    n = len(dataset)
+    if n == 0:
+        return {}
+    count = min(n, settings["batch_size"] or 32)
+    indexes = random.Random(0).sample(range(n), count)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return timed_stages(dataset, indexes, settings["collate_fn"])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def timed_stages(dataset, indexes: list, collate_fn) -> dict:
+    totals: dict = {}
+    samples = []
+    deadline = time.perf_counter() + PROBE_SECONDS
+    for i in indexes:
+        times, sample = sample_stages(dataset, i)
+        for name, seconds in times:
+            totals[name] = totals.get(name, 0.0) + seconds
+        samples.append(sample)
+        if time.perf_counter() > deadline:
+            break
+    stages = {name: 1e3 * s / len(samples) for name, s in totals.items()}
+    if collate_fn is not None:
+        t = time.perf_counter()
+        batch = collate_fn(samples)
+        stages["collate"] = 1e3 * (time.perf_counter() - t) / len(samples)
+        stages["hand_over"] = 1e3 * hand_over_seconds(batch) / len(samples)
+    return stages
+
+
+def sample_stages(dataset, index: int) -> tuple[list, object]:
+    """[(stage, seconds)] of one sample, and the sample: read, decode and transform for
+    packer's Datasets, one getitem for any other."""
+    if not isinstance(dataset, ReaderDataset) or dataset.target_transform is not None:
+        t = time.perf_counter()
+        sample = dataset[index]
+        return [("getitem", time.perf_counter() - t)], sample
+    t0 = time.perf_counter()
+    data, label = dataset.reader.read_image(index)
+    t1 = time.perf_counter()
+    image = decode(data, dataset.decode, max_pixels=dataset.max_pixels)
+    t2 = time.perf_counter()
+    if dataset.transform is not None:
+        image = dataset.transform(image)
+    t3 = time.perf_counter()
+    return [("read", t1 - t0), ("decode", t2 - t1), ("transform", t3 - t2)], (image, label)
+
+
+def hand_over_seconds(batch) -> float:
+    """What a worker's queue does to a batch: tensors moved to shared memory and pickled,
+    then unpickled by the main process."""
+    t = time.perf_counter()
+    try:
+        ForkingPickler.loads(bytes(ForkingPickler.dumps(batch)))
+    except Exception:  # a batch the queue could not carry either: the run itself says so
+        return 0.0
+    return time.perf_counter() - t
+
+
+def run_loop(loader, step, steps: int, epochs: int) -> list:
+    """Per epoch: each batch's wait, each step's time, samples per batch, and the threads
+    its workers kept busy."""
+    measured, first = [], None
+    for epoch in range(epochs):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        waits, step_times, samples = [], [], []
+        watch = ThreadWatch()
+        asked = synced_clock()
+        iterator = iter(loader)
+        for k in range(steps):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            got = time.perf_counter()
+            waits.append(got - asked)
+            if k == 1:  # the workers are up and working
+                watch.start()
+            if step is not None:
+                step(batch)
+            samples.append(batch_samples(batch))
+            asked = synced_clock()
+            step_times.append(asked - got)
+        busy = watch.busy_threads()  # while this epoch's workers are still alive
+        first = first if epoch else batch if waits else None
+        del iterator  # workers that do not persist shut down here, outside the timed loop
+        measured.append({"waits": waits, "steps": step_times, "samples": samples, "busy_threads": busy, "first_batch": first})
+    if not any(e["waits"] for e in measured):
+        raise ValueError("diagnose: the loader gave no batches")
+    return measured
+
+
+def synced_clock() -> float:
+    """Now, once CUDA work launched so far has finished (where the step uses CUDA)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class ThreadWatch:
+    """CPU time of every thread of this process's children (DataLoader workers), from /proc,
+    to count the threads each worker keeps busy."""
+
+    def __init__(self):
+        self.started = None
+
+    def start(self) -> None:
+        self.started = (time.perf_counter(), child_thread_times())
+
+    def busy_threads(self) -> dict:
+        """{worker pid: threads that ran more than BUSY_THREAD of the time}; {} when the window
+        was too short to tell (/proc counts in 10 ms ticks) or /proc is missing."""
+        if self.started is None:
+            return {}
+        wall = time.perf_counter() - self.started[0]
+        if wall < 0.25:
+            return {}
+        before, busy = self.started[1], {}
+        for (pid, tid), cpu in child_thread_times().items():
+            if cpu - before.get((pid, tid), 0.0) > BUSY_THREAD * wall:
+                busy[pid] = busy.get(pid, 0) + 1
+        return busy
+
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def child_thread_times() -> dict:
+    """{(pid, tid): CPU seconds} of each thread of each child of this process."""
+    me, times = os.getpid(), {}
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return times
+    for pid in pids:
+        fields = stat_fields(f"/proc/{pid}/stat")
+        if fields is None or int(fields[1]) != me:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            tf = stat_fields(f"/proc/{pid}/task/{tid}/stat")
+            if tf is not None:
+                times[(int(pid), int(tid))] = (int(tf[11]) + int(tf[12])) / TICK
+    return times
+
+
+def stat_fields(path: str) -> list | None:
+    """The fields of a /proc stat file after the command name (which may hold spaces)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagnosis:
+    """The findings the measurements support, most important first."""
+    waits = [w for e in run for w in e["waits"]]
+    step_times = [s for e in run for s in e["steps"]]
+    wall = sum(waits) + sum(step_times)
+    steady_waits = [w for e in run for w in e["waits"][1:]]
+    steady_steps = [s for e in run for s in e["steps"][1:]] or step_times
+    samples = [n for e in run for n in e["samples"]]
+    batch = sorted(samples)[len(samples) // 2]
+    step_s = median(steady_steps)
+    workers, cores = settings["workers"], available_cores()
+    wait_fraction = sum(waits) / wall if wall > 0 else 0.0
+    limit = "data" if wait_fraction > WAIT_LIMIT else "step"
+    cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
+    m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
+                 sum(steady_waits) / wall if wall > 0 else 0.0, sum(samples) / wall if wall > 0 else 0.0)
+    findings = pin_findings(settings, run[0]["first_batch"], m)
+    if limit == "data":
+        findings += restart_findings(m) + steady_findings(m, steady_waits) + thread_findings(m)
+    findings.sort(key=lambda f: -f.share)
+    figures = {
+        "wall_s": wall, "steps": len(waits), "epochs": len(run), "samples_per_s": m.rate,
+        "step_ms": 1e3 * step_s, "wait_ms": 1e3 * (sum(steady_waits) / len(steady_waits) if steady_waits else 0.0),
+        "start_ms": 1e3 * sum(e["waits"][0] for e in run if e["waits"]) / len(run),
+        "batch_cost_ms": 1e3 * cost if cost else None, "stages_ms": stages, "cores": cores,
+        "busy_threads_per_worker": max_busy(run),
+        **{k: v for k, v in settings.items() if k not in ("dataset", "collate_fn")},
+    }
+    return Diagnosis(limit, wait_fraction, findings, figures)
+
+
+@dataclasses.dataclass
+class Measured:
+    settings: dict
+    stages: dict
+    run: list
+    wall: float
+    batch: int
+    target: float | None  # the step's time: the rate data must reach; None without a step
+    cost: float | None  # seconds one worker takes to make one batch
+    cores: int
+    steady_share: float  # steady-state waits over the wall time
+    rate: float
+
+
+def median(values: list) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def max_busy(run: list) -> int:
+    return max((n for e in run for n in e["busy_threads"].values()), default=0)
+
+
+def batch_cost(workers: int, stages: dict, batch: int, steady_waits: list, steady_steps: list) -> float | None:
+    """Seconds one worker takes to make one batch: with no workers the wait itself; else the
+    samples timed here, or, for an iterable Dataset, the workers' share of the period when
+    they cannot keep up."""
+    if workers == 0 and steady_waits:
+        return sum(steady_waits) / len(steady_waits)
+    if stages:
+        return batch * sum(stages.values()) / 1e3
+    if steady_waits:
+        period = (sum(steady_waits) + sum(steady_steps)) / len(steady_waits)
+        return workers * period
+    return None
+
+
+def restart_findings(m: Measured) -> list:
+    s = m.settings
+    if not s["workers"] or s["persistent_workers"] or len(m.run) < 2:
+        return []
+    firsts = [e["waits"][0] for e in m.run if e["waits"]]
+    restart = sum(firsts) / len(firsts) - (m.cost or 0.0)
+    saved = restart * (len(firsts) - 1)
+    if restart < 0.05 or saved / m.wall < START_SHARE:
+        return []
+    samples = sum(n for e in m.run for n in e["samples"])
+    return [Finding(
+        "persistent_workers",
+        f"each epoch's first batch waited {sum(firsts) / len(firsts):.2f} s, while a worker makes a batch in "
+        f"{(m.cost or 0) * 1e3:.0f} ms: starting {s['workers']} workers again costs {restart:.2f} s an epoch, "
+        f"{saved / m.wall:.0%} of the time measured",
+        f"persistent_workers=True (workers start once, not every epoch): about "
+        f"{samples / (m.wall - saved):.0f} samples/s over these epochs, now {m.rate:.0f}",
+        saved / m.wall)]
+
+
+def steady_findings(m: Measured, steady_waits: list) -> list:
+    """Waits after each epoch's first batch: too few workers, a queue that drains, or samples
+    too costly for the cores there are."""
+    s = m.settings
+    steady_steps = sum(len(e["steps"]) - 1 for e in m.run) or 1
+    if m.steady_share <= WAIT_LIMIT or not m.cost:
+        return []
+    workers = s["workers"]
+    needed = math.ceil(HEADROOM * m.cost / m.target) if m.target else m.cores
+    wait_ms = 1e3 * sum(steady_waits) / steady_steps
+    if workers < min(needed, m.cores):
+        n = min(needed, m.cores)
+        rate = min(n / m.cost, 1 / m.target if m.target else math.inf) * m.batch
+        made_by = "the main process makes each batch between steps" if workers == 0 else f"{workers} workers"
+        step = f"a {m.target * 1e3:.1f} ms step" if m.target else "no step timed"
+        return [Finding(
+            "num_workers",
+            f"a batch costs {m.cost * 1e3:.1f} ms to make ({m.cost / m.batch * 1e3:.2f} ms a sample) and "
+            f"{made_by}, against {step}: the loop waited {wait_ms:.1f} ms a batch",
+            f"num_workers={n} ({m.cores} usable cores): about {rate:.0f} samples/s, now {m.rate:.0f}"
+            + (f"; the step's {m.batch / m.target:.0f} samples/s needs {needed} workers' worth of cores"
+               if m.target and needed > m.cores else ""),
+            m.steady_share)]
+    if workers and m.target and workers * m.target >= m.cost:
+        return [drain_finding(m, steady_waits, wait_ms)]
+    if m.target:
+        return [cost_finding(m, wait_ms)]
+    return []
+
+
+def drain_finding(m: Measured, steady_waits: list, wait_ms: float) -> Finding:
+    s = m.settings
+    depth = s["workers"] * s["prefetch_factor"]
+    longest = max(steady_waits)
+    factor = math.ceil((depth + math.ceil(longest / m.target)) / s["workers"])
+    return Finding(
+        "prefetch_factor",
+        f"{s['workers']} workers make {s['workers'] / m.cost * m.batch:.0f} samples/s on average, enough for the "
+        f"step, yet the loop waited {wait_ms:.1f} ms a batch, up to {longest * 1e3:.0f} ms at once: slow batches "
+        f"drain the queue of {depth} batches (num_workers x prefetch_factor {s['prefetch_factor']})",
+        f"prefetch_factor={factor} (a queue of {factor * s['workers']} batches covers the longest wait): about "
+        f"{m.batch / m.target:.0f} samples/s, now {m.rate:.0f}",
+        m.steady_share)
+
+
+# The stage that costs most -> (setting, what to do), for packer's Datasets.
+STAGE_FIXES = {
+    "read": ("format", "pack the folder (packer pack SRC --to lmdb) and read it with readers.LMDBDataset; on a "
+                       "cold disk, make_loader(order='block')"),
+    "decode": ("decode", "decode='raw' with readers.RandomResizedCrop, which decodes at the crop's scale; or "
+                         "pack with --max-side to store less to decode; or make_loader(gpu_decode=True) with CUDA"),
+    "transform": ("decode", "decode='raw' with readers' uint8 transforms, normalised on the GPU by make_loader"),
+    "collate": ("collate", "readers.make_loader, whose workers write a batch into one shared buffer"),
+    "hand_over": ("collate", "readers.make_loader: uint8 batches in one shared buffer, normalised on the GPU"),
+    "getitem": ("format", "a cheaper Dataset: pack the images with packer and read them with readers' Datasets "
+                          "(decode='raw', readers.RandomResizedCrop)"),
+}
+
+
+def cost_finding(m: Measured, wait_ms: float) -> Finding:
+    """Every core already works: what a sample costs must come down."""
+    per_sample = m.cost / m.batch
+    allowed = m.target * m.cores / (HEADROOM * m.batch)
+    stage, ms = max(m.stages.items(), key=lambda kv: kv[1]) if m.stages else ("getitem", per_sample * 1e3)
+    setting, fix = STAGE_FIXES.get(stage, STAGE_FIXES["getitem"])
+    return Finding(
+        setting,
+        f"a sample costs {per_sample * 1e3:.2f} ms in a worker ({stage}: {ms:.2f} ms of it) and "
+        f"{m.settings['workers']} workers on {m.cores} cores make at most {m.cores / per_sample:.0f} samples/s; "
+        f"the loop waited {wait_ms:.1f} ms a batch",
+        f"{fix}: the step's {m.batch / m.target:.0f} samples/s needs a sample to cost at most "
+        f"{allowed * 1e3:.2f} ms on {m.cores} cores; now {m.rate:.0f} samples/s",
+        m.steady_share)
+
+
+def thread_findings(m: Measured) -> list:
+    workers, busy = m.settings["workers"], max_busy(m.run)
+    if workers == 0 or busy <= 1 or workers * busy <= m.cores:
+        return []
+    return [Finding(
+        "threads",
+        f"each of {workers} workers kept up to {busy} threads busy (from /proc): {workers * busy} threads "
+        f"on {m.cores} usable cores, so they take turns and evict each other's caches",
+        "torch.set_num_threads(1) in worker_init_fn (and OMP_NUM_THREADS=1, cv2.setNumThreads(1) where OpenCV "
+        f"decodes): one busy thread a worker, {min(workers, m.cores)} on {m.cores} cores; now {m.rate:.0f} samples/s",
+        m.steady_share)]
+
+
+def pin_findings(settings: dict, batch, m: Measured) -> list:
+    """Pinning without a GPU to copy to, or copies to a GPU from pageable memory."""
+    if not torch.cuda.is_available():
+        if not settings["pin_memory"]:
+            return []
+        return [Finding("pin_memory", "pin_memory=True, but torch finds no CUDA device: nothing is copied to a "
+                                      "GPU, so pinning buys nothing", "pin_memory=False", 0.0)]
+    tensors = [t for t in leaves(batch) if t.device.type == "cpu" and not t.is_pinned()]
+    if settings["pin_memory"] or not tensors:
+        return []
+    pageable, pinned = copy_seconds(tensors), copy_seconds([t.pin_memory() for t in tensors])
+    if pageable < 1.3 * pinned or pageable - pinned < 5e-4:
+        return []
+    saved = (pageable - pinned) * sum(len(e["waits"]) for e in m.run)
+    return [Finding(
+        "pin_memory",
+        f"batches arrive in pageable memory: copying one to the GPU took {pageable * 1e3:.1f} ms, "
+        f"{pinned * 1e3:.1f} ms from pinned memory",
+        f"pin_memory=True (and .to('cuda', non_blocking=True)): about "
+        f"{m.rate * m.wall / max(m.wall - saved, 1e-9):.0f} samples/s, now {m.rate:.0f}",
+        min(1.0, saved / m.wall))]
+
+
+def leaves(batch) -> list:
+    """The tensors in a batch of tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in leaves(item)]
+    return []
+
+
+def copy_seconds(tensors: list) -> float:
+    """Seconds to copy tensors to the GPU, the best of three."""
+    best = math.inf
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for x in tensors:
+            x.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
