@@ -16,9 +16,9 @@ import math
 import os
 import random
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import torch
-from multiprocessing.reduction import ForkingPickler
 
 from packer.cores import available_cores
 
@@ -28,7 +28,7 @@ from .stats import batch_samples
 
 WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time: data is the limit
 START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
-BUSY_THREAD = 0.2  # a worker's thread running this share of the wall time counts as busy
+BUSY_THREAD = 0.25  # a worker's thread running this share of its busiest thread's time counts as busy
 PROBE_SECONDS = 0.5  # time spent timing samples in this process, at most
 HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
 
@@ -62,7 +62,7 @@ class Diagnosis:
     def __str__(self) -> str:
         f = self.figures
         lines = [f"limit: {self.limit} (the loop waited for data {self.wait_fraction:.0%} of "
-                 f"{f['wall_s']:.2f} s; {f['samples_per_s']:.0f} samples/s over {f['steps']} steps, "
+                 f"{f['wall_s']:.2f} s, the first batch left out; {f['samples_per_s']:.0f} samples/s over {f['steps']} steps, "
                  f"{f['epochs']} epochs)",
                  f"loader: num_workers={f['workers']}, persistent_workers={f['persistent_workers']}, "
                  f"prefetch_factor={f['prefetch_factor']}, pin_memory={f['pin_memory']}, "
@@ -224,35 +224,30 @@ def synced_clock() -> float:
 
 
 class ThreadWatch:
-    """CPU time of every thread of this process's children (DataLoader workers), from /proc,
+    """Run time of every thread of this process's children (DataLoader workers), from /proc,
     to count the threads each worker keeps busy."""
 
     def __init__(self):
         self.started = None
 
     def start(self) -> None:
-        self.started = (time.perf_counter(), child_thread_times())
+        self.started = child_thread_times()
 
     def busy_threads(self) -> dict:
-        """{worker pid: threads that ran more than BUSY_THREAD of the time}; {} when the window
-        was too short to tell (/proc counts in 10 ms ticks) or /proc is missing."""
+        """{worker pid: threads that ran at least BUSY_THREAD of its busiest thread's time}: an
+        intra-op pool shares the work about evenly; the queue's feeder thread, pickling
+        batches, runs a small part. {} where /proc is missing."""
         if self.started is None:
             return {}
-        wall = time.perf_counter() - self.started[0]
-        if wall < 0.25:
-            return {}
-        before, busy = self.started[1], {}
-        for (pid, tid), cpu in child_thread_times().items():
-            if cpu - before.get((pid, tid), 0.0) > BUSY_THREAD * wall:
-                busy[pid] = busy.get(pid, 0) + 1
-        return busy
-
-
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        ran: dict = {}
+        for (pid, tid), seconds in child_thread_times().items():
+            ran.setdefault(pid, []).append(seconds - self.started.get((pid, tid), 0.0))
+        return {pid: sum(1 for t in times if t > 1e-3 and t >= BUSY_THREAD * max(times))
+                for pid, times in ran.items() if max(times) > 0.01}
 
 
 def child_thread_times() -> dict:
-    """{(pid, tid): CPU seconds} of each thread of each child of this process."""
+    """{(pid, tid): seconds run} of each thread of each child of this process."""
     me, times = os.getpid(), {}
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
@@ -267,10 +262,23 @@ def child_thread_times() -> dict:
         except OSError:
             continue
         for tid in tids:
-            tf = stat_fields(f"/proc/{pid}/task/{tid}/stat")
-            if tf is not None:
-                times[(int(pid), int(tid))] = (int(tf[11]) + int(tf[12])) / TICK
+            seconds = run_seconds(f"/proc/{pid}/task/{tid}")
+            if seconds is not None:
+                times[(int(pid), int(tid))] = seconds
     return times
+
+
+def run_seconds(task: str) -> float | None:
+    """A thread's time on a CPU: schedstat's nanoseconds, else stat's clock ticks."""
+    try:
+        with open(f"{task}/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = stat_fields(f"{task}/stat")
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / TICK
+
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def stat_fields(path: str) -> list | None:
@@ -294,7 +302,10 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     batch = sorted(samples)[len(samples) // 2]
     step_s = median(steady_steps)
     workers, cores = settings["workers"], available_cores()
-    wait_fraction = sum(waits) / wall if wall > 0 else 0.0
+    # The run's very first wait (workers starting, caches filling) is paid once a training
+    # run, so it does not decide the limit; later epochs' starts recur and do.
+    counted = wall - waits[0]
+    wait_fraction = (sum(waits) - waits[0]) / counted if counted > 0 else 0.0
     limit = "data" if wait_fraction > WAIT_LIMIT else "step"
     cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
