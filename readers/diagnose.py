@@ -30,6 +30,7 @@ WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time:
 START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
 BUSY_THREAD = 0.25  # a worker's thread running this share of its busiest thread's time counts as busy
 PROBE_SECONDS = 0.5  # time spent timing samples in this process, at most
+PROBE_SAMPLES = 64  # samples timed at least (time allowing): a rare slow one counts in the mean
 HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
 
 
@@ -123,7 +124,7 @@ def probe_samples(loader, settings: dict) -> dict:
     n = len(dataset)
     if n == 0:
         return {}
-    count = min(n, settings["batch_size"] or 32)
+    count = min(n, max(settings["batch_size"] or 1, PROBE_SAMPLES))
     indexes = random.Random(0).sample(range(n), count)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -234,15 +235,16 @@ class ThreadWatch:
         self.started = child_thread_times()
 
     def busy_threads(self) -> dict:
-        """{worker pid: threads that ran at least BUSY_THREAD of its busiest thread's time}: an
-        intra-op pool shares the work about evenly; the queue's feeder thread, pickling
-        batches, runs a small part. {} where /proc is missing."""
+        """{worker pid: threads that ran at least BUSY_THREAD of its busiest thread's time}, one
+        left out for the result queue's feeder thread, which pickles batches and is busy too
+        where samples are cheap (/proc names every thread of a worker alike); an intra-op
+        pool shares the work about evenly. {} where /proc is missing."""
         if self.started is None:
             return {}
         ran: dict = {}
         for (pid, tid), seconds in child_thread_times().items():
             ran.setdefault(pid, []).append(seconds - self.started.get((pid, tid), 0.0))
-        return {pid: sum(1 for t in times if t > 1e-3 and t >= BUSY_THREAD * max(times))
+        return {pid: max(1, sum(1 for t in times if t > 1e-3 and t >= BUSY_THREAD * max(times)) - 1)
                 for pid, times in ran.items() if max(times) > 0.01}
 
 

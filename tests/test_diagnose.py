@@ -33,6 +33,14 @@ class Costly(Dataset):
         return torch.full((3, 16, 16), i % 256, dtype=torch.uint8), i
 
 
+class RarelySlow(Costly):
+    """Every 64th sample costs 80 ms, the rest almost nothing: fast enough on average."""
+
+    def __getitem__(self, i):
+        spin(0.08 if i % 64 == 0 else 0.0002)
+        return torch.zeros(3, 16, 16, dtype=torch.uint8), i
+
+
 class Elementwise(Dataset):
     """Samples made by an elementwise op on a large tensor, which torch spreads over its
     intra-op threads."""
@@ -86,6 +94,15 @@ def test_persistent_workers_are_not_blamed_for_the_first_start():
                         persistent_workers=True)
     d = readers.diagnose(loader, sleep_step(0.005), steps=8, epochs=3)
     assert settings_named(d) == []
+
+
+def test_a_queue_that_drains_on_slow_batches_is_named():
+    loader = DataLoader(RarelySlow(0), batch_size=4, num_workers=2, prefetch_factor=2, persistent_workers=True)
+    d = readers.diagnose(loader, sleep_step(0.01), steps=64, epochs=1)
+    assert d.limit == "data"
+    assert settings_named(d) == ["prefetch_factor"], str(d)
+    factor = int(d.findings[0].fix.split("prefetch_factor=")[1].split()[0])
+    assert factor > 2
 
 
 @pytest.mark.parametrize("workers", [0, 2])
