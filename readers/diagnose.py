@@ -298,16 +298,20 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     waits = [w for e in run for w in e["waits"]]
     step_times = [s for e in run for s in e["steps"]]
     wall = sum(waits) + sum(step_times)
-    steady_waits = [w for e in run for w in e["waits"][1:]]
-    steady_steps = [s for e in run for s in e["steps"][1:]] or step_times
+    # Each worker's first batch of an epoch comes after its start: the start, not the
+    # steady state (short of batches, all but the first are taken as steady).
+    starting = min(max(1, settings["workers"]), min(len(e["waits"]) for e in run) - 1) or 1
+    steady_waits = [w for e in run for w in e["waits"][starting:]]
+    steady_steps = [s for e in run for s in e["steps"][starting:]] or step_times
     samples = [n for e in run for n in e["samples"]]
     batch = sorted(samples)[len(samples) // 2]
     step_s = median(steady_steps)
     workers, cores = settings["workers"], available_cores()
-    # The run's very first wait (workers starting, caches filling) is paid once a training
-    # run, so it does not decide the limit; later epochs' starts recur and do.
-    counted = wall - waits[0]
-    wait_fraction = (sum(waits) - waits[0]) / counted if counted > 0 else 0.0
+    # The run's start (workers starting, caches filling) is paid once a training run, so it
+    # does not decide the limit; later epochs' starts recur and do.
+    first = sum(run[0]["waits"][:starting])
+    counted = wall - first
+    wait_fraction = (sum(waits) - first) / counted if counted > 0 else 0.0
     limit = "data" if wait_fraction > WAIT_LIMIT else "step"
     cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
@@ -387,12 +391,11 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
     """Waits after each epoch's first batch: too few workers, a queue that drains, or samples
     too costly for the cores there are."""
     s = m.settings
-    steady_steps = sum(len(e["steps"]) - 1 for e in m.run) or 1
     if m.steady_share <= WAIT_LIMIT or not m.cost:
         return []
     workers = s["workers"]
     needed = math.ceil(HEADROOM * m.cost / m.target) if m.target else m.cores
-    wait_ms = 1e3 * sum(steady_waits) / steady_steps
+    wait_ms = 1e3 * sum(steady_waits) / (len(steady_waits) or 1)
     if workers < min(needed, m.cores):
         n = min(needed, m.cores)
         rate = min(n / m.cost, 1 / m.target if m.target else math.inf) * m.batch
@@ -407,7 +410,8 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
                if m.target and needed > m.cores else ""),
             m.steady_share)]
     if workers and m.target and workers * m.target >= m.cost:
-        return [drain_finding(m, steady_waits, wait_ms)]
+        # A drained queue shows as waits longer than a step; shorter ones are the scheduler's.
+        return [drain_finding(m, steady_waits, wait_ms)] if max(steady_waits) > m.target else []
     if m.target:
         return [cost_finding(m, wait_ms)]
     return []

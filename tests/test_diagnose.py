@@ -82,7 +82,7 @@ def test_a_costly_dataset_without_workers_is_named():
 def test_workers_restarted_every_epoch_are_named():
     loader = DataLoader(Costly(0.0002), batch_size=4, num_workers=2, worker_init_fn=slow_start,
                         persistent_workers=False)
-    d = readers.diagnose(loader, sleep_step(0.005), steps=8, epochs=3)
+    d = readers.diagnose(loader, sleep_step(0.02), steps=8, epochs=3)
     assert d.limit == "data"
     assert settings_named(d) == ["persistent_workers"]
     assert "persistent_workers=True" in d.findings[0].fix
@@ -92,7 +92,7 @@ def test_workers_restarted_every_epoch_are_named():
 def test_persistent_workers_are_not_blamed_for_the_first_start():
     loader = DataLoader(Costly(0.0002), batch_size=4, num_workers=2, worker_init_fn=slow_start,
                         persistent_workers=True)
-    d = readers.diagnose(loader, sleep_step(0.005), steps=8, epochs=3)
+    d = readers.diagnose(loader, sleep_step(0.02), steps=8, epochs=3)
     assert settings_named(d) == []
 
 
@@ -108,7 +108,7 @@ def test_a_queue_that_drains_on_slow_batches_is_named():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_step_bound_loop_claims_nothing(workers):
     loader = DataLoader(Costly(0.0001), batch_size=4, num_workers=workers, persistent_workers=workers > 0)
-    d = readers.diagnose(loader, sleep_step(0.02), steps=15, epochs=2)
+    d = readers.diagnose(loader, sleep_step(0.1), steps=10, epochs=1 + (workers == 0))
     assert d.limit == "step" and d.wait_fraction < 0.1
     assert d.findings == []
     assert "the step is the limit" in str(d)
@@ -126,8 +126,8 @@ def test_oversubscribed_threads_are_named():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning without CUDA needs a machine without CUDA")
 def test_pin_memory_without_cuda_is_named_even_when_the_step_is_the_limit():
-    loader = DataLoader(Costly(0.0002), batch_size=4, num_workers=0, pin_memory=True)
-    d = readers.diagnose(loader, sleep_step(0.01), steps=6, epochs=1)
+    loader = DataLoader(Costly(0.0001), batch_size=4, num_workers=0, pin_memory=True)
+    d = readers.diagnose(loader, sleep_step(0.03), steps=6, epochs=1)
     assert d.limit == "step"
     assert settings_named(d) == ["pin_memory"] and d.findings[0].fix == "pin_memory=False"
 
@@ -147,6 +147,6 @@ def test_packer_datasets_show_where_each_sample_goes(imagenet_sample):
 def test_make_loader_feeding_a_slow_step_is_left_alone(imagenet_sample):
     ds = readers.FolderDataset(str(imagenet_sample), decode="raw", transform=readers.RandomResizedCrop(64))
     loader = readers.make_loader(ds, batch_size=8, workers=2)
-    d = readers.diagnose(loader, sleep_step(0.08), steps=8, epochs=2)
+    d = readers.diagnose(loader, sleep_step(0.1), steps=8, epochs=1)
     assert d.limit == "step" and d.findings == []
     assert d.figures["workers"] == 2 and d.figures["persistent_workers"] is True
