@@ -357,7 +357,8 @@ def render(report: dict) -> list:
         mark = "  <- limit" if name == report["limit"] else ""
         lines.append(f"  {name:<20}{s['samples_per_s']:>11.0f}{s['ms_per_sample']:>12.2f}{extra}{mark}")
     lines.append(f"ceiling: {report['ceiling_samples_per_s']:.0f} samples/s at {report['workers']} workers "
-                 f"(read, check, decode, crop), {report['ceiling_samples_per_s'] / report['batch_size']:.1f} "
+                 f"({'read' if report['kind'] == 'folder' else 'checked read'}, decode, crop), "
+                 f"{report['ceiling_samples_per_s'] / report['batch_size']:.1f} "
                  f"batches of {report['batch_size']} a second")
     for k, f in enumerate(report["findings"], 1):
         lines += [f"{k}. {f['setting']}: {f['evidence']}", f"   fix: {f['fix']}"]

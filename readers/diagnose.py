@@ -21,14 +21,18 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from packer.cores import available_cores
+from packer.doctor import GPU_DECODE_RATE, MAX_SIDE
 
 from ._dataset import ReaderDataset
-from .decode import decode
+from .decode import decode, image_size
+from .folder import FolderDataset
+from .transforms import RandomResizedCrop
 from .stats import batch_samples
 
 WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time: data is the limit
 START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
-BUSY_THREAD = 0.25  # a worker's thread running this share of its busiest thread's time counts as busy
+BUSY_THREAD = 0.5  # a worker's thread running this share of its busiest thread's time counts as busy
+BUSY_WORKER = 0.05  # a worker whose busiest thread ran less than this share of the time sat idle
 PROBE_SECONDS = 0.5  # time spent timing samples in this process, at most
 PROBE_SAMPLES = 64  # samples timed at least (time allowing): a rare slow one counts in the mean
 HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
@@ -71,8 +75,11 @@ class Diagnosis:
                  f"per batch: step {f['step_ms']:.1f} ms, wait {f['wait_ms']:.1f} ms (steady), "
                  f"epoch start {f['start_ms']:.0f} ms"]
         if f["stages_ms"]:
-            stages = ", ".join(f"{name} {ms:.2f}" for name, ms in f["stages_ms"].items())
+            stages = ", ".join(f"{name} {ms:.2f}" for name, ms in worker_stages(f["stages_ms"]).items())
             lines.append(f"inside a worker, ms a sample: {stages}; a batch: {f['batch_cost_ms']:.1f} ms")
+            if RAW_CROP_STAGE in f["stages_ms"]:
+                lines.append(f"  decode='raw' + readers.RandomResizedCrop(224) on the same images: "
+                             f"{f['stages_ms'][RAW_CROP_STAGE]:.2f} ms a sample")
         if not self.findings:
             lines.append("no setting to change: " + ("the step is the limit" if self.limit == "step" else
                                                      "the data is the limit, and the workers are all busy"))
@@ -169,7 +176,19 @@ def sample_stages(dataset, index: int) -> tuple[list, object]:
     if dataset.transform is not None:
         image = dataset.transform(image)
     t3 = time.perf_counter()
-    return [("read", t1 - t0), ("decode", t2 - t1), ("transform", t3 - t2)], (image, label)
+    times = [("read", t1 - t0), ("decode", t2 - t1), ("transform", t3 - t2)]
+    if dataset.decode != "raw":  # readers' decode-aware crop, timed beside them for a fair comparison
+        RAW_CROP(data)
+        times.append((RAW_CROP_STAGE, time.perf_counter() - t3))
+    return times, (image, label)
+
+
+RAW_CROP = RandomResizedCrop(224)
+RAW_CROP_STAGE = "raw_crop"  # not a stage the loader runs: the alternative to decode + transform
+
+
+def worker_stages(stages: dict) -> dict:
+    return {name: ms for name, ms in stages.items() if name != RAW_CROP_STAGE}
 
 
 def hand_over_seconds(batch) -> float:
@@ -232,20 +251,22 @@ class ThreadWatch:
         self.started = None
 
     def start(self) -> None:
-        self.started = child_thread_times()
+        self.started = (time.perf_counter(), child_thread_times())
 
     def busy_threads(self) -> dict:
         """{worker pid: threads that ran at least BUSY_THREAD of its busiest thread's time}, one
         left out for the result queue's feeder thread, which pickles batches and is busy too
         where samples are cheap (/proc names every thread of a worker alike); an intra-op
-        pool shares the work about evenly. {} where /proc is missing."""
+        pool shares the work about evenly. Workers that mostly sat idle are left out: their
+        threads take no core from anyone. {} where /proc is missing."""
         if self.started is None:
             return {}
-        ran: dict = {}
+        started, before = self.started
+        wall, ran = time.perf_counter() - started, {}
         for (pid, tid), seconds in child_thread_times().items():
-            ran.setdefault(pid, []).append(seconds - self.started.get((pid, tid), 0.0))
+            ran.setdefault(pid, []).append(seconds - before.get((pid, tid), 0.0))
         return {pid: max(1, sum(1 for t in times if t > 1e-3 and t >= BUSY_THREAD * max(times)) - 1)
-                for pid, times in ran.items() if max(times) > 0.01}
+                for pid, times in ran.items() if max(times) > BUSY_WORKER * wall}
 
 
 def child_thread_times() -> dict:
@@ -315,7 +336,7 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     limit = "data" if wait_fraction > WAIT_LIMIT else "step"
     cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
-                 sum(steady_waits) / wall if wall > 0 else 0.0, sum(samples) / wall if wall > 0 else 0.0)
+                 steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0)
     findings = pin_findings(settings, run[0]["first_batch"], m)
     if limit == "data":
         findings += restart_findings(m) + steady_findings(m, steady_waits) + thread_findings(m)
@@ -341,8 +362,13 @@ class Measured:
     target: float | None  # the step's time: the rate data must reach; None without a step
     cost: float | None  # seconds one worker takes to make one batch
     cores: int
-    steady_share: float  # steady-state waits over the wall time
+    steady_share: float  # the part of the steady state (epochs' starts left out) spent waiting
     rate: float
+
+
+def steady_share(waits: list, steps: list) -> float:
+    total = sum(waits) + sum(steps)
+    return sum(waits) / total if total > 0 else 0.0
 
 
 def median(values: list) -> float:
@@ -360,7 +386,7 @@ def batch_cost(workers: int, stages: dict, batch: int, steady_waits: list, stead
     if workers == 0 and steady_waits:
         return sum(steady_waits) / len(steady_waits)
     if stages:
-        return batch * sum(stages.values()) / 1e3
+        return batch * sum(worker_stages(stages).values()) / 1e3
     if steady_waits:
         period = (sum(steady_waits) + sum(steady_steps)) / len(steady_waits)
         return workers * period
@@ -410,10 +436,12 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
                if m.target and needed > m.cores else ""),
             m.steady_share)]
     if workers and m.target and workers * m.target >= m.cost:
-        # A drained queue shows as waits longer than a step; shorter ones are the scheduler's.
-        return [drain_finding(m, steady_waits, wait_ms)] if max(steady_waits) > m.target else []
+        # A drained queue shows as waits longer than a step, again and again; shorter or
+        # lone ones are the scheduler's.
+        drained = sum(1 for w in steady_waits if w > m.target) >= 2
+        return [drain_finding(m, steady_waits, wait_ms)] if drained else []
     if m.target:
-        return [cost_finding(m, wait_ms)]
+        return cost_findings(m, wait_ms)
     return []
 
 
@@ -432,34 +460,61 @@ def drain_finding(m: Measured, steady_waits: list, wait_ms: float) -> Finding:
         m.steady_share)
 
 
-# The stage that costs most -> (setting, what to do), for packer's Datasets.
-STAGE_FIXES = {
-    "read": ("format", "pack the folder (packer pack SRC --to lmdb) and read it with readers.LMDBDataset; on a "
-                       "cold disk, make_loader(order='block')"),
-    "decode": ("decode", "decode='raw' with readers.RandomResizedCrop, which decodes at the crop's scale; or "
-                         "pack with --max-side to store less to decode; or make_loader(gpu_decode=True) with CUDA"),
-    "transform": ("decode", "decode='raw' with readers' uint8 transforms, normalised on the GPU by make_loader"),
-    "collate": ("collate", "readers.make_loader, whose workers write a batch into one shared buffer"),
-    "hand_over": ("collate", "readers.make_loader: uint8 batches in one shared buffer, normalised on the GPU"),
-    "getitem": ("format", "a cheaper Dataset: pack the images with packer and read them with readers' Datasets "
-                          "(decode='raw', readers.RandomResizedCrop)"),
-}
+def cost_findings(m: Measured, wait_ms: float) -> list:
+    """Every core already works: what a sample costs must come down. Named only where a
+    cheaper way was measured here, or the images are larger than a crop needs."""
+    per_sample_ms = 1e3 * m.cost / m.batch
+    stage, ms = max(worker_stages(m.stages).items(), key=lambda kv: kv[1]) if m.stages else ("getitem", per_sample_ms)
+    evidence = (f"a sample costs {per_sample_ms:.2f} ms in a worker ({stage}: {ms:.2f} ms of it) and "
+                f"{m.settings['workers']} workers on {m.cores} cores make at most "
+                f"{1e3 * m.cores / per_sample_ms:.0f} samples/s; the loop waited {wait_ms:.1f} ms a batch")
+    need = (f"the step's {m.batch / m.target:.0f} samples/s needs a sample to cost at most "
+            f"{1e3 * m.target * m.cores / (HEADROOM * m.batch):.2f} ms on {m.cores} cores; now {m.rate:.0f} samples/s")
+
+    def rate_without(saved_ms: float) -> str:
+        return f"about {min(1e3 * m.cores / max(per_sample_ms - saved_ms, 1e-3), m.batch / m.target):.0f} samples/s"
+
+    dataset = m.settings["dataset"]
+    if not isinstance(dataset, ReaderDataset):
+        return [Finding("format", evidence, "run `packer doctor` on the images to measure packer's read and "
+                        f"decode path (readers' Datasets, decode='raw'); {need}", m.steady_share)]
+    if stage == "read":
+        folder = isinstance(dataset, FolderDataset)
+        fix = ("pack the folder (packer pack SRC --to lmdb) and read it with readers.LMDBDataset" if folder else
+               "make_loader(order='block'): near-sequential reads of shuffled blocks")
+        return [Finding("format" if folder else "order", evidence, f"{fix}: {rate_without(ms)} where reads keep "
+                        f"up; {need}", m.steady_share)]
+    if stage not in ("decode", "transform"):
+        return []
+    decoding = m.stages.get("decode", 0.0) + m.stages.get("transform", 0.0)
+    if dataset.decode != "raw":
+        raw_ms = m.stages.get(RAW_CROP_STAGE)
+        if raw_ms is not None and raw_ms < 0.8 * decoding:
+            return [Finding("decode", evidence, f"decode='raw' with readers.RandomResizedCrop(224) (measured here: "
+                            f"{raw_ms:.2f} ms a sample where decode + transform take {decoding:.2f}): "
+                            f"{rate_without(decoding - raw_ms)}; {need}", m.steady_share)]
+        return []
+    long_side = mean_long_side(dataset)
+    if long_side > 1.2 * MAX_SIDE:
+        gain = (long_side / MAX_SIDE) ** 2  # decode time follows the pixels stored
+        return [Finding("max_side", evidence, f"pack with --max-side {MAX_SIDE} (images here have a {long_side:.0f} "
+                        f"px long side on average): about {gain:.1f}x fewer pixels to decode, "
+                        f"{rate_without(decoding * (1 - 1 / gain))}; {need}", m.steady_share)]
+    if torch.cuda.is_available():
+        return [Finding("gpu_decode", evidence, f"make_loader(..., device='cuda', gpu_decode=True): decode on the "
+                        f"GPU ({GPU_DECODE_RATE} samples/s decoded and cropped on one H100, docs/benchmarks.md); "
+                        f"{need}", m.steady_share)]
+    return []
 
 
-def cost_finding(m: Measured, wait_ms: float) -> Finding:
-    """Every core already works: what a sample costs must come down."""
-    per_sample = m.cost / m.batch
-    allowed = m.target * m.cores / (HEADROOM * m.batch)
-    stage, ms = max(m.stages.items(), key=lambda kv: kv[1]) if m.stages else ("getitem", per_sample * 1e3)
-    setting, fix = STAGE_FIXES.get(stage, STAGE_FIXES["getitem"])
-    return Finding(
-        setting,
-        f"a sample costs {per_sample * 1e3:.2f} ms in a worker ({stage}: {ms:.2f} ms of it) and "
-        f"{m.settings['workers']} workers on {m.cores} cores make at most {m.cores / per_sample:.0f} samples/s; "
-        f"the loop waited {wait_ms:.1f} ms a batch",
-        f"{fix}: the step's {m.batch / m.target:.0f} samples/s needs a sample to cost at most "
-        f"{allowed * 1e3:.2f} ms on {m.cores} cores; now {m.rate:.0f} samples/s",
-        m.steady_share)
+def probe_indexes(dataset, count: int = 32) -> list:
+    return random.Random(1).sample(range(len(dataset)), min(count, len(dataset)))
+
+
+def mean_long_side(dataset) -> float:
+    """The stored images' mean long side, from their headers."""
+    sides = [max(image_size(dataset.reader.read_image(i)[0])) for i in probe_indexes(dataset)]
+    return sum(sides) / len(sides) if sides else 0.0
 
 
 def thread_findings(m: Measured) -> list:

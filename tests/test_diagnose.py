@@ -1,14 +1,18 @@
 """readers.diagnose on loops with one cause built in: each cause is named, and nothing else is."""
 from __future__ import annotations
 
+import io
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import readers
+from conftest import write
 from packer.cores import available_cores
 
 
@@ -82,7 +86,7 @@ def test_a_costly_dataset_without_workers_is_named():
 def test_workers_restarted_every_epoch_are_named():
     loader = DataLoader(Costly(0.0002), batch_size=4, num_workers=2, worker_init_fn=slow_start,
                         persistent_workers=False)
-    d = readers.diagnose(loader, sleep_step(0.02), steps=8, epochs=3)
+    d = readers.diagnose(loader, sleep_step(0.04), steps=8, epochs=3)
     assert d.limit == "data"
     assert settings_named(d) == ["persistent_workers"]
     assert "persistent_workers=True" in d.findings[0].fix
@@ -138,7 +142,7 @@ def test_packer_datasets_show_where_each_sample_goes(imagenet_sample):
     d = readers.diagnose(loader, sleep_step(0.001), steps=6, epochs=1)
     stages = d.figures["stages_ms"]
     assert set(stages) == {"read", "decode", "transform", "collate", "hand_over"}
-    assert stages["transform"] > stages["read"]  # the decode happens inside the decode-aware crop
+    assert stages["decode"] < stages["transform"]  # decode="raw" hands bytes on: the crop decodes
     assert settings_named(d) == ["num_workers"]
     assert "inside a worker" in str(d)
     json.dumps(d.to_dict())
@@ -150,3 +154,37 @@ def test_make_loader_feeding_a_slow_step_is_left_alone(imagenet_sample):
     d = readers.diagnose(loader, sleep_step(0.1), steps=8, epochs=1)
     assert d.limit == "step" and d.findings == []
     assert d.figures["workers"] == 2 and d.figures["persistent_workers"] is True
+
+
+@pytest.fixture
+def large_images(tmp_path):
+    """A folder of 1280x960 photos-like JPEGs (smooth gradients): far more pixels than a 224 crop needs."""
+    y, x = np.mgrid[0:960, 0:1280]
+    for i in range(48):
+        pixels = np.stack([(x * (i + 1)) % 256, (y * 3) % 256, (x + y + 10 * i) % 256], -1).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+        write(tmp_path / "src" / f"c{i % 2}" / f"{i:02d}.jpg", buf.getvalue())
+    return tmp_path / "src"
+
+
+def pil_crop_to_tensor(image):
+    """torchvision's RandomResizedCrop(224) + ToTensor, in Pillow and numpy."""
+    image = image.resize((224, 224), Image.BILINEAR, box=(0, 0, image.width // 2, image.height // 2))
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def test_a_full_decode_on_busy_cores_names_the_decode_aware_crop(large_images):
+    ds = readers.FolderDataset(str(large_images), transform=pil_crop_to_tensor)
+    loader = DataLoader(ds, batch_size=4, num_workers=available_cores(), persistent_workers=True)
+    d = readers.diagnose(loader, sleep_step(0.001), steps=10, epochs=1)
+    assert settings_named(d) == ["decode"], str(d)
+    assert "decode='raw' with readers.RandomResizedCrop(224) (measured here" in d.findings[0].fix
+
+
+def test_large_stored_images_on_busy_cores_name_max_side(large_images):
+    ds = readers.FolderDataset(str(large_images), decode="raw", transform=readers.RandomResizedCrop(224))
+    loader = DataLoader(ds, batch_size=4, num_workers=available_cores(), persistent_workers=True)
+    d = readers.diagnose(loader, sleep_step(0.001), steps=10, epochs=1)
+    assert settings_named(d) == ["max_side"], str(d)
+    assert "--max-side 512" in d.findings[0].fix and "1280 px" in d.findings[0].fix
