@@ -23,7 +23,7 @@ import time
 from PIL import Image
 
 from .cores import available_cores
-from .errors import FormatError, PackError
+from .errors import FormatError
 from .folder import FolderReader
 from .formats import CAN_ADVISE, detect_format, evict, open_reader, read_metadata
 
@@ -293,8 +293,8 @@ def findings(report: dict, target_rate: float | None) -> list:
         elif needed:
             found.append(finding("target_rate", f"{target_rate:.0f} samples/s needs {needed} workers at "
                                  f"{per_worker:.0f} samples/s each; {cores} cores are usable",
-                                 f"make a sample cheaper (a packed format, --max-side, gpu_decode), or use more cores: at most "
-                                 f"{per_worker * cores:.0f} samples/s on these {cores}"))
+                                 "make a sample cheaper (a packed format, --max-side, gpu_decode), or use more "
+                                 f"cores: at most {per_worker * cores:.0f} samples/s on these {cores}"))
     if report["limit"] == "decode_crop":
         found += decode_findings(report, ceiling)
     return found
