@@ -52,7 +52,10 @@ def examine(path: str, *, split: str | None = None, workers: int | None = None, 
     if CAN_ADVISE:
         stages["cold_read"] = cold_read(path, kind, reader, indexes, seconds * BUDGET["cold_read"])
     images: list = []
-    stages["warm_read"] = timed_reads(unchecked(reader, path, kind), indexes, seconds * BUDGET["warm_read"], images)
+    warm = unchecked(reader, path, kind)
+    stages["warm_read"] = timed_reads(warm, indexes, seconds * BUDGET["warm_read"], images)
+    if warm is not reader:
+        warm.close()  # the checked read maps the file afresh, as the unchecked one did
     if kind != "folder":
         stages["checked_read"] = timed_reads(reader, indexes, seconds * BUDGET["checked_read"], [])
     stages["decode"] = timed_each(decode_pil, images, seconds * BUDGET["decode"])
