@@ -59,9 +59,9 @@ class Diagnosis:
 
     def __str__(self) -> str:
         f = self.figures
-        lines = [f"limit: {self.limit} (the loop waited for data {self.wait_fraction:.0%} of "
-                 f"{f['wall_s']:.2f} s, the first batch left out; {f['samples_per_s']:.0f} samples/s over "
-                 f"{f['steps']} steps, {f['epochs']} epochs)",
+        lines = [f"limit: {self.limit} (the loop waited for data {self.wait_fraction:.0%} of the time after its "
+                 f"workers first started; {f['samples_per_s']:.0f} samples/s over {f['steps']} steps, "
+                 f"{f['epochs']} epochs, {f['wall_s']:.2f} s)",
                  f"loader: num_workers={f['workers']}, persistent_workers={f['persistent_workers']}, "
                  f"prefetch_factor={f['prefetch_factor']}, pin_memory={f['pin_memory']}, "
                  f"batch_size={f['batch_size']}; {f['cores']} usable cores",
