@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import subprocess
 import time
 
@@ -26,6 +27,7 @@ from .cores import available_cores
 from .errors import FormatError
 from .folder import FolderReader
 from .formats import CAN_ADVISE, detect_format, evict, open_reader, read_metadata
+from .scan import scan_source
 
 SAMPLE = 4096  # records drawn at most: enough for steady rates, few enough to list fast
 DECODE_KEEP = 256  # encoded images kept in memory for the decode stages
@@ -82,19 +84,14 @@ def open_source(path: str, split: str | None):
     except FormatError:
         if not os.path.isdir(path):
             raise
-        return "folder", FolderReader(path, split or train_split_of(path, None))
-    return kind, open_reader(path, split or train_split_of(path, kind))
+        source = scan_source(path)  # once: a large folder takes a while to list
+        return "folder", FolderReader(path, split or train_split(list(source.splits)), source)
+    return kind, open_reader(path, split or train_split(list(read_metadata(path).splits)))
 
 
-def train_split_of(path: str, kind: str | None) -> str | None:
+def train_split(splits: list) -> str | None:
     """"train" where the dataset holds several splits and one is called so; else None (the
     reader takes the only split, or says which to pass)."""
-    if kind is None:
-        from .scan import scan_source
-
-        splits = list(scan_source(path).splits)
-    else:
-        splits = list(read_metadata(path).splits)
     return "train" if len(splits) > 1 and "train" in splits else None
 
 
@@ -193,12 +190,19 @@ def pipeline_rate(reader, indexes: list, workers: int, budget: float) -> float:
     processes at once, each on its own share of the sample."""
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     shares = [(reader, indexes[k::workers], budget) for k in range(workers)]
-    pool = context.Pool(workers)
+    pool = context.Pool(workers, initializer=quiet_worker)
     try:
         return sum(pool.starmap(worker_rate, shares))
     finally:
         pool.close()  # not terminate(): its SIGTERM would reach packer's stop handler in each worker
         pool.join()
+
+
+def quiet_worker() -> None:
+    """Ctrl-C is the command's to handle (it stops the pool); a worker told to stop just ends,
+    without the traceback packer's stop handler, inherited, would print."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def worker_rate(reader, indexes: list, budget: float) -> float:

@@ -125,3 +125,8 @@ def test_a_cold_folder_on_a_slow_read_path_is_named(tmp_path, throttled_cgroup):
     assert report["limit"] == "cold_read", report["stages"]
     assert [f["setting"] for f in report["findings"]] == ["format"]
     assert "packer pack" in report["findings"][0]["fix"]
+
+
+def test_a_folder_with_splits_is_measured_on_train_or_the_split_named(split_tree):
+    assert doctor(split_tree, "--seconds", 1, "--workers", 1)["split"] == "train"
+    assert doctor(split_tree, "--seconds", 1, "--workers", 1, "--split", "val")["split"] == "val"
