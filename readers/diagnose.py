@@ -3,7 +3,7 @@ the setting that keeps the GPU waiting.
 
 It times every next() against every step (readers.stats' split of wall time), the start of
 each epoch, the threads each DataLoader worker keeps busy (from /proc), and, for a map-style
-Dataset, what one sample costs inside a worker: stage by stage (read, decode, transform)
+Dataset, what one sample costs inside a worker: stage by stage (read, check, decode, transform)
 for packer's Datasets, then collate and the hand-over of a batch to the main process. A
 setting is named only when those figures say it holds the loop back, and each finding
 gives the numbers, what to set and the rate that setting should give. When the step is the

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import readers
 from conftest import write
+from packer import pack
 from packer.cores import available_cores
 
 
@@ -141,11 +142,20 @@ def test_packer_datasets_show_where_each_sample_goes(imagenet_sample):
     loader = DataLoader(ds, batch_size=8, num_workers=0)
     d = readers.diagnose(loader, sleep_step(0.001), steps=6, epochs=1)
     stages = d.figures["stages_ms"]
-    assert set(stages) == {"read", "decode", "transform", "collate", "hand_over"}
+    assert set(stages) == {"read", "check", "decode", "transform", "collate", "hand_over"}
+    assert stages["check"] == 0  # a folder's files carry no checksum
     assert stages["decode"] < stages["transform"]  # decode="raw" hands bytes on: the crop decodes
     assert settings_named(d) == ["num_workers"]
     assert "inside a worker" in str(d)
     json.dumps(d.to_dict())
+
+
+def test_packed_records_show_their_checksum_check(imagenet_sample, tmp_path):
+    pack(str(imagenet_sample), "lmdb", str(tmp_path / "s.lmdb"))
+    ds = readers.LMDBDataset(str(tmp_path / "s.lmdb"), decode="raw", transform=readers.RandomResizedCrop(64))
+    d = readers.diagnose(DataLoader(ds, batch_size=8), sleep_step(0.001), steps=4, epochs=1)
+    assert d.figures["stages_ms"]["check"] > 0
+    ds.close()
 
 
 def test_make_loader_feeding_a_slow_step_is_left_alone(imagenet_sample):
