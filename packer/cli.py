@@ -592,6 +592,33 @@ def report_verify(report) -> None:
         say(f"to do: {line}")
 
 
+@main.command("doctor")
+@click.argument("path", type=LocalPath(exists=True))
+@click.option("--split", help="The split to measure [default: train, or the only one].")
+@click.option("--workers", type=click.IntRange(min=1), help="Worker processes for the whole-read rate "
+              "[default: the usable cores].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Batch size, to give the ceiling in batches a second.")
+@click.option("--target-rate", type=click.FloatRange(min=0, min_open=True),
+              help="The samples/s a GPU needs: what it would take is named if the ceiling is below it.")
+@click.option("--seconds", type=click.FloatRange(min=1, max=600), default=20, show_default=True,
+              help="Time to spend measuring, over all stages.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+@library_errors
+def doctor_command(path, split, workers, batch_size, target_rate, seconds, as_json):
+    """Measure what a training read of PATH (a source folder or a packed dataset) costs here,
+    stage by stage, and name what would feed a GPU faster (docs/diagnose.md)."""
+    from .doctor import examine, render
+
+    report = examine(path, split=split, workers=workers, batch_size=batch_size, target_rate=target_rate,
+                     seconds=seconds)
+    if as_json:
+        click.echo(json.dumps(report, ensure_ascii=False))
+        return
+    for line in render(report):
+        echo_shown(line)
+
+
 @main.command("demo")
 @click.option("--dir", "folder", type=click.Path(file_okay=False),
               help="Where to write the demo files [default: a temporary folder, removed after].")

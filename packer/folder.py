@@ -17,8 +17,8 @@ class FolderReader:
     Holds no open files (each read opens one), so it is trivially fork- and spawn-safe.
     """
 
-    def __init__(self, root: str, split: str | None = None):
-        source = scan_source(root)
+    def __init__(self, root: str, split: str | None = None, source=None):
+        source = source if source is not None else scan_source(root)  # scanned already by the caller
         self.path = source.root
         self.classes = source.classes
         self.split = choose_split(list(source.splits), split, self.path)

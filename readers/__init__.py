@@ -9,6 +9,7 @@ except ImportError as exc:  # the packer CLI installs without torch; readers nee
                       "then `pip install braceexpand`)") from exc
 
 from .collate import collate
+from .diagnose import Diagnosis, Finding, diagnose
 from .decode import decode_array, decode_pil, decode_tensor, image_size
 from .folder import FolderDataset
 from .gpu import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
@@ -32,8 +33,8 @@ def open_dataset(path, split=None, **kwargs):
 
 
 __all__ = [
-    "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop",
+    "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
     "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
     "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
-    "decode_tensor", "image_size", "make_loader", "open_dataset",
+    "decode_tensor", "diagnose", "image_size", "make_loader", "open_dataset",
 ]

@@ -120,7 +120,7 @@ class LoaderStats:
                 f"steps ({wait * 1e3:.1f} ms of each {per_step * 1e3:.1f} ms step): the GPU is waiting for data. "
                 f"Try more workers (now {workers}), a packed format (readers.LMDBDataset) instead of a folder, "
                 f"decode-aware uint8 transforms (decode='raw' with readers.RandomResizedCrop), normalising on the "
-                f"GPU (readers.CUDAPrefetcher), or a smaller input size")
+                f"GPU (readers.CUDAPrefetcher), or a smaller input size; readers.diagnose(loader, step) measures which")
 
     def summary(self) -> dict:
         """Figures of the current (or last) epoch, warm-up steps left out. An epoch no longer

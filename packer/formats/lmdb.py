@@ -462,7 +462,10 @@ class Reader(SplitReader):
         """(image bytes, the checksum its header holds) of the record at position, read
         through LMDB's map, its header checked to name record index."""
         self.check_not_cut()
-        value = self.handle()[1].get(record_key(self.split, position))
+        try:
+            value = self.handle()[1].get(record_key(self.split, position))
+        except lmdb.Error as exc:  # a damaged B-tree page on the way to the record
+            raise CorruptDataError(f"{self.where(index)}: LMDB cannot read it ({exc}); {DAMAGED}", self.path) from exc
         if value is None:
             raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
                                    "re-pack it or restore it from a copy)", self.path)
