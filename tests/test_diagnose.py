@@ -121,8 +121,10 @@ def test_a_step_bound_loop_claims_nothing(workers):
 
 def test_oversubscribed_threads_are_named():
     cores = available_cores()
+    # spawn: a forked worker that starts an OpenMP pool its parent already ran can deadlock
+    # in libgomp (seen in a full run); timeout bounds each batch's wait all the same.
     loader = DataLoader(Elementwise(), batch_size=4, num_workers=cores, worker_init_fn=many_threads,
-                        persistent_workers=True)
+                        persistent_workers=True, multiprocessing_context="spawn", timeout=120)
     d = readers.diagnose(loader, steps=40, epochs=1)
     assert settings_named(d) == ["threads"], str(d)
     assert d.figures["busy_threads_per_worker"] > 1
