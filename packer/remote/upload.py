@@ -69,7 +69,7 @@ from .source import one_attempt
 from .manifest import ENTRY, MANIFEST, MANIFEST_LIMIT, manifest_bytes, parse_manifest, safe_key
 
 if TYPE_CHECKING:
-    from ..pack import PackResult
+    from ..writing import PackResult
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
