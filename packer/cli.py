@@ -13,11 +13,11 @@ import warnings
 
 import click
 
+from .api import pack
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError, escaping, json_shown, redact, redacted, shown
 from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
-from .api import pack
 from .reencode import MAX_SIDE_LIMIT
 from .scan import ON_ERROR, plural
 from .version import __version__
