@@ -13,14 +13,15 @@ import warnings
 
 import click
 
-from . import __version__
+from .api import pack
 from .check import CHECKS, MAX_PIXELS
 from .errors import PackError, escaping, json_shown, redact, redacted, shown
 from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
-from .pack import ON_ERROR, PackResult, pack
 from .reencode import MAX_SIDE_LIMIT
-from .scan import plural
+from .scan import ON_ERROR, plural
+from .version import __version__
+from .writing import PackResult
 
 
 def library_errors(fn):
@@ -217,7 +218,7 @@ class PartOption(click.ParamType):
     name = "I/N"
 
     def convert(self, value, param, ctx):
-        from .parts import PartSpec, part_spec
+        from .cut import PartSpec, part_spec
 
         if isinstance(value, PartSpec):
             return value

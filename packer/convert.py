@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 
-from . import __version__
 from .check import MAX_PIXELS
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
@@ -24,12 +23,13 @@ from .interrupts import InterruptGuard
 from .output import check_target
 from . import checksum as record_checksums
 from .formats._tables import spilled_array
-from .pack import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, write_dataset, write_listings,
-                   write_order)
+from .writing import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, write_dataset, write_listings,
+                      write_order)
 from .records import Metadata
 from .reencode import Reencode, combinable, combined, reencode_spec
 from .verify import packed_max_pixels
 from .scan import SplitListing
+from .version import __version__
 
 # Records per task sent to a worker: reading a record is cheap, so amortise the IPC more.
 RECORD_CHUNK = 64

@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 
 from .check import SOF_MARKERS, jpeg_segments, sniff
+from .errors import PackError
+from .formats import ReaderCache
 
 BASELINE_420 = "baseline-420"  # the form's name in the metadata and on the command line
 BASELINE = 0xC0  # SOF0
@@ -140,9 +142,6 @@ def census(path: str, meta, sample: int = SAMPLE) -> dict:
     "subsampling": {"4:2:0": n, ...}, "unreadable"}. Reads those records' bytes (headers
     parsed only); a record that cannot be read (damaged, a shard missing) is counted as
     unreadable, not raised: info describes a dataset, verify judges it."""
-    from .errors import PackError
-    from .formats import ReaderCache
-
     total = meta.count
     picks = sorted({k * total // sample for k in range(sample)}) if total > sample else range(total)
     bounds, start = [], 0

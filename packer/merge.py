@@ -23,18 +23,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import __version__
 from .convert import RECORD_CHUNK
 from .cores import available_cores
 from .errors import FormatError, PackError, shown
 from .formats import FORMATS, ReaderCache, open_reader, read_metadata
 from .engine import load_in_processes
 from .interrupts import InterruptGuard
-from .output import COMPLETE, LEGACY, OWNED, PARTIAL, check_target
-from .pack import Loaded, PackResult, now_utc, split_order, write_dataset, write_listings, write_order
+from .output import check_target
 from . import checksum as record_checksums
 from .records import UNLABELED, Metadata, PathTable, path_offsets
 from .scan import SplitListing
+from .staging import COMPLETE, LEGACY, OWNED, PARTIAL
+from .version import __version__
+from .writing import Loaded, PackResult, now_utc, split_order, write_dataset, write_listings, write_order
 
 # params that may differ between the parts of one pack: how each machine ran it.
 PER_MACHINE_PARAMS = frozenset({"workers"})

@@ -10,9 +10,8 @@ staging is moved in (the swap is finished) or else an old dataset is moved back 
 back); every other leftover of a dead owner is removed. OUT is never left missing while
 a complete dataset sits beside it.
 
-Only leftovers whose owner is provably gone are touched: same host, pid not alive. The
-host is the host name, and, in a PID namespace of its own (a container), that namespace:
-containers that share a host name (host networking) do not see each other's pids. On a
+Only leftovers whose owner is provably gone are touched: same host, pid not alive
+(packer.staging, which the remote upload shares, says who owns a name). On a
 shared file system a leftover of another host is left alone, with a warning. Names from
 older versions (`OUT.partial-<pid>`, and `OUT.old-<pid>` beside one) carry no host: only
 the pair, a swap those versions left half done, is settled; a lone `OUT.partial-<pid>`
@@ -29,10 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
-import secrets
 import shutil
-import socket
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -40,47 +36,14 @@ import lmdb
 
 from . import interrupts, replaceable
 from .errors import FormatError, OutputExistsError, PackError
-
-PARTIAL, COMPLETE, OLD = "partial", "complete", "old"
-INIT_PID_NAMESPACE = 0xEFFFFFFC  # the inode of the host's own PID namespace (Linux's PROC_PID_INIT_INO)
-
-
-def host_id() -> str:
-    """This host as staging names carry it: its name, with its PID namespace where that is not
-    the host's own, so a pid is only checked by a process that sees the same pids."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # not Linux, or no /proc: pids are the host's
-        return name
-    return name if namespace == INIT_PID_NAMESPACE else f"{name}.pidns{namespace}"
-
-
-HOST = host_id()
-OWNED = re.compile(r"\.(?P<stage>partial|complete|old)-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[0-9a-f]{16}")
-LEGACY = re.compile(r"\.(?P<stage>partial|old)-(?P<pid>\d+)")
+from .formats import detect_format
+from .staging import COMPLETE, HOST, LEGACY, OLD, OWNED, PARTIAL, Owner, new_owner, pid_alive
 
 # Errors of a failed write. py-lmdb reports a failed system call as lmdb.Error("<path>:
 # <strerror>"), without an errno.
 IO_ERRORS = (OSError, lmdb.Error)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Who writes a staging path: this host, this process, and a token for this one write."""
-
-    host: str
-    pid: int
-    token: str
-
-    def path(self, out: str, stage: str) -> str:
-        return f"{out}.{stage}-{self.host}-{self.pid}-{self.token}"
-
-
-def new_owner() -> Owner:
-    return Owner(HOST, os.getpid(), secrets.token_hex(8))
 
 
 @dataclass(frozen=True)
@@ -106,18 +69,6 @@ class Tidied:
 
     removed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    except OverflowError:  # no such pid can exist
-        return False
-    return True
 
 
 def remove_path(path: str) -> bool:
@@ -152,8 +103,6 @@ def leftovers(out: str) -> list[Leftover]:
 
 
 def is_dataset(path: str) -> bool:
-    from .formats import detect_format  # formats import nothing from here; keep it that way
-
     try:
         detect_format(path)
     except (FormatError, OSError):

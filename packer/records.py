@@ -29,7 +29,7 @@ order, one after the other (part_bounds, split_bounds):
    "total": T, "start": <first>, "stop": <end>,
    "splits": {"<split>": {"listed": <files the source lists>, "start": <first>, "stop": <end>,
                           "skipped_at": [<positions in [0, stop - start) of the files left out>]}}}
-The fingerprint is the source's (packer.parts.source_fingerprint); every split of the
+The fingerprint is the source's (packer.cut.source_fingerprint); every split of the
 source is listed, an empty range included. A merged dataset has instead
   {"fingerprint": ..., "count": N, "total": T,
    "merged": [{"index": I, "path": ..., "host": ..., "created": ..., "count": <records>}, ...]}

@@ -20,12 +20,15 @@ import numpy as np
 from .check import MAX_PIXELS, problem, sniff
 from .errors import BadImageError, PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
+from .formats.wds import shard_info
 from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
 from .jpeg_form import census, jpeg_form
 from .reencode import MAX_SIDE_LIMIT, Reencode, expected_size, stored_size
+from .remote.source import remote_for
 from .scan import DEFAULT_SPLIT, Source, scan_source
+from .source_io import read_regular_file
 
 BLOCK = 256  # records per verification task
 
@@ -48,8 +51,6 @@ def info(path: str, storage_options: dict | None = None) -> dict:
     """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict.
     path may be a URL (its disk_bytes are then None: nothing is listed). For a local
     dataset, "forms" is the census of its JPEG forms in a sample (packer.jpeg_form)."""
-    from .remote.source import remote_for
-
     remote = remote_for(path, storage_options=storage_options)
     if remote is None:
         meta = read_metadata(path)
@@ -59,8 +60,6 @@ def info(path: str, storage_options: dict | None = None) -> dict:
         meta = read_metadata(path, storage_options=storage_options)
         facts = {**meta.to_dict(), "path": path, "disk_bytes": None}
     if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to ranks)
-        from .formats.wds import shard_info
-
         for split, shards in shard_info(path, remote).items():
             facts["splits"][split]["shards"] = shards
     return facts
@@ -167,10 +166,7 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str, reenco
                         decoded: bool = False, max_pixels: int = MAX_PIXELS) -> list[tuple[str, str]]:
     """Problems of one record against its source file: bytes, or for one re-encoded under
     the rule reencode, its size (decoded: the record has already been fully decoded)."""
-    # Imported here only to keep this change to one function; a FIFO or device in SRC must not hang verify.
-    from .errors import BadImageError
-    from .source_io import read_regular_file
-
+    # read_regular_file: a FIFO or device in SRC must not hang verify.
     try:
         original = read_regular_file(os.path.join(root, relpath))
     except FileNotFoundError:

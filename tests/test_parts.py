@@ -23,7 +23,8 @@ from packer import FORMATS, FormatError, PackError, open_reader, pack
 from packer.cli import main
 from packer.formats import read_metadata
 from packer.merge import merge
-from packer.parts import PartSpec, cut_source, first_failure, part_spec, settled, source_fingerprint
+from packer.cut import PartSpec, cut_source, part_spec, source_fingerprint
+from packer.parts import first_failure, settled
 from packer.records import Metadata, metadata_crc
 from packer.scan import scan_source
 

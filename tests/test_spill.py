@@ -12,7 +12,7 @@ import pytest
 from packer import open_reader, pack
 from packer.convert import RecordJobs
 from packer.formats._tables import SpillTable, array_chunks, drop_pages, int_view, mapped_region, spilled_array
-from packer.pack import kept_order
+from packer.writing import kept_order
 from packer.scan import scan_source
 from packer.verify import _Unordered, listing_changes, listing_changes_unordered
 
@@ -219,7 +219,7 @@ def test_a_folder_that_cannot_take_a_spill_file_keeps_the_table_in_memory(tmp_pa
 def test_the_part_fingerprint_leaves_a_spilled_listing_unresident(image_tree, tmp_path):
     """--part hashes the whole listing (packer.parts.source_fingerprint): its mapped tables
     are touched whole, and must not stay resident (46 MB of paths at 1.28M records)."""
-    from packer.parts import source_fingerprint
+    from packer.cut import source_fingerprint
     spill = tmp_path / "spill"
     spill.mkdir()
     source = scan_source(image_tree, spill_dir=str(spill))

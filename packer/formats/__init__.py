@@ -6,6 +6,7 @@ import os
 from ..errors import FormatError
 from ..remote import source as remote_source
 from ..remote.errors import DENIED
+from ..remote.manifest import MANIFEST, parse_manifest
 from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
 from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
@@ -55,8 +56,6 @@ def detect_remote(url: str, remote) -> str:
     """The name of the format stored at url: its packer.json's (the manifest packer's upload
     writes last, checked), else by a HEAD (or an 8-byte read) per format tried, for a
     dataset copied by hand."""
-    from ..remote.upload import MANIFEST, parse_manifest
-
     url = url.rstrip("/")
     # S3 answers 403, not 404, for a missing key to a reader not allowed to list the bucket
     # (a public bucket, a CDN): a refused probe is passed over, and raised only if no probe finds one.

@@ -10,8 +10,7 @@ A remote dataset at OUT (http(s):// URLs are read-only) is these objects:
          OUT/packer.json
 
 OUT/packer.json, for the folder formats, is the completion marker and the manifest,
-written last: {"packer_remote": 1, "format": "<lmdb|wds>", "objects": {"<key relative to
-OUT/>": <size in bytes>, ...}} (itself not listed). A dataset is complete when its
+written last (packer.remote.manifest). A dataset is complete when its
 packer.json exists; one copied by hand (a local pack synced to a bucket, or served by a web
 server) has none and is known by its entry object, which this writer never leaves at OUT
 without the rest. An object whose name holds `.partial-` is a write in progress: never
@@ -60,20 +59,18 @@ from .. import replaceable
 from ..errors import OutputExistsError, PackError
 from ..formats import read_metadata, wds
 from ..interrupts import Interrupted
-from ..output import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
+from ..staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 from . import is_url, parse_url
 from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
 from . import source as remote_source
 from .retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
 from .source import one_attempt
 
-if TYPE_CHECKING:
-    from ..pack import PackResult
+from .manifest import ENTRY, MANIFEST, MANIFEST_LIMIT, manifest_bytes, parse_manifest, safe_key
 
-MANIFEST = "packer.json"
-MANIFEST_VERSION = 1
-MANIFEST_LIMIT = 64 << 20  # bytes: a manifest names each object once, in a few dozen bytes
-ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT itself
+if TYPE_CHECKING:
+    from ..writing import PackResult
+
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
@@ -217,42 +214,6 @@ def read_manifest(target: Target, path: str) -> dict | None:
         return None
     raw = target.run(where, "cat_file", where, start=0, end=MANIFEST_LIMIT + 1, doing="reading")
     return parse_manifest(raw, target.url_of(where))
-
-
-def parse_manifest(raw: bytes, url: str) -> dict:
-    """A packer.json's content, checked: an untrusted file (see the module docstring)."""
-    from ..formats import FORMATS
-
-    def bad(what: str) -> PackError:
-        return PackError(f"{url}: not a valid packer manifest ({what}); the dataset is damaged or was not "
-                         "written by packer", url)
-
-    if len(raw) > MANIFEST_LIMIT:
-        raise bad(f"{len(raw)} bytes")
-    try:
-        found = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad(f"not JSON: {exc}") from exc
-    if not isinstance(found, dict) or found.get("packer_remote") != MANIFEST_VERSION:
-        raise bad(f"packer_remote is not {MANIFEST_VERSION}")
-    if found.get("format") not in FORMATS or found["format"] == "hdf5":
-        raise bad(f"format {found.get('format')!r}")
-    objects = found.get("objects")
-    if not isinstance(objects, dict) or not objects:
-        raise bad("no objects")
-    for key, size in objects.items():
-        if not safe_key(key):
-            raise bad(f"object name {key!r}")
-        if type(size) is not int or size < 0:
-            raise bad(f"size {size!r} of {key!r}")
-    return found
-
-
-def safe_key(key) -> bool:
-    """A relative object name that stays inside the dataset."""
-    return (isinstance(key, str) and 0 < len(key) <= 1024 and not key.startswith("/") and "\\" not in key
-            and "\0" not in key and all(part not in ("", ".", "..") for part in key.split("/"))
-            and key != MANIFEST)
 
 
 def refuse_existing(target: Target, force: bool, notes: list[str] = ()) -> None:
@@ -464,11 +425,6 @@ def upload(target: Target, local: str, fmt: str, stage: str) -> dict[str, int]:
         put(target, files[entry], f"{stage}/{entry}")
     put_bytes(target, f"{stage}/{MANIFEST}", manifest_bytes(fmt, objects))
     return objects
-
-
-def manifest_bytes(fmt: str, objects: dict[str, int]) -> bytes:
-    return json.dumps({"packer_remote": MANIFEST_VERSION, "format": fmt, "objects": objects},
-                      sort_keys=True, separators=(",", ":")).encode()
 
 
 def put(target: Target, local: str, path: str) -> None:

@@ -1,0 +1,32 @@
+"""The library's pack(): one source packed (packer.pack), or, given parts= or executor=, packed in
+parts on an Executor and merged (packer.parts). It sits above both, so neither imports the other
+to hand parts= on."""
+from __future__ import annotations
+
+import inspect
+
+from .errors import PackError
+from .pack import pack as pack_source
+from .pack import pack_settings
+from .parts import pack_in_parts
+from .writing import PackResult
+
+
+def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, parts: int | None = None, executor=None,
+         **kwargs) -> PackResult:
+    """Pack the ImageFolder tree at src into `fmt` at out: packer.pack.pack, whose keyword
+    arguments (part=, shuffle=, checksum=...) it takes and documents.
+
+    Packing in parts (packer.parts, docs/parts.md): parts=N with executor=, any
+    concurrent.futures.Executor (a Dask Client's get_executor(), mpi4py's
+    MPIPoolExecutor...), runs the N parts on it and merges them into out; without an
+    executor they run on local processes. Workers must see src and out's folder at the
+    same paths.
+    """
+    if executor is None and parts is None:
+        return pack_source(src, fmt, out, **kwargs)
+    inspect.signature(pack_source).bind(src, fmt, out, **kwargs)  # a misspelt keyword fails here, not in a part
+    kwargs["options"] = pack_settings(fmt, **kwargs)[2]  # refused before any part starts
+    if kwargs.pop("part", None) is not None:
+        raise PackError("part= packs one part, parts= and executor= pack them all: pass one or the other")
+    return pack_in_parts(src, fmt, out, parts=parts, executor=executor, **kwargs)
