@@ -1,4 +1,4 @@
-"""`python -m benchmarks run|compare|gpu`: the command line of the suite."""
+"""`python -m benchmarks run|compare|trend|gpu`: the command line of the suite."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("old", metavar="OLD.json")
     cmp.add_argument("new", metavar="NEW.json")
     cmp.add_argument("--tolerance", type=float, default=0.1, help="allowed relative change (default: 0.1)")
+    trend = sub.add_parser("trend", help="each figure over a series of results files (one a night): a table on "
+                                          "stdout and a PNG, marking what compare calls a regression")
+    trend.add_argument("results", nargs="+", metavar="RESULTS.json", help="oldest first (name them by date)")
+    trend.add_argument("--tolerance", type=float, default=0.1, help="as compare's (default: 0.1)")
+    trend.add_argument("--png", default="trend.png",
+                       help="write the chart here (default: trend.png; needs matplotlib); '' for none")
     from . import gpu
 
     gpu.add_arguments(sub.add_parser("gpu", help="the GPU proof: tests, feed, nvJPEG, scaling and the CUDA suite "
@@ -61,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import compare
 
         return compare.main(args)
+    if args.command == "trend":
+        from . import trend
+
+        return trend.main(args)
     if args.command == "gpu":
         from . import gpu
 

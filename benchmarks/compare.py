@@ -87,6 +87,28 @@ def shown(value) -> str:
     return f"{value:,.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
 
 
+FAILING = ("REGRESSION", "UNJUDGED")
+
+
+def judge(name: str, before: tuple[object, bool], after: tuple[object, bool], tolerance: float) -> tuple[str, str, bool]:
+    """The verdict on one figure present in both files, as figures() gives it: (verdict, the
+    report line, whether it was a judged case with a change). A verdict in FAILING fails the gate."""
+    (x, higher), (y, _) = before, after
+    judged = name not in REFERENCES
+    if y is None or x is None:  # a case failed: a regression when it worked before
+        verdict = "REGRESSION" if judged and x is not None else ""
+        return verdict, f"{verdict:>10} {name}: {shown(x)} -> {shown(y)}", False
+    if not (judgeable(x) and judgeable(y)):
+        side = " and ".join(s for s, v in (("OLD", x), ("NEW", y)) if not judgeable(v))
+        verdict = "UNJUDGED" if judged else "reference"
+        return verdict, (f"{verdict:>10} {name}: {shown(x)} -> {shown(y)} "
+                         f"({side} median is not a finite positive number)"), False
+    change = (y - x) / x
+    worse = judged and (change < -tolerance if higher else change > tolerance)
+    verdict = "REGRESSION" if worse else ("ok" if judged else "reference")
+    return verdict, f"{verdict:>10} {name}: {x:,.4g} -> {y:,.4g} ({change:+.1%})", judged
+
+
 def compare(old: dict, new: dict, tolerance: float, names: tuple[str, str] = ("OLD", "NEW")) -> tuple[list[str], int]:
     """(report lines, number of failures: regressions, figures that cannot be judged, and
     a comparison that judged nothing)."""
@@ -96,38 +118,31 @@ def compare(old: dict, new: dict, tolerance: float, names: tuple[str, str] = ("O
         if name not in a or name not in b:
             lines.append(f"{'':>10} {name}: only in {'OLD' if name in a else 'NEW'}")
             continue
-        (x, higher), (y, _) = a[name], b[name]
-        judged = name not in REFERENCES
-        if y is None or x is None:  # a case failed: a regression when it worked before
-            worse = judged and x is not None
-            failures += worse
-            lines.append(f"{'REGRESSION' if worse else '':>10} {name}: {shown(x)} -> {shown(y)}")
-            continue
-        if not (judgeable(x) and judgeable(y)):
-            failures += judged
-            side = " and ".join(s for s, v in (("OLD", x), ("NEW", y)) if not judgeable(v))
-            lines.append(f"{'UNJUDGED' if judged else 'reference':>10} {name}: {shown(x)} -> {shown(y)} "
-                         f"({side} median is not a finite positive number)")
-            continue
-        change = (y - x) / x
+        verdict, line, judged = judge(name, a[name], b[name], tolerance)
+        failures += verdict in FAILING
         judged_cases += judged
-        worse = judged and (change < -tolerance if higher else change > tolerance)
-        failures += worse
-        verdict = "REGRESSION" if worse else ("ok" if judged else "reference")
-        lines.append(f"{verdict:>10} {name}: {x:,.4g} -> {y:,.4g} ({change:+.1%})")
+        lines.append(line)
     if not judged_cases:  # NEW is {}, every case crashed, or OLD and NEW share no measured case
         failures += 1
         lines.append(f"{'EMPTY':>10} no case was measured in both OLD and NEW: nothing was judged")
     return lines, failures
 
 
+def machine_warnings(old: dict, new: dict, names: tuple[str, str]) -> list[str]:
+    """Where the two runs' machines differ: a comparison across machines measures the machines."""
+    out = []
+    for key in ("cpu", "cpus_usable", "gpu"):
+        was, now = section(old, "machine", names[0]).get(key), section(new, "machine", names[1]).get(key)
+        if was != now:
+            out.append(f"warning: machines differ in {key}: {was!r} vs {now!r}")
+    return out
+
+
 def main(args) -> int:
     try:
         old, new = load(args.old), load(args.new)
-        for key in ("cpu", "cpus_usable", "gpu"):
-            was, now = section(old, "machine", args.old).get(key), section(new, "machine", args.new).get(key)
-            if was != now:
-                print(f"warning: machines differ in {key}: {was!r} vs {now!r}", file=sys.stderr)
+        for warning in machine_warnings(old, new, (args.old, args.new)):
+            print(warning, file=sys.stderr)
         lines, failures = compare(old, new, args.tolerance, (args.old, args.new))
     except Unreadable as exc:
         print(f"cannot read results: {exc}; compare takes two files written by `python -m benchmarks run "

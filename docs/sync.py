@@ -1,12 +1,14 @@
-"""Refreshes the generated blocks of docs/*.md: byte layouts from the format modules'
-docstrings (their one owner) and benchmark tables from benchmarks/results/*.json.
+"""Refreshes the generated blocks of docs/*.md and of the benchmark notebook
+(benchmarks/results/NOTES.md): byte layouts from the format modules' docstrings (their one
+owner) and benchmark tables from benchmarks/results/*.json.
 
     python docs/sync.py           rewrite the blocks in place
     python docs/sync.py --check   exit 1 if any block is stale (tests/test_docs.py runs this)
 
 A block is the text between `<!-- generated: SOURCE -->` and `<!-- /generated -->`, where
 SOURCE is a module (`packer/formats/lmdb.py`: its docstring, fenced) or a results file
-(`benchmarks/results/NAME.json`: benchmarks.report.markdown of it).
+(`benchmarks/results/NAME.json`: benchmarks.report.markdown of it; `NAME.json table`: only
+its table, what the figures are and the machine, for the manual, whose notebook has the rest).
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-BLOCK = re.compile(r"(<!-- generated: (?P<source>\S+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+# The dated runs live beside their JSON, out of the manual; their tables come from it all the same.
+NOTEBOOK = os.path.join(ROOT, "benchmarks", "results", "NOTES.md")
+BLOCK = re.compile(r"(<!-- generated: (?P<source>\S+)(?: (?P<mode>table))? -->\n)(?P<body>.*?)(<!-- /generated -->)",
+                   re.S)
 
 
-def render(source: str) -> str:
+def render(source: str, mode: str | None = None) -> str:
     path = os.path.join(ROOT, source)
     if source.endswith(".py"):
         with open(path, encoding="utf-8") as f:
@@ -32,31 +37,43 @@ def render(source: str) -> str:
         from benchmarks.report import markdown
 
         with open(path, encoding="utf-8") as f:
-            return markdown(json.load(f)).rstrip("\n") + "\n"
+            lines = markdown(json.load(f)).rstrip("\n").split("\n")
+        if mode == "table":  # the rows, then "Figures are ..." and "Machine: ..."
+            rows = [line for line in lines if line.startswith("|")]
+            lines = rows + [""] + [line for line in lines if line.startswith(("Figures are", "Machine:"))]
+        return "\n".join(lines) + "\n"
     raise ValueError(f"{source}: a generated block's source must be a .py module or a results .json")
 
 
 def refreshed(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + render(m.group("source")) + m.group(4), text)
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group("source"), m.group("mode")) + m.group(5), text)
+
+
+def pages() -> list[str]:
+    found = [os.path.join(DOCS, name) for name in sorted(os.listdir(DOCS)) if name.endswith(".md")]
+    return found + [NOTEBOOK] if os.path.exists(NOTEBOOK) else found
 
 
 def stale_pages() -> list[str]:
-    """The docs pages whose generated blocks differ from what their sources give now."""
+    """The pages, relative to docs/, whose generated blocks differ from what their sources give now."""
     stale = []
-    for name in sorted(os.listdir(DOCS)):
-        if name.endswith(".md"):
-            with open(os.path.join(DOCS, name), encoding="utf-8") as f:
-                text = f.read()
-            if refreshed(text) != text:
-                stale.append(name)
+    for path in pages():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if refreshed(text) != text:
+            stale.append(os.path.relpath(path, DOCS))
     return stale
+
+
+def shown(name: str) -> str:
+    return os.path.relpath(os.path.join(DOCS, name), ROOT)
 
 
 def main(argv: list[str]) -> int:
     if "--check" in argv:
         stale = stale_pages()
         for name in stale:
-            print(f"docs/{name}: generated blocks are stale; run `python docs/sync.py`", file=sys.stderr)
+            print(f"{shown(name)}: generated blocks are stale; run `python docs/sync.py`", file=sys.stderr)
         return 1 if stale else 0
     for name in stale_pages():
         path = os.path.join(DOCS, name)
@@ -64,7 +81,7 @@ def main(argv: list[str]) -> int:
             text = refreshed(f.read())
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"updated docs/{name}")
+        print(f"updated {shown(name)}")
     return 0
 
 

@@ -230,7 +230,7 @@ def test_the_gpu_step_is_calibrated_to_its_duration():
     assert repetitions_for(lambda k: time.sleep(0.001 * k), 0.02, calibrate_s=0.05) in range(10, 21)
 
 
-@pytest.mark.parametrize("command", ["run", "compare"])
+@pytest.mark.parametrize("command", ["run", "compare", "trend"])
 def test_every_option_is_documented_in_the_manual(command, capsys):
     with pytest.raises(SystemExit):
         bench_main([command, "--help"])
