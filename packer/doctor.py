@@ -23,6 +23,7 @@ import time
 
 from PIL import Image
 
+from .advice import GPU_DECODE_RATE, MAX_SIDE
 from .cores import available_cores
 from .errors import FormatError
 from .folder import FolderReader
@@ -35,7 +36,6 @@ DECODE_KEEP = 256  # encoded images kept in memory for the decode stages
 BUDGET = {"cold_read": 0.15, "warm_read": 0.08, "checked_read": 0.08, "decode": 0.14, "decode_crop": 0.14,
           "workers": 0.25}
 CROP = 224
-MAX_SIDE = 512  # the --max-side docs/resolution.md measures first
 # NVJPG engines per GPU model (NVIDIA's architecture whitepapers): nvidia-smi does not count them.
 JPEG_ENGINES = {"H200": 7, "H100": 7, "GH200": 7, "A100": 1, "A30": 1, "L4": 4, "L40": 0, "A10": 0}
 
@@ -270,9 +270,6 @@ def gpu_facts() -> dict:
     else:
         facts["can_pin"] = False
     return facts
-
-
-GPU_DECODE_RATE = 3769  # GPUDecoder's decode + crop on one H100, samples/s (docs/benchmarks.md, nvJPEG)
 
 
 def findings(report: dict, target_rate: float | None) -> list:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from packer.cores import available_cores
-from packer.doctor import GPU_DECODE_RATE, MAX_SIDE
+from packer.advice import GPU_DECODE_RATE, MAX_SIDE
 
 from ._dataset import ReaderDataset
 from ._looptimes import RAW_CROP_STAGE, loader_settings, probe_samples, run_loop, worker_stages
