@@ -104,6 +104,18 @@ class EpochLoader(tud.DataLoader):
         self._told = getattr(self.sampler, "epoch", None)
 
     def __len__(self) -> int:
+        """Batches of a whole epoch on this world: frameworks read it once, at setup (Lightning
+        caps every epoch at it), so a resumed pass's shorter rest must not shrink it."""
+        if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
+            return self.pass_len()
+        length = getattr(self.sampler, "pass_length", None)
+        if length is None or self.batch_size is None:
+            return super().__len__()
+        samples = length(self.sampler.world()[1])
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
+
+    def pass_len(self) -> int:
+        """Batches of the pass under way, or of the next: after a resume, the rest of its epoch."""
         length = super().__len__()  # also what torch checks an IterableDataset's batch count against
         if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
             # Each worker batches its own stream: WDSDataset knows how many batches they make,
@@ -186,10 +198,10 @@ class EpochLoader(tud.DataLoader):
         return None
 
     def ran_out(self, batches: int) -> bool:
-        """Whether a pass that handed out `batches` has handed out all of its own (len() is the
-        pass's: the rest of the epoch after a resume; False where its length is unknown)."""
+        """Whether a pass that handed out `batches` has handed out all of its own (after a
+        resume, the rest of its epoch; False where its length is unknown)."""
         try:
-            return batches >= len(self)
+            return batches >= self.pass_len()
         except TypeError:  # an IterableDataset without a length
             return False
 
