@@ -148,8 +148,6 @@ def accelerate_run(job: dict) -> None:
             seen.setdefault(str(epoch), []).extend(batch.tolist())
             if job.get("save_at") == [epoch, step]:
                 accelerator.save_state(out / "state")
-        if job.get("save_at") == [epoch, "end"]:
-            accelerator.save_state(out / "state")
     record(out, accelerator.process_index, seen)
 
 
