@@ -220,7 +220,8 @@ class EpochLoader(tud.DataLoader):
         if isinstance(self.dataset, tud.IterableDataset):
             state["workers"] = self.num_workers
             if hasattr(self.dataset, "state_dict"):
-                state["dataset"] = {**self.dataset.state_dict(), "epoch": epoch,
+                own = getattr(self.dataset, "stream_state", self.dataset.state_dict)  # WDSDataset's, unguarded
+                state["dataset"] = {**own(), "epoch": epoch,
                                     "position": self._stream_position(epoch, batches, pass_batches)}
             elif batches:
                 raise ValueError(f"EpochLoader.state_dict: {type(self.dataset).__name__} has no state_dict(), so "

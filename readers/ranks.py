@@ -45,13 +45,20 @@ def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, 
 
 
 def accelerate_shards() -> bool:
-    """Whether Accelerate runs more than one process here, so that its prepare() shards the loaders.
+    """Whether Accelerate runs more than one process here, so that its prepare() shards the loaders."""
+    return accelerate_state().get("num_processes", 1) > 1
 
-    Read from its shared state, which exists once an Accelerator (or PartialState) is made;
+
+def accelerate_runs() -> bool:
+    """Whether an Accelerator (or PartialState) has been made in this process, on any number of processes."""
+    return bool(accelerate_state())
+
+
+def accelerate_state() -> dict:
+    """Accelerate's shared state, which exists once an Accelerator (or PartialState) is made;
     Accelerate is never imported for this: a process that has not imported it is not using it."""
     state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
-    return shared.get("num_processes", 1) > 1
+    return getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
 
 
 def process_rank() -> int:

@@ -42,7 +42,7 @@ from ._dataset import ReaderDataset
 from ._stream import Task, consumed_samples, replay_shuffle, stream_sizes
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
-from .ranks import check_rank, deal, worker, world
+from .ranks import accelerate_runs, check_rank, deal, worker, world
 from .sampler import STATE_VERSION, check_state, checked_count
 from .wds_elastic import checked_history, continue_or_deal, rank_plan
 
@@ -50,6 +50,22 @@ ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
 ON_ERROR_ALIASES = {"raise": "fail"}
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
+
+
+# Accelerate's use_stateful_dataloader=True rebuilds the loader as torchdata's StatefulDataLoader,
+# fed from rank 0: it corrects the saved batch count for its look-ahead but not the workers'
+# stream positions (one batch ahead on 2 ranks); every process writes the one dl_state_dict.bin,
+# and rank 1's, never advanced, can win; a state saved at an epoch's end sets that epoch again
+# in the workers, which replay it. The first two cannot be put right from inside the dataset,
+# so the combination is refused on any number of processes (one that resumed on 1 and not on 2
+# would be a trap).
+ACCELERATE_STATEFUL = (
+    "WDSDataset.state_dict: Hugging Face Accelerate runs here, and its stateful loader "
+    "(DataLoaderConfiguration(use_stateful_dataloader=True)) does not resume a WDSDataset exactly: it saves "
+    "the workers' streams a batch past the ones trained on, every process writes the same dl_state_dict.bin "
+    "(rank 1's stale state can win), and a state saved at an epoch's end replays that epoch. "
+    "Set use_stateful_dataloader=False and resume an epoch with loader.set_epoch(epoch) and "
+    "accelerator.skip_first_batches(loader, steps) (docs/frameworks.md)")
 
 
 class WDSDataset(torch.utils.data.IterableDataset):
@@ -101,7 +117,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
     readers.make_loader's loader saves the rank's: {"workers", "batches", "batch_size",
     "drop_last"}, from which each worker works out its own samples (a DataLoader takes
     batches from its workers in turn), so one state resumes every rank. Positions count
-    samples: with on_error="skip", a damaged shard shifts them.
+    samples: with on_error="skip", a damaged shard shifts them. Where Hugging Face
+    Accelerate runs, state_dict() is refused (ValueError saying what to set): its caller
+    there is the StatefulDataLoader of use_stateful_dataloader=True, which cannot resume a
+    stream exactly (docs/frameworks.md).
     Remote shards (s3://, gs://, https:// URLs; a packer folder at a URL, shard URLs, a
     brace pattern of them; needs packer[remote]) are streamed: one sequential read per
     shard, the next prefetch_shards shards of a worker streaming while it reads one.
@@ -143,6 +162,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self._history: list[dict] = []  # the passes of this epoch before this process's (readers.wds_elastic)
         self._progress: list[int] | None = None  # [epoch, samples yielded, rank, worker, workers] of this process
         self._fingerprint: str | None = None  # fingerprint(), worked out once
+        self._accelerate = False  # a worker spawned by a process where Accelerate runs
 
     @property
     def epoch(self) -> int:
@@ -300,7 +320,17 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict:
         """{"kind", "version", settings, "epoch", "position"}: this process's place in the
-        current pass (a worker's own stream), a loaded state's, or None at an epoch's start."""
+        current pass (a worker's own stream), a loaded state's, or None at an epoch's start.
+
+        Refused where Hugging Face Accelerate runs: the caller there is the StatefulDataLoader
+        that use_stateful_dataloader=True makes, whose saved positions are not where training
+        is (docs/frameworks.md)."""
+        if self._accelerate or accelerate_runs():
+            raise ValueError(ACCELERATE_STATEFUL)
+        return self.stream_state()
+
+    def stream_state(self) -> dict:
+        """state_dict()'s state, for a loader that keeps its own count (readers.make_loader's)."""
         if self._resume is not None:
             epoch, position = self._resume[:2]
         elif self._progress is not None and self._progress[0] == self.epoch:
@@ -514,6 +544,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if multiprocessing.context.get_spawning_popen() is None:
             # Plain pickling (not a worker start): shared memory cannot travel, the value can.
             state["_epoch"] = self.epoch
+        else:  # a spawned worker does not import Accelerate, so cannot see that it runs (state_dict)
+            state["_accelerate"] = self._accelerate or accelerate_runs()
         state["_progress"] = None  # this process's pass, not the receiver's
         state["_index"] = None  # opened again where it is read
         if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():

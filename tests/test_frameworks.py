@@ -60,7 +60,8 @@ def make(job: dict):
     root = Path(job["root"])
     if job["loader"] == "wds":
         data = readers.WDSDataset(root / "d.wds", decode="raw", shuffle=32, seed=SEED)
-        return readers.make_loader(data, BATCH, workers=1, collate_fn=labels_of)
+        return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
+                                   multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
     if job["loader"] == "sampler":  # a plain DataLoader over packer's sampler
         return tud.DataLoader(data, BATCH, sampler=readers.ShuffleSampler(data, seed=SEED), drop_last=True,
@@ -125,6 +126,13 @@ def accelerate_run(job: dict) -> None:
         except RuntimeError as exc:
             (out / f"error{accelerator.process_index}.txt").write_text(str(exc))
         return
+    if job.get("refused"):
+        own = loader.state_dict()  # make_loader's own state, unprepared, is not Accelerate's to refuse
+        try:
+            accelerator.prepare(loader)
+        except ValueError as exc:
+            (out / f"error{accelerator.process_index}.txt").write_text(f"{own['kind']}\n{exc}")
+        return
     loader = accelerator.prepare(loader)
     start, skip = 0, 0
     if job.get("resume"):
@@ -143,7 +151,7 @@ def accelerate_run(job: dict) -> None:
     record(out, accelerator.process_index, seen)
 
 
-def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False) -> dict:
+def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False, ranks: int = 2) -> dict:
     """Run a job; {rank: {epoch: labels}} from its record files."""
     out = tmp_path / name
     out.mkdir()
@@ -154,11 +162,11 @@ def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False)
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             port = free.getsockname()[1]
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=240, env=env)
     assert done.returncode == 0, f"the {kind} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
 def check_whole_epochs(seen: dict, epochs) -> None:
@@ -215,6 +223,21 @@ def test_make_loader_not_prepared_under_accelerate_says_to_prepare_it(packs, tmp
             "unprepared", torchrun=True)
     for rank in (0, 1):
         assert "accelerator.prepare()" in (out / f"error{rank}.txt").read_text()
+
+
+@pytest.mark.parametrize("ranks, workers, context", [(2, 1, None), (1, 1, None), (2, 2, "spawn"), (1, 0, None)])
+def test_accelerate_stateful_loader_over_wds_stops_at_prepare_saying_what_to_set(packs, tmp_path, ranks, workers,
+                                                                                  context):
+    """use_stateful_dataloader=True saves a WDSDataset's streams a look-ahead past the batches
+    trained on, and rank 1's stale state can overwrite rank 0's: prepare() refuses it."""
+    job = {"root": str(packs), "loader": "wds", "stateful": True, "refused": True, "workers": workers,
+           "context": context}
+    with pytest.raises(FileNotFoundError):  # no records: the run stops at the error
+        run("accelerate", job, tmp_path, "refused", torchrun=True, ranks=ranks)
+    for rank in range(ranks):
+        own, error = (tmp_path / "refused" / f"error{rank}.txt").read_text().split("\n", 1)
+        assert own == "EpochLoader"
+        assert "use_stateful_dataloader=False" in error and "skip_first_batches" in error
 
 
 # What the frameworks rely on, in one process.
