@@ -253,7 +253,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         worker_id, workers = worker()
         history = self.resumed_history(world_size, workers)
         plan = rank_plan(self, rank, world_size, history)
-        stream_id, skip = self.resume_point(plan, rank, worker_id, workers)
+        stream_id, skip = self.resume_point(plan, worker_id, workers)
         self._history = history
         tasks = self.worker_tasks(plan, stream_id, workers)
         if not tasks and plan:
@@ -377,7 +377,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         history, kept = continue_or_deal(position, saved_world, self.world()[1], workers)
         return history, kept.get("batches", 0) if kept else 0
 
-    def resume_point(self, plan: list[Task], rank: int, worker_id: int, workers: int) -> tuple[int, int]:
+    def resume_point(self, plan: list[Task], worker_id: int, workers: int) -> tuple[int, int]:
         """(the stream this worker reads, samples of it already consumed): (worker_id, 0)
         without a loaded state for this epoch; the state is used once.
 
@@ -393,10 +393,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
                              f"{position['workers']} worker(s)")
         sizes = self.run_sizes(plan, workers)
         if "samples" in position:
-            if (position["rank"], position["worker"]) != (rank, worker_id):
-                raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s on rank {position['rank']}, "
-                                 f"loaded in worker {worker_id} on rank {rank}; load each worker's own state "
-                                 "(torchdata's StatefulDataLoader does)")
+            # Any rank's: every rank's worker w has yielded as many samples (equal shares, equal batch counts).
+            if position["worker"] != worker_id:
+                raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s, loaded in worker "
+                                 f"{worker_id}; load each worker's own state (torchdata's StatefulDataLoader does)")
             stream_id, skip = worker_id, position["samples"]
         else:
             consumed, following = consumed_samples(sizes, position["batches"], position["batch_size"],

@@ -12,6 +12,9 @@ repeats of its first samples), each share into one run per worker, and each run 
 through the worker's shuffle buffer. A state saved during such a pass lists the segments
 before it ("history"), so resuming again replays them all: the state stays a few
 numbers per resume, and loading costs one replay of the samples consumed.
+
+A DataLoader worker's own state (torchdata's StatefulDataLoader) is a segment only where
+it is its rank's one stream: with several, it holds one stream's count of the rank's.
 """
 from __future__ import annotations
 
@@ -140,7 +143,12 @@ def cut(dataset, pool: list, begin: int, end: int) -> list:
 
 
 def segment_of(position: dict, world_size: int) -> dict:
-    """A loader position's pass, as a history segment."""
+    """A loader position's pass, as a history segment. A worker's own position
+    (StatefulDataLoader's) of a rank's only stream is its count of samples, which every
+    rank shares (equal batch counts of equal shares): batches of one sample each."""
+    if "samples" in position:
+        return {"world_size": world_size, "workers": 1, "batches": position["samples"], "batch_size": 1,
+                "drop_last": False}
     return {"world_size": world_size, "workers": position["workers"], "batches": position["batches"],
             "batch_size": position["batch_size"], "drop_last": position["drop_last"]}
 
@@ -156,8 +164,21 @@ def continue_or_deal(position: dict | None, saved_world: int, world_size: int, w
     if saved_world == world_size and position["workers"] == workers:
         return history, position
     if "samples" in position:
-        raise ValueError(f"WDSDataset: this state is one DataLoader worker's (torchdata's StatefulDataLoader "
-                         f"saves those), saved on {saved_world} rank(s) with {position['workers']} worker(s); "
-                         f"here there are {world_size} and {workers}. A worker's state holds its own stream "
-                         "only: resume on another number of ranks or workers through readers.make_loader")
+        if position["workers"] > 1:
+            raise ValueError(unknowable_message(position, saved_world, world_size, workers))
+        if not (position["samples"] or history):  # nothing consumed: the epoch as a run on this world reads it
+            return [], None
     return history + [segment_of(position, saved_world)], None
+
+
+def unknowable_message(position: dict, saved_world: int, world_size: int, workers: int) -> str:
+    """Why one DataLoader worker's state (torchdata's StatefulDataLoader) cannot resume on
+    other ranks, and what can."""
+    return (f"WDSDataset: this state is one DataLoader worker's (torchdata's StatefulDataLoader hands each "
+            f"worker its own), saved on {saved_world} rank(s) with {position['workers']} workers; here there are "
+            f"{world_size} rank(s) with {workers}. Resuming on other ranks needs every worker's count, but a "
+            "worker's state holds its own stream's only, and the rank's batch count stays in the loader's state, "
+            "which torchdata never gives the dataset: the other workers may each have handed out one more "
+            "batch after this one's last. Resume on other ranks through readers.make_loader's loader (its state "
+            "holds the rank's batches), or with StatefulDataLoader(num_workers=0 or 1) (one stream per rank), "
+            f"or on {saved_world} rank(s)")

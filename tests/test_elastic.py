@@ -115,6 +115,58 @@ def resume_side(job: dict) -> dict:
     return record
 
 
+SDL_CASES = ("sdl-stream-0", "sdl-stream-1")  # a stream through StatefulDataLoader, 0 and 1 workers
+
+
+def stateful(root: str, case: str, rank: int | None = None, world_size: int | None = None):
+    """(a torchdata StatefulDataLoader over the stream, the stream, on which set_epoch is called)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = WDSDataset(Path(root) / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
+    workers = int(case.rpartition("-")[2])
+    return StatefulDataLoader(data, BATCH, num_workers=workers, collate_fn=sample_ids, drop_last=False), data
+
+
+def epoch_of(loader, data, epoch: int) -> list:
+    data.set_epoch(epoch)
+    return list(loader)
+
+
+def sdl_save_side(job: dict) -> dict:
+    """save_side through StatefulDataLoader: the user sets the epoch; rank 0 saves its state."""
+    record = {}
+    for case in SDL_CASES:
+        full = epoch_of(*stateful(job["root"], case), 0)
+        heads = {}
+        for k in stops(len(full)):
+            loader, data = stateful(job["root"], case)
+            data.set_epoch(0)
+            batches = iter(loader)
+            heads[k] = [next(batches) for _ in range(k)]
+            state = loader.state_dict()
+            del batches
+            if job["rank"] == 0:
+                torch.save(state, Path(job["folder"]) / f"{case}-{k}.pt")
+        record[case] = {"full": full, "heads": heads}
+    return record
+
+
+def sdl_resume_side(job: dict) -> dict:
+    """resume_side through StatefulDataLoader: the loop resumes at the saved epoch (0)."""
+    record = {}
+    for case in SDL_CASES:
+        loader, data = stateful(job["root"], case)
+        record[case] = {"fresh": [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]}
+        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+            loader, data = stateful(job["root"], case)
+            loader.load_state_dict(torch.load(path, weights_only=True))
+            record[case][int(path.stem.rpartition("-")[2])] = [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]
+    return record
+
+
+PHASES = {"save": save_side, "resume": resume_side, "sdl-save": sdl_save_side, "sdl-resume": sdl_resume_side}
+
+
 def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False) -> list:
     """Run world_size processes of `phase`; each rank's record."""
     procs = []
@@ -132,11 +184,11 @@ def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int
     return [json.loads((folder / f"{phase}-{world_size}-{rank}.json").read_text()) for rank in range(world_size)]
 
 
-def check_resumes(saved: list, resumed: list, name: str) -> None:
+def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
     """Every stop: the rest is the samples no rank had handed out, each once but for at most
     W2 - 1 repeats, in equal batch counts; the next epoch is a fresh W2 run's."""
     w2 = len(resumed)
-    for case in CASES:
+    for case in cases:
         everything = {s for r in saved for s in flat(r[case]["full"])}
         assert len(everything) == 100
         global_order = interleaved([flat(r[case]["full"]) for r in saved])[:100]
@@ -147,9 +199,14 @@ def check_resumes(saved: list, resumed: list, name: str) -> None:
             rests = [r[case][str(k)][0] for r in resumed]
             assert len({len(b) for b in rests}) == 1, f"{where}: ranks make different batch counts"
             if k == len(saved[0][case]["full"]):  # every batch handed out: the epoch is over, and a
-                # resume starts the next one, as a run started on W2 reads it (docs/frameworks.md)
-                assert not left and rests == [r[case]["fresh"][1] for r in resumed], where
-                continue
+                # resume starts the next one, as a run started on W2 reads it (docs/frameworks.md); the
+                # user's own epoch loop (StatefulDataLoader) finds the saved epoch's rest empty first
+                assert not left, where
+                if case in SDL_CASES:
+                    assert rests == [[]] * w2, where
+                else:
+                    assert rests == [r[case]["fresh"][1] for r in resumed], where
+                    continue
             got = collections.Counter(s for batches in rests for s in flat(batches))
             assert left <= set(got), f"{where}: {len(left - set(got))} samples never handed out are skipped"
             if k == 0:  # nothing handed out: the epoch as a run started on W2 reads it (its own padding)
@@ -200,6 +257,64 @@ def test_a_state_saved_after_an_elastic_resume_resumes_again(packs, case):
     assert sorted(set(handed) | set(rest)) == sorted(set(flat(build(packs, case, 0))))
     assert not set(handed) & set(rest) and len(rest) == len(set(rest))
     assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
+
+
+def test_torchdata_resumes_a_stream_of_one_worker_per_rank_on_other_ranks(packs, tmp_path):
+    """StatefulDataLoader over WDSDataset with 0 and 1 workers: rank 0's state, 2 ranks -> 3
+    and 3 ranks -> 1, as make_loader's (a worker's count is then the rank's)."""
+    a, b = tmp_path / "from2", tmp_path / "from3"
+    a.mkdir()
+    b.mkdir()
+    saved2 = run_ranks("sdl-save", a, packs, world_size=2, workers=0)
+    check_resumes(saved2, run_ranks("sdl-resume", a, packs, world_size=3, workers=0), "2 -> 3", SDL_CASES)
+    saved3 = run_ranks("sdl-save", b, packs, world_size=3, workers=0)
+    check_resumes(saved3, run_ranks("sdl-resume", b, packs, world_size=1, workers=0), "3 -> 1", SDL_CASES)
+
+
+@pytest.mark.parametrize("case", SDL_CASES)
+def test_a_stream_state_saved_after_a_torchdata_elastic_resume_resumes_again(packs, case):
+    """2 ranks -> 3 ranks (rank 0's state saved mid-way) -> 1 rank: every sample once."""
+    handed, state = [], None
+    for world_size, take in ((2, 3), (3, 2)):
+        for rank in range(world_size):
+            loader, data = stateful(packs, case, rank, world_size)
+            if state is not None:
+                loader.load_state_dict(state)
+            data.set_epoch(0)
+            batches = iter(loader)
+            handed += flat(next(batches) for _ in range(take))
+            rank_state = loader.state_dict()
+            del batches
+            if rank == 0:
+                saved = rank_state
+        state = saved
+    loader, data = stateful(packs, case, 0, 1)
+    loader.load_state_dict(torch.load(save_to_bytes(state), weights_only=True))
+    rest = flat(epoch_of(loader, data, 0))
+    assert sorted(set(handed) | set(rest)) == sorted(set(flat(build(packs, "stream", 0))))
+    assert not set(handed) & set(rest) and len(rest) == len(set(rest))
+    assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
+
+
+def test_torchdata_resumes_a_stream_of_several_workers_from_rank_zeros_state_on_its_ranks_only(packs):
+    handed, states, full = [], [], []
+    for rank in range(2):
+        loader, data = stateful(packs, "sdl-stream-2", rank, 2)
+        full.append(flat(epoch_of(loader, data, 0)))
+        data.set_epoch(0)
+        batches = iter(loader)
+        handed.append(flat(next(batches) for _ in range(3)))
+        states.append(loader.state_dict())
+        del batches
+    for rank in range(2):  # the same world: rank 0's state is every rank's (each worker's count is the same)
+        loader, data = stateful(packs, "sdl-stream-2", rank, 2)
+        loader.load_state_dict(states[0])
+        assert handed[rank] + flat(epoch_of(loader, data, 0)) == full[rank]
+    loader, data = stateful(packs, "sdl-stream-2", 0, 3)
+    loader.load_state_dict(states[0])
+    with pytest.raises(ValueError, match="one DataLoader worker's .* saved on 2 rank\\(s\\) with 2 workers; here "
+                                         "there are 3 rank\\(s\\).* through readers.make_loader"):
+        epoch_of(loader, data, 0)
 
 
 def save_to_bytes(state: dict):
@@ -298,7 +413,7 @@ if __name__ == "__main__":
 
         dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
                                 world_size=int(os.environ["WORLD_SIZE"]))
-    result = save_side(job) if sys.argv[1] == "save" else resume_side(job)
+    result = PHASES[sys.argv[1]](job)
     Path(job["out"]).write_text(json.dumps(result))
     if job["gloo"]:
         dist.barrier()

@@ -251,10 +251,8 @@ def test_a_stream_state_names_its_shards_workers_and_buffer(packs):
     next(samples)
     own = alone.state_dict()  # one worker's own stream, as StatefulDataLoader saves it
     elsewhere = WDSDataset(Path(packs) / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=0, world_size=2)
-    elsewhere.load_state_dict(own)
-    with pytest.raises(ValueError, match="one DataLoader worker's .* on 1 rank\\(s\\) with 1 worker\\(s\\); here "
-                                         "there are 2 and 1"):
-        next(iter(elsewhere))
+    elsewhere.load_state_dict(own)  # a rank's only stream: its count is every rank's (test_elastic.py)
+    next(iter(elsewhere))  # its rest, dealt to 2 ranks
     shards = sorted(str(p) for p in (Path(packs) / "d.wds" / "all").glob("*.tar"))
     fewer_shards = make_loader(WDSDataset(shards[:-1], decode="raw", shuffle=16, seed=SEED), BATCH, workers=WORKERS,
                                collate_fn=sample_ids)
