@@ -11,6 +11,7 @@ import re
 from typing import NamedTuple
 
 from ..errors import redact
+from .schemes import LOCAL
 
 # Any scheme fsspec may open (s3://, gs://, https://, ...), but not file://, which is a local path.
 SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
@@ -32,7 +33,7 @@ def is_url(path) -> bool:
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     match = SCHEME.match(path) if isinstance(path, str) else None
-    return bool(match) and match["scheme"].lower() != "file"
+    return bool(match) and match["scheme"].lower() not in LOCAL
 
 
 def scheme_of(url: str) -> str:

@@ -15,6 +15,7 @@ import socket
 
 from ..errors import PackError, redact
 from . import scheme_of
+from .schemes import retried_codes, scheme_for
 
 MISSING, NO_BUCKET, DENIED, UNREACHABLE, TIMEOUT, SERVER, OTHER = (
     "missing", "no-bucket", "denied", "unreachable", "timeout", "server", "other")
@@ -23,8 +24,7 @@ TRANSIENT = (UNREACHABLE, TIMEOUT, SERVER)
 DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
                 "AllAccessDisabled", "AccountProblem", "Forbidden", "403"}
 MISSING_CODES = {"NoSuchKey", "NotFound", "404", "NoSuchUpload"}
-SERVER_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "500", "502", "503", "504", "429"}
+SERVER_CODES = retried_codes()  # packer.remote.schemes: which codes each store sends for "try later"
 # Names of exception classes (botocore, aiohttp, urllib3, fsspec) met when a server cannot be
 # reached or stops answering; matched by name so this module imports none of them.
 UNREACHABLE_NAMES = {"EndpointConnectionError", "ClientConnectorError", "ClientConnectionError",
@@ -139,18 +139,15 @@ def failure(url: str, exc: BaseException, doing: str = "reading", storage_option
     if isinstance(exc, RemoteError):
         return exc
     kind = classify(exc)
-    endpoint = endpoint_of(storage_options) if url.startswith("s3://") else None
+    scheme = scheme_for(scheme_of(url))
+    endpoint = endpoint_of(storage_options) if scheme.names_endpoint else None
     at = f" at {endpoint}" if endpoint else ""
     if kind == NO_BUCKET:
         hint = f"the bucket does not exist{at}: check the bucket name in the URL and the endpoint_url"
         if doing == "writing":
             hint += " (packer writes into an existing bucket; create it first)"
-    elif kind == DENIED and scheme_of(url) in ("http", "https"):
-        hint = ("access refused by the web server (403): check the URL, and that the server lets this machine "
-                "read the file")
     elif kind == DENIED:
-        hint = (f"access refused{at}: check the credentials (storage_options key/secret, or AWS_ACCESS_KEY_ID/"
-                f"AWS_SECRET_ACCESS_KEY/AWS_PROFILE), the endpoint_url, and that they may {doing[:-3]} this bucket")
+        hint = scheme.denied_advice.format(at=at, verb=doing[:-3])
     elif kind == MISSING:
         hint = "no such object: check the URL (bucket, key, host) and that the dataset was uploaded whole"
     elif kind in (UNREACHABLE, TIMEOUT):

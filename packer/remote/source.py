@@ -39,6 +39,7 @@ from . import is_url as _is_url, scheme_of
 from .cache import BlockCache, parse_bytes
 from .errors import MISSING, RemoteError
 from .retry import RETRIES, bounded, split_deadline, with_retries
+from .schemes import named, scheme_for
 
 EXTRA = "packer[remote]"
 DEFAULT_BLOCK_SIZE = 8 << 20
@@ -100,10 +101,10 @@ S3_CLIENT = {"retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeou
 
 
 def one_attempt(url: str, storage_options: dict | None) -> dict:
-    """storage_options for url: an s3:// URL's client gets S3_CLIENT, under the caller's own
-    config_kwargs."""
+    """storage_options for url: a botocore client (s3://) gets S3_CLIENT, under the caller's
+    own config_kwargs."""
     options = dict(storage_options or {})
-    if scheme_of(url) in ("s3", "s3a"):
+    if scheme_for(scheme_of(url)).client == "botocore":
         options["config_kwargs"] = {**S3_CLIENT, **(options.get("config_kwargs") or {})}
     return options
 
@@ -111,10 +112,10 @@ def one_attempt(url: str, storage_options: dict | None) -> dict:
 def with_http_timeouts(url: str, storage_options: dict) -> dict:
     """storage_options for reading url: an HTTP(S) URL gets HTTP_TIMEOUTS, unless the
     caller's options or fsspec's configuration already give its client_kwargs."""
-    if scheme_of(url) not in ("http", "https") or "client_kwargs" in storage_options:
+    if scheme_for(scheme_of(url)).client != "aiohttp" or "client_kwargs" in storage_options:
         return storage_options
     import fsspec.config
-    if any("client_kwargs" in (fsspec.config.conf.get(name) or {}) for name in ("http", "https")):
+    if any("client_kwargs" in (fsspec.config.conf.get(name) or {}) for name in named("aiohttp")):
         return storage_options
     import aiohttp  # fsspec's HTTP filesystem needs it too: url_to_fs names the extra if missing
     return {**storage_options, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, **HTTP_TIMEOUTS)}}

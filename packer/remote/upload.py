@@ -64,6 +64,7 @@ from . import is_url, parse_url
 from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
 from . import source as remote_source
 from .retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
+from .schemes import Scheme, scheme_for
 from .source import one_attempt
 
 from .manifest import ENTRY, MANIFEST, MANIFEST_LIMIT, manifest_bytes, parse_manifest, safe_key
@@ -75,7 +76,6 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
 PART_SIZE = 64 << 20  # multipart parts of a large object (S3: at least 5 MiB, at most 10,000 parts)
-READ_ONLY_SCHEMES = ("http", "https")
 EXTRA = "packer[remote]"
 
 
@@ -114,8 +114,9 @@ class Target:
         return f"{parse_url(self.url).scheme}://{path}"
 
     @property
-    def s3(self) -> bool:
-        return parse_url(self.url).scheme in ("s3", "s3a")
+    def scheme(self) -> Scheme:
+        """What OUT's scheme supports (packer.remote.schemes)."""
+        return scheme_for(parse_url(self.url).scheme)
 
 
 def filesystem(url: str, storage_options: dict | None):
@@ -141,7 +142,7 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
     if not is_url(url):
         raise PackError(f"{url}: not a URL (s3://bucket/key)", url)
     parsed = parse_url(url)
-    if parsed.scheme in READ_ONLY_SCHEMES:
+    if not scheme_for(parsed.scheme).writable:
         raise PackError(f"{url}: {parsed.scheme}:// URLs are read-only (a web server takes no uploads); write to "
                         "s3://bucket/key, or pack locally and serve the folder", url)
     if not parsed.key or any(part in ("", ".", "..") for part in parsed.key.split("/")):
@@ -168,7 +169,7 @@ def open_target(url: str, storage_options: dict | None = None, retries: int = RE
 def check_bucket(target: Target) -> None:
     """Fail now, before packing, if the bucket is missing or the credentials are refused."""
     bucket = target.path.split("/", 1)[0]
-    if not target.s3:
+    if not target.scheme.bucket_check:
         return
     try:
         target.call(target.url, lambda timeout: target.fs.call_s3("head_bucket", Bucket=bucket,
@@ -285,7 +286,7 @@ class Staging:
 def stagings(target: Target) -> list[Staging]:
     """The staging prefixes beside OUT, whoever left them."""
     parent, name = posixpath.split(target.path)
-    if target.s3:
+    if target.scheme.listing == "delimiter":
         bucket, _, key = target.path.partition("/")
         prefix = key + ".partial-"
         found = []
@@ -431,7 +432,7 @@ def put(target: Target, local: str, path: str) -> None:
     """Upload one file: on S3 in one PUT below two parts' size, else as a multipart upload
     (s3fs aborts it on failure, so no parts are left behind)."""
     size = os.path.getsize(local)
-    options = {"chunksize": part_size(size)} if target.s3 else {}
+    options = {"chunksize": part_size(size)} if target.scheme.multipart else {}
     target.run(path, "put_file", local, path, size=size, **options)
 
 
