@@ -64,3 +64,15 @@ def consumed_samples(sizes: list[int], batches: int, batch_size: int, drop_last:
         raise ValueError(f"WDSDataset: the state has {batches} batches read, more than this epoch's "
                          f"{batches - remaining}; it was saved over other data")
     return [min(t * batch_size, n) for t, n in zip(taken, sizes)], following
+
+
+def cut(dataset, pool: list, begin: int, end: int) -> list:
+    """The pool's samples [begin, end), as tasks."""
+    tasks, first = [], 0
+    for task in pool:
+        size = dataset.task_size(task)
+        low, high = max(begin, first), min(end, first + size)
+        if low < high:
+            tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
+        first += size
+    return tasks

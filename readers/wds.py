@@ -39,7 +39,7 @@ from packer.records import PATH_ENCODING_ERRORS, choose_split
 from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
-from ._stream import Task, consumed_samples, replay_shuffle, stream_sizes
+from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
 from .ranks import accelerate_runs, check_rank, deal, worker, world
@@ -237,14 +237,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         sizes = self.run_sizes(plan, workers)
         begin = sum(sizes[:stream_id])
         end = begin + sizes[stream_id]
-        tasks, first = [], 0
-        for task in plan:
-            size = self.task_size(task)
-            low, high = max(begin, first), min(end, first + size)
-            if low < high:
-                tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
-            first += size
-        return tasks
+        return cut(self, plan, begin, end)
 
     def __iter__(self) -> Iterator:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).

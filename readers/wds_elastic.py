@@ -23,7 +23,7 @@ import random
 
 import numpy as np
 
-from ._stream import Task, consumed_samples, replay_shuffle
+from ._stream import Task, consumed_samples, cut, replay_shuffle
 
 SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")
 
@@ -128,18 +128,6 @@ def share(dataset, pool: list, rank: int, world_size: int) -> list:
     begin, end = min(total, rank * each), min(total, (rank + 1) * each)
     tasks = cut(dataset, pool, begin, end)
     return tasks + cut(dataset, pool, 0, each - (end - begin))
-
-
-def cut(dataset, pool: list, begin: int, end: int) -> list:
-    """The pool's samples [begin, end), as tasks."""
-    tasks, first = [], 0
-    for task in pool:
-        size = dataset.task_size(task)
-        low, high = max(begin, first), min(end, first + size)
-        if low < high:
-            tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
-        first += size
-    return tasks
 
 
 def segment_of(position: dict, world_size: int) -> dict:
