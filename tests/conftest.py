@@ -82,6 +82,25 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def packed_three_ways(root: Path) -> str:
+    """100 tiny JPEGs of 4 classes under root, packed three ways: LMDB in a shuffled storage
+    order (so block order goes through it), HDF5 in ImageFolder order, WDS in 12 shards."""
+    from packer import pack
+
+    src = class_sorted_tree(root / "src", classes=4, per_class=25)
+    pack(str(src), "lmdb", str(root / "d.lmdb"), workers=1, progress=False, shuffle=True, shuffle_seed=1)
+    pack(str(src), "hdf5", str(root / "d.h5"), workers=1, progress=False)
+    pack(str(src), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 9})
+    return str(root)
+
+
+def sample_ids(batch) -> list[int]:
+    """A collate: each (raw bytes, label) sample's name, the CRC-32 of its bytes."""
+    import zlib
+
+    return [zlib.crc32(bytes(image)) for image, _ in batch]
+
+
 def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:
     """ROOT/class<c>/<i>.jpg: classes in runs, each 96x80 JPEG large enough (over a page)
     for LMDB to keep it in overflow pages, so it gets a stored extent."""

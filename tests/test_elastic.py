@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
 
 import readers  # noqa: E402
-from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
 
-from conftest import class_sorted_tree  # noqa: E402
+from conftest import packed_three_ways, sample_ids  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -40,16 +38,7 @@ SAMPLER_CASES = ("random", "block")
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("elastic")
-    src = class_sorted_tree(root / "src", classes=4, per_class=25)
-    pack(str(src), "lmdb", str(root / "d.lmdb"), workers=1, progress=False, shuffle=True, shuffle_seed=1)
-    pack(str(src), "hdf5", str(root / "d.h5"), workers=1, progress=False)
-    pack(str(src), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 9})
-    return str(root)
-
-
-def sample_ids(batch) -> list[int]:
-    return [zlib.crc32(bytes(image)) for image, _ in batch]
+    return packed_three_ways(tmp_path_factory.mktemp("elastic"))
 
 
 def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None):

@@ -23,10 +23,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
 
 import readers  # noqa: E402
-from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
 
-from conftest import class_sorted_tree  # noqa: E402
+from conftest import packed_three_ways, sample_ids  # noqa: E402
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates; nothing of packer's.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -43,17 +42,7 @@ PACKS = {"lmdb": "d.lmdb", "hdf5": "d.h5", "wdsmap": "d.wds", "wds": "d.wds"}
 def packs(tmp_path_factory) -> str:
     """100 tiny JPEGs of 4 classes, packed three ways: LMDB in a shuffled storage order (so
     block order goes through it), HDF5 in ImageFolder order, WDS in 12 shards."""
-    root = tmp_path_factory.mktemp("resume")
-    src = class_sorted_tree(root / "src", classes=4, per_class=25)
-    pack(str(src), "lmdb", str(root / "d.lmdb"), workers=1, progress=False, shuffle=True, shuffle_seed=1)
-    pack(str(src), "hdf5", str(root / "d.h5"), workers=1, progress=False)
-    pack(str(src), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 9})
-    return str(root)
-
-
-def sample_ids(batch) -> list[int]:
-    """The collate: each (raw bytes, label) sample's name."""
-    return [zlib.crc32(bytes(image)) for image, _ in batch]
+    return packed_three_ways(tmp_path_factory.mktemp("resume"))
 
 
 def dataset(spec: dict):
