@@ -67,18 +67,25 @@ def saved_state(order: str, data) -> dict:
     return json.loads(json.dumps(sampler.state_dict()))
 
 
-def first_batch(order: str, data, state: dict | None) -> float:
-    """Seconds from building the loader to its first batch."""
+def seconds_to_first_batch(make_loader) -> float:
+    """Seconds from make_loader() building the loader to its first batch."""
     began = time.perf_counter()
-    sampler = sampler_of(order, data, 0, RESUMED_ON)
-    if state is not None:
-        sampler.load_state_dict(state)
-    loader = EpochLoader(data, batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
-    batches = iter(loader)
+    batches = iter(make_loader())
     next(batches)
     took = time.perf_counter() - began
     del batches
     return took
+
+
+def first_batch(order: str, data, state: dict | None) -> float:
+    """Seconds from building the loader, its state loaded, to its first batch."""
+    def make():
+        sampler = sampler_of(order, data, 0, RESUMED_ON)
+        if state is not None:
+            sampler.load_state_dict(state)
+        return EpochLoader(data, batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
+
+    return seconds_to_first_batch(make)
 
 
 def write_shards(folder: Path, images: list[Path], shards: int = 4, per_shard: int = 256) -> list[str]:
@@ -99,14 +106,9 @@ def write_shards(folder: Path, images: list[Path], shards: int = 4, per_shard: i
 
 
 def stream_first_batch(paths: list[str], decode: str) -> float:
-    began = time.perf_counter()
-    stream = WDSDataset(paths, decode=decode, shuffle=1000, seed=0, rank=0, world_size=1)
-    loader = EpochLoader(stream, batch_size=BATCH, num_workers=WORKERS, collate_fn=len)
-    batches = iter(loader)
-    next(batches)
-    took = time.perf_counter() - began
-    del batches
-    return took
+    return seconds_to_first_batch(lambda: EpochLoader(
+        WDSDataset(paths, decode=decode, shuffle=1000, seed=0, rank=0, world_size=1), batch_size=BATCH,
+        num_workers=WORKERS, collate_fn=len))
 
 
 def counted_stream(paths: list[str], records: int, shards: int = 1000) -> WDSDataset:

@@ -73,12 +73,18 @@ def interleaved(ranks: list[list[int]]) -> list[int]:
 
 def save_side(job: dict) -> dict:
     """Per case: a whole epoch 0, and for each stop the batches handed out before the state."""
+    return save_heads(job, CASES, lambda case: build(job["root"], case, job["workers"]))
+
+
+def save_heads(job: dict, cases, make) -> dict:
+    """Per case: a whole epoch 0 of make(case), a loader at epoch 0, and for each stop the
+    batches a fresh one handed out before its state (rank 0 saves it)."""
     record = {}
-    for case in CASES:
-        full = list(build(job["root"], case, job["workers"]))
+    for case in cases:
+        full = list(make(case))
         heads = {}
         for k in stops(len(full)):
-            loader = build(job["root"], case, job["workers"])
+            loader = make(case)
             batches = iter(loader)  # the workers start reading ahead
             heads[k] = [next(batches) for _ in range(k)]
             state = loader.state_dict()
@@ -123,21 +129,12 @@ def epoch_of(loader, data, epoch: int) -> list:
 
 def sdl_save_side(job: dict) -> dict:
     """save_side through StatefulDataLoader: the user sets the epoch; rank 0 saves its state."""
-    record = {}
-    for case in SDL_CASES:
-        full = epoch_of(*stateful(job["root"], case), 0)
-        heads = {}
-        for k in stops(len(full)):
-            loader, data = stateful(job["root"], case)
-            data.set_epoch(0)
-            batches = iter(loader)
-            heads[k] = [next(batches) for _ in range(k)]
-            state = loader.state_dict()
-            del batches
-            if job["rank"] == 0:
-                torch.save(state, Path(job["folder"]) / f"{case}-{k}.pt")
-        record[case] = {"full": full, "heads": heads}
-    return record
+    def at_epoch_zero(case: str):
+        loader, data = stateful(job["root"], case)
+        data.set_epoch(0)
+        return loader
+
+    return save_heads(job, SDL_CASES, at_epoch_zero)
 
 
 def sdl_resume_side(job: dict) -> dict:
