@@ -23,7 +23,7 @@ import time
 
 from PIL import Image
 
-from .advice import GPU_DECODE_RATE, MAX_SIDE
+from .advice import GPU_DECODE_RATE, MAX_SIDE, max_side_gain
 from .cores import available_cores
 from .errors import FormatError
 from .folder import FolderReader
@@ -323,9 +323,8 @@ def cold_finding(report: dict, cold: dict, ceiling: float) -> dict:
 def decode_findings(report: dict, ceiling: float) -> list:
     found = []
     long_side = report["image"].get("mean_long_side", 0)
-    if long_side > 1.2 * MAX_SIDE:
-        # Decode time grows with the pixels decoded; a crop's DCT scaling already saves some.
-        gain = (long_side / MAX_SIDE) ** 2
+    gain = max_side_gain(long_side)
+    if gain is not None:  # a crop's DCT scaling already saves some of it
         found.append(finding(
             "max_side", f"decode + crop is the slowest stage ({report['stages']['decode_crop']['ms_per_sample']:.2f}"
             f" ms a sample) and images have a {long_side:.0f} px long side on average",

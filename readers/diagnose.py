@@ -19,7 +19,7 @@ import time
 import torch
 
 from packer.cores import available_cores
-from packer.advice import GPU_DECODE_RATE, MAX_SIDE
+from packer.advice import GPU_DECODE_RATE, MAX_SIDE, max_side_gain
 
 from ._dataset import ReaderDataset
 from ._looptimes import RAW_CROP_STAGE, loader_settings, probe_samples, run_loop, worker_stages
@@ -282,8 +282,8 @@ def cost_findings(m: Measured, wait_ms: float) -> list:
                             f"{rate_without(decoding - raw_ms)}; {need}", m.steady_share)]
         return []
     long_side = mean_long_side(dataset)
-    if long_side > 1.2 * MAX_SIDE:
-        gain = (long_side / MAX_SIDE) ** 2  # decode time follows the pixels stored
+    gain = max_side_gain(long_side)
+    if gain is not None:
         return [Finding("max_side", evidence, f"pack with --max-side {MAX_SIDE} (images here have a {long_side:.0f} "
                         f"px long side on average): about {gain:.1f}x fewer pixels to decode, "
                         f"{rate_without(decoding * (1 - 1 / gain))}; {need}", m.steady_share)]
