@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import main as bench_main
+from test_docs import load_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -136,15 +137,6 @@ def test_the_manuals_nightly_recipe_runs_and_keeps_the_history(tmp_path):
     assert (history / "nights" / (nights[1].stem + ".compare.txt")).read_text().strip()
     trend = (history / "trend.txt").read_text()
     assert f"| {nights[0].stem} | {nights[1].stem} |" in trend
-
-
-def load_sync():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("docs_sync", ROOT / "docs" / "sync.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_notebooks_tables_are_refreshed_from_their_json(tmp_path, monkeypatch):
