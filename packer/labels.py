@@ -196,11 +196,12 @@ class ClassLookup:
         self.numeric_names = any(INTEGER.fullmatch(c) for c in classes)
 
     def knows(self, value: str) -> bool:
-        """Whether value names a class (or indexes one), as __call__ would take it."""
-        value = value.strip()
-        if value in self.index:
-            return True
-        return not self.numeric_names and bool(INTEGER.fullmatch(value)) and 0 <= int(value) < len(self.classes)
+        """Whether value names a class (or indexes one): whether __call__ takes it."""
+        try:
+            self(value, "")
+        except SourceError:
+            return False
+        return True
 
     def __call__(self, value, where: str) -> int:
         if isinstance(value, str):
