@@ -15,8 +15,8 @@ import click
 
 from .api import pack
 from .check import CHECKS, MAX_PIXELS
-from .errors import PackError, escaping, json_shown, redact, redacted, shown
-from .formats import FORMAT_NAMES, FORMATS, parse_size, spellings
+from .errors import FormatError, PackError, escaping, json_shown, redact, redacted, shown
+from .formats import FORMATS, format_named, parse_size, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
 from .reencode import MAX_SIDE_LIMIT
 from .scan import ON_ERROR, plural
@@ -207,9 +207,10 @@ class FormatName(click.ParamType):
     name = "|".join(FORMATS)
 
     def convert(self, value, param, ctx):
-        if value.lower() in FORMAT_NAMES:
-            return FORMAT_NAMES[value.lower()]
-        self.fail(f"{value!r} is not a format; choose one of: {spellings()}", param, ctx)
+        try:
+            return format_named(value).name
+        except FormatError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class PartOption(click.ParamType):

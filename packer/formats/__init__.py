@@ -14,18 +14,18 @@ from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools t
 # One entry per format (its module's FORMAT); the key is the CLI spelling (--to lmdb).
 FORMATS: dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in (lmdb, hdf5, wds)}
 # Every spelling --to accepts, aliases included (h5, webdataset, ...), to its format's name.
-FORMAT_NAMES: dict[str, str] = {spelling: f.name for f in FORMATS.values() for spelling in (f.name, *f.aliases)}
+FORMAT_SPELLINGS: dict[str, str] = {spelling: f.name for f in FORMATS.values() for spelling in (f.name, *f.aliases)}
 
 
-__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_NAMES", "Format", "Option", "ReaderCache", "default_output", "detect_format",
+__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "Option", "ReaderCache", "default_output", "detect_format",
            "evict", "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
 
 
 def format_named(name: str) -> Format:
     """The Format called name (the CLI's --to, an alias too), or a PackError listing the ones there are."""
-    if name.lower() not in FORMAT_NAMES:
-        raise FormatError(f"unknown format {name!r}; choose one of: {spellings()}")
-    return FORMATS[FORMAT_NAMES[name.lower()]]
+    if name.lower() not in FORMAT_SPELLINGS:
+        raise FormatError(f"{name!r} is not a format; choose one of: {spellings()}")
+    return FORMATS[FORMAT_SPELLINGS[name.lower()]]
 
 
 def spellings() -> str:
