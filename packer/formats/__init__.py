@@ -17,8 +17,8 @@ FORMATS: dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in (l
 FORMAT_SPELLINGS: dict[str, str] = {spelling: f.name for f in FORMATS.values() for spelling in (f.name, *f.aliases)}
 
 
-__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "Option", "ReaderCache", "default_output", "detect_format",
-           "evict", "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
+__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "Option", "ReaderCache", "default_output",
+           "detect_format", "evict", "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
 
 
 def format_named(name: str) -> Format:
