@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import platform
 import shutil
 import sys
+import warnings
 
 from packer.cores import available_cores
 
@@ -117,4 +119,55 @@ def describe(data_dir: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name(0) if info["cuda_available"] else None
     except Exception:
         info.update(cuda=None, cuda_available=False, gpu=None)
+    return info
+
+
+def packages() -> dict:
+    """The versions of torch, packer's dependencies and the bench's tools (None: not importable)."""
+    found = {}
+    for name in ("torch", "torchvision", "numpy", "PIL", "lmdb", "h5py", "simplejpeg", "deflate", "webdataset",
+                 "wids", "braceexpand", "pynvml", "matplotlib", "pytest", "click", "tqdm"):
+        try:
+            module = importlib.import_module(name)
+            with warnings.catch_warnings():  # click deprecates __version__
+                warnings.simplefilter("ignore")
+                found[name] = getattr(module, "__version__", "present")
+        except Exception as exc:  # ImportError, or a broken binary wheel
+            found[name] = None if isinstance(exc, ImportError) else f"broken: {type(exc).__name__}: {exc}"
+    return found
+
+
+def cpu_topology() -> dict:
+    """The CPU model and how many hardware threads share a core (2: SMT siblings halve a
+    core's decode rate when both run)."""
+    out = {}
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            siblings = f.read().strip()
+        out["cpu0_thread_siblings"] = siblings
+        out["threads_per_core"] = sum(len(range(int(a), int(b or a) + 1)) for a, _, b in
+                                      (part.partition("-") for part in siblings.split(",")))
+        out["cpu_model"] = cpu_model()
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def describe_cuda() -> dict:
+    """torch, its CUDA build, the GPU and the CPUs: what a GPU run (benchmarks.gpu) records first."""
+    import torch
+
+    info = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+            **cpu_topology()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                    multiprocessors=p.multi_processor_count, cudnn=torch.backends.cudnn.version())
+    try:
+        import torchvision
+
+        info["torchvision"] = torchvision.__version__
+    except ImportError:
+        info["torchvision"] = None
     return info

@@ -6,13 +6,15 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
+import sys
 import zipfile
 
 import pytest
 import torch
 
-from benchmarks import cache, gpu
+from benchmarks import cache, gpu, transfer
 from benchmarks.__main__ import main as bench_main
 
 def bench_gpu(*args: str) -> subprocess.CompletedProcess:
@@ -118,7 +120,7 @@ def make_wheel(path, requires: list[str]) -> str:
 def test_wheel_requirements_leave_extras_out(tmp_path):
     wheel = make_wheel(tmp_path / "pkg-1.0-py3-none-any.whl",
                        ["numpy>=1.19", "PyYAML", "Brace_Expand ; python_version >= '3'", "pytest ; extra == 'test'"])
-    assert gpu.wheel_requirements(wheel) == ["numpy", "pyyaml", "brace-expand"]
+    assert transfer.wheel_requirements(wheel) == ["numpy", "pyyaml", "brace-expand"]
 
 
 @pytest.fixture
@@ -132,15 +134,15 @@ def repo(tmp_path):
 
 
 def test_git_exclude_adds_each_pattern_once(repo):
-    path = gpu.git_exclude(str(repo), ["/.whl/", "/.carry/"])
-    gpu.git_exclude(str(repo), ["/.whl/", "/.carry/"])
+    path = transfer.git_exclude(str(repo), ["/.whl/", "/.carry/"])
+    transfer.git_exclude(str(repo), ["/.whl/", "/.carry/"])
     lines = open(path).read().splitlines()
     assert lines.count("/.whl/") == 1 and lines.count("/.carry/") == 1
     (repo / ".whl").mkdir()
     (repo / ".whl" / "a.whl").write_bytes(b"y" * 500)
     status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
     assert ".whl" not in status.stdout  # ignored, so only `carry` makes it travel
-    assert gpu.travelling_bytes(str(repo), [".whl"]) == 1500
+    assert transfer.travelling_bytes(str(repo), [".whl"]) == 1500
 
 
 def test_prepare_carries_the_photos_and_tool_and_prints_the_run_calls(repo, tmp_path, capsys):
@@ -205,8 +207,60 @@ def test_the_handover_step_records_both_ways_without_a_corpus(tmp_path):
 def test_profile_calls_sums_each_calls_op_times_and_tables_them():
     """What the nvjpeg step writes to nvjpeg-profile.txt, here on CPU ops alone."""
     a = torch.randn(128, 128)
-    totals, tables = gpu.profile_calls(lambda: (a @ a).relu(), 4, cuda=False)
+    from benchmarks.suites.gpu_decode import profile_calls
+
+    totals, tables = profile_calls(lambda: (a @ a).relu(), 4, cuda=False)
     assert totals["calls"] == 4 and totals["wall_ms_per_call"] > 0
     assert 0 < totals["host_op_ms_per_call"] <= totals["wall_ms_per_call"]
     assert totals["device_ms_per_call"] == 0
     assert "aten::mm" in tables and "aten::relu" in tables
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_test_file_that_needs_cuda_is_in_the_one_cuda_test_list():
+    """The tests step runs suites/cuda_tests.py's list: a test skipped without CUDA that is not
+    listed would never run on the GPU machine."""
+    from benchmarks.suites.cuda_tests import CUDA_TESTS
+
+    listed = {entry.split("::")[0] for entry in CUDA_TESTS}
+    assert all(os.path.isfile(os.path.join(ROOT, path)) for path in listed), listed
+    tests = os.path.join(ROOT, "tests")
+    skips = re.compile(r"(skipif\(|^\s*if )not torch\.cuda\.is_available\(\)", re.M)
+    needing = {f"tests/{name}" for name in os.listdir(tests)
+               if name.endswith(".py") and skips.search(open(os.path.join(tests, name)).read())}
+    assert needing and needing <= listed, needing - listed
+    parser = gpu.argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    assert parser.parse_args([]).tests == CUDA_TESTS  # the step's default is that list, not a copy
+
+
+def run_suite(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "suites", script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_corpus_and_scaling_steps_run_alone_as_suites(tmp_path):
+    proc = run_suite("corpus.py", "--workdir", str(tmp_path / "work"), "--images", "20", "--synthetic")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made = json.loads(proc.stdout)
+    assert made["images"] == 20 and made["made_by"] == "packer.synth (synthetic images)"
+    again = json.loads(run_suite("corpus.py", "--workdir", str(tmp_path / "work"), "--images", "20",
+                                 "--synthetic").stdout)
+    assert again["made_by"].startswith("reused") and again["lmdb"] == made["lmdb"]
+    rows = tmp_path / "scaling.json"
+    proc = run_suite("scaling.py", made["folder"], made["lmdb"], "--workers", "1", "--quick", "--device", "cpu",
+                     "--workdir", str(tmp_path / "scaling"), "--json", str(rows))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entry = json.loads(rows.read_text())
+    assert entry["per_core"]["median"] > 0 and entry["goal"] == "fraction >= 0.9 at 16 workers"
+    assert [r["workers"] for r in entry["rows"]] == [1] and entry["rows"][0]["parallel_samples_per_s"] > 0
+    assert "| 1 workers |" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_the_gpu_decode_suite_without_cuda_says_so(tmp_path):
+    proc = run_suite("gpu_decode.py", str(tmp_path / "absent.lmdb"))
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr and "Traceback" not in proc.stderr
