@@ -156,7 +156,7 @@ class Batches:
             blobs = [bytes(dataset[i][0]) for i in range(min(len(dataset), images))]
         finally:
             dataset.close()
-        self.images = len(blobs)
+        self.images, self.batch = len(blobs), batch
         self.encoded = [EncodedBatch.of(blobs[i:i + batch]) for i in range(0, len(blobs) - batch + 1, batch)] \
             or [EncodedBatch.of(blobs)]
         self.tensors = [encoded.tensors() for encoded in self.encoded]  # what the bare decode takes
@@ -208,7 +208,7 @@ def in_process_rates(rates: Rates, batches: Batches, chunks: list[int], crop) ->
 
     rates.measure("bare_decode_jpeg", synced(lambda: decode_jpeg(batches.tensors[batches.next_index()],
                                                                   mode=ImageReadMode.RGB, device=device)),
-                  what=f"torchvision.io.decode_jpeg(list of {len(batches.encoded[0])} tensors, device='cuda'), "
+                  what=f"torchvision.io.decode_jpeg(list of {batches.batch} tensors, device='cuda'), "
                        f"decode only, tensors made beforehand")
     decoded = decode_jpeg(batches.tensors[0], mode=ImageReadMode.RGB, device=device)
     held = torch.cuda.memory_allocated(device)
