@@ -528,20 +528,31 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
 
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
-    loader = EpochLoader(
+    collate = batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
+                            give_back=pin and policy.workers > 0)
+    loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn)
+    warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
+    return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
+
+
+def epoch_loader(dataset, batch_size: int, walk: Order, policy: WorkerPolicy, pin: bool, drop_last: bool,
+                 collate_fn, worker_init_fn) -> EpochLoader:
+    """The DataLoader make_loader sets up: its walk, workers, pinning and collate."""
+    return EpochLoader(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
-        collate_fn=batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
-                                 give_back=pin and policy.workers > 0),
-        pin_memory=pin, drop_last=drop_last,
+        collate_fn=collate_fn, pin_memory=pin, drop_last=drop_last,
         worker_init_fn=(functools.partial(worker_init, rank=process_rank(), user_init=worker_init_fn)
                         if policy.workers else None),
         multiprocessing_context=policy.context, persistent_workers=policy.persistent,
         prefetch_factor=policy.prefetch_factor)
-    warn_if_drop_last_drops_much(loader, walk.sampler)
+
+
+def wrapped_loader(loader: EpochLoader, target, decoder, stats, **normalise):
+    """The loader as make_loader returns it: behind a CUDAPrefetcher (normalise: its mean, std,
+    channels_last and dtype) when there is a target device, and in LoaderStats when stats asks."""
     result = loader
     if target is not None:
-        result = CUDAPrefetcher(loader, target, mean=mean, std=std, channels_last=channels_last, dtype=dtype,
-                                gpu_decode=decoder)
+        result = CUDAPrefetcher(loader, target, gpu_decode=decoder, **normalise)
     if stats:
         result = LoaderStats(result, **(stats if isinstance(stats, dict) else {}))
     return result

@@ -17,7 +17,6 @@ that point on, are read again; every other shard already consumed is skipped unr
 from __future__ import annotations
 
 import bisect
-import json
 import multiprocessing
 import multiprocessing.context
 import os
@@ -30,16 +29,15 @@ import numpy as np
 import torch.distributed
 import torch.utils.data
 
-from packer.errors import CorruptDataError, FormatError, PackError, ReplacedError
+from packer.errors import CorruptDataError, PackError, ReplacedError
 from packer.formats import _tar, wds
 from packer.formats._reader import current_identity
 from packer.formats._tables import replaced_error
-from packer import checksum as record_checksums
-from packer.records import PATH_ENCODING_ERRORS, choose_split
-from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
+from ._wds_checks import sample_label
+from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
 from .ranks import accelerate_runs, check_rank, deal, worker, world
@@ -49,7 +47,6 @@ from .wds_elastic import checked_history, continue_or_deal, rank_plan
 ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
 ON_ERROR_ALIASES = {"raise": "fail"}
-SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 
 
 # Accelerate's use_stateful_dataloader=True rebuilds the loader as torchdata's StatefulDataLoader,
@@ -551,64 +548,6 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
 
 
-def sample_label(where: str, parts: dict, image_suffix: str, check_crc: bool, classes: int = 0) -> int:
-    """The sample's label (-1 without a .cls member), checked against packer's .json member
-    and, where the class list is known (classes > 0), to be one of its indexes."""
-    label = -1
-    if parts.get("cls") is not None:
-        try:
-            label = int(parts["cls"])
-        except ValueError as exc:
-            raise CorruptDataError(f"{where}: .cls member {parts['cls'][:40]!r} is not an integer label; the "
-                                   "shard is damaged (re-create it, or read with on_error='skip')", where) from exc
-        if classes and not 0 <= label < classes:
-            raise CorruptDataError(f"{where}: label {label} is outside the {classes} classes of the dataset's "
-                                   f"index (0 to {classes - 1}); the shard is not this dataset's or is damaged "
-                                   "(re-pack, or read with on_error='skip')", where)
-    meta = parts.get("json")
-    # Other tools' .json members hold their own fields: only packer's (with a checksum kind's key) are checked.
-    if check_crc and meta is not None and any(key in meta for key in KIND_KEYS):
-        check_stored(where, parts[image_suffix], label, meta)
-    return label
-
-
-# The .json keys that name a record checksum kind (packer.checksum), as they appear in the member.
-KIND_KEYS = tuple(b'"%s"' % kind.encode() for kind in record_checksums.KINDS)
-
-
-def stored_checksum(stored) -> tuple[str, int] | None:
-    """(kind, value) of the record checksum a parsed .json member holds; None in another tool's."""
-    if isinstance(stored, dict):
-        for kind in record_checksums.KINDS:
-            if type(stored.get(kind)) is int:
-                return kind, stored[kind]
-    return None
-
-
-def check_stored(where: str, image: bytes, label: int, meta: bytes) -> None:
-    """Raise unless the image's checksum (of the kind its key names: crc32 or xxh3), and the
-    label when the json has one, match packer's json.
-
-    A json whose checksum (or label) is not an integer is another tool's, and is not checked."""
-    try:
-        stored = json.loads(meta.decode("utf-8", PATH_ENCODING_ERRORS))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptDataError(f"{where}: the .json member is damaged ({exc}; {meta[:60]!r}), so the image "
-                               "cannot be checked (re-create the shard, or read with on_error='skip')", where) from exc
-    found = stored_checksum(stored)
-    if found is None:
-        return
-    kind, value = found
-    path = stored.get("path")
-    if record_checksums.record_checksum(image, kind) != value:
-        raise CorruptDataError(f"{where} ({path}): checksum mismatch, the stored image is damaged (run packer verify; "
-                               "re-pack from the source, or read with on_error='skip')", where)
-    if type(stored.get("label")) is int and stored["label"] != label:
-        raise CorruptDataError(f"{where} ({path}): label {label} from the .cls member, {stored['label']} in the "
-                               ".json member; the shard is damaged (re-pack from the source, or read with "
-                               "on_error='skip')", where)
-
-
 def shuffled(items: Iterable, size: int, rng: random.Random, buffer: list | None = None) -> Iterator:
     """A shuffle buffer: keep `size` items, yield a random one as each new one arrives.
     buffer: the items already held (a resumed stream's)."""
@@ -660,108 +599,6 @@ def checked_position(position) -> dict | None:
     if position["workers"] < 1 or position.get("batch_size", 1) < 1:
         raise ValueError(f"WDSDataset.load_state_dict: workers and batch_size must be >= 1, got {position!r}")
     return dict(position)
-
-
-def count_samples(path: str) -> int:
-    return _tar.count_samples(path)
-
-
-def remote_of(path_or_urls, storage_options: dict | None):
-    """The packer.remote Remote to read remote shards with, or None for local ones (all of
-    one kind: a list mixing them is refused)."""
-    names = [path_or_urls] if isinstance(path_or_urls, (str, os.PathLike)) else list(path_or_urls)
-    remote = [remote_source.is_url(os.fspath(name)) for name in names]
-    if any(remote) and not all(remote):
-        raise FormatError("WDSDataset: the shards mix URLs and local paths; give one kind", None)
-    if not any(remote):
-        if storage_options is not None:
-            raise ValueError("storage_options only apply to shards named by URL (s3://, gs://, https://...)")
-        return None
-    return remote_source.Remote(storage_options)
-
-
-def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], list[int] | None, list[str],
-                                                                    str | None]:
-    """resolve() for URLs: a packer folder (its index.json), else shard URLs or brace patterns,
-    each checked to exist (one HEAD each)."""
-    if isinstance(path_or_urls, (str, os.PathLike)):
-        url = os.fspath(path_or_urls).rstrip("/")
-        if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
-            index, _ = wds.open_index(url, remote)
-            split = choose_split(list(index["wds"]["splits"]), split, url)
-            shards = index["wds"]["splits"][split]["shards"]
-            return ([remote_source.join(url, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split)
-        urls = expand_braces(url)
-    else:
-        urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
-    missing = [u for u in urls if not remote.exists(u)]
-    if missing:
-        raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing); check the URL and "
-                          "that the shards were uploaded", missing[0])
-    return urls, None, [], split
-
-
-def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], list[int] | None, list[str],
-                                                                   str | None]:
-    """(shard paths, their sample counts or None, class names, split) for any accepted source."""
-    if remote is not None:
-        return resolve_remote(path_or_urls, split, remote)
-    if isinstance(path_or_urls, (str, os.PathLike)):
-        path = os.fspath(path_or_urls)
-        if packed_folder(path) is not None:
-            index = wds.load_index(path)
-            split = choose_split(list(index["wds"]["splits"]), split, path)
-            shards = index["wds"]["splits"][split]["shards"]
-            return ([os.path.join(path, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split)
-        if os.path.isdir(path):
-            folder = os.path.join(path, split) if split else path
-            if not os.path.isdir(folder):
-                raise FormatError(f"{folder}: no such folder; {path} is a folder of shards, not a packer dataset, "
-                                  f"and split={split!r} names a sub-folder of it: pass the folder that holds the "
-                                  "shards, with no split", folder)
-            shards = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(SHARD_SUFFIXES))
-            if not shards:
-                raise FormatError(f"{folder}: no shards ({', '.join(SHARD_SUFFIXES)} files) in this folder", folder)
-            return shards, None, [], split
-        urls = expand_braces(path)
-    else:
-        urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
-    missing = [u for u in urls if not os.path.isfile(u)]
-    if missing:
-        raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing; only local "
-                          "files are read)", missing[0])
-    return urls, None, [], split
-
-
-def index_file_of(path_or_urls, remote) -> str | None:
-    """The index.json of the packer folder path_or_urls names (local or at a URL), else None."""
-    if remote is not None:
-        if isinstance(path_or_urls, (str, os.PathLike)):
-            url = os.fspath(path_or_urls).rstrip("/")
-            if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
-                return remote_source.join(url, wds.INDEX)
-        return None
-    folder = packed_folder(path_or_urls)
-    return None if folder is None else os.path.join(os.path.abspath(folder), wds.INDEX)
-
-
-def packed_folder(path_or_urls) -> str | None:
-    """path_or_urls when it is a local `packer pack --to wds` folder, else None."""
-    if isinstance(path_or_urls, (str, os.PathLike)):
-        path = os.fspath(path_or_urls)
-        if os.path.isdir(path) and wds.detect(path):
-            return path
-    return None
-
-
-def expand_braces(pattern: str) -> list[str]:
-    if "{" not in pattern:
-        return [pattern]
-    import braceexpand
-
-    return list(braceexpand.braceexpand(pattern))
 
 
 class WDSMapDataset(ReaderDataset):
