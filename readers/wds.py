@@ -39,6 +39,7 @@ from packer.records import PATH_ENCODING_ERRORS, choose_split
 from packer.remote import source as remote_source
 
 from ._dataset import ReaderDataset
+from ._pool import CountPool
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
@@ -156,6 +157,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # Shared with the DataLoader workers this process starts (fork or spawn), so a
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
+        # Where the workers that torchdata's StatefulDataLoader starts each with its own saved
+        # state pool their counts, to resume on other ranks (readers._pool); shared as _epoch is.
+        self._pool = CountPool()
         self.shard_counts()
         self._resume: tuple[int, dict | None, int] | None = None  # (epoch, position, its world size) to start at
         self._loaded: tuple[int, dict | None, int] | None = None  # the last state loaded, as _resume
@@ -356,9 +360,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if self._resume is None or self._resume[0] != self.epoch:
             return []
         epoch, position, saved_world = self._resume
-        history, position = continue_or_deal(position, saved_world, world_size, workers)
+        history, position = continue_or_deal(position, saved_world, world_size, workers, self.pooled_streams)
         self._resume = (epoch, position, saved_world)
         return history
+
+    def pooled_streams(self, position: dict) -> list[int]:
+        """Every stream's count of samples in a rank whose DataLoader workers each loaded their
+        own state (torchdata's StatefulDataLoader): pooled with the peers as they start."""
+        worker_id, workers = worker()
+        if position["worker"] != worker_id:
+            raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s, loaded in worker "
+                             f"{worker_id}; load each worker's own state (torchdata's StatefulDataLoader does)")
+        return self._pool.pool(self.world()[0], worker_id, workers, position["samples"])
 
     def pass_history(self, epoch: int, workers: int) -> tuple[list[dict], int]:
         """(the passes of `epoch` before the one a loader over this dataset with `workers`
@@ -535,8 +548,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None:
-            # Plain pickling (not a worker start): shared memory cannot travel, the value can.
-            state["_epoch"] = self.epoch
+            # Plain pickling (not a worker start): shared memory cannot travel, the value can;
+            # the receiver makes its own pool (__setstate__).
+            state["_epoch"], state["_pool"] = self.epoch, None
         else:  # a spawned worker does not import Accelerate, so cannot see that it runs (state_dict)
             state["_accelerate"] = self._accelerate or accelerate_runs()
         state["_progress"] = None  # this process's pass, not the receiver's
@@ -545,6 +559,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._pool is None:
+            self._pool = CountPool()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "
