@@ -114,7 +114,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     state_dict() / load_state_dict(): the epoch and a position, for an exact mid-epoch
     resume. Taken in a DataLoader worker (torchdata's StatefulDataLoader does), the
-    position is that worker's: {"rank", "worker", "workers", "samples" yielded}.
+    position is that worker's: {"rank", "worker", "workers", "samples" yielded}; to resume
+    on other ranks, the workers of a rank, each loading its own, pool them as they start.
     readers.make_loader's loader saves the rank's: {"workers", "batches", "batch_size",
     "drop_last"}, from which each worker works out its own samples (a DataLoader takes
     batches from its workers in turn), so one state resumes every rank. Positions count
