@@ -8,9 +8,10 @@ One 64-bit word per worker, written only by that worker, each in one store: the 
 waits for every peer's post, reads them, marks its slot read, waits until every peer has
 read (or cleared, having seen all read), then clears its slot. So every slot is empty
 again before the workers report that they have started, and the next pool of this
-dataset starts from empty slots; a slot its owner finds not empty was left by a worker
-stopped mid-way, and its owner refuses, which fails the whole start, so no peer goes on
-with a stale count. Every wait is bounded by the clock.
+dataset starts from empty slots; a slot its owner finds held by its rank was left by a
+worker stopped mid-way, and its owner refuses (clearing it), which fails the whole start,
+so no peer goes on with a stale count. A slot of another rank means ranks share the
+dataset object: refused. Every wait is bounded by the clock.
 """
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ class CountPool:
                              f"{SLOTS}); resume with at most {SLOTS} workers, or on the ranks that saved the state")
         if not 0 <= count < 1 << COUNT_BITS:
             raise ValueError(f"WDSDataset: a stream count of {count} is past what workers can pool (2**{COUNT_BITS})")
-        if self.words[worker_id]:
-            stale = self.words[worker_id]
-            self.words[worker_id] = 0
-            raise ValueError(self.left_message(stale, rank, worker_id))
         tag = (rank + 1) << 32
+        held = self.words[worker_id]
+        if held >> 32 == rank + 1:  # this rank's worker was stopped mid-way: no peer may read it again
+            self.words[worker_id] = 0
+            raise ValueError(stopped_message(rank, worker_id))
+        if held:
+            raise ValueError(shared_message(rank, worker_id, held))
         try:
             self.words[worker_id] = tag | count << 2 | POSTED
             words = self.wait(rank, workers, lambda word: word & 3 in (POSTED, READ), wait_s, "post its count")
@@ -57,9 +60,7 @@ class CountPool:
             words = self.words[:workers]
             foreign = [w for w, word in enumerate(words) if word and word >> 32 != rank + 1]
             if foreign:
-                raise ValueError(f"WDSDataset: DataLoader worker {foreign[0]} of rank {(words[foreign[0]] >> 32) - 1} "
-                                 f"pools its saved position with rank {rank}'s workers: one WDSDataset object is "
-                                 "shared by ranks (made before they were spawned); make one in each rank")
+                raise ValueError(shared_message(rank, foreign[0], words[foreign[0]]))
             missing = [w for w, word in enumerate(words) if not ready(word)]
             if not missing:
                 return words
@@ -71,9 +72,14 @@ class CountPool:
                                  "with other workers?)")
             time.sleep(0.002)
 
-    @staticmethod
-    def left_message(stale: int, rank: int, worker_id: int) -> str:
-        return (f"WDSDataset: DataLoader worker {worker_id} of rank {rank} found its slot for pooling saved positions "
-                f"still held by rank {(stale >> 32) - 1}: an earlier resume's worker was stopped mid-way, or ranks "
-                "share this WDSDataset object; the slot is cleared now, so start the loader again (and make the "
-                "dataset in each rank)")
+
+def stopped_message(rank: int, worker_id: int) -> str:
+    return (f"WDSDataset: DataLoader worker {worker_id} of rank {rank} found its slot for pooling saved positions "
+            "still held: an earlier resume's worker was stopped mid-way; the slot is cleared now, so start the "
+            "loader again")
+
+
+def shared_message(rank: int, worker_id: int, word: int) -> str:
+    return (f"WDSDataset: DataLoader worker {worker_id} of rank {(word >> 32) - 1} pools its saved position with rank "
+            f"{rank}'s workers: one WDSDataset object is shared by ranks (made before they were spawned); make one "
+            "in each rank")

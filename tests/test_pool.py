@@ -47,8 +47,8 @@ def test_a_peer_that_never_posts_is_refused_in_bounded_time():
 def test_a_slot_left_held_by_a_stopped_worker_is_refused_and_cleared():
     pool = CountPool()
     pool.words[1] = (0 + 1) << 32 | 4 << 2 | POSTED  # worker 1 of rank 0 stopped after posting
-    with pytest.raises(ValueError, match="worker 1 of rank 0 found its slot .* still held by rank 0: an earlier "
-                                         "resume's worker was stopped mid-way.*start the loader again"):
+    with pytest.raises(ValueError, match="worker 1 of rank 0 found its slot .* still held: an earlier resume's "
+                                         "worker was stopped mid-way.*start the loader again"):
         pool.pool(0, 1, 2, 4, wait_s=0.2)
     assert pool.words[1] == 0
 
@@ -56,10 +56,14 @@ def test_a_slot_left_held_by_a_stopped_worker_is_refused_and_cleared():
 def test_a_slot_of_another_rank_is_refused_saying_to_make_the_dataset_in_each_rank():
     pool = CountPool()
     pool.words[1] = (5 + 1) << 32 | 4 << 2 | POSTED
-    with pytest.raises(ValueError, match="worker 1 of rank 5 pools its saved position with rank 0's workers: one "
-                                         "WDSDataset object is shared by ranks.*make one in each rank"):
+    shared = "worker 1 of rank 5 pools its saved position with rank 0's workers: one WDSDataset object is shared by " \
+             "ranks.*make one in each rank"
+    with pytest.raises(ValueError, match=shared):  # met while waiting for the peers
         pool.pool(0, 0, 2, 4, wait_s=5)
     assert pool.words[0] == 0
+    with pytest.raises(ValueError, match=shared):  # met in its own slot: left as it is, the other rank's
+        pool.pool(0, 1, 2, 4, wait_s=5)
+    assert pool.words[1] == (5 + 1) << 32 | 4 << 2 | POSTED
 
 
 def test_a_count_past_the_word_and_too_many_workers_are_refused():
