@@ -1,7 +1,7 @@
 """Counts pooled among the DataLoader workers of one rank, through shared memory its main
-process made before starting them (fork, spawn or forkserver): how a worker that was
-handed only its own saved state (torchdata's StatefulDataLoader hands each its own)
-learns its peers', which together are the rank's position.
+process made before starting them (inherited under fork, passed under spawn): how a
+worker handed only its own saved state (torchdata's StatefulDataLoader hands each its
+own) learns its peers', which together are the rank's position.
 
 One 64-bit word per worker, written only by that worker, each in one store: the rank
 (+1, so an empty slot is 0), the count, and a phase: 1 posted, 2 read. A worker posts,
