@@ -35,6 +35,7 @@ from packer.formats._reader import current_identity
 from packer.formats._tables import replaced_error
 
 from ._dataset import ReaderDataset
+from ._pool import CountPool
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from ._wds_checks import sample_label
 from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
@@ -110,7 +111,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     state_dict() / load_state_dict(): the epoch and a position, for an exact mid-epoch
     resume. Taken in a DataLoader worker (torchdata's StatefulDataLoader does), the
-    position is that worker's: {"rank", "worker", "workers", "samples" yielded}.
+    position is that worker's: {"rank", "worker", "workers", "samples" yielded}; to resume
+    on other ranks, the workers of a rank, each loading its own, pool them as they start.
     readers.make_loader's loader saves the rank's: {"workers", "batches", "batch_size",
     "drop_last"}, from which each worker works out its own samples (a DataLoader takes
     batches from its workers in turn), so one state resumes every rank. Positions count
@@ -153,6 +155,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # Shared with the DataLoader workers this process starts (fork or spawn), so a
         # set_epoch() in the main process reaches persistent workers too.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
+        # Where the workers that torchdata's StatefulDataLoader starts each with its own saved
+        # state pool their counts, to resume on other ranks (readers._pool); shared as _epoch is.
+        self._pool = CountPool()
         self.shard_counts()
         self._resume: tuple[int, dict | None, int] | None = None  # (epoch, position, its world size) to start at
         self._loaded: tuple[int, dict | None, int] | None = None  # the last state loaded, as _resume
@@ -353,9 +358,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
         if self._resume is None or self._resume[0] != self.epoch:
             return []
         epoch, position, saved_world = self._resume
-        history, position = continue_or_deal(position, saved_world, world_size, workers)
+        history, position = continue_or_deal(position, saved_world, world_size, workers, self.pooled_streams)
         self._resume = (epoch, position, saved_world)
         return history
+
+    def pooled_streams(self, position: dict) -> list[int]:
+        """Every stream's count of samples in a rank whose DataLoader workers each loaded their
+        own state (torchdata's StatefulDataLoader): pooled with the peers as they start."""
+        worker_id, workers = worker()
+        if position["worker"] != worker_id:
+            raise ValueError(f"WDSDataset: the state is worker {position['worker']}'s, loaded in worker "
+                             f"{worker_id}; load each worker's own state (torchdata's StatefulDataLoader does)")
+        return self._pool.pool(self.world()[0], worker_id, workers, position["samples"])
 
     def pass_history(self, epoch: int, workers: int) -> tuple[list[dict], int]:
         """(the passes of `epoch` before the one a loader over this dataset with `workers`
@@ -532,8 +546,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None:
-            # Plain pickling (not a worker start): shared memory cannot travel, the value can.
-            state["_epoch"] = self.epoch
+            # Plain pickling (not a worker start): shared memory cannot travel, the value can;
+            # the receiver makes its own pool (__setstate__).
+            state["_epoch"], state["_pool"] = self.epoch, None
         else:  # a spawned worker does not import Accelerate, so cannot see that it runs (state_dict)
             state["_accelerate"] = self._accelerate or accelerate_runs()
         state["_progress"] = None  # this process's pass, not the receiver's
@@ -542,6 +557,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._pool is None:
+            self._pool = CountPool()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "

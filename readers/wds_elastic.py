@@ -13,8 +13,9 @@ through the worker's shuffle buffer. A state saved during such a pass lists the 
 before it ("history"), so resuming again replays them all: the state stays a few
 numbers per resume, and loading costs one replay of the samples consumed.
 
-A DataLoader worker's own state (torchdata's StatefulDataLoader) is a segment only where
-it is its rank's one stream: with several, it holds one stream's count of the rank's.
+A DataLoader worker's own state (torchdata's StatefulDataLoader) holds its own stream's
+count alone: its pass is the segment {"world_size", "workers", "streams"}, every stream's
+count, which the rank's new workers pool (readers._pool) as they start, each with its own.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import numpy as np
 
 from ._stream import Task, consumed_samples, cut, replay_shuffle
 
-SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")
+SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")  # a loader's pass (its batches)
+STREAMS_KEYS = ("world_size", "workers", "streams")  # a pass of StatefulDataLoader's workers (each stream's count)
 
 
 def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
@@ -33,13 +35,22 @@ def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
     if not isinstance(history, list):
         raise ValueError(f"{kind}.load_state_dict: history must be a list of passes, got {history!r}")
     for segment in history:
-        if not (isinstance(segment, dict) and set(segment) == set(SEGMENT_KEYS) and valid_segment(segment)):
+        if not (isinstance(segment, dict) and valid_segment(segment)):
             raise ValueError(f"{kind}.load_state_dict: each pass of the history needs the ints "
-                             f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, got {segment!r}")
-    return [dict(segment) for segment in history]
+                             f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, or world_size, "
+                             f"workers and streams (a count >= 0 per worker), got {segment!r}")
+    return [{**segment, "streams": list(segment["streams"])} if "streams" in segment else dict(segment)
+            for segment in history]
 
 
 def valid_segment(segment: dict) -> bool:
+    if set(segment) == set(STREAMS_KEYS):
+        streams = segment["streams"]
+        return (all(type(segment[key]) is int and segment[key] >= 1 for key in STREAMS_KEYS[:2])
+                and isinstance(streams, list) and len(streams) == segment["workers"]
+                and all(type(n) is int and n >= 0 for n in streams))
+    if set(segment) != set(SEGMENT_KEYS):
+        return False
     counts = all(type(segment[key]) is int and segment[key] >= (key != "batches") for key in SEGMENT_KEYS[:-1])
     return counts and type(segment["drop_last"]) is bool
 
@@ -99,7 +110,13 @@ def mark_consumed(dataset, plan: list, rank: int, segment: dict, first: np.ndarr
     """Mark in `taken` the samples this rank's streams had yielded to the segment's batches."""
     workers = segment["workers"]
     sizes = dataset.run_sizes(plan, workers)
-    yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
+    if "streams" in segment:
+        yielded = segment["streams"]
+        if any(n > size for n, size in zip(yielded, sizes)):
+            raise ValueError(f"WDSDataset: the state has {yielded} samples read from the streams of a pass whose "
+                             f"streams hold {sizes}; it was saved over other data")
+    else:
+        yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
     for stream_id in range(workers):
         ordinals = np.zeros(sizes[stream_id], dtype=bool)
         rng = stream_rng(dataset, rank, stream_id)
@@ -131,42 +148,44 @@ def share(dataset, pool: list, rank: int, world_size: int) -> list:
 
 
 def segment_of(position: dict, world_size: int) -> dict:
-    """A loader position's pass, as a history segment. A worker's own position
-    (StatefulDataLoader's) of a rank's only stream is its count of samples, which every
-    rank shares (equal batch counts of equal shares): batches of one sample each."""
-    if "samples" in position:
-        return {"world_size": world_size, "workers": 1, "batches": position["samples"], "batch_size": 1,
-                "drop_last": False}
+    """A loader position's pass (readers.make_loader's: the rank's batches), as a history segment."""
     return {"world_size": world_size, "workers": position["workers"], "batches": position["batches"],
             "batch_size": position["batch_size"], "drop_last": position["drop_last"]}
 
 
-def continue_or_deal(position: dict | None, saved_world: int, world_size: int, workers: int
+def continue_or_deal(position: dict | None, saved_world: int, world_size: int, workers: int, pool=None
                      ) -> tuple[list[dict], dict | None]:
     """(the history of the pass a state resumes, the position to skip to in it, or None to
     start it afresh): the saved pass goes on where its ranks and workers are this run's,
-    else it ends, and the rest is dealt anew."""
+    else it ends, and the rest is dealt anew.
+
+    pool(position): every stream's count of the rank, from a worker's own position
+    (StatefulDataLoader's) of a rank with several, pooled with its peers' as they start
+    (readers._pool); None where no peers pool here (the main process)."""
     if position is None:
         return [], None
     history = position.get("history", [])
     if saved_world == world_size and position["workers"] == workers:
         return history, position
-    if "samples" in position:
-        if position["workers"] > 1:
-            raise ValueError(unknowable_message(position, saved_world, world_size, workers))
-        if not (position["samples"] or history):  # nothing consumed: the epoch as a run on this world reads it
-            return [], None
-    return history + [segment_of(position, saved_world)], None
+    if "samples" not in position:
+        return history + [segment_of(position, saved_world)], None
+    if position["workers"] == 1:  # the rank's one stream: this count is every rank's
+        streams = [position["samples"]]
+    elif pool is None or position["workers"] != workers:
+        raise ValueError(unpooled_message(position, saved_world, world_size, workers))
+    else:  # every rank's stream w has yielded as many samples (equal shares, equal batch counts)
+        streams = pool(position)
+    if not (any(streams) or history):  # nothing consumed: the epoch as a run on this world reads it
+        return [], None
+    return history + [{"world_size": saved_world, "workers": len(streams), "streams": streams}], None
 
 
-def unknowable_message(position: dict, saved_world: int, world_size: int, workers: int) -> str:
-    """Why one DataLoader worker's state (torchdata's StatefulDataLoader) cannot resume on
-    other ranks, and what can."""
-    return (f"WDSDataset: this state is one DataLoader worker's (torchdata's StatefulDataLoader hands each "
-            f"worker its own), saved on {saved_world} rank(s) with {position['workers']} workers; here there are "
-            f"{world_size} rank(s) with {workers}. Resuming on other ranks needs every worker's count, but a "
-            "worker's state holds its own stream's only, and the rank's batch count stays in the loader's state, "
-            "which torchdata never gives the dataset: the other workers may each have handed out one more "
-            "batch after this one's last. Resume on other ranks through readers.make_loader's loader (its state "
-            "holds the rank's batches), or with StatefulDataLoader(num_workers=0 or 1) (one stream per rank), "
-            f"or on {saved_world} rank(s)")
+def unpooled_message(position: dict, saved_world: int, world_size: int, workers: int) -> str:
+    """Why one DataLoader worker's state (torchdata's StatefulDataLoader) of several cannot
+    resume here, and what can."""
+    return (f"WDSDataset: this state is one DataLoader worker's of {position['workers']} (torchdata's "
+            f"StatefulDataLoader hands each worker its own), saved on {saved_world} rank(s); here there are "
+            f"{world_size} rank(s) with {workers} worker(s). On other ranks, the rank's position is every worker's "
+            f"count together, which the {position['workers']} workers of a StatefulDataLoader pool as they start: "
+            f"load the whole loader state into StatefulDataLoader(num_workers={position['workers']}), or resume "
+            "through readers.make_loader's loader (its state holds the rank's batches)")

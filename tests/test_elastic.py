@@ -110,16 +110,19 @@ def resume_side(job: dict) -> dict:
     return record
 
 
-SDL_CASES = ("sdl-stream-0", "sdl-stream-1")  # a stream through StatefulDataLoader, 0 and 1 workers
+SDL_CASES = ("sdl-stream-0", "sdl-stream-1", "sdl-stream-2")  # a stream through StatefulDataLoader, 0 to 2 workers
 
 
 def stateful(root: str, case: str, rank: int | None = None, world_size: int | None = None):
-    """(a torchdata StatefulDataLoader over the stream, the stream, on which set_epoch is called)."""
+    """(a torchdata StatefulDataLoader over the stream, the stream, on which set_epoch is called).
+    case: sdl-stream-WORKERS, or sdl-stream-WORKERS-spawn for workers started by spawn."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     data = WDSDataset(Path(root) / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
-    workers = int(case.rpartition("-")[2])
-    return StatefulDataLoader(data, BATCH, num_workers=workers, collate_fn=sample_ids, drop_last=False), data
+    workers = int(case.split("-")[2])
+    context = "spawn" if case.endswith("-spawn") else None
+    return StatefulDataLoader(data, BATCH, num_workers=workers, collate_fn=sample_ids, drop_last=False,
+                              multiprocessing_context=context), data
 
 
 def epoch_of(loader, data, epoch: int) -> list:
@@ -245,21 +248,23 @@ def test_a_state_saved_after_an_elastic_resume_resumes_again(packs, case):
     assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
 
 
-def test_torchdata_resumes_a_stream_of_one_worker_per_rank_on_other_ranks(packs, tmp_path):
-    """StatefulDataLoader over WDSDataset with 0 and 1 workers: rank 0's state, 2 ranks -> 3
-    and 3 ranks -> 1, as make_loader's (a worker's count is then the rank's)."""
+def test_torchdata_resumes_a_stream_on_other_ranks(packs, tmp_path):
+    """StatefulDataLoader over WDSDataset with 0, 1 and 2 workers: rank 0's state, 2 ranks -> 3
+    (one gloo run) and 3 ranks -> 1, as make_loader's (2 workers pool their counts as they start)."""
     a, b = tmp_path / "from2", tmp_path / "from3"
     a.mkdir()
     b.mkdir()
     saved2 = run_ranks("sdl-save", a, packs, world_size=2, workers=0)
-    check_resumes(saved2, run_ranks("sdl-resume", a, packs, world_size=3, workers=0), "2 -> 3", SDL_CASES)
+    check_resumes(saved2, run_ranks("sdl-resume", a, packs, world_size=3, workers=0, gloo=True), "2 -> 3 gloo",
+                  SDL_CASES)
     saved3 = run_ranks("sdl-save", b, packs, world_size=3, workers=0)
     check_resumes(saved3, run_ranks("sdl-resume", b, packs, world_size=1, workers=0), "3 -> 1", SDL_CASES)
 
 
-@pytest.mark.parametrize("case", SDL_CASES)
+@pytest.mark.parametrize("case", SDL_CASES[:2] + ("sdl-stream-3",))
 def test_a_stream_state_saved_after_a_torchdata_elastic_resume_resumes_again(packs, case):
-    """2 ranks -> 3 ranks (rank 0's state saved mid-way) -> 1 rank: every sample once."""
+    """2 ranks -> 3 ranks (rank 0's state saved mid-way) -> 1 rank: every sample once; also
+    with 3 workers per rank."""
     handed, state = [], None
     for world_size, take in ((2, 3), (3, 2)):
         for rank in range(world_size):
@@ -282,7 +287,7 @@ def test_a_stream_state_saved_after_a_torchdata_elastic_resume_resumes_again(pac
     assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
 
 
-def test_torchdata_resumes_a_stream_of_several_workers_from_rank_zeros_state_on_its_ranks_only(packs):
+def test_torchdata_resumes_several_workers_on_their_ranks_and_refuses_one_workers_state_alone(packs):
     handed, states, full = [], [], []
     for rank in range(2):
         loader, data = stateful(packs, "sdl-stream-2", rank, 2)
@@ -296,11 +301,29 @@ def test_torchdata_resumes_a_stream_of_several_workers_from_rank_zeros_state_on_
         loader, data = stateful(packs, "sdl-stream-2", rank, 2)
         loader.load_state_dict(states[0])
         assert handed[rank] + flat(epoch_of(loader, data, 0)) == full[rank]
-    loader, data = stateful(packs, "sdl-stream-2", 0, 3)
-    loader.load_state_dict(states[0])
-    with pytest.raises(ValueError, match="one DataLoader worker's .* saved on 2 rank\\(s\\) with 2 workers; here "
-                                         "there are 3 rank\\(s\\).* through readers.make_loader"):
-        epoch_of(loader, data, 0)
+    # One worker's state alone, on other ranks, where no peers pool theirs (here, the main process)
+    alone = states[0]["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]
+    data = WDSDataset(Path(packs) / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=0, world_size=3)
+    data.load_state_dict(alone)
+    with pytest.raises(ValueError, match="one DataLoader worker's of 2 .* saved on 2 rank\\(s\\); here there are "
+                                         "3 rank\\(s\\) with 1 worker.* StatefulDataLoader\\(num_workers=2\\)"):
+        list(data)
+
+
+def test_torchdata_workers_started_by_spawn_pool_their_counts(packs):
+    """2 ranks x 2 forked workers -> 1 rank x 2 spawned workers: the rest is every sample not handed out."""
+    handed, state = [], None
+    for rank in range(2):
+        loader, data = stateful(packs, "sdl-stream-2", rank, 2)
+        data.set_epoch(0)
+        batches = iter(loader)
+        handed += flat(next(batches) for _ in range(3))
+        state = loader.state_dict() if rank == 0 else state
+        del batches
+    loader, data = stateful(packs, "sdl-stream-2-spawn", 0, 1)
+    loader.load_state_dict(state)
+    rest = flat(epoch_of(loader, data, 0))
+    assert sorted(handed + rest) == sorted(set(flat(build(packs, "stream", 0))))
 
 
 def save_to_bytes(state: dict):
