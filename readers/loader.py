@@ -42,6 +42,7 @@ from .buffers import WorkerBatch
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
 from .heap import keep_heap
+from .hybrid import HybridDecoder, hybrid_collate
 from .ranks import accelerate_shards, local_world_size, process_rank, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
 from .sampler import STATE_VERSION, check_state, checked_count
@@ -381,17 +382,20 @@ def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
     """The batch decoder for gpu_decode (None, False, True or a decoder), or None."""
     if gpu_decode is None or gpu_decode is False:
         return None
-    if not cuda:
+    if isinstance(gpu_decode, str) and gpu_decode != "hybrid":
+        raise ValueError(f"make_loader: gpu_decode must be True, False, 'hybrid' or a decoder, not {gpu_decode!r}")
+    if not cuda and not (device is not None and isinstance(gpu_decode, HybridDecoder)):  # a stand-in engine
         raise ValueError("make_loader: gpu_decode decodes on the GPU and needs device='cuda'")
     if getattr(dataset, "decode", "raw") != "raw" or getattr(dataset, "transform", None) is not None:
         raise ValueError("make_loader: with gpu_decode the workers only read bytes and the GPU decodes and "
                          "transforms them; build the dataset with decode='raw' and no transform")
-    if gpu_decode is not True:
+    if gpu_decode is not True and gpu_decode != "hybrid":
         return gpu_decode
     from .nvjpeg import GPUDecoder
     from .transforms import RandomResizedCrop, ResizeCenterCrop
 
-    return GPUDecoder(RandomResizedCrop(224, flip=0.5) if train else ResizeCenterCrop(224), device)
+    engine = GPUDecoder(RandomResizedCrop(224, flip=0.5) if train else ResizeCenterCrop(224), device)
+    return HybridDecoder(engine) if gpu_decode == "hybrid" else engine
 
 
 def warn_if_drop_last_drops_much(loader: EpochLoader, sampler) -> None:
@@ -501,7 +505,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
             RandomResizedCrop(224, flip=0.5) / ResizeCenterCrop(224) by `train`, or a
-            readers.nvjpeg.GPUDecoder.
+            readers.nvjpeg.GPUDecoder; "hybrid" to split each batch between the workers
+            and nvJPEG, tuned online (readers.hybrid), or a readers.hybrid.HybridDecoder.
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
         order: how a map-style dataset is walked. "random": a permutation per epoch (the
@@ -528,8 +533,9 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
 
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
-    collate = batch_collate(collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
-                            give_back=pin and policy.workers > 0)
+    collate = hybrid_collate(decoder, policy.workers, pin) or batch_collate(
+        collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
+        give_back=pin and policy.workers > 0)
     loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn)
     warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
