@@ -17,6 +17,8 @@ order (`--steps` picks some; `corpus` runs whenever a later step needs it):
   handover pin_handover.py --pin: the training thread's GIL stalls while torch's pin thread
            frees each batch, with the batch's shared memory given back first and without
   disk     disk_depth.py: the disk's cold random reads by reads in flight
+  pack     pack_profile.py: pack LMDB and WDS on every core against `tar cf`, cold, with the
+           CPU each process used and a cProfile of the packing process (pack-profile.txt)
   suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
   scaling  scaling.py: e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the
            per-core decode + crop rate, and against as many lone processes at once
@@ -28,8 +30,8 @@ ends inside a 10-minute limit; results are rewritten after every step, so a comm
 early still leaves them.
 
 Files in --out (flat, at most 8): gpu-results.json (everything), gpu.log, summary.md (the
-tables), tests.xml, nvjpeg-profile.txt (torch.profiler's tables of the GPU decoder), suite.json,
-suite.md and suite.png.
+tables), tests.xml, nvjpeg-profile.txt (torch.profiler's tables of the GPU decoder),
+pack-profile.txt, suite.json, suite.md and suite.png.
 """
 from __future__ import annotations
 
@@ -50,11 +52,11 @@ from .suites import cuda_tests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
 # scaling saves each row as it goes, so it takes what is left.
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "suite", "scaling")
-NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "scaling", "suite")
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "pack", "suite", "scaling")
+NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "pack", "scaling", "suite")
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
 MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "handover": 60, "disk": 40,
-               "scaling": 90, "suite": 120}
+               "pack": 40, "scaling": 90, "suite": 120}
 MARGIN_S = 20  # left free at the end of the budget: writing results, the machine's transfers
 
 
@@ -218,8 +220,9 @@ def step_feed(run: Run, args, ctx: dict, summary: dict) -> None:
         quick = args.quick or device.type == "cpu"
         batch = min(args.batch, 8) if device.type == "cpu" else args.batch
         steps, warmup = (8, 2) if quick else (60, 10)
-        per_case = max(10.0, min(args.feed_seconds, (run.left() - MARGIN_S - 20) / 3))
-        entry["config"] = {"batch": batch, "steps": steps, "warmup": warmup, "max_seconds_per_case": per_case}
+        per_case = max(10.0, min(args.feed_seconds, (run.left() - MARGIN_S - 20) / len(args.feed_cases)))
+        entry["config"] = {"batch": batch, "steps": steps, "warmup": warmup, "max_seconds_per_case": per_case,
+                           "model": args.feed_model, "size": args.feed_size}
 
         def partial(out):
             entry.update(out)
@@ -228,7 +231,8 @@ def step_feed(run: Run, args, ctx: dict, summary: dict) -> None:
             run.log(f"feed {last['case']}: " + json.dumps({k: v for k, v in last.items() if k != "case"}))
 
         feed.feed_check(ctx["lmdb"], device, batch, steps, warmup, workers=args.workers,
-                        max_seconds=per_case, on_result=partial)
+                        max_seconds=per_case, on_result=partial, model_name=args.feed_model,
+                        size=args.feed_size, cases=args.feed_cases)
         summary["feed"] = feed.table(entry["results"])
         if device.type == "cpu":
             entry["note"] = "CPU smoke run with a small model: the plumbing, not the claim"
@@ -244,8 +248,9 @@ def step_nvjpeg(run: Run, args, ctx: dict, summary: dict) -> None:
     with run.step("nvjpeg") as entry:
         from .suites import gpu_decode
 
-        rates_to_take = 4 + 2 * len(args.nvjpeg_chunks)
-        seconds = 3.0 if args.quick else max(3.0, min(10.0, (run.left() - MARGIN_S - 30) / rates_to_take))
+        rates_to_take = 5 + 2 * len(args.nvjpeg_chunks)  # bare, crop x2, CPU workers, hybrid; two per chunk size
+        per_rate = (run.left() - MARGIN_S - 30) / rates_to_take
+        seconds = 3.0 if args.quick else max(3.0, min(args.nvjpeg_seconds, per_rate))
         gpu_decode.measure(entry, ctx["lmdb"], args.device, args.batch, args.nvjpeg_images, args.nvjpeg_chunks,
                            seconds, args.workers, os.path.join(run.out, "nvjpeg-profile.txt"), run.note)
         summary["nvjpeg"] = gpu_decode.table(entry)
@@ -322,6 +327,13 @@ def step_handover(run: Run, args, ctx: dict, summary: dict) -> None:
         *(["--pin"] if args.device.startswith("cuda") else [])])
 
 
+def step_pack(run: Run, args, ctx: dict, summary: dict) -> None:
+    """Pack on every core against tar cf, cold, and where the pack's time goes (benchmarks/suites/pack_profile.py)."""
+    study_step(run, args, summary, "pack", "pack_profile.py", [
+        ctx["folder"], "--workdir", os.path.join(args.workdir, "pack"), "--repeats", "1",
+        "--profile", os.path.join(run.out, "pack-profile.txt")])
+
+
 def study_step(run: Run, args, summary: dict, step: str, script: str, script_args: list) -> None:
     """Run benchmarks/suites/<script>: its runs go into gpu-results.json, its table into summary.md."""
     with run.step(step) as entry:
@@ -379,7 +391,7 @@ def write_summary(run: Run, summary: dict) -> None:
     for name, s in run.results["steps"].items():
         note = s.get("error") or s.get("reason") or s.get("note") or ""
         parts.append(f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {note} |")
-    for name in ("feed", "nvjpeg", "handover", "scaling", "disk", "suite"):
+    for name in ("feed", "nvjpeg", "handover", "scaling", "disk", "pack", "suite"):
         if name in summary:
             parts += ["", f"## {name}", "", summary[name]]
     with open(os.path.join(run.out, "summary.md"), "w") as f:
@@ -419,7 +431,7 @@ def run_steps(args, argv: list[str]) -> int:
             step_corpus(run, args, ctx)
         else:
             {"feed": step_feed, "nvjpeg": step_nvjpeg, "handover": step_handover, "disk": step_disk,
-             "scaling": step_scaling, "suite": step_suite}[name](
+             "pack": step_pack, "scaling": step_scaling, "suite": step_suite}[name](
                 run, args, ctx, summary)
         write_summary(run, summary)
     run.results["seconds"] = round(time.monotonic() - run.started, 1)
@@ -451,6 +463,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="loader workers (default: the usable cores)")
     p.add_argument("--batch", type=int, default=256, help="feed and nvJPEG batch size (default: 256)")
     p.add_argument("--feed-seconds", type=float, default=45.0, help="at most this long per feed case (45)")
+    p.add_argument("--feed-model", choices=("resnet50", "resnet18"), default="resnet50",
+                   help="the feed's model (resnet18: the frontier's faster step)")
+    p.add_argument("--feed-size", type=int, default=224, help="the feed's crop side (160: ResNet-50's faster step)")
+    p.add_argument("--feed-cases", type=lambda v: [c for c in v.split(",") if c],
+                   default=["defaults", "defaults+workers", "make_loader"],
+                   help="the feed's loaders: defaults, defaults+workers, make_loader, make_loader_gpu_decode, "
+                        "make_loader_hybrid (default: the first three)")
+    p.add_argument("--nvjpeg-seconds", type=float, default=10.0, help="at most this long per nvJPEG rate (10)")
     p.add_argument("--nvjpeg-images", type=int, default=4096, help="images decoded by the nvJPEG rates (4096)")
     p.add_argument("--nvjpeg-chunks", type=lambda v: [int(c) for c in v.split(",")], default=[0, 64],
                    help="GPUDecoder chunk sizes to measure, 0 = the whole batch in one decode (default: 0,64)")
@@ -477,5 +497,12 @@ def main(args, argv: list[str]) -> int:
         return 2
     if args.images < 2 or args.time_budget <= 0 or args.batch < 1:
         print("--images must be >= 2, --time-budget > 0, --batch >= 1", file=sys.stderr)
+        return 2
+    from .suites import feed
+
+    unknown = sorted(set(args.feed_cases) - set(feed.CASES) - set(feed.GPU_CASES))
+    if unknown or not args.feed_cases:
+        print(f"--feed-cases: unknown {', '.join(unknown) or '(none given)'}; cases: "
+              f"{', '.join(feed.CASES + tuple(feed.GPU_CASES))}", file=sys.stderr)
         return 2
     return run_steps(args, argv)

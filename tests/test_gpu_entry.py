@@ -159,10 +159,59 @@ def test_prepare_carries_the_photos_and_tool_and_prints_the_run_calls(repo, tmp_
     assert (carry / "data" / "imagenet-sample" / "n0" / "a.JPEG").read_bytes() == b"\xff\xd8\xff"
     assert (carry / "tools" / "make_corpus.py").exists()  # ../data/imagenet-sample, as the tool expects
     calls = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert len(calls) == 2
+    assert len(calls) == 1 and calls[0]["timeout_s"] <= 540
     for call in calls:
         assert call["carry"] == [".whl", ".carry"] and len(call["command"]) <= 2000
         assert call["command"].startswith("python3 -m pip install") and "--out $OUT" in call["command"]
+
+
+def test_the_one_device_command_fits_nine_minutes_and_measures_every_open_item():
+    """Issue 40: one prepared command of at most 540 s, setup included, measuring GPU decode and
+    the hybrid split (nvjpeg), scaling, pack against tar cf, and the feed at the frontier."""
+    (command,) = transfer.COMMANDS
+    assert command.startswith(transfer.SETUP)
+    argv = command[len(transfer.SETUP):].split()
+    assert argv[:4] == ["python3", "-m", "benchmarks", "gpu"]
+    parser = gpu.argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args([a.replace("$OUT", "/out") for a in argv[4:]])
+    assert args.time_budget + 25 <= 540  # the wheels' install and start-up take well under 25 s
+    assert {"nvjpeg", "scaling", "pack", "feed"} <= set(args.steps)
+    assert args.feed_model == "resnet18" and "make_loader_hybrid" in args.feed_cases
+    assert all(gpu.MIN_SECONDS[s] for s in args.steps)
+
+
+@pytest.mark.skipif(not cache.CAN_EVICT, reason="needs posix_fadvise to evict")
+def test_the_pack_step_times_pack_against_tar_and_writes_its_profile(tmp_path):
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "pack",
+                     "--images", "20", "--synthetic", "--quick", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = results(out)["steps"]
+    assert list(steps) == ["env", "corpus", "pack"] and steps["pack"]["status"] == "ok"
+    runs = steps["pack"]["runs"]
+    assert runs["tar"]["median"] > 0
+    for fmt in ("lmdb", "wds"):
+        assert runs[fmt]["vs_tar"] == runs[fmt]["seconds"] / runs["tar"]["median"]
+        assert runs[fmt]["process_cpu_s"] > 0 and runs[fmt]["top_own_time"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.json", "gpu.log", "pack-profile.txt", "summary.md"]
+    assert "== pack lmdb" in (out / "pack-profile.txt").read_text() and "## pack" in (out / "summary.md").read_text()
+    assert not os.path.exists(tmp_path / "work" / "pack" / "pack.lmdb")  # outputs removed
+
+
+def test_the_feed_step_takes_the_frontier_s_model_and_cases_and_skips_gpu_decode_without_cuda(tmp_path):
+    refused = bench_gpu("--out", str(tmp_path / "o"), "--feed-cases", "make_loader,hybrid", "--device", "cpu")
+    assert refused.returncode == 2 and "--feed-cases: unknown hybrid; cases: defaults" in refused.stderr
+    out = tmp_path / "out"
+    proc = bench_gpu("--out", str(out), "--workdir", str(tmp_path / "work"), "--steps", "feed", "--images", "20",
+                     "--synthetic", "--quick", "--device", "cpu", "--feed-model", "resnet18", "--feed-size", "64",
+                     "--feed-cases", "make_loader,make_loader_hybrid")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    feed = results(out)["steps"]["feed"]
+    assert feed["config"]["model"] == "resnet18" and feed["env"]["size"] == 64
+    made, hybrid = feed["results"]
+    assert made["case"] == "make_loader" and made["steps_timed"] > 0
+    assert hybrid == {"case": "make_loader_hybrid", "skipped": "gpu_decode needs CUDA"}
 
 
 def test_prepare_without_the_shared_photos_says_where_it_looked(repo, tmp_path, capsys):

@@ -7,7 +7,11 @@
   Pillow RandomResizedCrop + flip, float32 normalised on the CPU, synchronous `.cuda()`;
 - "defaults+workers": the same with as many workers as make_loader picks;
 - "make_loader": decode="raw" + readers.RandomResizedCrop (uint8), make_loader(device="cuda")
-  with its CUDAPrefetcher (pinned uint8 copies on a side stream, normalise on the GPU).
+  with its CUDAPrefetcher (pinned uint8 copies on a side stream, normalise on the GPU);
+- "make_loader_gpu_decode", "make_loader_hybrid" (named in --cases only): the same with
+  gpu_decode=True / "hybrid" (nvJPEG; CUDA only, else skipped).
+
+--model resnet18 and --size 160 give the frontier's faster step (ResNet-50 at 224 is the default).
 
 Per step, data wait (next() plus any copy, until the batch is on the device: the consumer
 stream is synchronized after next()) and step time (forward, backward, optimizer, then a
@@ -56,12 +60,17 @@ def pillow_train_transform(image: Image.Image) -> torch.Tensor:
     return (x - MEAN) / STD
 
 
-def model_for(device: torch.device) -> nn.Module:
+CASES = ("defaults", "defaults+workers", "make_loader")
+GPU_CASES = {"make_loader_gpu_decode": True, "make_loader_hybrid": "hybrid"}  # case -> make_loader's gpu_decode
+MODELS = ("resnet50", "resnet18")
+
+
+def model_for(device: torch.device, name: str = "resnet50") -> nn.Module:
     if device.type == "cuda":
         try:
             import torchvision
 
-            return torchvision.models.resnet50(num_classes=1000)
+            return getattr(torchvision.models, name)(num_classes=1000)
         except ImportError:
             pass
     width = 64 if device.type == "cuda" else 8
@@ -182,16 +191,17 @@ def run(name, batches, device, model, steps, warmup, copy_sync, max_seconds=None
 
 
 def feed_check(packed: str, device: torch.device, batch: int = 256, steps: int = 60, warmup: int = 10,
-               workers: int | None = None, max_seconds: float | None = None, on_result=None) -> dict:
-    """The three cases on the LMDB at `packed`: {"env": ..., "results": [...]}. on_result(partial)
+               workers: int | None = None, max_seconds: float | None = None, on_result=None,
+               model_name: str = "resnet50", size: int = 224, cases=CASES) -> dict:
+    """The cases on the LMDB at `packed`: {"env": ..., "results": [...]}. on_result(partial)
     is called after each case, so a caller can save what is done before a later case fails."""
     workers = readers.loader.default_workers() if workers is None else workers
-    model = model_for(device).to(device, memory_format=torch.channels_last)
+    model = model_for(device, model_name).to(device, memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = True
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "workers": workers, "cores": readers.loader.available_cores(),
            "batch": batch, "steps": steps, "warmup": warmup, "max_seconds": max_seconds,
-           "model": type(model).__name__, "channels_last": True,
+           "model": model_name if device.type == "cuda" else type(model).__name__, "size": size, "channels_last": True,
            "autocast": "bfloat16" if device.type == "cuda" else "off (CPU smoke run)",
            "cache": "page cache warm after packing"}
     out = {"env": env, "results": []}
@@ -206,19 +216,37 @@ def feed_check(packed: str, device: torch.device, batch: int = 256, steps: int =
 
     pil = readers.LMDBDataset(packed, decode="pil", transform=pillow_train_transform)
     pin = device.type == "cuda"
-    case("defaults", torch.utils.data.DataLoader(pil, batch, shuffle=True, drop_last=True), True)
-    case("defaults+workers", torch.utils.data.DataLoader(pil, batch, shuffle=True, drop_last=True,
-                                                         num_workers=workers), True)
-    raw = readers.LMDBDataset(packed, decode="raw", transform=readers.RandomResizedCrop(224, flip=0.5))
-    fed = readers.make_loader(raw, batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
-                              std=readers.IMAGENET_STD, channels_last=True, pin_memory=pin)
-    case("make_loader", fed, False)
+    crop = readers.RandomResizedCrop(size, flip=0.5)
+    for name in cases:
+        if name in ("defaults", "defaults+workers"):
+            case(name, torch.utils.data.DataLoader(pil, batch, shuffle=True, drop_last=True,
+                                                   num_workers=workers if name != "defaults" else 0), True)
+        elif name == "make_loader":
+            raw = readers.LMDBDataset(packed, decode="raw", transform=crop)
+            case(name, readers.make_loader(raw, batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
+                                           std=readers.IMAGENET_STD, channels_last=True, pin_memory=pin), False)
+        elif device.type != "cuda":
+            out["results"].append({"case": name, "skipped": "gpu_decode needs CUDA"})
+        else:
+            decoder = GPU_CASES[name]
+            if size != 224:  # make_loader's own engine crops to 224: give it the size asked for
+                from readers.hybrid import HybridDecoder
+                from readers.nvjpeg import GPUDecoder
+
+                decoder = GPUDecoder(crop, device)
+                decoder = HybridDecoder(decoder) if GPU_CASES[name] == "hybrid" else decoder
+            raw = readers.LMDBDataset(packed, decode="raw")
+            case(name, readers.make_loader(raw, batch, device=device, workers=workers, mean=readers.IMAGENET_MEAN,
+                                           std=readers.IMAGENET_STD, channels_last=True, gpu_decode=decoder), False)
     return out
 
 
 def table(results: list[dict]) -> str:
     lines = ["| case | data wait | wait ms | step ms | samples/s | GPU util |", "|---|---:|---:|---:|---:|---:|"]
     for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['case']} | skipped: {r['skipped']} | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {r['case']} | error: {r['error']} | | | | |")
             continue
@@ -238,6 +266,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--max-seconds", type=float, help="end each case after this long (warm-up included)")
     parser.add_argument("--workers", type=int)
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--size", type=int, default=224, help="the crop's side (160: the frontier's faster step)")
+    parser.add_argument("--cases", type=lambda v: v.split(","), default=list(CASES),
+                        help=f"comma-separated, from {','.join(CASES + tuple(GPU_CASES))}")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,7 +282,11 @@ def main(argv=None):
         make_corpus(os.path.join(work, "src"), classes=100, per_class=max(1, args.images // 100),
                     workers=os.cpu_count() or 1)
         packed = pack(os.path.join(work, "src"), "lmdb", os.path.join(work, "data.lmdb"), progress=False).out
-    out = feed_check(packed, device, args.batch, args.steps, args.warmup, args.workers, args.max_seconds)
+    unknown = sorted(set(args.cases) - set(CASES) - set(GPU_CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; cases: {', '.join(CASES + tuple(GPU_CASES))}")
+    out = feed_check(packed, device, args.batch, args.steps, args.warmup, args.workers, args.max_seconds,
+                     model_name=args.model, size=args.size, cases=args.cases)
     out["env"]["images"] = args.images if args.lmdb is None else None
     print(json.dumps(out["env"]))
     print(table(out["results"]))

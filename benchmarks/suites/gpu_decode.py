@@ -15,6 +15,10 @@ utilisation sampled by NVML (benchmarks/suites/feed.py's Utilisation):
                                 decode + crop + resize in-process, per --chunks (0: whole batch)
   make_loader_gpu_decode[...]   make_loader(gpu_decode=GPUDecoder) on the LMDB, --workers workers
   make_loader_cpu_workers       make_loader with the crop in the CPU workers
+  make_loader_hybrid            make_loader(gpu_decode="hybrid"): each batch split between the
+                                workers and nvJPEG, tuned online (readers.hybrid); its goal is
+                                >= 0.9 x (make_loader_gpu_decode + make_loader_cpu_workers), and
+                                the split it settled on and the rates it measured are recorded
 
 Each rate other than the bare decode is also given as a fraction of it (vs_bare; the goal is
 >= 0.9). Then each GPUDecoder runs five batches under torch.profiler (--profile: its ops'
@@ -39,6 +43,7 @@ from benchmarks.suites.gpu_host import crop_window_by_window  # noqa: E402
 from readers.buffers import EncodedBatch  # noqa: E402
 
 GOAL = "gpu_decode >= 0.9 x the bare batched decode rate"
+HYBRID_GOAL = "make_loader_hybrid >= 0.9 x (make_loader_gpu_decode + make_loader_cpu_workers)"
 
 
 def nothing(message: str) -> None:
@@ -229,12 +234,15 @@ def in_process_rates(rates: Rates, batches: Batches, chunks: list[int], crop) ->
 
 def loader_rates(rates: Rates, lmdb: str, batch: int, chunks: list[int], crop, workers: int) -> None:
     """make_loader on the LMDB: with gpu_decode per chunk size, and with the crop in the CPU workers."""
+    from readers.hybrid import HybridDecoder
     from readers.nvjpeg import GPUDecoder
 
     device = rates.device
     cases = [(f"make_loader_gpu_decode_chunk{c}" if c else "make_loader_gpu_decode", {"decode": "raw"},
               {"gpu_decode": GPUDecoder(crop, device, chunk=c or None)}) for c in chunks]
     cases.append(("make_loader_cpu_workers", {"decode": "raw", "transform": crop}, {}))
+    hybrid = HybridDecoder(GPUDecoder(crop, device))
+    cases.append(("make_loader_hybrid", {"decode": "raw"}, {"gpu_decode": hybrid}))
     for name, dataset_args, extra in cases:
         util, ds = Utilisation(device), None
         try:
@@ -252,7 +260,21 @@ def loader_rates(rates: Rates, lmdb: str, batch: int, chunks: list[int], crop, w
         finally:
             if ds is not None:
                 ds.close()
+        if name == "make_loader_hybrid" and "error" not in rates.rates[name]:
+            tuner = hybrid.tuner
+            rates.rates[name].update(cpu_share=tuner.fraction, cpu_share_target=tuner.target(),
+                                     tuner_cpu_rate=tuner.cpu_rate, tuner_engine_rate=tuner.engine_rate)
         rates.done(name)
+
+
+def hybrid_goal(rates: dict) -> dict | None:
+    """The hybrid loader's rate against the engine's loader rate plus the CPU workers' (item 2's goal)."""
+    parts = [rates.get(k, {}).get("samples_per_s") for k in
+             ("make_loader_hybrid", "make_loader_gpu_decode", "make_loader_cpu_workers")]
+    if not all(parts):
+        return None
+    hybrid, engine, cpu = parts
+    return {"goal": HYBRID_GOAL, "vs_sum": hybrid / (engine + cpu), "sum_samples_per_s": engine + cpu}
 
 
 def measure(entry: dict, lmdb: str, device, batch: int = 256, images: int = 4096, chunks=(0, 64),
@@ -280,6 +302,7 @@ def measure(entry: dict, lmdb: str, device, batch: int = 256, images: int = 4096
     jpg = rates.rates.get("bare_decode_jpeg", {}).get("jpg_util")
     entry["hardware_decoder_used"] = None if jpg is None else jpg["max"] > 0
     entry["goal"] = GOAL
+    entry["hybrid"] = hybrid_goal(rates.rates)
 
 
 def profile_decoders(entry: dict, decoders: list, next_batch, device, path: str | None, note=nothing) -> None:
@@ -319,6 +342,12 @@ def table(entry: dict) -> str:
         lines.append(f"| {name} | {r['samples_per_s']:,.0f} | {'–' if vs_bare is None else format(vs_bare, '.2f')} "
                      f"| {'–' if not util else format(util['mean'], '.0f') + '%'} "
                      f"| {'–' if not jpg else format(jpg['mean'], '.0f') + '%'} |")
+    hybrid = entry.get("hybrid")
+    if hybrid:
+        share = entry["rates"]["make_loader_hybrid"]
+        lines.append(f"\nhybrid: {hybrid['vs_sum']:.2f} x (GPU decode + CPU workers: "
+                     f"{hybrid['sum_samples_per_s']:,.0f}/s), CPU share settled at {share['cpu_share']:.2f} "
+                     f"(target {share['cpu_share_target'] or 0:.2f}); goal {hybrid['goal']}")
     lib = entry.get("library", {})
     lines.append(f"\nlibnvjpeg {lib.get('version')}: hardware backend "
                  f"{lib.get('hardware_backend_status', lib.get('reason'))}; JPEG engines seen busy during the bare "
