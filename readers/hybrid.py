@@ -204,10 +204,14 @@ class HybridDecoder:
         return f"HybridDecoder({self.engine!r}, {self.tuner!r})"
 
 
-def hybrid_collate(decoder, workers: int, pin_memory: bool):
-    """make_loader's collate for a HybridDecoder (None for any other decoder); it needs workers."""
+def hybrid_collate(decoder, workers: int, pin_memory: bool, collate_fn=None):
+    """make_loader's collate for a HybridDecoder (None for any other decoder); it needs workers,
+    and is the collate: the workers' decoding happens in it."""
     if not isinstance(decoder, HybridDecoder):
         return None
+    if collate_fn is not None:
+        raise ValueError("make_loader: gpu_decode='hybrid' decodes the workers' share in its own collate; drop "
+                         "collate_fn (or use gpu_decode=True)")
     if workers < 1:
         raise ValueError("make_loader: gpu_decode='hybrid' splits each batch with the DataLoader workers; "
                          "with workers=0 there are none: set workers >= 1, or use gpu_decode=True")

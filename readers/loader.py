@@ -533,7 +533,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
 
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
-    collate = hybrid_collate(decoder, policy.workers, pin) or batch_collate(
+    collate = hybrid_collate(decoder, policy.workers, pin, collate_fn) or batch_collate(
         collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
         give_back=pin and policy.workers > 0)
     loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn)

@@ -62,19 +62,24 @@ def sample_pack(tmp_path_factory):
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_hybrid_batches_equal_the_cpu_path_in_order_with_labels(sample_pack, context):
+def test_hybrid_batches_equal_the_cpu_path_in_order_and_the_workers_follow_the_split(sample_pack, context):
     engine = ThrottledEngine(TRANSFORM, per_image=0.002)
-    decoder = HybridDecoder(engine, SplitTuner(start=0.5))
+    tuner = SplitTuner(start=0.5, max_step=0.0)  # held, to count what each side decoded
+    decoder = HybridDecoder(engine, tuner)
     hybrid = make_loader(LMDBDataset(sample_pack, decode="raw"), 8, device="cpu", train=False, workers=2,
                          multiprocessing_context=context, gpu_decode=decoder)
     cpu = make_loader(LMDBDataset(sample_pack, decode="raw", transform=TRANSFORM), 8, device="cpu", train=False,
                       workers=0)  # the same decode either way: workers only make it slower to start
-    got, expected = list(hybrid), list(cpu)
-    assert len(got) == len(expected) == 5
-    for (images, labels), (want, want_labels) in zip(got, expected):
-        assert torch.equal(images, want)
-        assert labels.tolist() == want_labels.tolist()
-    assert 0 < engine.seen < 40  # both sides decoded
+    expected = list(cpu)
+    for fraction, engine_total in ((0.5, 20), (0.25, 20 + 30)):  # 4, then 6 of each batch of 8 to the engine
+        tuner.fraction = fraction
+        decoder.share.set(fraction)  # read by the (persistent) workers as they make the next epoch's batches
+        got = list(hybrid)
+        assert len(got) == len(expected) == 5
+        for (images, labels), (want, want_labels) in zip(got, expected):
+            assert torch.equal(images, want)
+            assert labels.tolist() == want_labels.tolist()
+        assert engine.seen == engine_total
     assert decoder.tuner.cpu_rate and decoder.tuner.engine_rate
 
 
@@ -158,5 +163,8 @@ def test_make_loader_hybrid_needs_workers_and_knows_its_spellings(sample_pack):
         make_loader(dataset, 8, device="cpu", workers=0, gpu_decode="hybird")
     with pytest.raises(ValueError, match="gpu_decode='hybrid' splits each batch with the DataLoader workers"):
         make_loader(dataset, 8, device="cpu", workers=0, gpu_decode=HybridDecoder(ThrottledEngine(TRANSFORM)))
+    with pytest.raises(ValueError, match="decodes the workers' share in its own collate; drop collate_fn"):
+        make_loader(dataset, 8, device="cpu", workers=1, gpu_decode=HybridDecoder(ThrottledEngine(TRANSFORM)),
+                    collate_fn=list)
     with pytest.raises(ValueError, match="needs device='cuda'"):
         make_loader(dataset, 8, device="cpu", workers=1, gpu_decode="hybrid")
