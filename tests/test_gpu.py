@@ -290,3 +290,26 @@ def test_make_loader_gpu_decode_hands_pinned_encoded_batches_to_nvjpeg(tmp_path)
     # same products: a value within float rounding of a half can round the other way.
     levels = ((images - normalize(expected, scale.cuda(), shift.cuda())) / scale.cuda().view(1, -1, 1, 1)).abs()
     assert levels.max() <= 1.001 and (levels > 0.5).float().mean() < 1e-3
+
+
+@cuda
+def test_make_loader_hybrid_joins_the_workers_part_and_nvjpeg_s_in_order(tmp_path):
+    """gpu_decode="hybrid" on a real pack: the workers' part arrives pinned beside the bytes
+    left for nvJPEG; the batch is whole, on the GPU, labels in order, and the tuner measured
+    both sides."""
+    pytest.importorskip("torchvision")
+    from packer.pack import pack
+    from readers import LMDBDataset
+
+    for i in range(16):
+        path = tmp_path / "src" / f"c{i % 2}" / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg("RGB", size=(240 + 9 * i, 250 + 4 * i)))
+    pack(str(tmp_path / "src"), "lmdb", str(tmp_path / "d.lmdb"), workers=1, progress=False)
+    dataset = LMDBDataset(str(tmp_path / "d.lmdb"), decode="raw")
+    loader = make_loader(dataset, 8, device="cuda", train=False, workers=2, gpu_decode="hybrid")
+    batches = [batch for _ in range(3) for batch in loader]
+    assert all(images.shape == (8, 3, 224, 224) and images.is_cuda for images, _ in batches)
+    assert torch.cat([labels for _, labels in batches[:2]]).tolist() == dataset.targets.tolist()
+    tuner = loader.gpu_decode.tuner
+    assert tuner.cpu_rate and tuner.engine_rate and 0 <= tuner.fraction <= 1

@@ -116,10 +116,10 @@ def test_a_fixed_split_stays_where_it_is_put():
     assert simulated(SplitTuner(start=0.3, max_step=0.0), 4000.0, 500.0, 10) == [0.3] * 10
 
 
-@pytest.mark.parametrize("cpu_slow, engine_slow", [(0.0, 0.02), (0.02, 0.0)])
+@pytest.mark.parametrize("cpu_slow, engine_slow", [(0.0, 0.02), (0.05, 0.0)])
 def test_real_workers_move_the_split_towards_the_slower_side_s_partner(sample_pack, cpu_slow, engine_slow):
     """A slow engine (20 ms an image) leaves most of each batch to the workers; slow
-    workers (20 ms an image each) leave most of it to the engine."""
+    workers (50 ms an image each) leave most of it to the engine."""
     decoder = HybridDecoder(ThrottledEngine(TRANSFORM, engine_slow), SplitTuner(start=0.5),
                             transform=SlowTransform(cpu_slow))
     loader = make_loader(LMDBDataset(sample_pack, decode="raw"), 8, device="cpu", train=False, workers=2,
@@ -130,6 +130,24 @@ def test_real_workers_move_the_split_towards_the_slower_side_s_partner(sample_pa
     tuner = decoder.tuner
     assert abs(tuner.fraction - tuner.target()) < 0.15, tuner
     assert tuner.fraction > 0.7 if engine_slow else tuner.fraction < 0.3, tuner
+
+
+def test_real_workers_follow_an_engine_that_speeds_up_mid_run(sample_pack):
+    """Slow workers (20 ms an image each); the engine first slower still (50 ms), then as fast
+    as it decodes: the split moves from mostly CPU to mostly engine, epoch over epoch."""
+    engine = ThrottledEngine(TRANSFORM, 0.05)
+    decoder = HybridDecoder(engine, SplitTuner(start=0.5), transform=SlowTransform(0.02))
+    loader = make_loader(LMDBDataset(sample_pack, decode="raw"), 8, device="cpu", train=False, workers=2,
+                         gpu_decode=decoder)
+    for _ in range(2):
+        for _ in loader:
+            pass
+    assert decoder.tuner.fraction > 0.7, decoder.tuner
+    engine.per_image = 0.0
+    for _ in range(5):
+        for _ in loader:
+            pass
+    assert decoder.tuner.fraction < 0.4, decoder.tuner
 
 
 @pytest.mark.parametrize("make, message", [
