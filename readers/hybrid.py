@@ -32,11 +32,13 @@ from .collate import collate_labels, encoded_collate, to_be_pinned
 from .transforms import BYTES_TYPES
 
 
-def checked_share(value, what: str) -> float:
-    """value as a float in [0, 1], or ValueError naming `what`."""
+SHARE = "the share of each batch the CPU workers decode"
+
+
+def checked_share(value, what: str, meaning: str = SHARE) -> float:
+    """value as a float in [0, 1], or ValueError naming `what` and what it means."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{what} must be a number in [0, 1] (the share of each batch the CPU workers decode), "
-                         f"not {value!r}")
+        raise ValueError(f"{what} must be a number in [0, 1] ({meaning}), not {value!r}")
     return float(value)
 
 
@@ -57,10 +59,10 @@ class SplitTuner:
         if self.low > self.high:
             raise ValueError(f"SplitTuner: low ({low}) must not exceed high ({high})")
         self.fraction = min(self.high, max(self.low, checked_share(start, "SplitTuner: start")))
-        if not 0.0 < checked_share(smoothing, "SplitTuner: smoothing"):
+        if not 0.0 < checked_share(smoothing, "SplitTuner: smoothing", "the weight of each new measurement"):
             raise ValueError("SplitTuner: smoothing must be above 0 (it is the weight of each new measurement)")
         self.smoothing = float(smoothing)
-        self.max_step = checked_share(max_step, "SplitTuner: max_step")
+        self.max_step = checked_share(max_step, "SplitTuner: max_step", "the most f moves per batch")
         self.cpu_cost: float | None = None  # seconds of one worker per image
         self.engine_cost: float | None = None  # seconds of the engine per image
         self.workers = 1

@@ -155,6 +155,7 @@ def test_real_workers_follow_an_engine_that_speeds_up_mid_run(sample_pack):
     (lambda: SplitTuner(start=math.nan), "SplitTuner: start must be a number in \\[0, 1\\]"),
     (lambda: SplitTuner(low=0.8, high=0.2), "low \\(0.8\\) must not exceed high"),
     (lambda: SplitTuner(smoothing=0.0), "smoothing must be above 0"),
+    (lambda: SplitTuner(max_step=2), "max_step must be a number in \\[0, 1\\] \\(the most f moves per batch\\)"),
     (lambda: SplitTuner().observe(4, math.nan, 4, 0.1, 2), "cpu_seconds must be a finite number"),
     (lambda: SplitTuner().observe(4, 0.1, 4, -1.0, 2), "engine_seconds must be a finite number"),
     (lambda: SplitTuner().observe(-1, 0.1, 4, 0.1, 2), "cpu_images must be an int >= 0"),
