@@ -61,12 +61,12 @@ def for_workers(state: dict, num_workers: int) -> dict:
                          "default snapshot_every_n_steps=1), or resume with the workers it was saved with")
     workers = new_worker_states(saved["datasets"], saved["fetchers"], max(1, num_workers))
     main = copy.deepcopy(saved["main"])
+    base_seed = main.pop("_base_seed", None)  # a worker loader's; the flat form has none
     if num_workers == 0:
         fetcher, dataset = workers[0]
         return {**main, "_num_yielded": saved["step"], "_iterator_finished": saved["finished"],
                 "fetcher_state": fetcher, "dataset_state": dataset}
     # Workers are seeded afresh, as a fresh DataLoader seeds them (from torch's generator).
-    base_seed = main.pop("_base_seed", None)
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item()) if base_seed is None else base_seed
     return {"_snapshot": {"_snapshot_step": saved["step"],
                           "_last_yielded_worker_id": num_workers - 1,  # worker 0 is asked first, as in a new pass
