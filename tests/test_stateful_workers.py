@@ -26,7 +26,8 @@ from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, for_workers
 from conftest import packed_three_ways, sample_ids  # noqa: E402
 from test_elastic import BATCH, SEED, check_resumes, epoch_of, flat, run_ranks, save_heads, save_to_bytes  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]  # 3 workers, 2 cores
 
 CASES = ("sdl-random", "sdl-block", "sdl-stream")  # over LMDB (shuffled storage), HDF5, WDS shards
 
@@ -95,6 +96,29 @@ def test_a_state_saved_with_two_workers_resumes_with_none_one_or_three_on_other_
 def test_a_state_saved_without_workers_resumes_with_two_on_other_ranks(packs, tmp_path):
     saved = run_ranks("save", tmp_path, packs, world_size=3, workers=0, script=__file__)
     check_resumes(saved, run_ranks("resume", tmp_path, packs, 2, 2, script=__file__), "3x0 -> 2x2", CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_state_saved_after_a_rewritten_resume_is_rewritten_and_resumes_again(packs, case):
+    """2 ranks x 2 workers -> 3 x 3 (rank 0's state saved mid-way) -> 1 x 0: every sample once."""
+    handed, state = [], None
+    for world_size, workers, take in ((2, 2, 3), (3, 3, 2)):
+        for rank in range(world_size):
+            loader, ordered = stateful(packs, case, workers, rank, world_size)
+            if state is not None:
+                loader.load_state_dict(for_workers(state, workers))
+            ordered.set_epoch(0)
+            batches = iter(loader)
+            handed += flat(next(batches) for _ in range(take))
+            saved = loader.state_dict() if rank == 0 else saved
+            del batches
+        state = saved
+    loader, ordered = stateful(packs, case, 0, 0, 1)
+    loader.load_state_dict(for_workers(torch.load(save_to_bytes(state), weights_only=True), 0))
+    rest = flat(epoch_of(loader, ordered, 0))
+    assert sorted(set(handed) | set(rest)) == sorted(set(flat(stateful(packs, case, 0, 0, 1)[0])))
+    assert not set(handed) & set(rest) and len(rest) == len(set(rest))
+    assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
 
 
 def stream_state(packs, workers: int, take: int = 3, snapshot_every: int = 1) -> dict:
