@@ -66,7 +66,7 @@ def for_workers(state: dict, num_workers: int) -> dict:
         fetcher, dataset = workers[0]
         return {**main, "_num_yielded": saved["step"], "_iterator_finished": saved["finished"],
                 "fetcher_state": fetcher, "dataset_state": dataset}
-    # Workers are seeded afresh, as a fresh DataLoader seeds them (from torch's generator).
+    # A worker loader's base seed is kept; for a flat one's, one is drawn as a fresh DataLoader draws it.
     base_seed = int(torch.empty((), dtype=torch.int64).random_().item()) if base_seed is None else base_seed
     return {"_snapshot": {"_snapshot_step": saved["step"],
                           "_last_yielded_worker_id": num_workers - 1,  # worker 0 is asked first, as in a new pass
