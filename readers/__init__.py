@@ -17,6 +17,7 @@ from .hdf5 import HDF5Dataset
 from .lmdb import LMDBDataset
 from .loader import make_loader
 from .sampler import BlockShuffleSampler, ShuffleSampler, class_entropy
+from .stateful_workers import for_workers
 from .stats import LoaderStats, LoaderWarning
 from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from .wds import WDSDataset, WDSMapDataset
@@ -36,5 +37,5 @@ __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
     "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
     "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
-    "decode_tensor", "diagnose", "image_size", "make_loader", "open_dataset",
+    "decode_tensor", "diagnose", "for_workers", "image_size", "make_loader", "open_dataset",
 ]

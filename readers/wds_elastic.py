@@ -187,5 +187,6 @@ def unpooled_message(position: dict, saved_world: int, world_size: int, workers:
             f"StatefulDataLoader hands each worker its own), saved on {saved_world} rank(s); here there are "
             f"{world_size} rank(s) with {workers} worker(s). On other ranks, the rank's position is every worker's "
             f"count together, which the {position['workers']} workers of a StatefulDataLoader pool as they start: "
-            f"load the whole loader state into StatefulDataLoader(num_workers={position['workers']}), or resume "
-            "through readers.make_loader's loader (its state holds the rank's batches)")
+            f"load the whole loader state into StatefulDataLoader(num_workers={position['workers']}) (for another "
+            "number, rewrite it with readers.for_workers first), or resume through readers.make_loader's loader (its "
+            "state holds the rank's batches)")

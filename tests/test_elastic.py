@@ -156,8 +156,9 @@ def sdl_resume_side(job: dict) -> dict:
 PHASES = {"save": save_side, "resume": resume_side, "sdl-save": sdl_save_side, "sdl-resume": sdl_resume_side}
 
 
-def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False) -> list:
-    """Run world_size processes of `phase`; each rank's record."""
+def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False,
+              script: str = __file__) -> list:
+    """Run world_size processes of `phase` (of `script`'s PHASES); each rank's record."""
     procs = []
     for rank in range(world_size):
         job = {"root": root, "folder": str(folder), "workers": workers, "rank": rank, "gloo": gloo,
@@ -165,7 +166,7 @@ def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int
         path = folder / f"job-{phase}-{world_size}-{rank}.json"
         path.write_text(json.dumps(job))
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
-        procs.append(subprocess.Popen([sys.executable, __file__, phase, str(path)], cwd=HERE.parent, env=env,
+        procs.append(subprocess.Popen([sys.executable, script, phase, str(path)], cwd=HERE.parent, env=env,
                                       stderr=subprocess.PIPE, text=True))
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=240)
@@ -191,7 +192,7 @@ def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
                 # resume starts the next one, as a run started on W2 reads it (docs/frameworks.md); the
                 # user's own epoch loop (StatefulDataLoader) finds the saved epoch's rest empty first
                 assert not left, where
-                if case in SDL_CASES:
+                if case.startswith("sdl-"):  # StatefulDataLoader's
                     assert rests == [[]] * w2, where
                 else:
                     assert rests == [r[case]["fresh"][1] for r in resumed], where
@@ -202,7 +203,7 @@ def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
                 assert rests == [r[case]["fresh"][0] for r in resumed], where
             else:
                 assert sum(got.values()) - len(left) < w2, f"{where}: {sum(got.values()) - len(left)} repeats"
-            if case in SAMPLER_CASES:  # the rest of the one global order, from where it stopped
+            if case.removeprefix("sdl-") in SAMPLER_CASES:  # the rest of the one global order, from where it stopped
                 assert interleaved([flat(b) for b in rests])[:len(left)] == [s for s in global_order if s in left]
             for rank in range(w2):
                 assert resumed[rank][case][str(k)][1] == resumed[rank][case]["fresh"][1], f"{where}: next epoch"

@@ -1,0 +1,182 @@
+"""A torchdata StatefulDataLoader state rewritten for another number of DataLoader workers.
+
+torchdata asserts that a state loads only into a loader with the worker count it was
+saved with, and its layout depends on that count: with K >= 1 workers, a snapshot of the
+main process (the sampler's state) and one per worker (the dataset's state in it); with
+0, one flat dict. Neither the samplers' nor WDSDataset's order depends on the worker
+count once a pass is resumed, so only these need rewriting:
+
+- the main part (sampler, seeds, batches yielded) is carried over as it is: the sampler's
+  state is as of the last batch handed out, whatever the workers;
+- a map-style dataset's worker states are all alike (its order is the sampler's): each
+  new worker gets that one;
+- WDSDataset's worker states each hold one stream's count of samples yielded to batches
+  handed out; together they are the rank's position, so they are pooled here into one
+  pass of the stream's history (readers.wds_elastic), and every new worker starts its
+  stream of the rest of the epoch, dealt anew, at 0.
+
+The layout is torchdata's private detail: it is checked key by key, against the torchdata
+release it was read from, and anything else is refused.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+
+import torch
+
+from .wds import checked_position
+from .wds_elastic import checked_history
+
+CHECKED_TORCHDATA = ("0.11",)  # releases whose StatefulDataLoader state layout this was read from
+MAIN_KEYS = {"_sampler_iter_state", "_index_sampler_state", "_sampler_iter_yielded", "_IterableDataset_len_called",
+             "_shared_seed"}  # with "_num_workers" and "_base_seed" in a worker loader's main snapshot
+SINGLE_KEYS = MAIN_KEYS | {"_num_yielded", "_iterator_finished", "fetcher_state", "dataset_state"}
+LOADER_KEYS = {"_snapshot", "_steps_since_snapshot", "_iterator_finished"}
+SNAPSHOT_KEYS = {"_snapshot_step", "_last_yielded_worker_id", "_main_snapshot", "_worker_snapshots"}
+WORKER_KEYS = {"worker_id", "fetcher_state", "dataset_state"}
+FRESH_FETCHER = {"dataset_iter_state": None, "fetcher_ended": False}  # an iterable dataset's, not yet ended
+
+
+def for_workers(state: dict, num_workers: int) -> dict:
+    """The StatefulDataLoader state `state` (saved with any number of workers, 0 included)
+    rewritten so that a StatefulDataLoader with `num_workers` workers loads it and resumes
+    the same epoch exactly: for packer's samplers and WDSDataset's stream, on these ranks
+    or others (docs/resume.md). The same worker count returns `state` itself.
+
+    Raises ValueError for a state that is not a StatefulDataLoader's, of a layout other
+    than torchdata 0.11's, saved between snapshots (snapshot_every_n_steps above 1), or
+    over an IterableDataset other than WDSDataset."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"readers.for_workers: num_workers must be an int >= 0 (the new loader's), got "
+                         f"{num_workers!r}")
+    check_torchdata()
+    saved = parts(state)
+    if saved["workers"] == num_workers:
+        return state
+    if saved["steps_since"]:
+        raise ValueError(f"readers.for_workers: the state was saved {saved['steps_since']} batch(es) after "
+                         "StatefulDataLoader's last snapshot (snapshot_every_n_steps above 1), and a loader with "
+                         "other workers would skip batches of another deal: save it at a snapshot (keep the "
+                         "default snapshot_every_n_steps=1), or resume with the workers it was saved with")
+    workers = new_worker_states(saved["datasets"], saved["fetchers"], max(1, num_workers))
+    main = copy.deepcopy(saved["main"])
+    base_seed = main.pop("_base_seed", None)  # a worker loader's; the flat form has none
+    if num_workers == 0:
+        fetcher, dataset = workers[0]
+        return {**main, "_num_yielded": saved["step"], "_iterator_finished": saved["finished"],
+                "fetcher_state": fetcher, "dataset_state": dataset}
+    # A worker loader's base seed is kept; for a flat one's, one is drawn as a fresh DataLoader draws it.
+    base_seed = int(torch.empty((), dtype=torch.int64).random_().item()) if base_seed is None else base_seed
+    return {"_snapshot": {"_snapshot_step": saved["step"],
+                          "_last_yielded_worker_id": num_workers - 1,  # worker 0 is asked first, as in a new pass
+                          "_main_snapshot": {**main, "_num_workers": num_workers, "_base_seed": base_seed},
+                          "_worker_snapshots": {f"worker_{i}": {"worker_id": i, "fetcher_state": fetcher,
+                                                                "dataset_state": dataset}
+                                                for i, (fetcher, dataset) in enumerate(workers)}},
+            "_steps_since_snapshot": 0, "_iterator_finished": saved["finished"]}
+
+
+def check_torchdata() -> None:
+    """Refuse where an installed torchdata is a release whose layout was not read here."""
+    try:
+        version = importlib.metadata.version("torchdata")
+    except importlib.metadata.PackageNotFoundError:
+        return  # rewriting a saved state needs no torchdata; loading it will
+    if ".".join(version.split(".")[:2]) not in CHECKED_TORCHDATA:
+        raise ValueError(f"readers.for_workers: torchdata {version} is installed, and its StatefulDataLoader state "
+                         f"layout (a private detail) was read here from torchdata {', '.join(CHECKED_TORCHDATA)} "
+                         "only: install torchdata 0.11 (`pip install 'torchdata~=0.11.0'`), or resume with the "
+                         "workers the state was saved with, or through readers.make_loader, which resumes with any")
+
+
+def parts(state) -> dict:
+    """A saved state's pieces, whatever its worker count: "workers" (0 for the flat form),
+    "main" (the sampler's part), "step" (batches yielded), "steps_since" (since the
+    snapshot), "finished", and each saved worker's "datasets" and "fetchers" states."""
+    if isinstance(state, dict) and state.get("kind") == "EpochLoader":
+        raise ValueError("readers.for_workers: this is readers.make_loader's loader state, which resumes with any "
+                         "number of workers as it is: load it into make_loader's loader")
+    if isinstance(state, dict) and set(state) == SINGLE_KEYS:
+        return {"workers": 0, "main": {key: state[key] for key in MAIN_KEYS}, "step": count(state, "_num_yielded"),
+                "steps_since": 0, "finished": state["_iterator_finished"],
+                "datasets": [state["dataset_state"]], "fetchers": [state["fetcher_state"]]}
+    if not (isinstance(state, dict) and set(state) == LOADER_KEYS and isinstance(state["_snapshot"], dict)
+            and set(state["_snapshot"]) == SNAPSHOT_KEYS):
+        raise ValueError(layout_message(state))
+    snapshot = state["_snapshot"]
+    main = snapshot["_main_snapshot"]
+    if not (isinstance(main, dict) and set(main) == MAIN_KEYS | {"_num_workers", "_base_seed"}):
+        raise ValueError(layout_message(main, "its _main_snapshot"))
+    workers = count(main, "_num_workers")
+    snapshots = snapshot["_worker_snapshots"]
+    keys = [f"worker_{i}" for i in range(workers)]
+    if not (workers >= 1 and isinstance(snapshots, dict) and set(snapshots) == set(keys)
+            and all(isinstance(snapshots[k], dict) and set(snapshots[k]) == WORKER_KEYS
+                    and snapshots[k]["worker_id"] == i for i, k in enumerate(keys))):
+        raise ValueError(f"readers.for_workers: the state's _worker_snapshots are not one dict {sorted(WORKER_KEYS)} "
+                         f"for each of its {workers} workers, keyed worker_0 on: it was not saved by torchdata "
+                         f"{', '.join(CHECKED_TORCHDATA)}'s StatefulDataLoader, or was altered since")
+    return {"workers": workers, "main": {key: main[key] for key in MAIN_KEYS | {"_base_seed"}},
+            "step": count(snapshot, "_snapshot_step"), "steps_since": count(state, "_steps_since_snapshot"),
+            "finished": state["_iterator_finished"],
+            "datasets": [snapshots[k]["dataset_state"] for k in keys],
+            "fetchers": [snapshots[k]["fetcher_state"] for k in keys]}
+
+
+def count(state: dict, key: str) -> int:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"readers.for_workers: the state's {key} must be an int >= 0, got {value!r}")
+    return value
+
+
+def layout_message(state, what: str = "it") -> str:
+    got = sorted(state) if isinstance(state, dict) else type(state).__name__
+    return (f"readers.for_workers: this is not a StatefulDataLoader state of torchdata "
+            f"{', '.join(CHECKED_TORCHDATA)} ({what} has {got}; one saved with workers has {sorted(LOADER_KEYS)}, "
+            f"with num_workers=0 {sorted(SINGLE_KEYS)}): pass the dict StatefulDataLoader.state_dict() returned, "
+            "as it was saved")
+
+
+def new_worker_states(datasets: list, fetchers: list, workers: int) -> list[tuple]:
+    """(fetcher state, dataset state) for each of `workers` new workers (one for the flat form)."""
+    if all(fetcher is None for fetcher in fetchers):  # a map-style dataset: its order is the sampler's
+        if any(dataset != datasets[0] for dataset in datasets):
+            raise ValueError("readers.for_workers: the workers saved different states of their map-style dataset, "
+                             "so no one state stands for all of them: resume with the workers it was saved with")
+        return [(None, copy.deepcopy(datasets[0])) for _ in range(workers)]
+    if not all(isinstance(d, dict) and d.get("kind") == "WDSDataset" for d in datasets) \
+            or not all(isinstance(f, dict) and set(f) == set(FRESH_FETCHER) for f in fetchers):
+        raise ValueError("readers.for_workers: the state is of an IterableDataset other than readers.WDSDataset, "
+                         "whose workers' states cannot be pooled into other workers' here: resume it with the "
+                         "workers it was saved with")
+    return [(dict(FRESH_FETCHER), dataset) for dataset in stream_states(datasets, workers)]
+
+
+def stream_states(states: list[dict], workers: int) -> list[dict]:
+    """WDSDataset states for `workers` new workers of a rank: every saved stream's count
+    becomes one pass of the history, and each new stream starts the rest at 0."""
+    first = {key: value for key, value in states[0].items() if key != "position"}
+    if any({key: value for key, value in state.items() if key != "position"} != first for state in states):
+        raise ValueError("readers.for_workers: the workers' WDSDataset states differ in more than their position "
+                         "(data, seed, epoch or world size): they are not one loader's")
+    positions = [checked_position(state["position"]) for state in states]
+    if all(position is None for position in positions):  # an epoch's start
+        return [copy.deepcopy(states[0]) for _ in range(workers)]
+    if not all(position is not None and "samples" in position and position["workers"] == len(states)
+               and position["worker"] == w for w, position in enumerate(positions)):
+        raise ValueError(f"readers.for_workers: the {len(states)} workers' WDSDataset positions are not each "
+                         f"worker's own count of {len(states)} (got {positions}): not a StatefulDataLoader's")
+    history = checked_history(positions[0].get("history", []))
+    if any(position.get("history", []) != history for position in positions):
+        raise ValueError("readers.for_workers: the workers' WDSDataset positions hold different histories: they "
+                         "are not one loader's")
+    streams = [position["samples"] for position in positions]
+    if any(streams):
+        history = history + [{"world_size": first["world_size"], "workers": len(streams), "streams": streams}]
+    if not history:  # nothing consumed: the epoch as a fresh run reads it
+        return [{**copy.deepcopy(first), "position": None} for _ in range(workers)]
+    return [{**copy.deepcopy(first), "position": {"rank": positions[0]["rank"], "worker": w, "workers": workers,
+                                                  "samples": 0, "history": copy.deepcopy(history)}}
+            for w in range(workers)]
