@@ -82,6 +82,21 @@ class Format:
     options: tuple[Option, ...] = field(default=())
     # Container-level problems verify adds to the per-record ones (wds: shard sizes, SHA-256s).
     check_files: Callable[[str], list[str]] = lambda path: []
+    # Per split, facts `packer info` adds to the metadata's ({split: {key: value}}; wds: its shards).
+    info_facts: Callable[[str, Any], dict] = lambda path, remote: {}
+    # --- how a dataset of this format is known without reading it (detection, --force, upload) ---
+    title: str = ""  # how messages name it: "LMDB"
+    held_as: str = ""  # what --force found at OUT, in its refusals: "a data.mdb", "an HDF5 file"
+    # A folder format's entry file: its mark at a URL, where nothing is listed, and the object
+    # an upload copies last (packer.remote.upload), so a reader that finds it finds the rest.
+    entry: str | None = None
+    signature: bytes | None = None  # a one-file format's first bytes, its mark at a URL
+    # (Metadata, the names under OUT/ the dataset holds) of the dataset at a URL, read through a
+    # packer.remote Remote: info and --force read the one, a replace may delete only the others.
+    read_remote: Callable[[str, Any], tuple[Any, set[str]]] | None = None
+    # What in a local dataset of this format, its metadata read and checked, packer did not
+    # write (a phrase completing "OUT exists and ..."), or None: --force replaces only its own.
+    foreign: Callable[[str, Any], str | None] = lambda path, meta: None
 
     def writer_options(self, given: dict | None) -> dict:
         """given (name -> value; None values count as not given), parsed and checked, with

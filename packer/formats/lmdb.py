@@ -83,6 +83,7 @@ from ..remote import source as remote_source
 from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
+from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity,
                       decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, int_view,
@@ -93,6 +94,7 @@ DIRECTORY = True
 META_KEY = b"__meta__"
 HEADER = struct.Struct("<IiH")
 DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"  # any LMDB tool adds it when it opens the database with locking
 # Commit about this many bytes per transaction: enough to amortise the commit; the map
 # and file are grown ahead by twice this (room).
 TXN_BYTES = 64 << 20
@@ -729,5 +731,17 @@ class Reader(SplitReader):
 
 RemoteReader = remote_variant(Reader)
 
-FORMAT = Format(name="lmdb", aliases=("mdb",), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
-                read_metadata=read_metadata)
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, the names packer's LMDB folder holds) of the LMDB dataset at url."""
+    return remote_metadata(url, remote)[2], {DATA_FILE, LOCK_FILE}
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a packer LMDB folder but data.mdb, as a regular file, and lock.mdb."""
+    extra = [os.path.join(path, entry) for entry in sorted(os.listdir(path)) if entry not in {DATA_FILE, LOCK_FILE}]
+    return unexpected(extra, "lmdb") or not_a_file(os.path.join(path, DATA_FILE))
+
+
+FORMAT = Format(name="lmdb", aliases=("mdb",), extension=EXTENSION, directory=DIRECTORY, Writer=Writer,
+                Reader=Reader, detect=detect, read_metadata=read_metadata, title="LMDB", held_as=f"a {DATA_FILE}",
+                entry=DATA_FILE, read_remote=read_remote, foreign=foreign)

@@ -95,6 +95,7 @@ from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathT
 from ..remote import source as remote_source
 from . import _io, _tar
 from ._contract import Format, Option, parse_size, positive_int
+from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_crc, check_within, dataset_identity,
                       expected_crc, map_region, nul_separated_chunks, region_view)
@@ -827,11 +828,41 @@ def shard_problems(path: str, shard: dict, table_count: int | None = None) -> li
     return problems
 
 
+def info_facts(path: str, remote=None) -> dict:
+    """Per split, its shards for `packer info` (readers deal whole shards to ranks)."""
+    return {split: {"shards": shards} for split, shards in shard_info(path, remote).items()}
+
+
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, index.json and the files it names) of the WDS dataset at url."""
+    index, meta = open_index(url, remote)
+    return meta, {INDEX, *named_files(index["wds"])}
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a checked WDS folder that its index does not name."""
+    named = {INDEX, *named_files(load_index(path)["wds"])}
+    folders = {name.split("/", 1)[0] for name in named if "/" in name}
+    extra = []
+    for root, dirs, files in os.walk(path, onerror=lambda exc: extra.append(f"{exc.filename} (cannot be listed)")):
+        relative = os.path.relpath(root, path)
+        for name in dirs + files:
+            entry = name if relative == "." else f"{relative}/{name}"
+            full = os.path.join(root, name)
+            if entry in folders and os.path.isdir(full) and not os.path.islink(full):
+                continue
+            if entry not in named or not_a_file(full):
+                extra.append(full)
+        dirs[:] = [name for name in dirs if (name if relative == "." else f"{relative}/{name}") in folders]
+    return unexpected(extra, "wds")
+
+
 RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
     name="wds", aliases=("webdataset", "tar"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
-    read_metadata=read_metadata, check_files=check_files,
+    read_metadata=read_metadata, check_files=check_files, info_facts=info_facts, title="WDS",
+    held_as=f"an {INDEX}", entry=INDEX, read_remote=read_remote, foreign=foreign,
     # Shards in ImageFolder order hold one class each: streaming readers need them mixed.
     shuffled_by_default=True,
     options=(
