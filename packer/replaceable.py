@@ -22,7 +22,7 @@ import lmdb
 
 from .errors import PackError
 from .formats import FORMATS, Format
-from .formats._foreign import listing, not_a_file, unexpected  # noqa: F401 (packer.remote.upload words its refusals with them)
+from .formats._foreign import listing, unexpected  # noqa: F401 (packer.remote.upload words its refusals with them)
 from .records import Metadata
 
 

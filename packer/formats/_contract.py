@@ -1,6 +1,13 @@
 """What a format module provides, written down once: every module in packer.formats ends
-with a FORMAT = Format(...) that fills all of it, and pack, convert, verify and the CLI
-use nothing else of it.
+with a FORMAT = Format(...) that fills all of it, and pack, convert, merge, verify, info,
+the CLI, detection, --force, remote upload and readers' Datasets use nothing else of it.
+packer.formats.register(FORMAT) adds one to the registry, FORMATS.
+
+The Reader(path, split=None, check_crc=True, **remote) a format provides reads one split
+by index: packer.formats._reader.SplitReader is its base (count, split choice, checksum
+kind, identity of the dataset file); the format adds _open/_close (its handle, opened
+lazily in each process), labels, paths and read_image(i) -> (bytes, label), calling
+check_data (or checking record_digest itself) unless check_crc is off.
 
 The Writer protocol a format implements (pack() drives it, in this order):
   Writer(stage, options)        stage: the path to write (a folder made for DIRECTORY

@@ -22,3 +22,21 @@ def unexpected(paths: list[str], fmt: str) -> str | None:
 def listing(names: list[str]) -> str:
     shown = ", ".join(names[:SHOWN_NAMES])
     return shown + (f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
+
+
+def unnamed(path: str, named: set[str]) -> list[str]:
+    """Every entry under the folder path that is not one of the named files (relative, "/"-separated,
+    as an index names them) or the folders holding them, or is not a regular file."""
+    folders = {name.split("/", 1)[0] for name in named if "/" in name}
+    extra = []
+    for root, dirs, files in os.walk(path, onerror=lambda exc: extra.append(f"{exc.filename} (cannot be listed)")):
+        relative = os.path.relpath(root, path)
+        for name in dirs + files:
+            entry = name if relative == "." else f"{relative}/{name}"
+            full = os.path.join(root, name)
+            if entry in folders and os.path.isdir(full) and not os.path.islink(full):
+                continue
+            if entry not in named or not_a_file(full):
+                extra.append(full)
+        dirs[:] = [name for name in dirs if (name if relative == "." else f"{relative}/{name}") in folders]
+    return extra
