@@ -10,8 +10,9 @@ replaceable only when
     `lock.mdb` any LMDB tool adds when it opens one with locking), a WDS folder only
     `index.json` and the files its index names, an HDF5 file only packer's attributes and
     one group per split holding packer's tables.
-Anything else is refused by name, saying what was found there. packer.remote.upload asks
-the same of a dataset at a URL, from its listing.
+Anything else is refused by name, saying what was found there. The format is found by its
+Format's entry file or signature, and what it holds beyond its own files by its Format's
+foreign(). packer.remote.upload asks the same of a dataset at a URL, from its listing.
 """
 from __future__ import annotations
 
