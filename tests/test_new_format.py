@@ -229,3 +229,16 @@ def test_unregistering_takes_the_format_back_out(source, tmp_path):
     assert "flat" not in FORMATS
     result = CliRunner().invoke(main, ["pack", source, "--to", "flat", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and "'flat' is not a format" in result.output
+
+
+def test_the_new_format_uploads_as_a_folder_format_and_says_it_reads_only_locally(flat_format, source, s3_bucket,
+                                                                                  tmp_path):
+    """Upload asks the Format alone: flat is a folder with an entry file, so its objects go up with
+    flat.json and packer.json last; reading it back by URL needs a read_remote flat does not have."""
+    url, options = f"{s3_bucket.url}/sets/ds.flat", json.dumps(s3_bucket.storage_options)
+    cli("pack", source, "--to", "flat", "-o", url, "--storage-options", options)
+    manifest = json.loads(s3_bucket.client().get_object(Bucket=s3_bucket.name, Key="sets/ds.flat/packer.json")
+                          ["Body"].read())
+    assert manifest["format"] == "flat" and sorted(manifest["objects"]) == [INDEX, DATA]
+    result = CliRunner().invoke(main, ["info", url, "--storage-options", options])
+    assert result.exit_code == 1 and "flat datasets are read from local paths only" in result.output

@@ -142,7 +142,7 @@ def read_metadata(path: str | os.PathLike, **remote):
     path = os.fspath(path)
     if remote_source.is_url(path):
         reader = remote_source.remote_for(path, **remote)
-        return FORMATS[detect_remote(path, reader)].read_remote(path, reader)[0]
+        return FORMATS[detect_remote(path, reader)].read_url(path, reader)[0]
     return FORMATS[detect_format(path)].read_metadata(path)
 
 

@@ -105,6 +105,13 @@ class Format:
     # write (a phrase completing "OUT exists and ..."), or None: --force replaces only its own.
     foreign: Callable[[str, Any], str | None] = lambda path, meta: None
 
+    def read_url(self, url: str, remote) -> tuple[Any, set[str]]:
+        """read_remote's answer, or a PackError for a format that is read from local paths only."""
+        if self.read_remote is None:
+            raise PackError(f"{url}: {self.name} datasets are read from local paths only (this format has no "
+                            "reader for object storage); copy the dataset to a local folder", url)
+        return self.read_remote(url, remote)
+
     def writer_options(self, given: dict | None) -> dict:
         """given (name -> value; None values count as not given), parsed and checked, with
         every option's default filled in; a name this format does not take is refused,

@@ -268,7 +268,7 @@ def replace_problem(target: Target) -> str | None:
     what = found.held_as if found.directory else as_object(found)
     remote = remote_source.remote_for(target.url, storage_options=target.storage_options)
     try:
-        meta, allowed = found.read_remote(target.url, remote)
+        meta, allowed = found.read_url(target.url, remote)
     except PackError as exc:
         return f"holds {what} without valid packer metadata ({exc})"
     listed = read_manifest(target, target.path)
