@@ -1,9 +1,10 @@
 """Turns a results dict into the ratio figures, a Markdown table and an optional PNG chart."""
 from __future__ import annotations
 
+from packer.formats import FORMATS
+
 from .measures import CACHE_STATES, MEASURES
 
-PACKED = ("lmdb", "hdf5", "wds")  # rows whose name is also the format packed for them
 
 
 def median(case: dict | None) -> float | None:
@@ -39,7 +40,7 @@ def ratios(results: dict) -> dict:
             for m in MEASURES:
                 for s in CACHE_STATES:
                     r[f"{m}_{s}_vs_folder"] = vs_folder(results, name, m, s)
-        if name in PACKED:
+        if name in FORMATS:  # a row named for the format packed for it
             r["pack_vs_tar"] = divide(median(results.get("pack", {}).get(name)), tar)
         for s in CACHE_STATES:
             r[f"e2e_{s}_vs_ceiling"] = divide(figure(results, name, "e2e", s),
@@ -178,7 +179,7 @@ def markdown(results: dict) -> str:
         if "e2e" in measures and "warm" in states:
             wait = entry["measures"].get("e2e", {}).get("warm", {}).get("wait_fraction")
             row.append("–" if not wait else f"{wait['median']:.0%}")
-        pack = results["pack"].get(name, {}) if name in PACKED else {}
+        pack = results["pack"].get(name, {}) if name in FORMATS else {}
         row.append(f"{pack['median']:.2f}" if pack.get("status") == "ok" else "–")
         r = results["ratios"].get(name, {})
         row += [ratio_pair(r, "raw")] + [ratio_pair(r, "loader") for _ in loader_head(measures)] + [

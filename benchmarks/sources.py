@@ -18,6 +18,7 @@ import torch.utils.data
 
 import readers
 from packer.check import IMAGE_EXTENSIONS, IMAGE_SUFFIXES
+from packer.formats import FORMATS
 
 from . import cache
 from .augment import augment_pil, train_transform
@@ -84,14 +85,12 @@ class PackerMap:
     peer = False
     blocks = True
 
-    def __init__(self, fmt: str | None, dataset: str):
-        self.fmt, self.dataset_name = fmt, dataset
+    def __init__(self, fmt: str | None):
+        self.fmt = fmt
         self.checks = fmt is not None  # packed records carry a checksum; the folder's files none
 
     def missing(self, ctx: dict) -> str | None:
         if self.fmt is not None:
-            from packer.formats import FORMATS
-
             if self.fmt not in FORMATS:
                 return f"format {self.fmt!r} not in packer.formats.FORMATS"
             if self.fmt not in ctx["packed"]:
@@ -109,7 +108,8 @@ class PackerMap:
 
     def open(self, ctx: dict, decode: str, transform=None, checked: bool = False):
         options = {"check_crc": False} if decode == "raw" and self.fmt is not None and not checked else {}
-        return getattr(readers, self.dataset_name)(self.path(ctx), decode=decode, transform=transform, **options)
+        dataset = readers.FolderDataset if self.fmt is None else readers.open_dataset
+        return dataset(self.path(ctx), decode=decode, transform=transform, **options)
 
     def samples(self, ctx: dict, mode: str, seed: int, walk: str = "random", epochs: int | None = 1) -> Iterator:
         dataset = self.open(ctx, *read_setup(mode), checked=mode == "checked")
@@ -315,14 +315,23 @@ class PILListdirPeer:
                       f"{PEER_LOADER}; Pillow RandomResizedCrop(224) + flip", False)
 
 
+# Formats that also stream (their row), beside their map-style Dataset's row "<name> (map)".
+STREAMED = {"wds": PackerShards()}
+
+
+def packer_rows() -> dict:
+    """folder, then each packed format in packer.formats.FORMATS order, read by its map-style
+    Dataset (readers.open_dataset), or streamed and by index for a format in STREAMED."""
+    rows = {"folder": PackerMap(None)}
+    for name in FORMATS:
+        if name in STREAMED:
+            rows[name] = STREAMED[name]
+            rows[f"{name} (map)"] = PackerMap(name)  # the same files, by index (wds: through records.bin)
+        else:
+            rows[name] = PackerMap(name)
+    return rows
+
+
 # Row name -> source; the key is what --formats and the table use. Peers follow packer's rows.
-SOURCES = {
-    "folder": PackerMap(None, "FolderDataset"),
-    "lmdb": PackerMap("lmdb", "LMDBDataset"),
-    "hdf5": PackerMap("hdf5", "HDF5Dataset"),
-    "wds": PackerShards(),
-    "wds (map)": PackerMap("wds", "WDSMapDataset"),  # the same shards, by index through records.bin
-    "webdataset (peer)": WebDatasetPeer(),
-    "pil+listdir (peer)": PILListdirPeer(),
-}
-PACKER_SOURCES = ("folder", "lmdb", "hdf5", "wds")
+SOURCES = {**packer_rows(), "webdataset (peer)": WebDatasetPeer(), "pil+listdir (peer)": PILListdirPeer()}
+PACKER_SOURCES = ("folder", *FORMATS)

@@ -76,7 +76,9 @@ UNLABELED = -1
 # Filenames that are not valid UTF-8 (possible on Linux) survive as surrogate escapes.
 PATH_ENCODING_ERRORS = "surrogateescape"
 # The keys of packer.formats.FORMATS (records cannot import formats, which import it).
-FORMAT_NAMES = ("lmdb", "hdf5", "wds")
+# The format names metadata may carry: packer.formats.register keeps it in step with its FORMATS
+# (records sits below the formats, so it is told their names rather than asking).
+FORMAT_NAMES: list[str] = []
 # Read limits on metadata: far above any real dataset's, low enough that parsing a hostile
 # one cannot exhaust memory or, for nesting, the stack of whoever serialises it next.
 MAX_METADATA_BYTES = 64 << 20
@@ -331,7 +333,7 @@ class SplitInfo:
 class Metadata:
     """The dataset-level facts every format stores under its documented metadata key."""
 
-    format: str  # "lmdb", "hdf5", "wds": the container
+    format: str  # the container: a name in packer.formats.FORMATS (lmdb, hdf5, wds)
     classes: list[str]
     splits: dict[str, SplitInfo]
     source: str = ""

@@ -20,7 +20,6 @@ import numpy as np
 from .check import MAX_PIXELS, problem, sniff
 from .errors import BadImageError, PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
-from .formats.wds import shard_info
 from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
@@ -59,9 +58,8 @@ def info(path: str, storage_options: dict | None = None) -> dict:
     else:
         meta = read_metadata(path, storage_options=storage_options)
         facts = {**meta.to_dict(), "path": path, "disk_bytes": None}
-    if meta.format == "wds":  # per split: shard count and sizes (readers deal whole shards to ranks)
-        for split, shards in shard_info(path, remote).items():
-            facts["splits"][split]["shards"] = shards
+    for split, extra in FORMATS[meta.format].info_facts(path, remote).items():
+        facts["splits"][split].update(extra)
     return facts
 
 

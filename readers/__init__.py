@@ -8,6 +8,9 @@ except ImportError as exc:  # the packer CLI installs without torch; readers nee
                       "light: install it with `pip install 'packer[readers]'` (or your own torch build, "
                       "then `pip install braceexpand`)") from exc
 
+from packer.formats import REMOTE_OPTIONS, detect_format
+
+from ._dataset import PackedDataset, dataset_class
 from .collate import collate
 from .diagnose import Diagnosis, Finding, diagnose
 from .decode import decode_array, decode_pil, decode_tensor, image_size
@@ -22,20 +25,18 @@ from .stats import LoaderStats, LoaderWarning
 from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from .wds import WDSDataset, WDSMapDataset
 
-# The map-style (random access) Dataset of each packed format, by its CLI name.
-MAP_DATASETS = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset, "wds": WDSMapDataset}
-
 
 def open_dataset(path, split=None, **kwargs):
-    """The map-style Dataset for the packed dataset at path, whatever its format."""
-    from packer.formats import detect_format
-
-    return MAP_DATASETS[detect_format(path)](path, split, **kwargs)
+    """The map-style Dataset for the packed dataset at path, whatever its format: the format's
+    own class (LMDBDataset for lmdb), else PackedDataset (a format registered without one)."""
+    remote = {key: kwargs[key] for key in REMOTE_OPTIONS if kwargs.get(key) is not None}
+    fmt = detect_format(path, **remote)
+    return dataset_class(fmt)(path, split, format=fmt, **kwargs)
 
 
 __all__ = [
-    "IMAGENET_MEAN", "IMAGENET_STD", "MAP_DATASETS", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
-    "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "RandomResizedCrop",
+    "IMAGENET_MEAN", "IMAGENET_STD", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
+    "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "PackedDataset", "RandomResizedCrop",
     "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
     "decode_tensor", "diagnose", "for_workers", "image_size", "make_loader", "open_dataset",
 ]

@@ -1,11 +1,12 @@
-"""The map-style torch Dataset shared by every format: a packer Reader plus decode and transform."""
+"""The map-style torch Dataset shared by every format: a packer Reader plus decode and transform
+(ReaderDataset), and the one over a packed dataset of any format in packer.formats.FORMATS (PackedDataset)."""
 from __future__ import annotations
 
 import numpy as np
 import torch.utils.data
 
 from packer.errors import CorruptDataError, redact
-from packer.formats import CAN_ADVISE
+from packer.formats import CAN_ADVISE, FORMATS, REMOTE_OPTIONS, detect_format
 
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
@@ -142,3 +143,38 @@ class ReaderDataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({redact(self.reader.path)!r}, split={self.split!r}, "
                 f"samples={len(self)}, classes={len(self.classes)}, decode={self.decode!r})")
+
+
+class PackedDataset(ReaderDataset):
+    """Records of one split of a packed dataset, whatever its format, in ImageFolder order
+    and labels, read through the format's Reader (packer.formats.FORMATS).
+
+    The Reader opens its handle on first access in each process; one inherited through fork
+    is closed and reopened, and pickling drops it. Set check_crc=False to skip the per-read
+    record checksum check (of the pack's kind, xxh3 or crc32).
+
+    path may be a URL (s3://..., https://..., gs://...; needs packer[remote]) for a format that
+    reads one: storage_options (credentials, endpoint: fsspec's), cache_dir and cache_limit (a
+    block cache shared by workers and ranks), block_size (docs/remote.md).
+
+    A format's own subclass (LMDBDataset) sets `format`; here it is found at path unless given.
+    """
+
+    format: str | None = None
+
+    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
+                 max_pixels=MAX_PIXELS, storage_options=None, cache_dir=None, cache_limit=None, block_size=None,
+                 format=None):
+        given = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit,
+                 "block_size": block_size}
+        remote = {key: value for key, value in given.items() if value is not None}
+        name = format or self.format or detect_format(path, **{key: remote[key] for key in REMOTE_OPTIONS
+                                                                if key in remote})
+        super().__init__(FORMATS[name].Reader(str(path), split, check_crc=check_crc, **remote),
+                         transform, target_transform, decode, max_pixels)
+
+
+def dataset_class(fmt: str) -> type:
+    """The map-style Dataset class of the format called fmt: its own subclass of PackedDataset
+    (LMDBDataset for lmdb), or PackedDataset for a format that has none."""
+    return next((cls for cls in PackedDataset.__subclasses__() if cls.format == fmt), PackedDataset)

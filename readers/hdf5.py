@@ -1,13 +1,10 @@
 """HDF5Dataset: a map-style Dataset over a `packer pack --to hdf5` file."""
 from __future__ import annotations
 
-from packer.formats import hdf5
-
-from ._dataset import ReaderDataset
-from .decode import MAX_PIXELS
+from ._dataset import PackedDataset
 
 
-class HDF5Dataset(ReaderDataset):
+class HDF5Dataset(PackedDataset):
     """Records of one split of a packed HDF5 file, in ImageFolder order and labels.
 
     The file is opened read-only (locking=False, chunk cache off) on first access in each
@@ -19,9 +16,4 @@ class HDF5Dataset(ReaderDataset):
     cache_limit (a block cache shared by workers and ranks), block_size (docs/remote.md).
     """
 
-    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil",
-                 check_crc=True, max_pixels=MAX_PIXELS, storage_options=None, cache_dir=None, cache_limit=None,
-                 block_size=None):
-        super().__init__(hdf5.Reader(str(path), split, check_crc=check_crc, storage_options=storage_options,
-                                     cache_dir=cache_dir, cache_limit=cache_limit, block_size=block_size),
-                         transform, target_transform, decode, max_pixels)
+    format = "hdf5"

@@ -34,7 +34,7 @@ from packer.formats import _tar, wds
 from packer.formats._reader import current_identity
 from packer.formats._tables import replaced_error
 
-from ._dataset import ReaderDataset
+from ._dataset import PackedDataset
 from ._pool import CountPool
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from ._wds_checks import sample_label
@@ -621,14 +621,10 @@ def checked_position(position) -> dict | None:
     return dict(position)
 
 
-class WDSMapDataset(ReaderDataset):
+class WDSMapDataset(PackedDataset):
     """Random access (ds[i]) to a `packer pack --to wds` folder in ImageFolder order, via its index.
 
     path may be a URL, read by ranges as LMDBDataset reads one (storage_options,
     cache_dir, cache_limit, block_size: docs/remote.md)."""
 
-    def __init__(self, path, split=None, transform=None, target_transform=None, decode="pil", check_crc=True,
-                 max_pixels=MAX_PIXELS, storage_options=None, cache_dir=None, cache_limit=None, block_size=None):
-        super().__init__(wds.Reader(str(path), split, check_crc=check_crc, storage_options=storage_options,
-                                    cache_dir=cache_dir, cache_limit=cache_limit, block_size=block_size),
-                         transform, target_transform, decode, max_pixels)
+    format = "wds"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from .. import records
 from ..errors import FormatError
 from ..remote import source as remote_source
 from ..remote.errors import DENIED
@@ -11,14 +12,39 @@ from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
 from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
 
-# One entry per format (its module's FORMAT); the key is the CLI spelling (--to lmdb).
-FORMATS: dict[str, Format] = {module.FORMAT.name: module.FORMAT for module in (lmdb, hdf5, wds)}
+# The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
+# A new format is one module and one name in this tuple (docs/formats.md, "Adding a format").
+FORMATS: dict[str, Format] = {}
 # Every spelling --to accepts, aliases included (h5, webdataset, ...), to its format's name.
-FORMAT_SPELLINGS: dict[str, str] = {spelling: f.name for f in FORMATS.values() for spelling in (f.name, *f.aliases)}
+FORMAT_SPELLINGS: dict[str, str] = {}
+
+
+def register(fmt: Format) -> None:
+    """Add fmt to FORMATS: pack, convert, verify, info, detection, upload and readers'
+    open_dataset then take it. A name or alias already taken is refused."""
+    taken = sorted({fmt.name, *fmt.aliases} & set(FORMAT_SPELLINGS))
+    if taken:
+        raise ValueError(f"format {fmt.name}: {', '.join(taken)} already names a format")
+    FORMATS[fmt.name] = fmt
+    FORMAT_SPELLINGS.update({spelling: fmt.name for spelling in (fmt.name, *fmt.aliases)})
+    records.FORMAT_NAMES.append(fmt.name)
+
+
+def unregister(name: str) -> None:
+    """Take the format called name out of FORMATS (a test's own format, after the test)."""
+    fmt = FORMATS.pop(name)
+    for spelling in (fmt.name, *fmt.aliases):
+        del FORMAT_SPELLINGS[spelling]
+    records.FORMAT_NAMES.remove(name)
+
+
+for _module in (lmdb, hdf5, wds):
+    register(_module.FORMAT)
 
 
 __all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "Option", "ReaderCache", "default_output",
-           "detect_format", "evict", "format_named", "open_reader", "parse_size", "read_metadata", "will_need"]
+           "detect_format", "evict", "format_named", "open_reader", "parse_size", "read_metadata", "register",
+           "unregister", "will_need"]
 
 
 def format_named(name: str) -> Format:
@@ -47,41 +73,50 @@ def detect_format(path: str | os.PathLike, **remote) -> str:
                       "create one with `packer pack SRC --to FORMAT`)", path)
 
 
-# What marks each format at a URL, where nothing can be listed: a file inside the folder
-# (LMDB, WDS) or the file's own signature (HDF5). The extension is tried first.
-REMOTE_MARKS = (("lmdb", "data.mdb"), ("wds", "index.json"), ("hdf5", None))
-
-
 def detect_remote(url: str, remote) -> str:
     """The name of the format stored at url: its packer.json's (the manifest packer's upload
-    writes last, checked), else by a HEAD (or an 8-byte read) per format tried, for a
-    dataset copied by hand."""
+    writes last, checked), else by each format's mark (Format.entry, a HEAD; Format.signature,
+    a read of its first bytes), for a dataset copied by hand; the format whose extension url
+    ends with is tried first, then entry files before signatures."""
     url = url.rstrip("/")
     # S3 answers 403, not 404, for a missing key to a reader not allowed to list the bucket
     # (a public bucket, a CDN): a refused probe is passed over, and raised only if no probe finds one.
     refused = None
     try:
-        return parse_manifest(remote.read_object(remote_source.join(url, MANIFEST), 64 << 20), url)["format"]
+        raw = remote.read_object(remote_source.join(url, MANIFEST), 64 << 20)
+        return parse_manifest(raw, url, folder_formats())["format"]
     except remote_source.RemoteError as exc:
         if not (remote_source.missing(exc) or exc.kind == DENIED):
             raise
         refused = exc if exc.kind == DENIED else None
-    marks = sorted(REMOTE_MARKS, key=lambda mark: not url.endswith(FORMATS[mark[0]].extension))
-    for name, inside in marks:
+    for fmt in sorted(FORMATS.values(), key=lambda fmt: (not url.endswith(fmt.extension), fmt.entry is None)):
         try:
-            if inside is not None:
-                if remote.exists(remote_source.join(url, inside)):
-                    return name
-            elif remote.exists(url) and remote.open(url).pread(8, 0) == hdf5.HDF5_SIGNATURE:
-                return name
+            if marked(fmt, url, remote):
+                return fmt.name
         except remote_source.RemoteError as exc:
             if exc.kind != DENIED:
                 raise
             refused = refused or exc
     if refused is not None:
         raise refused
-    raise FormatError(f"{url}: no packed dataset there (no data.mdb or index.json under it, and not an HDF5 "
-                      "file); check the URL, and that the dataset was uploaded whole", url)
+    entries = " or ".join(fmt.entry for fmt in FORMATS.values() if fmt.entry)
+    files = " or ".join(fmt.held_as for fmt in FORMATS.values() if fmt.signature)
+    raise FormatError(f"{url}: no packed dataset there (no {entries} under it, and not {files}); check the URL, "
+                      "and that the dataset was uploaded whole", url)
+
+
+def marked(fmt: Format, url: str, remote) -> bool:
+    """Whether url bears fmt's mark: its entry file inside, or its signature at the start."""
+    if fmt.entry is not None:
+        return remote.exists(remote_source.join(url, fmt.entry))
+    if fmt.signature is not None:
+        return remote.exists(url) and remote.open(url).pread(len(fmt.signature), 0) == fmt.signature
+    return False
+
+
+def folder_formats() -> list[str]:
+    """The formats whose remote datasets carry a manifest: folders (a one-file format is one object)."""
+    return [fmt.name for fmt in FORMATS.values() if fmt.directory]
 
 
 def open_reader(path: str | os.PathLike, split: str | None = None, **options):
@@ -107,12 +142,7 @@ def read_metadata(path: str | os.PathLike, **remote):
     path = os.fspath(path)
     if remote_source.is_url(path):
         reader = remote_source.remote_for(path, **remote)
-        fmt = detect_remote(path, reader)
-        if fmt == "lmdb":
-            return lmdb.remote_metadata(path, reader)[2]
-        if fmt == "hdf5":
-            return hdf5.remote_metadata(path, reader)[1]
-        return wds.open_index(path, reader)[1]
+        return FORMATS[detect_remote(path, reader)].read_url(path, reader)[0]
     return FORMATS[detect_format(path)].read_metadata(path)
 
 

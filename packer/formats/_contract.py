@@ -1,6 +1,13 @@
 """What a format module provides, written down once: every module in packer.formats ends
-with a FORMAT = Format(...) that fills all of it, and pack, convert, verify and the CLI
-use nothing else of it.
+with a FORMAT = Format(...) that fills all of it, and pack, convert, merge, verify, info,
+the CLI, detection, --force, remote upload and readers' Datasets use nothing else of it.
+packer.formats.register(FORMAT) adds one to the registry, FORMATS.
+
+The Reader(path, split=None, check_crc=True, **remote) a format provides reads one split
+by index: packer.formats._reader.SplitReader is its base (count, split choice, checksum
+kind, identity of the dataset file); the format adds _open/_close (its handle, opened
+lazily in each process), labels, paths and read_image(i) -> (bytes, label), calling
+check_data (or checking record_digest itself) unless check_crc is off.
 
 The Writer protocol a format implements (pack() drives it, in this order):
   Writer(stage, options)        stage: the path to write (a folder made for DIRECTORY
@@ -82,6 +89,28 @@ class Format:
     options: tuple[Option, ...] = field(default=())
     # Container-level problems verify adds to the per-record ones (wds: shard sizes, SHA-256s).
     check_files: Callable[[str], list[str]] = lambda path: []
+    # Per split, facts `packer info` adds to the metadata's ({split: {key: value}}; wds: its shards).
+    info_facts: Callable[[str, Any], dict] = lambda path, remote: {}
+    # --- how a dataset of this format is known without reading it (detection, --force, upload) ---
+    title: str = ""  # how messages name it: "LMDB"
+    held_as: str = ""  # what --force found at OUT, in its refusals: "a data.mdb", "an HDF5 file"
+    # A folder format's entry file: its mark at a URL, where nothing is listed, and the object
+    # an upload copies last (packer.remote.upload), so a reader that finds it finds the rest.
+    entry: str | None = None
+    signature: bytes | None = None  # a one-file format's first bytes, its mark at a URL
+    # (Metadata, the names under OUT/ the dataset holds) of the dataset at a URL, read through a
+    # packer.remote Remote: info and --force read the one, a replace may delete only the others.
+    read_remote: Callable[[str, Any], tuple[Any, set[str]]] | None = None
+    # What in a local dataset of this format, its metadata read and checked, packer did not
+    # write (a phrase completing "OUT exists and ..."), or None: --force replaces only its own.
+    foreign: Callable[[str, Any], str | None] = lambda path, meta: None
+
+    def read_url(self, url: str, remote) -> tuple[Any, set[str]]:
+        """read_remote's answer, or a PackError for a format that is read from local paths only."""
+        if self.read_remote is None:
+            raise PackError(f"{url}: {self.name} datasets are read from local paths only (this format has no "
+                            "reader for object storage); copy the dataset to a local folder", url)
+        return self.read_remote(url, remote)
 
     def writer_options(self, given: dict | None) -> dict:
         """given (name -> value; None values count as not given), parsed and checked, with

@@ -21,7 +21,8 @@ from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
-from ._tables import check_labels, fd_identity, file_identity, is_permutation, replaced_error
+from ._tables import (DAMAGED, check_count, check_crc, check_labels, expected_crc, fd_identity, file_identity, is_permutation,
+                      map_region, region_view, replaced_error)
 
 
 _UNREAD = object()
@@ -136,6 +137,67 @@ class SplitReader(LazyHandle):
             raise
         return fd
 
+    def open_member(self, name: str, size: int | None = None):
+        """A descriptor (a byte source for a URL) of one of the dataset's own files, name
+        relative to it, checked to belong to the dataset this reader read (opened, then the
+        dataset's identity checked); at a URL, also to be size bytes, as its index says."""
+        where = os.path.join(self.path, name)
+        if self.remote is not None:
+            self.check_identity()
+            try:
+                source = self.remote.open(where)
+            except remote_source.RemoteError as exc:
+                if remote_source.missing(exc):
+                    raise CorruptDataError(f"{where}: shard missing; upload the dataset again", self.path) from exc
+                raise
+            if size is not None and source.size != size:
+                raise CorruptDataError(f"{where}: {source.size} bytes, the index says {size}; the shard was "
+                                       "changed or not uploaded whole (upload the dataset again)", self.path)
+            return source
+        try:
+            fd = open_for_reading(where, self.access)
+        except OSError as exc:
+            self.check_identity()
+            raise CorruptDataError(f"{where}: cannot open the shard ({exc.strerror or exc}); restore it from "
+                                   "a copy or re-pack the dataset", self.path) from exc
+        try:
+            self.check_identity()  # after the open: the file opened is of the dataset this reader read
+        except CorruptDataError:
+            os.close(fd)
+            raise
+        return fd
+
+    def table_file(self, table: str, name: str, size: int | None = None, entry_size: int = 1) -> tuple:
+        """A table in a file of its own (name, relative to the dataset) as (map, start, length):
+        mapped (at a URL, read whole), checked to be of the dataset this reader read, against the
+        table's CRC-32 where table_checksums() has one, and to be size bytes where size is given
+        (entry_size: the bytes of one record's entry, for the message)."""
+        where = os.path.join(self.path, name)
+        if self.remote is not None:
+            self.check_identity()
+            raw = self.remote.read_object(where)
+            self.check_table_size(where, len(raw), size, entry_size)
+            check_crc(raw, expected_crc(self.table_checksums(), table, where), where)
+            return raw, 0, len(raw)
+        try:
+            fd = os.open(where, os.O_RDONLY)
+        except OSError as exc:
+            raise CorruptDataError(f"{where}: cannot read it ({exc.strerror or exc}); {DAMAGED}", self.path) from exc
+        try:
+            self.check_identity()  # opened before the check: fd is of the dataset this reader read
+            found = os.fstat(fd).st_size
+            self.check_table_size(where, found, size, entry_size)
+            region, start = map_region(fd, 0, found, where)  # the map outlives the descriptor
+        finally:
+            os.close(fd)
+        check_crc(region_view(region, start, found), expected_crc(self.table_checksums(), table, where), where)
+        return region, start, found
+
+    def check_table_size(self, where: str, found: int, size: int | None, entry_size: int) -> None:
+        if size is not None and found != size:
+            raise CorruptDataError(f"{where}: {found} bytes, {size // entry_size} records of {entry_size} bytes "
+                                   f"take {size}; {DAMAGED}", self.path)
+
     def open_shared(self, opener, closer) -> tuple:
         """(this process's shared handle of the dataset file, opened by opener(path,
         identity=...) and closed by closer, and a descriptor of it for preads), both
@@ -204,6 +266,17 @@ class SplitReader(LazyHandle):
     def table_checksums(self) -> dict | None:
         """{table: CRC-32} stored for this split, None in an older pack."""
         return None
+
+    def entries_of(self, found: tuple, dtype, where: str) -> np.ndarray:
+        """A table's bytes, found as (buffer, start, length), as one dtype entry per record,
+        checked to hold exactly count of them."""
+        buffer, start, length = found
+        dtype = np.dtype(dtype)
+        if length % dtype.itemsize:
+            raise CorruptDataError(f"{where}: {length} bytes, not a whole number of "
+                                   f"{dtype.itemsize}-byte entries; {DAMAGED}", self.path)
+        check_count(length // dtype.itemsize, self.count, where)
+        return np.frombuffer(buffer, dtype, length // dtype.itemsize, start)
 
     def checked_labels(self, labels: np.ndarray, where: str) -> np.ndarray:
         """A label table, checked against the class list (-1 only in unlabeled splits)."""

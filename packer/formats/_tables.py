@@ -27,6 +27,8 @@ import tempfile
 
 import numpy as np
 
+from . import _io
+
 from ..crc import crc32
 from ..errors import CorruptDataError, FormatError, ReplacedError
 
@@ -341,3 +343,24 @@ def nul_separated_chunks(paths, size: int = 1 << 20):
     for start in range(low, high, size):
         yield bytes(paths.data[start:min(high, start + size)])
         drop_pages(paths.data)
+
+
+def nul_separated_view(paths):
+    """A path table's on-disk form (NUL-joined) as a view of its buffer, not a copy."""
+    if not len(paths):
+        return b""
+    return memoryview(paths.data)[paths.offsets.item(0):paths.offsets.item(len(paths)) - 1]
+
+
+def mapped_value(value, path: str, fd: int, where: str) -> tuple | None:
+    """(map, start) of value's bytes in the file at path (descriptor fd), mapped on their own, or
+    None where the file's map cannot be located. value: a buffer into that file's map (a
+    store's own, as LMDB's with buffers=True)."""
+    base = _io.mapped_at(path)
+    if base is None:
+        return None
+    offset = np.frombuffer(value, np.uint8).ctypes.data - base
+    try:
+        return map_region(fd, offset, len(value), where)
+    except CorruptDataError:
+        return None

@@ -1,4 +1,5 @@
-"""Tar as WebDataset uses it: reproducible members for writing, samples out of any shard for reading.
+"""Tar as WebDataset uses it: reproducible members for writing, named as webdataset keys and
+suffixes (the rules: packer.formats.wds), samples out of any shard for reading.
 
 Writing: every member is a regular file with fixed mtime, mode, owner and group, in PAX
 format (plain ustar headers for ASCII names of at most 100 bytes, a PAX `path` record before
@@ -44,7 +45,7 @@ import tarfile
 import zlib
 from typing import IO, Iterator, NamedTuple
 
-from ..check import IMAGE_SUFFIXES
+from ..check import IMAGE_SUFFIXES, sniff
 from ..errors import CorruptDataError
 
 BLOCK = 512
@@ -82,6 +83,41 @@ _PLAIN = re.compile(b"".join((
     _octal_field(8, True), b"0", b".{100}", b"(?:ustar\\x0000|ustar  \\x00)", b".{64}",
     _octal_field(8), _octal_field(8), b"\\x00")), re.DOTALL)
 _PLAIN_END = 346
+
+
+# Content sniffed by packer.check.sniff -> the member suffix webdataset recipes expect.
+CONTENT_SUFFIX = {"jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "tiff": "tiff"}
+PNM_SUFFIXES = ("ppm", "pgm")
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%25").replace(".", "%2E")
+
+
+def sample_key(relpath: str) -> str:
+    """The webdataset key of a relative path: folders kept, `<stem>_<ext>` with no dot."""
+    folder, _, name = relpath.rpartition("/")
+    stem, dot, ext = name.rpartition(".")
+    if not dot:
+        stem, ext = name, ""
+    last = f"{_escape(stem)}_{_escape(ext).replace('_', '%5F')}"
+    return f"{folder}/{last}" if folder else last
+
+
+def source_suffix(relpath: str) -> str:
+    name = relpath.rpartition("/")[2]
+    return name.rpartition(".")[2].lower() if "." in name else "bin"
+
+
+def member_suffix(data: bytes, relpath: str) -> str:
+    """The image member's suffix: named by content (JPEG -> jpg), else by the file's extension."""
+    kind = sniff(data)
+    if kind in CONTENT_SUFFIX:
+        return CONTENT_SUFFIX[kind]
+    own = source_suffix(relpath)
+    if kind == "pnm" and own not in PNM_SUFFIXES:
+        return "pgm" if data[1:2] in b"25" else "ppm"
+    return own
 
 
 def tar_header(name: str, size: int) -> bytes:

@@ -80,6 +80,7 @@ from ..records import Metadata, PathTable, check_split_name, encode_path
 from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
+from ._foreign import listing
 from ._reader import SplitReader, remote_variant
 from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
@@ -88,6 +89,9 @@ from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, chec
 EXTENSION = ".h5"
 DIRECTORY = False
 META_ATTR = "packer_metadata"
+# What packer writes in the file: --force replaces one holding nothing else (foreign).
+ROOT_ATTRS = {META_ATTR, "classes"}
+TABLES = {"images", "offsets", "crc32", "labels", "paths", "order"}
 CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
 # What the writer keeps of each record until its split ends (spilled, not in memory): where
@@ -611,5 +615,28 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
 
 RemoteReader = remote_variant(Reader)
 
-FORMAT = Format(name="hdf5", aliases=("h5", "hdf"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
-                read_metadata=read_metadata)
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, no names) of the HDF5 dataset at url: it is the one object OUT, nothing under it."""
+    return remote_metadata(url, remote)[1], set()
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a packer HDF5 file beyond its attributes and its splits' tables."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            extra = [f"attribute {name}" for name in f.attrs if name not in ROOT_ATTRS]
+            for name, member in f.items():
+                if name not in meta.splits or not isinstance(member, h5py.Group):
+                    extra.append(f"/{name}")
+                    continue
+                extra += [f"/{name}/{table}" for table in member if table not in TABLES]
+    except (OSError, ValueError) as exc:
+        return f"is an HDF5 file that cannot be read whole ({exc})"
+    if extra:
+        return f"is an HDF5 file holding {listing(extra)}, which packer does not write"
+    return None
+
+
+FORMAT = Format(name="hdf5", aliases=("h5", "hdf"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer,
+                Reader=Reader, detect=detect, read_metadata=read_metadata, title="HDF5", held_as="an HDF5 file",
+                signature=HDF5_SIGNATURE, read_remote=read_remote, foreign=foreign)

@@ -68,7 +68,6 @@ the pages on the path to each table, never the whole file.
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import struct
 import warnings
@@ -83,34 +82,29 @@ from ..remote import source as remote_source
 from ..remote.lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
+from ._lmdb_env import DATA_FILE, close_env, data_identity, open_env
+from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, dataset_identity,
-                      decode_checksums, drop_pages, encode_checksums, expected_crc, fd_identity, int_view,
-                      map_region, region_view, replaced_error, table_crc)
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, decode_checksums, drop_pages,
+                      encode_checksums, expected_crc, int_view, mapped_value, nul_separated_view, region_view,
+                      table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
 META_KEY = b"__meta__"
 HEADER = struct.Struct("<IiH")
-DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"  # any LMDB tool adds it when it opens the database with locking
 # Commit about this many bytes per transaction: enough to amortise the commit; the map
 # and file are grown ahead by twice this (room).
 TXN_BYTES = 64 << 20
 INITIAL_MAP_SIZE = 1 << 30
 RESERVE_STEP = 8 << 20
-# Readers across DDP ranks x DataLoader workers x threads; a read slot is a few bytes.
-MAX_READERS = 2048
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
 WRITEMAP = hasattr(os, "posix_fallocate")
 EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
 SUM = np.dtype("<u4")  # a record's checksum, as the sums table stores it
 # Values at least a page long always live in overflow pages, which never move once written.
 EXTENT_MIN = 4096
-# LMDB 0.9's meta page (lmdb/mdb.c): a 16-byte page header (uint16 flags at byte 10), then
-# MDB_meta at byte 16: uint32 magic, uint32 version, ..., the page size in the free DB's md_pad
-# (byte 24 of MDB_meta), uint64 last page in use (byte 120) and txnid (byte 128).
-META_PAGE = struct.Struct("<10xH4x II 16x I 92x Q Q")
-P_META, MDB_MAGIC, MDB_VERSION = 0x08, 0xBEEFC0DE, 1
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -281,13 +275,6 @@ class Writer:
             self.reserved = end
 
 
-def nul_separated_view(paths: PathTable):
-    """A path table's on-disk form (NUL-joined) as a view of its buffer, not a copy."""
-    if not len(paths):
-        return b""
-    return memoryview(paths.data)[paths.offsets.item(0):paths.offsets.item(len(paths)) - 1]
-
-
 def release_pages(address: int, length: int) -> None:
     """Drop a range of the writemap map from this process's page tables (madvise
     MADV_DONTNEED). The map is a shared file map, so the written pages stay in the page
@@ -306,76 +293,6 @@ def room(txn_bytes: int) -> int:
     pages copied on write and the free list add a few pages more.
     """
     return 2 * txn_bytes + (4 << 20)
-
-
-def data_identity(path: str) -> tuple:
-    """The identity of path's data.mdb (_tables.dataset_identity)."""
-    return dataset_identity(os.path.join(path, DATA_FILE))
-
-
-def open_env(path: str, identity: tuple) -> lmdb.Environment:
-    """LMDB's read-only environment of path, once data.mdb is known to be the file with this
-    identity and to hold every page LMDB may map."""
-    where = os.path.join(path, DATA_FILE)
-    fd = _io.open_for_reading(where, "random")
-    try:
-        if fd_identity(fd) != identity:
-            raise replaced_error(where)
-        check_size(fd, where)
-    finally:
-        os.close(fd)
-    try:
-        # readahead stays on: turning it off (common advice for random access) made cold
-        # random reads several times slower here, since each record spans several pages.
-        env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=True,
-                        max_readers=MAX_READERS, meminit=False)
-    except lmdb.Error as exc:
-        if "already open" in str(exc):  # this inode is open here, under an identity it no longer has
-            raise CorruptDataError(f"{where} was changed in place while a reader in this process has it open; "
-                                   "close that reader first (packed data is never rewritten in place)",
-                                   where) from exc
-        raise CorruptDataError(f"{where}: LMDB cannot open it ({exc}); {DAMAGED}", where) from exc
-    if data_identity(path) != identity:  # replaced between the check and the open
-        env.close()
-        raise replaced_error(where)
-    return env
-
-
-def check_size(fd: int, where: str) -> None:
-    """Raise unless the file holds every page its newest meta page says is in use.
-
-    Read with pread, never through LMDB's map: a mapped page past the end of a truncated
-    file kills the process with SIGBUS when touched."""
-    size = os.fstat(fd).st_size
-    first = read_meta_page(fd, 0, size, where)
-    second = read_meta_page(fd, first[0], size, where)
-    psize, last_page, _ = max(first, second, key=lambda meta: meta[2])
-    needed = (last_page + 1) * psize
-    if size < needed:
-        raise CorruptDataError(f"{where}: truncated: {size} bytes, the database needs {needed}; "
-                               "restore it from a copy or re-pack", where)
-
-
-def read_meta_page(fd: int, offset: int, size: int, where: str) -> tuple[int, int, int]:
-    """(page size, last page in use, txnid) of the meta page at offset."""
-    if _io.CAN_PREAD:
-        raw = _io.pread(fd, META_PAGE.size, offset)
-    else:
-        os.lseek(fd, offset, os.SEEK_SET)
-        raw = os.read(fd, META_PAGE.size)
-    if len(raw) < META_PAGE.size:
-        raise CorruptDataError(f"{where}: truncated: {size} bytes, too short to hold LMDB's meta pages; "
-                               "restore it from a copy or re-pack", where)
-    flags, magic, version, psize, last_page, txnid = META_PAGE.unpack(raw)
-    if not flags & P_META or magic != MDB_MAGIC or version != MDB_VERSION or not 512 <= psize <= 65536 \
-            or psize & (psize - 1) or last_page < 1:
-        raise CorruptDataError(f"{where}: not a readable LMDB database (damaged meta page at byte {offset}); "
-                               "restore it from a copy or re-pack", where)
-    return psize, last_page, txnid
-
-
-def close_env(env: lmdb.Environment) -> None:
-    env.close()
 
 
 def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
@@ -539,7 +456,7 @@ class Reader(SplitReader):
 
     def load_sums(self) -> memoryview | None:
         found = self.table(b"sums", required=False)
-        return None if found is None else int_view(self.records_of(found, "<u4", "sums"))
+        return None if found is None else int_view(self.entries_of(found, "<u4", self.table_where(b"sums")))
 
     def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
         """read_at_extent for a remote dataset: header, path and image in one ranged read
@@ -595,7 +512,7 @@ class Reader(SplitReader):
         found = self.table(b"extents", required=False)
         if found is None:
             return None
-        extents = self.records_of(found, EXTENT, "extents")
+        extents = self.entries_of(found, EXTENT, self.table_where(b"extents"))
         size = _io.file_size(self.handle()[2])
         check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
         return extents
@@ -622,7 +539,7 @@ class Reader(SplitReader):
 
     def read_order(self) -> np.ndarray | None:
         found = self.loaded("order", lambda: self.table(b"order", required=False))
-        return None if found is None else self.checked_order(self.records_of(found, "<i4", "order"))
+        return None if found is None else self.checked_order(self.entries_of(found, "<i4", self.table_where(b"order")))
 
     def will_need(self, start: int, stop: int) -> None:
         extents = self.extents()
@@ -673,7 +590,7 @@ class Reader(SplitReader):
             return None
         expected = expected_crc(crcs, name.decode(), where)
         if expected is not None and len(value) >= EXTENT_MIN:
-            found = self.mapped_value(value, where)
+            found = mapped_value(value, self.identity_file, self.handle()[2], where)
             if found is not None and table_crc(region_view(*found, len(value))) == expected:
                 return (*found, len(value))
             # Not where the map said (it moved since): the copy below is the value, or damaged.
@@ -681,31 +598,8 @@ class Reader(SplitReader):
         check_crc(raw, expected, where)
         return raw, 0, len(raw)
 
-    def mapped_value(self, value, where: str) -> tuple | None:
-        """(map, start) of an LMDB value's bytes in data.mdb, mapped on their own, or None
-        where LMDB's map cannot be located. value: a buffer into LMDB's map (buffers=True)."""
-        base = _io.mapped_at(self.identity_file)
-        if base is None:
-            return None
-        offset = np.frombuffer(value, np.uint8).ctypes.data - base
-        try:
-            return map_region(self.handle()[2], offset, len(value), where)
-        except CorruptDataError:
-            return None
-
-    def records_of(self, found: tuple, dtype, name: str) -> np.ndarray:
-        """A table's bytes as one dtype entry per record, checked to hold exactly count of them."""
-        buffer, start, length = found
-        dtype = np.dtype(dtype)
-        where = self.table_where(name.encode())
-        if length % dtype.itemsize:
-            raise CorruptDataError(f"{where}: {length} bytes, not a whole number of "
-                                   f"{dtype.itemsize}-byte entries; {DAMAGED}", self.path)
-        check_count(length // dtype.itemsize, self.count, where)
-        return np.frombuffer(buffer, dtype, length // dtype.itemsize, start)
-
     def load_labels(self) -> np.ndarray:
-        labels = np.asarray(self.records_of(self.table(b"labels"), "<i4", "labels"), np.int32)  # no copy
+        labels = np.asarray(self.entries_of(self.table(b"labels"), "<i4", self.table_where(b"labels")), np.int32)  # no copy
         return self.checked_labels(labels, self.table_where(b"labels"))
 
     def load_paths(self) -> PathTable:
@@ -729,5 +623,17 @@ class Reader(SplitReader):
 
 RemoteReader = remote_variant(Reader)
 
-FORMAT = Format(name="lmdb", aliases=("mdb",), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
-                read_metadata=read_metadata)
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, the names packer's LMDB folder holds) of the LMDB dataset at url."""
+    return remote_metadata(url, remote)[2], {DATA_FILE, LOCK_FILE}
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a packer LMDB folder but data.mdb, as a regular file, and lock.mdb."""
+    extra = [os.path.join(path, entry) for entry in sorted(os.listdir(path)) if entry not in {DATA_FILE, LOCK_FILE}]
+    return unexpected(extra, "lmdb") or not_a_file(os.path.join(path, DATA_FILE))
+
+
+FORMAT = Format(name="lmdb", aliases=("mdb",), extension=EXTENSION, directory=DIRECTORY, Writer=Writer,
+                Reader=Reader, detect=detect, read_metadata=read_metadata, title="LMDB", held_as=f"a {DATA_FILE}",
+                entry=DATA_FILE, read_remote=read_remote, foreign=foreign)

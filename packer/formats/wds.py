@@ -75,29 +75,27 @@ when first opened.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
 
-from ..check import sniff
 from ..checksum import LEGACY, MASK
 from ..cores import available_cores
-from ..crc import crc32
 from ..errors import CorruptDataError, FormatError, PackError
 from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
                        parse_json, split_name_problem)
 from ..remote import source as remote_source
 from . import _io, _tar
+from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
 from ._contract import Format, Option, parse_size, positive_int
+from ._files import ShardDigest, entry_problem, outside_problem, shards_problems, write_synced, write_synced_chunks
+from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_crc, check_within, dataset_identity,
-                      expected_crc, map_region, nul_separated_chunks, region_view)
+from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_within, dataset_identity,
+                      nul_separated_chunks)
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -110,39 +108,8 @@ MIN_AUTO_SHARD_SIZE = 4_000_000
 MAX_AUTO_SHARD_SIZE = 1_000_000_000
 WIDS_INDEX = "wids-index.json"
 MAX_WIDS_INDEX_BYTES = 64 << 20
-# Content sniffed by packer.check.sniff -> the member suffix webdataset recipes expect.
-CONTENT_SUFFIX = {"jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "tiff": "tiff"}
-PNM_SUFFIXES = ("ppm", "pgm")
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
-def _escape(text: str) -> str:
-    return text.replace("%", "%25").replace(".", "%2E")
-
-
-def sample_key(relpath: str) -> str:
-    """The webdataset key of a relative path: folders kept, `<stem>_<ext>` with no dot."""
-    folder, _, name = relpath.rpartition("/")
-    stem, dot, ext = name.rpartition(".")
-    if not dot:
-        stem, ext = name, ""
-    last = f"{_escape(stem)}_{_escape(ext).replace('_', '%5F')}"
-    return f"{folder}/{last}" if folder else last
-
-
-def source_suffix(relpath: str) -> str:
-    name = relpath.rpartition("/")[2]
-    return name.rpartition(".")[2].lower() if "." in name else "bin"
-
-
-def member_suffix(data: bytes, relpath: str) -> str:
-    """The image member's suffix: named by content (JPEG -> jpg), else by the file's extension."""
-    kind = sniff(data)
-    if kind in CONTENT_SUFFIX:
-        return CONTENT_SUFFIX[kind]
-    own = source_suffix(relpath)
-    if kind == "pnm" and own not in PNM_SUFFIXES:
-        return "pgm" if data[1:2] in b"25" else "ppm"
-    return own
 
 
 def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
@@ -223,7 +190,7 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
         if (version >= 2 or wids is not None) and wids != f"{split}/{WIDS_INDEX}":
             return f"split {split!r} names its wids index {wids!r:.80}, not {split}/{WIDS_INDEX}"
         for shard in entry["shards"]:
-            problem = shard_entry_problem(shard, split)
+            problem = entry_problem(shard, split, ".tar", split_name_problem)
             if problem:
                 return problem
     return None if path is None else outside_problem(path, named_files(section))  # None: remote: just names
@@ -238,78 +205,8 @@ def named_files(section: dict) -> list[str]:
     return files
 
 
-def shard_entry_problem(shard, split: str) -> str | None:
-    if not isinstance(shard, dict):
-        return f"split {split!r}: shard entry {shard!r:.60} is not an object"
-    name = shard.get("name")
-    folder, _, file = name.partition("/") if isinstance(name, str) else ("", "", "")
-    if folder != split or split_name_problem(file) or not file.endswith(".tar"):
-        return f"split {split!r}: shard name {name!r:.80} is not {split}/<name>.tar"
-    for key in ("count", "bytes"):
-        if type(shard.get(key)) is not int or shard[key] < 0:
-            return f"shard {name}: {key} {shard.get(key)!r:.40} is not a whole number"
-    if not isinstance(shard.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", shard["sha256"]):
-        return f"shard {name}: sha256 {shard.get('sha256')!r:.80} is not 64 hex digits"
-    return None
-
-
-def outside_problem(path: str, names: list[str]) -> str | None:
-    """A named file that resolves outside the dataset folder (through a symlink), or None."""
-    root = os.path.realpath(path)
-    for name in names:
-        real = os.path.realpath(os.path.join(root, name))
-        if os.path.commonpath([root, real]) != root:
-            return f"{name} leads outside the dataset folder (to {real}); a dataset only reads its own files"
-    return None
-
-
 def read_metadata(path: str) -> Metadata:
     return open_index(path)[1]
-
-
-def shard_digest(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-class ShardDigest:
-    """The SHA-256 of a shard's bytes, hashed in write order on one helper thread.
-
-    hashlib releases the GIL, so the hash runs beside the writer's next records instead of
-    in its path. Blobs go to the thread BATCH at a time (one hand-over per batch, not per
-    sample), and at most PENDING batches wait, so memory stays flat when it falls behind.
-    """
-
-    BATCH = 32
-    PENDING = 4
-
-    def __init__(self, thread: ThreadPoolExecutor):
-        self.thread, self.digest, self.pending, self.batch = thread, hashlib.sha256(), deque(), []
-
-    def update(self, blob: bytes) -> None:
-        self.batch.append(blob)
-        if len(self.batch) >= self.BATCH:
-            self.hand_over()
-
-    def hand_over(self) -> None:
-        if len(self.pending) >= self.PENDING:
-            self.pending.popleft().result()
-        self.pending.append(self.thread.submit(self.hash_all, self.batch))
-        self.batch = []
-
-    def hash_all(self, blobs: list) -> None:
-        for blob in blobs:
-            self.digest.update(blob)
-
-    def hexdigest(self) -> str:
-        if self.batch:
-            self.hand_over()
-        while self.pending:
-            self.pending.popleft().result()
-        return self.digest.hexdigest()
 
 
 class Writer:
@@ -471,25 +368,6 @@ def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
         "utf-8", PATH_ENCODING_ERRORS)
 
 
-def write_synced_chunks(where: str, chunks) -> int:
-    """Write the chunks (bytes-like) to a new file at where, synced; their CRC-32 as one table."""
-    value = 0
-    with open(where, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            value = crc32(chunk, value)
-        f.flush()
-        os.fsync(f.fileno())
-    return value
-
-
-def write_synced(where: str, data: bytes) -> None:
-    with open(where, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 class Reader(SplitReader):
     """Random access to one split's samples in ImageFolder order: one pread per sample.
 
@@ -536,33 +414,8 @@ class Reader(SplitReader):
         return crcs
 
     def read_table(self, name: str, size: int | None = None) -> tuple:
-        """Table name (records or paths) as (map, start, length), mapped from its file and
-        checked against its CRC-32 where the index has one, and to be size bytes long where
-        size is given."""
-        where = os.path.join(self.path, self.tables[0 if name == "records" else 1])
-        if self.remote is not None:
-            self.check_identity()
-            raw = self.remote.read_object(where)
-            if size is not None and len(raw) != size:
-                raise CorruptDataError(f"{where}: {len(raw)} bytes, {size // RECORD.itemsize} records of "
-                                       f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
-            check_crc(raw, expected_crc(self.table_checksums(), name, where), where)
-            return raw, 0, len(raw)
-        try:
-            fd = os.open(where, os.O_RDONLY)
-        except OSError as exc:
-            raise CorruptDataError(f"{where}: cannot read it ({exc.strerror or exc}); {DAMAGED}", self.path) from exc
-        try:
-            self.check_identity()  # opened before the check: fd is of the dataset this reader read
-            found = os.fstat(fd).st_size
-            if size is not None and found != size:
-                raise CorruptDataError(f"{where}: {found} bytes, {size // RECORD.itemsize} records of "
-                                       f"{RECORD.itemsize} bytes take {size}; {DAMAGED}", self.path)
-            region, start = map_region(fd, 0, found, where)  # the map outlives the descriptor
-        finally:
-            os.close(fd)
-        check_crc(region_view(region, start, found), expected_crc(self.table_checksums(), name, where), where)
-        return region, start, found
+        """Table name (records or paths) as (map, start, length), checked (SplitReader.table_file)."""
+        return self.table_file(name, self.tables[0 if name == "records" else 1], size, RECORD.itemsize)
 
     def load_records(self) -> np.ndarray:
         """records.bin, checked: one record per sample, each in one of the split's shards and
@@ -628,37 +481,9 @@ class Reader(SplitReader):
 
     def shard_fd(self, shard: int) -> int:
         fds = self.handle()
-        if shard not in fds and self.remote is not None:
-            fds[shard] = self.open_remote_shard(shard)
         if shard not in fds:
-            where = os.path.join(self.path, self.shards[shard])
-            try:
-                fd = _io.open_for_reading(where, self.access)
-            except OSError as exc:
-                self.check_identity()
-                raise CorruptDataError(f"{where}: cannot open the shard ({exc.strerror or exc}); restore it from "
-                                       "a copy or re-pack the dataset", self.path) from exc
-            try:
-                self.check_identity()  # after the open: the shard opened is of the dataset this reader read
-            except CorruptDataError:
-                os.close(fd)
-                raise
-            fds[shard] = fd
+            fds[shard] = self.open_member(self.shards[shard], self.shard_bytes[shard])
         return fds[shard]
-
-    def open_remote_shard(self, shard: int):
-        where = os.path.join(self.path, self.shards[shard])
-        self.check_identity()
-        try:
-            source = self.remote.open(where)
-        except remote_source.RemoteError as exc:
-            if remote_source.missing(exc):
-                raise CorruptDataError(f"{where}: shard missing; upload the dataset again", self.path) from exc
-            raise
-        if source.size != self.shard_bytes[shard]:
-            raise CorruptDataError(f"{where}: {source.size} bytes, the index says {self.shard_bytes[shard]}; the "
-                                   "shard was changed or not uploaded whole (upload the dataset again)", self.path)
-        return source
 
     def load_tables(self) -> None:
         self.records  # a property: read and cached on first access
@@ -749,10 +574,7 @@ def check_files(path: str) -> list[str]:
             problems += wids_index_problems(path, split, entry, index["classes"])
         counts = table_shard_counts(path, split, len(entry["shards"]))
         checks += [(shard, None if counts is None else int(counts[k])) for k, shard in enumerate(entry["shards"])]
-    with ThreadPoolExecutor(max(1, available_cores())) as pool:
-        for found in pool.map(lambda check: checked_shard(path, *check), checks):
-            problems += found
-    return problems
+    return problems + shards_problems(path, checks, _tar.count_samples)
 
 
 def table_shard_counts(path: str, split: str, shards: int) -> np.ndarray | None:
@@ -767,13 +589,6 @@ def table_shard_counts(path: str, split: str, shards: int) -> np.ndarray | None:
         counts += np.bincount(block, minlength=shards)[:shards]
     reader.close()
     return counts
-
-
-def checked_shard(path: str, shard: dict, table_count: int | None) -> list[str]:
-    try:
-        return shard_problems(path, shard, table_count)
-    except OSError as exc:
-        return [f"{shard['name']}: cannot read the shard ({exc.strerror or exc})"]
 
 
 def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) -> list[str]:
@@ -794,44 +609,34 @@ def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) 
     return []
 
 
-def shard_info(path: str, remote=None) -> dict:
-    """Per split: its shard count and the total, smallest and largest shard bytes (from the index)."""
-    summary = {}
+def info_facts(path: str, remote=None) -> dict:
+    """Per split, for `packer info`, its shards (readers deal whole shards to ranks): their count,
+    and the total, smallest and largest shard bytes (from the index)."""
+    facts = {}
     for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():
         sizes = [shard["bytes"] for shard in entry["shards"]]
-        summary[split] = {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
-                          "max_bytes": max(sizes, default=0)}
-    return summary
+        facts[split] = {"shards": {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
+                                   "max_bytes": max(sizes, default=0)}}
+    return facts
 
 
-def shard_problems(path: str, shard: dict, table_count: int | None = None) -> list[str]:
-    """A shard's problems; table_count, the samples records.bin puts in it, stands in for
-    parsing the tar when the shard is intact (size and SHA-256 as indexed)."""
-    where = os.path.join(path, shard["name"])
-    if not os.path.isfile(where):
-        return [f"{shard['name']}: shard missing"]
-    problems = []
-    if os.path.getsize(where) != shard["bytes"]:
-        problems.append(f"{shard['name']}: {os.path.getsize(where)} bytes, the index says {shard['bytes']}")
-    elif shard_digest(where) != shard["sha256"]:
-        problems.append(f"{shard['name']}: SHA-256 differs from the index (the shard changed or is damaged)")
-    if not problems and table_count is not None:
-        found = table_count
-    else:
-        try:
-            found = _tar.count_samples(where)
-        except CorruptDataError as exc:
-            return problems + [str(exc)]
-    if found != shard["count"]:
-        problems.append(f"{shard['name']}: {found} samples, the index says {shard['count']}")
-    return problems
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, index.json and the files it names) of the WDS dataset at url."""
+    index, meta = open_index(url, remote)
+    return meta, {INDEX, *named_files(index["wds"])}
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a checked WDS folder that its index does not name."""
+    return unexpected(unnamed(path, {INDEX, *named_files(load_index(path)["wds"])}), "wds")
 
 
 RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
     name="wds", aliases=("webdataset", "tar"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
-    read_metadata=read_metadata, check_files=check_files,
+    read_metadata=read_metadata, check_files=check_files, info_facts=info_facts, title="WDS",
+    held_as=f"an {INDEX}", entry=INDEX, read_remote=read_remote, foreign=foreign,
     # Shards in ImageFolder order hold one class each: streaming readers need them mixed.
     shuffled_by_default=True,
     options=(

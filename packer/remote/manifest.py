@@ -2,8 +2,8 @@
 that a folder format's upload writes last (packer.remote.upload), and that detection and
 --force read back (packer.formats.detect_remote) as an untrusted file.
 
-{"packer_remote": 1, "format": "<lmdb|wds>", "objects": {"<key relative to OUT/>": <size in bytes>, ...}},
-itself not listed. An hdf5 dataset is one object, OUT itself, and has none.
+{"packer_remote": 1, "format": "<a folder format: lmdb, wds>", "objects": {"<key relative to OUT/>": <size in bytes>, ...}},
+itself not listed. A one-file format's dataset (hdf5) is one object, OUT itself, and has none.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from ..errors import PackError
 MANIFEST = "packer.json"
 MANIFEST_VERSION = 1
 MANIFEST_LIMIT = 64 << 20  # bytes: a manifest names each object once, in a few dozen bytes
-ENTRY = {"lmdb": "data.mdb", "wds": "index.json"}  # hdf5 is one object: OUT itself
 
 
-def parse_manifest(raw: bytes, url: str) -> dict:
-    """A packer.json's content, checked: an untrusted file (see the module docstring)."""
+def parse_manifest(raw: bytes, url: str, formats) -> dict:
+    """A packer.json's content, checked: an untrusted file (see the module docstring).
+    formats: the names a manifest may give, the folder formats (packer.formats.folder_formats)."""
     def bad(what: str) -> PackError:
         return PackError(f"{url}: not a valid packer manifest ({what}); the dataset is damaged or was not "
                          "written by packer", url)
@@ -31,7 +31,7 @@ def parse_manifest(raw: bytes, url: str) -> dict:
         raise bad(f"not JSON: {exc}") from exc
     if not isinstance(found, dict) or found.get("packer_remote") != MANIFEST_VERSION:
         raise bad(f"packer_remote is not {MANIFEST_VERSION}")
-    if found.get("format") not in ENTRY:  # an hdf5 dataset is one object, with no manifest
+    if found.get("format") not in formats:  # a one-file dataset is one object, with no manifest
         raise bad(f"format {found.get('format')!r}")
     objects = found.get("objects")
     if not isinstance(objects, dict) or not objects:

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .. import replaceable
 from ..errors import OutputExistsError, PackError
-from ..formats import read_metadata, wds
+from ..formats import FORMATS, folder_formats
 from ..interrupts import Interrupted
 from ..staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 from . import is_url, parse_url
@@ -67,12 +67,12 @@ from .retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_re
 from .schemes import Scheme, scheme_for
 from .source import one_attempt
 
-from .manifest import ENTRY, MANIFEST, MANIFEST_LIMIT, manifest_bytes, parse_manifest, safe_key
+from . import manifest
+from .manifest import MANIFEST, MANIFEST_LIMIT, manifest_bytes, safe_key
 
 if TYPE_CHECKING:
     from ..writing import PackResult
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
 PART_SIZE = 64 << 20  # multipart parts of a large object (S3: at least 5 MiB, at most 10,000 parts)
@@ -193,19 +193,35 @@ def is_file(target: Target, path: str) -> bool:
 
 def remote_dataset(target: Target, path: str | None = None) -> str | None:
     """The format of the complete dataset at path (default OUT), or None if there is none:
-    its packer.json, else its entry object (a dataset copied by hand), else an hdf5 object."""
+    its packer.json, else its entry object (a dataset copied by hand), else a one-file format's
+    object, by its signature."""
     path = path or target.path
-    manifest = read_manifest(target, path)
-    if manifest is not None:
-        return manifest["format"]
-    for fmt, entry in ENTRY.items():
-        if is_file(target, f"{path}/{entry}"):
-            return fmt
-    if is_file(target, path):
-        head = target.run(path, "cat_file", path, start=0, end=len(HDF5_SIGNATURE))
-        if head == HDF5_SIGNATURE:
-            return "hdf5"
-    return None
+    found = read_manifest(target, path)
+    if found is not None:
+        return found["format"]
+    for fmt in FORMATS.values():
+        if fmt.entry is not None and is_file(target, f"{path}/{fmt.entry}"):
+            return fmt.name
+    return object_format(target, path)
+
+
+def object_format(target: Target, path: str) -> str | None:
+    """The one-file format whose signature the object at path starts with, or None."""
+    signed = [fmt for fmt in FORMATS.values() if fmt.signature is not None]
+    if not signed or not is_file(target, path):
+        return None
+    head = target.run(path, "cat_file", path, start=0, end=max(len(fmt.signature) for fmt in signed))
+    return next((fmt.name for fmt in signed if head.startswith(fmt.signature)), None)
+
+
+def as_object(fmt) -> str:
+    """A one-file format's held_as at a URL: "an HDF5 object", where a local one is "an HDF5 file"."""
+    return fmt.held_as.rsplit(" ", 1)[0] + " object"
+
+
+def parse_manifest(raw: bytes, url: str) -> dict:
+    """packer.remote.manifest.parse_manifest, taking the folder formats registered now."""
+    return manifest.parse_manifest(raw, url, folder_formats())
 
 
 def read_manifest(target: Target, path: str) -> dict | None:
@@ -241,25 +257,23 @@ def replace_problem(target: Target) -> str | None:
                         doing="reading")
     under = sorted(path[len(target.path) + 1:] for path in found if path.startswith(target.path + "/"))
     if fmt is None:
-        held = f"holds {replaceable.listing(under)}" if under else "is an object that is not HDF5"
-        return f"{held}, with no {MANIFEST}, {ENTRY['lmdb']} or {ENTRY['wds']}"
-    if fmt == "hdf5" and under:  # an object at OUT and others under OUT/: a replace would delete those
+        kinds = " or ".join(fmt.title for fmt in FORMATS.values() if fmt.signature is not None)
+        held = f"holds {replaceable.listing(under)}" if under else f"is an object that is not {kinds}"
+        entries = [MANIFEST, *(fmt.entry for fmt in FORMATS.values() if fmt.entry is not None)]
+        return f"{held}, with no {', '.join(entries[:-1])} or {entries[-1]}"
+    found = FORMATS[fmt]
+    if not found.directory and under:  # an object at OUT and others under OUT/: a replace would delete those
         shown = replaceable.listing([target.url_of(f"{target.path}/{name}") for name in under])
-        return f"is an HDF5 object with other objects under its name too ({shown}), which packer did not write"
-    what = {"lmdb": f"a {ENTRY['lmdb']}", "wds": f"an {ENTRY['wds']}", "hdf5": "an HDF5 object"}[fmt]
+        return f"is {as_object(found)} with other objects under its name too ({shown}), which packer did not write"
+    what = found.held_as if found.directory else as_object(found)
     remote = remote_source.remote_for(target.url, storage_options=target.storage_options)
     try:
-        if fmt == "wds":
-            index, meta = wds.open_index(target.url, remote)
-            allowed = {ENTRY["wds"], *wds.named_files(index["wds"])}
-        else:
-            meta = read_metadata(target.url, storage_options=target.storage_options)
-            allowed = {ENTRY["lmdb"], replaceable.LMDB_LOCK} if fmt == "lmdb" else set()
+        meta, allowed = found.read_url(target.url, remote)
     except PackError as exc:
         return f"holds {what} without valid packer metadata ({exc})"
-    manifest = read_manifest(target, target.path)
-    if manifest is not None:
-        allowed = {*manifest["objects"], MANIFEST}
+    listed = read_manifest(target, target.path)
+    if listed is not None:
+        allowed = {*listed["objects"], MANIFEST}
     return replaceable.metadata_problem(meta, fmt, what) or replaceable.unexpected(
         [target.url_of(f"{target.path}/{name}") for name in under if name not in allowed], fmt)
 
@@ -322,13 +336,11 @@ def list_prefixes(target: Target, bucket: str, prefix: str, timeout: float) -> l
 
 def staged_dataset(target: Target, stage: str) -> tuple[str, dict] | None:
     """(format, objects) of a complete staging prefix, or None if its upload did not finish."""
-    manifest = read_manifest(target, stage)
-    if manifest is not None:
-        return manifest["format"], manifest["objects"]
-    single = f"{stage}/{posixpath.basename(target.path)}"
-    if is_file(target, single):  # an hdf5 object appears whole, or not at all
-        return "hdf5", {}
-    return None
+    found = read_manifest(target, stage)
+    if found is not None:
+        return found["format"], found["objects"]
+    fmt = object_format(target, f"{stage}/{posixpath.basename(target.path)}")  # one object appears whole, or not at all
+    return None if fmt is None else (fmt, {})
 
 
 def tidy(target: Target) -> tuple[list[str], list[str]]:
@@ -386,7 +398,7 @@ def local_files(local: str) -> dict[str, str]:
 
 def ordered(fmt: str, keys) -> list[str]:
     """Data objects first, the entry object last: a reader that finds the entry finds the rest."""
-    entry = ENTRY.get(fmt)
+    entry = FORMATS[fmt].entry
     return sorted(keys, key=lambda key: (key == entry, key))
 
 
@@ -414,13 +426,13 @@ def run_all(jobs: list[Callable[[], None]]) -> None:
 def upload(target: Target, local: str, fmt: str, stage: str) -> dict[str, int]:
     """Put the dataset at local under stage, packer.json last; the manifest's objects."""
     files = local_files(local)
-    if fmt == "hdf5" or "" in files:
+    if not FORMATS[fmt].directory or "" in files:
         key = posixpath.basename(target.path)
         put(target, files[""], f"{stage}/{key}")
         return {}
     objects = {key: os.path.getsize(path) for key, path in files.items()}
     keys = ordered(fmt, objects)
-    entry = ENTRY.get(fmt)
+    entry = FORMATS[fmt].entry
     run_all([lambda key=key: put(target, files[key], f"{stage}/{key}") for key in keys if key != entry])
     if entry in files:
         put(target, files[entry], f"{stage}/{entry}")
@@ -453,12 +465,12 @@ def publish(target: Target, stage: str, fmt: str, objects: dict[str, int], repla
     """Copy the complete upload at stage into OUT, entry object and packer.json last (step 4)."""
     out = target.path
     if replacing:
-        remove_old(target, keep_object=fmt == "hdf5")
-    if fmt == "hdf5":  # one copy: the object at OUT is the old one or the new one, never neither
+        remove_old(target, keep_object=not FORMATS[fmt].directory)
+    if not FORMATS[fmt].directory:  # one copy: the object at OUT is the old one or the new one, never neither
         single = f"{stage}/{posixpath.basename(out)}"
         copy(target, single, out, target.run(single, "size", single, doing="reading"))
         return
-    entry = ENTRY.get(fmt)
+    entry = FORMATS[fmt].entry
     keys = ordered(fmt, objects)
     run_all([lambda key=key: copy(target, f"{stage}/{key}", f"{out}/{key}", objects[key])
              for key in keys if key != entry])
@@ -471,7 +483,7 @@ def remove_old(target: Target, keep_object: bool) -> None:
     """Delete the dataset at OUT, packer.json and entry object first so that it stops being
     one at once; keep_object keeps an object at OUT itself (a copy is about to replace it)."""
     out = target.path
-    for first in (MANIFEST, *ENTRY.values()):
+    for first in (MANIFEST, *(fmt.entry for fmt in FORMATS.values() if fmt.entry is not None)):
         delete_object(target, f"{out}/{first}")
     rest = target.run(out, "find", out + "/", doing="reading")
     if rest:
