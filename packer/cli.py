@@ -108,7 +108,7 @@ def main():
 
 def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=None) -> PackResult:
     """write(out, force) where out is local; to a URL, packed in a staging folder and uploaded
-    (packer.remote.upload)."""
+    (packer.upload)."""
     from .remote import is_url
 
     if out is None or not is_url(out):
@@ -117,7 +117,7 @@ def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=Non
         if given:
             raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
         return write(out, force)
-    from .remote.upload import write_to_url
+    from .upload import write_to_url
 
     return write_to_url(out, fmt, lambda local: write(local, False), force=force, staging_dir=staging_dir,
                         storage_options=with_deadline(storage_options, deadline))

@@ -24,8 +24,6 @@ import struct
 from dataclasses import dataclass
 
 from .check import SOF_MARKERS, jpeg_segments, sniff
-from .errors import PackError
-from .formats import ReaderCache
 
 BASELINE_420 = "baseline-420"  # the form's name in the metadata and on the command line
 BASELINE = 0xC0  # SOF0
@@ -133,49 +131,8 @@ def in_baseline_420(data: bytes) -> bool:
     return form is not None and form.baseline_420
 
 
-SAMPLE = 1000  # records info reads for its census: a few MB, enough for shares to +-3 points
-
-
-def census(path: str, meta, sample: int = SAMPLE) -> dict:
-    """How many of `sample` records, spread evenly over all splits in storage order, are in
-    each form: {"sampled", "jpeg", "baseline_420", "hardware", "progressive",
-    "subsampling": {"4:2:0": n, ...}, "unreadable"}. Reads those records' bytes (headers
-    parsed only); a record that cannot be read (damaged, a shard missing) is counted as
-    unreadable, not raised: info describes a dataset, verify judges it."""
-    total = meta.count
-    picks = sorted({k * total // sample for k in range(sample)}) if total > sample else range(total)
-    bounds, start = [], 0
-    for name, split in meta.splits.items():
-        bounds.append((name, start, start + split.count))
-        start += split.count
-    counts = {"sampled": 0, "jpeg": 0, "baseline_420": 0, "hardware": 0, "progressive": 0, "subsampling": {},
-              "unreadable": 0}
-    readers = ReaderCache(path)
-    try:
-        for k in picks:
-            name, first = next((name, lo) for name, lo, hi in bounds if lo <= k < hi)
-            counts["sampled"] += 1
-            try:
-                data = readers[name].read(k - first)[0]
-            except (PackError, OSError):
-                counts["unreadable"] += 1
-                continue
-            form = jpeg_form(data)
-            if form is None:
-                continue
-            counts["jpeg"] += 1
-            counts["baseline_420"] += form.baseline_420
-            counts["hardware"] += form.hardware
-            counts["progressive"] += form.progressive
-            key = form.subsampling if form.colorspace in ("YCbCr", "Gray") else form.colorspace
-            counts["subsampling"][key] = counts["subsampling"].get(key, 0) + 1
-    finally:
-        readers.close()
-    return counts
-
-
 def form_summary(counts: dict) -> str:
-    """One line of a census (census()): the shares the hardware decoder and the
+    """One line of a census (packer.verify.census): the shares the hardware decoder and the
     baseline 4:2:0 form take, and the subsamplings seen."""
     n = counts["sampled"]
     if n == 0:

@@ -12,7 +12,7 @@ replaceable only when
     one group per split holding packer's tables.
 Anything else is refused by name, saying what was found there. The format is found by its
 Format's entry file or signature, and what it holds beyond its own files by its Format's
-foreign(). packer.remote.upload asks the same of a dataset at a URL, from its listing.
+foreign(). packer.upload asks the same of a dataset at a URL, from its listing.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import lmdb
 
 from .errors import PackError
 from .formats import FORMATS, Format
-from .formats._foreign import listing, unexpected  # noqa: F401 (packer.remote.upload words its refusals with them)
+from .formats._foreign import listing, unexpected  # noqa: F401 (packer.upload words its refusals with them)
 from .records import Metadata
 
 

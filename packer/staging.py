@@ -2,7 +2,7 @@
 and whether that owner is provably gone.
 
 Shared by a local OUT (packer.output: `OUT.partial-<owner>` beside it) and a remote one
-(packer.remote.upload: the staging prefix `OUT.partial-<owner>/`), so both tell a dead writer's
+(packer.upload: the staging prefix `OUT.partial-<owner>/`), so both tell a dead writer's
 leftover from a running one's the same way. Only the same host may judge: the host is the host
 name, and, in a PID namespace of its own (a container), that namespace, since containers that
 share a host name (host networking) do not see each other's pids.

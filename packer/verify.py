@@ -23,7 +23,7 @@ from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_meta
 from .cores import available_cores
 from .engine import load_in_processes
 from .records import UNLABELED, Metadata, PathTable
-from .jpeg_form import census, jpeg_form
+from .jpeg_form import jpeg_form
 from .reencode import MAX_SIDE_LIMIT, Reencode, expected_size, stored_size
 from .remote.source import remote_for
 from .scan import DEFAULT_SPLIT, Source, scan_source
@@ -49,7 +49,7 @@ def own_size(path: str) -> int:
 def info(path: str, storage_options: dict | None = None) -> dict:
     """The metadata of a packed dataset plus where and how big it is, as one JSON-able dict.
     path may be a URL (its disk_bytes are then None: nothing is listed). For a local
-    dataset, "forms" is the census of its JPEG forms in a sample (packer.jpeg_form)."""
+    dataset, "forms" is the census of its JPEG forms in a sample (census below)."""
     remote = remote_for(path, storage_options=storage_options)
     if remote is None:
         meta = read_metadata(path)
@@ -489,3 +489,44 @@ def labels_of(labels: np.ndarray, block: int = 1 << 16):
 def labeled_from_file(meta: Metadata, split: str, listing) -> bool:
     """Whether split is flat in SRC and was labeled by the label file recorded in params."""
     return (not listing.labeled and meta.splits[split].labeled and isinstance(meta.params.get("labels"), dict))
+
+
+SAMPLE = 1000  # records info reads for its census: a few MB, enough for shares to +-3 points
+
+
+def census(path: str, meta, sample: int = SAMPLE) -> dict:
+    """How many of `sample` records, spread evenly over all splits in storage order, are in
+    each form: {"sampled", "jpeg", "baseline_420", "hardware", "progressive",
+    "subsampling": {"4:2:0": n, ...}, "unreadable"}. Reads those records' bytes (headers
+    parsed only); a record that cannot be read (damaged, a shard missing) is counted as
+    unreadable, not raised: info describes a dataset, verify judges it."""
+    total = meta.count
+    picks = sorted({k * total // sample for k in range(sample)}) if total > sample else range(total)
+    bounds, start = [], 0
+    for name, split in meta.splits.items():
+        bounds.append((name, start, start + split.count))
+        start += split.count
+    counts = {"sampled": 0, "jpeg": 0, "baseline_420": 0, "hardware": 0, "progressive": 0, "subsampling": {},
+              "unreadable": 0}
+    readers = ReaderCache(path)
+    try:
+        for k in picks:
+            name, first = next((name, lo) for name, lo, hi in bounds if lo <= k < hi)
+            counts["sampled"] += 1
+            try:
+                data = readers[name].read(k - first)[0]
+            except (PackError, OSError):
+                counts["unreadable"] += 1
+                continue
+            form = jpeg_form(data)
+            if form is None:
+                continue
+            counts["jpeg"] += 1
+            counts["baseline_420"] += form.baseline_420
+            counts["hardware"] += form.hardware
+            counts["progressive"] += form.progressive
+            key = form.subsampling if form.colorspace in ("YCbCr", "Gray") else form.colorspace
+            counts["subsampling"][key] = counts["subsampling"].get(key, 0) + 1
+    finally:
+        readers.close()
+    return counts

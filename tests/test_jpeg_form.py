@@ -10,7 +10,8 @@ from PIL import Image
 
 from packer import pack
 from packer.formats import read_metadata
-from packer.jpeg_form import census, form_summary, in_baseline_420, jpeg_form
+from packer.jpeg_form import form_summary, in_baseline_420, jpeg_form
+from packer.verify import census
 
 from conftest import write
 

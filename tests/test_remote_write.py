@@ -207,7 +207,7 @@ def test_a_large_file_goes_up_in_parts(tmp_path, s3_bucket, monkeypatch):
     import re
 
     from conftest import jpeg_bytes, write
-    from packer.remote import upload
+    from packer import upload
 
     monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)  # S3's smallest part
     src = tmp_path / "large"
@@ -362,7 +362,7 @@ def test_remote_options_for_a_local_out_are_refused(flat_tree, tmp_path):
     (b'{"packer_remote": 1, "format": "wds", "objects": {"index.json": true}}', "size"),
 ])
 def test_a_hostile_manifest_is_refused(raw, what):
-    from packer.remote.upload import parse_manifest
+    from packer.upload import parse_manifest
 
     with pytest.raises(PackError, match=f"s3://b/x/packer.json: not a valid packer manifest .*{what}"):
         parse_manifest(raw, "s3://b/x/packer.json")
@@ -378,10 +378,10 @@ def test_force_refuses_a_damaged_manifest_at_out(flat_tree, s3_bucket):
 
 
 def write(url, src, storage_options, retries=1, packed=None, **kwargs):
-    """packer.remote.upload.write_to_url around a local pack, as the CLI calls it; packed
+    """packer.upload.write_to_url around a local pack, as the CLI calls it; packed
     (a list) gets each local path packed."""
     from packer.pack import pack
-    from packer.remote.upload import write_to_url
+    from packer.upload import write_to_url
 
     def pack_locally(local):
         if packed is not None:
@@ -415,7 +415,7 @@ def test_wrong_credentials_are_named_before_packing(flat_tree, s3_auth_server, t
     assert packed == [] and list(staging.iterdir()) == []  # refused before packing
     # The same checks pass with the right ones (moto's signature check refuses some of
     # s3fs's listings even then, so a whole write cannot run on this server).
-    from packer.remote import upload
+    from packer import upload
 
     target = upload.open_target(f"{bucket.url}/x.lmdb", bucket.storage_options, retries=1)
     upload.check_bucket(target)
@@ -482,7 +482,7 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # however fast the machine is.
 PAUSED_CLI = """
 import signal, sys, threading
-from packer.remote import upload
+from packer import upload
 from packer.cli import main
 
 pause_after, done, lock, resume = int(sys.argv.pop(1)), [0], threading.Lock(), threading.Event()
@@ -624,7 +624,7 @@ def test_ctrl_c_or_sigterm_during_upload_deletes_the_staging(tmp_path, s3_bucket
 
 
 def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tmp_path, s3_bucket, flat_tree):
-    from packer.remote import upload
+    from packer import upload
 
     src = many_records(tmp_path)
     url = f"{s3_bucket.url}/ds.wds"

@@ -95,7 +95,7 @@ class Format:
     title: str = ""  # how messages name it: "LMDB"
     held_as: str = ""  # what --force found at OUT, in its refusals: "a data.mdb", "an HDF5 file"
     # A folder format's entry file: its mark at a URL, where nothing is listed, and the object
-    # an upload copies last (packer.remote.upload), so a reader that finds it finds the rest.
+    # an upload copies last (packer.upload), so a reader that finds it finds the rest.
     entry: str | None = None
     signature: bytes | None = None  # a one-file format's first bytes, its mark at a URL
     # (Metadata, the names under OUT/ the dataset holds) of the dataset at a URL, read through a

@@ -1,5 +1,5 @@
 """How a format's `foreign` hook words what packer did not write in a dataset at OUT, which
-keeps --force from replacing it (packer.replaceable, packer.remote.upload)."""
+keeps --force from replacing it (packer.replaceable, packer.upload)."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
 """Datasets in object storage: s3://, https:// (any fsspec) URLs read through fsspec, written by upload.
 
 Which objects a remote dataset consists of, and how a writer publishes them so that a
-reader never sees half of one, is in packer.remote.upload's docstring. This module only
+reader never sees half of one, is in packer.upload's docstring. This module only
 tells a URL from a local path; it imports no fsspec, so local use never needs it.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A remote dataset's manifest, OUT/packer.json: the completion marker and the list of objects
-that a folder format's upload writes last (packer.remote.upload), and that detection and
+that a folder format's upload writes last (packer.upload), and that detection and
 --force read back (packer.formats.detect_remote) as an untrusted file.
 
 {"packer_remote": 1, "format": "<a folder format: lmdb, wds>", "objects": {"<key relative to OUT/>": <size in bytes>, ...}},

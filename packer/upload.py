@@ -55,23 +55,21 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .. import replaceable
-from ..errors import OutputExistsError, PackError
-from ..formats import FORMATS, folder_formats
-from ..interrupts import Interrupted
-from ..staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
-from . import is_url, parse_url
-from .errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
-from . import source as remote_source
-from .retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
-from .schemes import Scheme, scheme_for
-from .source import one_attempt
-
-from . import manifest
-from .manifest import MANIFEST, MANIFEST_LIMIT, manifest_bytes, safe_key
+from . import replaceable
+from .errors import OutputExistsError, PackError
+from .formats import FORMATS, folder_formats
+from .interrupts import Interrupted
+from .remote import is_url, manifest, parse_url
+from .remote import source as remote_source
+from .remote.errors import MISSING, NO_BUCKET, RemoteError, endpoint_of
+from .remote.manifest import MANIFEST, MANIFEST_LIMIT, manifest_bytes, safe_key
+from .remote.retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
+from .remote.schemes import Scheme, scheme_for
+from .remote.source import one_attempt
+from .staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
 
 if TYPE_CHECKING:
-    from ..writing import PackResult
+    from .writing import PackResult
 
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
