@@ -44,7 +44,7 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
-from .elastic import consumed, elastic_fields, pass_length, rank_positions
+from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
@@ -155,15 +155,20 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
 
     def load_state_dict(self, state: dict) -> None:
         """Set the epoch, and make the next pass over it the part of its global order that
-        no rank of the saving run had consumed, dealt to this run's ranks (any number).
-        Raises ValueError if the state is another sampler's, or was saved over other data
-        or with another seed."""
+        no rank of the saving run had consumed, dealt to this run's ranks (any number); a
+        state whose pass was over leaves the epoch as set (its rest is empty). Raises
+        ValueError if the state is another sampler's, or was saved over other data or with
+        another seed."""
         kind = type(self).__name__
         check_state(state, kind, self.settings())
         epoch = checked_count(state, "epoch", kind)
         world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
-        self.epoch = epoch
-        self._resume = (epoch, consumed(self.count, start, position, world_size))
+        if ended(self.count, start, position, world_size, self.drop_last):
+            # Its epoch was wholly consumed: the epoch stays the one set (torchdata loads this as a pass
+            # begins, after the loop's set_epoch), and only a pass of the saved epoch is its empty rest.
+            self._resume = (epoch, self.count)
+        else:
+            self.epoch, self._resume = epoch, (epoch, consumed(self.count, start, position, world_size))
 
     def pass_start(self) -> int:
         """Where in the global order the pending, current or last pass of this epoch starts."""
