@@ -35,22 +35,27 @@ def packs(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("workers", (0, 2))
 @pytest.mark.parametrize("case", CASES)
-def test_a_state_saved_after_the_loop_resumes_at_the_next_epoch_on_any_world(packs, case, workers):
-    saving, ordered = stateful(packs, case, workers, 0, 2)
+@pytest.mark.parametrize("saving_world, drop_last", [(2, False), (3, True)])  # 3 ranks: a partial batch dropped
+def test_a_state_saved_after_the_loop_resumes_at_the_next_epoch_on_any_world(packs, case, workers, saving_world,
+                                                                            drop_last):
+    def loader(rank: int, world_size: int):
+        return stateful(packs, case, workers, rank, world_size, drop_last=drop_last)
+
+    saving, ordered = loader(0, saving_world)
     saved = epoch_of(saving, ordered, EPOCH)  # the loop over the epoch, run to its end
     state = json.loads(json.dumps(saving.state_dict()))
     for world_size in (2, 3):
         for rank in range(world_size):  # rank 0's state resumes every rank
-            where = f"{case} with {workers} workers, rank {rank} of {world_size}"
-            fresh, fresh_ordered = stateful(packs, case, workers, rank, world_size)
+            where = f"{case} with {workers} workers, rank {rank} of {world_size} from {saving_world}"
+            fresh, fresh_ordered = loader(rank, world_size)
             expected = epoch_of(fresh, fresh_ordered, EPOCH + 1)
             assert flat(expected), where
-            if (rank, world_size) == (0, 2):
+            if (rank, world_size) == (0, saving_world):
                 assert expected != saved, "the next epoch is another order"
-            after, ordered = stateful(packs, case, workers, rank, world_size)
+            after, ordered = loader(rank, world_size)
             after.load_state_dict(state)
             assert epoch_of(after, ordered, EPOCH + 1) == expected, f"{where}: set_epoch after the load"
-            before, ordered = stateful(packs, case, workers, rank, world_size)
+            before, ordered = loader(rank, world_size)
             ordered.set_epoch(EPOCH + 1)
             before.load_state_dict(state)
             assert list(before) == expected, f"{where}: set_epoch before the load"
@@ -60,8 +65,8 @@ def test_a_state_saved_after_the_loop_resumes_at_the_next_epoch_on_any_world(pac
 @pytest.mark.parametrize("workers", (0, 2))
 @pytest.mark.parametrize("case", CASES)
 def test_a_run_that_never_sets_the_epoch_goes_on_as_without_the_stop(packs, case, workers):
-    plain, _ = stateful(packs, case, workers, 0, 2)
+    plain, _ = stateful(packs, case, workers, 0, 3, drop_last=True)
     list(plain)
-    resumed, _ = stateful(packs, case, workers, 0, 2)
+    resumed, _ = stateful(packs, case, workers, 0, 3, drop_last=True)
     resumed.load_state_dict(plain.state_dict())
     assert list(resumed) == list(plain)  # the pass the uninterrupted run makes next: the epoch it is at
