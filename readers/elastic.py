@@ -41,6 +41,12 @@ def consumed(count: int, start: int, position: int, world_size: int) -> int:
     return min(count, start + position * world_size)
 
 
+def ended(count: int, start: int, position: int, world_size: int, drop_last: bool) -> bool:
+    """Whether a pass from `start` on `world_size` ranks was over once every rank had consumed
+    `position` indexes: its epoch was wholly consumed, as the ranks that saved it deal it."""
+    return count > 0 and position == pass_length(count, start, world_size, drop_last)
+
+
 def elastic_fields(state: dict, kind: str, count: int, drop_last: bool) -> tuple[int, int, int]:
     """(world_size, start, position) of a sampler state, checked: a position within that
     pass, a start within the epoch."""

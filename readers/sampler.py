@@ -44,7 +44,7 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
-from .elastic import consumed, elastic_fields, pass_length, rank_positions
+from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
@@ -121,9 +121,10 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, samples of its global order consumed)
         self._progress: list[int] | None = None  # [epoch, indexes handed out, global start] of the last pass
+        self._after: int | None = None  # the epoch set before a state was loaded: the passes after its pass
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch, self._after = int(epoch), None
 
     def world(self) -> tuple[int, int]:
         return world(self.rank, self.world_size)
@@ -154,16 +155,23 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
                 "world_size": self.world()[1], "epoch": epoch, "start": start, "position": position}
 
     def load_state_dict(self, state: dict) -> None:
-        """Set the epoch, and make the next pass over it the part of its global order that
-        no rank of the saving run had consumed, dealt to this run's ranks (any number).
-        Raises ValueError if the state is another sampler's, or was saved over other data
-        or with another seed."""
+        """Make the next pass the saved epoch's, the part of its global order that no rank
+        of the saving run had consumed, dealt to this run's ranks (any number); the passes
+        after it run the epoch set before the load (or after it, with set_epoch). A state
+        whose pass was over leaves the epoch as set (its rest is empty). Raises ValueError
+        if the state is another sampler's, or was saved over other data or with another seed."""
         kind = type(self).__name__
         check_state(state, kind, self.settings())
         epoch = checked_count(state, "epoch", kind)
         world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
-        self.epoch = epoch
-        self._resume = (epoch, consumed(self.count, start, position, world_size))
+        if ended(self.count, start, position, world_size, self.drop_last):
+            # Its epoch was wholly consumed: the epoch stays the one set (torchdata loads this as a pass
+            # begins, after the loop's set_epoch), and only a pass of the saved epoch is its empty rest.
+            self._resume = (epoch, self.count)
+        else:  # its pass runs the saved epoch; those after it, the one set (torchdata starts one at once
+            # where a DataLoader's drop_last left this pass a rest too short for a batch)
+            self._after = self.epoch if self._after is None else self._after
+            self.epoch, self._resume = epoch, (epoch, consumed(self.count, start, position, world_size))
 
     def pass_start(self) -> int:
         """Where in the global order the pending, current or last pass of this epoch starts."""
@@ -180,6 +188,8 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
     def start(self) -> int:
         """The global start of this pass (a loaded state's, if it is for this epoch; used
         once), recorded as the pass's progress."""
+        if self._resume is None and self._after is not None:  # a loaded state's pass began before this one
+            self.epoch, self._after = self._after, None
         resume, self._resume = self._resume, None
         start = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self._progress = [self.epoch, 0, start]

@@ -160,6 +160,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self._pool = CountPool()
         self.shard_counts()
         self._resume: tuple[int, dict | None, int] | None = None  # (epoch, position, its world size) to start at
+        self._pass_epoch: int | None = None  # a loaded state's epoch, this process's own, for its pass alone
         self._loaded: tuple[int, dict | None, int] | None = None  # the last state loaded, as _resume
         self._history: list[dict] = []  # the passes of this epoch before this process's (readers.wds_elastic)
         self._progress: list[int] | None = None  # [epoch, samples yielded, rank, worker, workers] of this process
@@ -168,9 +169,12 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     @property
     def epoch(self) -> int:
+        if self._pass_epoch is not None:
+            return self._pass_epoch
         return self._epoch if isinstance(self._epoch, int) else self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
+        self._pass_epoch = None
         if isinstance(self._epoch, int):
             self._epoch = int(epoch)
         else:
@@ -244,6 +248,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
         keep_heap_in_worker()
+        if self._resume is None:  # a loaded state's pass has begun: the passes after it are the epoch set
+            self._pass_epoch = None
         rank, world_size = self.world()
         worker_id, workers = worker()
         history = self.resumed_history(world_size, workers)
@@ -262,7 +268,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         """This worker's (image, label) stream after its first `skip` samples, counted in progress."""
         rng = None
         if self.shuffle > 1:
-            seed = np.random.SeedSequence([self.seed, self.epoch, rank, worker_id]).generate_state(1)[0]
+            seed = np.random.SeedSequence([self.seed, progress[0], rank, worker_id]).generate_state(1)[0]
             rng = random.Random(int(seed))
         for where, image, label in self.samples_after(tasks, skip, rng):
             progress[1] += 1
@@ -339,7 +345,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 "epoch": epoch, "position": None if position is None else dict(position)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Set the epoch, and make the next pass over it start where the state says. Raises
+        """Make the next pass the saved epoch's, from where the state says; the passes after it
+        run the epoch set_epoch() sets (one set before loading too). Raises
         ValueError if the state was saved over other shards, or with another seed, shuffle
         buffer. A state saved on another number of ranks or DataLoader workers resumes with
         the samples its streams had not yielded, dealt anew (readers.wds_elastic)."""
@@ -349,7 +356,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         saved_world = checked_count(state, "world_size", "WDSDataset")
         if saved_world < 1:
             raise ValueError(f"WDSDataset.load_state_dict: world_size must be >= 1, got {saved_world}")
-        self.set_epoch(epoch)
+        # Not set_epoch(): a worker's epoch is shared with the main process, whose next passes run the
+        # epoch set there (torchdata, finding a state saved after the loop finished, starts one at once).
+        self._pass_epoch = epoch
         self._resume = self._loaded = (epoch, position, saved_world)
 
     def resumed_history(self, world_size: int, workers: int) -> list[dict]:

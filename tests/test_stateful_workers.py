@@ -38,7 +38,7 @@ def packs(tmp_path_factory) -> str:
 
 
 def stateful(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None,
-             snapshot_every: int = 1):
+             snapshot_every: int = 1, drop_last: bool = False):
     """(a StatefulDataLoader with `workers` workers over the case's order, what set_epoch is called on)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -54,7 +54,7 @@ def stateful(root: str, case: str, workers: int, rank: int | None = None, world_
         ordered = sampler = BlockShuffleSampler(data, block_size=4, window=3, seed=SEED, rank=rank,
                                                 world_size=world_size)
     return StatefulDataLoader(data, BATCH, sampler=sampler, num_workers=workers, collate_fn=sample_ids,
-                              snapshot_every_n_steps=snapshot_every), ordered
+                              snapshot_every_n_steps=snapshot_every, drop_last=drop_last), ordered
 
 
 def save_side(job: dict) -> dict:
