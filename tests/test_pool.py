@@ -84,3 +84,46 @@ def test_a_stream_pickled_plainly_makes_its_own_pool(tmp_path):
     copy = pickle.loads(pickle.dumps(data))
     data._pool.words[0] = 9
     assert copy._pool.words[0] == 0  # shared memory does not travel by plain pickling
+
+
+def sdl_stream(root, workers: int, rank: int, world_size: int, **options):
+    """(a torchdata StatefulDataLoader over the WDS pack's stream, its WDSDataset)."""
+    from conftest import sample_ids
+    from readers import WDSDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=3, rank=rank, world_size=world_size)
+    return StatefulDataLoader(data, 5, num_workers=workers, collate_fn=sample_ids, **options), data
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_persistent_workers_prefetching_deep_pool_once_and_read_the_next_epoch_as_a_fresh_run(tmp_path, context):
+    # 2 ranks x 2 workers stop after 3 batches each; rank 0's state resumes on 1 rank, whose 2 workers,
+    # kept between epochs and 4 batches ahead each, pool their counts as they start
+    from collections import Counter
+
+    from conftest import packed_three_ways
+
+    root = tmp_path
+    packed_three_ways(root)
+    options = {"multiprocessing_context": context, "prefetch_factor": 4}
+    seen, states = [], []
+    for rank in range(2):
+        loader, data = sdl_stream(root, 2, rank, 2, **options)
+        data.set_epoch(0)
+        batches = iter(loader)
+        seen += [sample for _ in range(3) for sample in next(batches)]
+        states.append(loader.state_dict())
+        del batches
+    loader, data = sdl_stream(root, 2, 0, 1, persistent_workers=True, **options)
+    loader.load_state_dict(states[0])
+    data.set_epoch(0)
+    rest = [sample for batch in loader for sample in batch]
+    counts = Counter(seen + rest)
+    assert len(counts) == 100 and set(counts.values()) == {1}  # every sample of the epoch once
+    data.set_epoch(1)
+    fresh, fresh_data = sdl_stream(root, 2, 0, 1, **options)
+    fresh_data.set_epoch(1)
+    assert [batch for batch in loader] == [batch for batch in fresh]
+    assert list(data._pool.words[:2]) == [0, 0]
