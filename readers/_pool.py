@@ -68,15 +68,17 @@ class CountPool:
                 raise ValueError(f"WDSDataset: resuming on other ranks, DataLoader worker(s) "
                                  f"{', '.join(map(str, missing))} of {workers} on rank {rank} did not {what} within "
                                  f"{wait_s:.0f} s; each worker holds one part of the saved position, so all must "
-                                 "start together (is a worker stuck, or was the loader's state loaded into a loader "
-                                 "with other workers?)")
+                                 "start together (is a worker stuck, was the loader's state loaded into a loader "
+                                 "with other workers, or do an earlier failed start's workers still hold slots? "
+                                 "then make a new WDSDataset for the retry)")
             time.sleep(0.002)
 
 
 def stopped_message(rank: int, worker_id: int) -> str:
     return (f"WDSDataset: DataLoader worker {worker_id} of rank {rank} found its slot for pooling saved positions "
             "still held: an earlier resume's worker was stopped mid-way; the slot is cleared now, so start the "
-            "loader again")
+            "loader again, over a new WDSDataset (the failed start's other workers may hold its slots up to "
+            f"{WAIT_S:.0f} s more)")
 
 
 def shared_message(rank: int, worker_id: int, word: int) -> str:
