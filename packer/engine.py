@@ -66,7 +66,7 @@ def submit(pool, part: list, pending: deque) -> None:
 
     apply_async registers the job with the pool before it queues it: interrupted between
     the two, the job would never run, and Pool.join() waits for every registered job."""
-    with stop_signals_blocked():
+    with stop_signals_deferred():
         pending.append(pool.apply_async(_load_part, (part,)))
 
 
@@ -102,6 +102,34 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """stop_signals_blocked, and a stop signal's Python handler held off until the end too.
+
+    A mask holds a signal back from this thread only: the kernel hands a process-directed
+    SIGTERM to any thread that does not block it (tqdm's monitor, a reader thread), and
+    Python then runs the handler in the main thread at once, inside the block. So in the
+    main thread the handlers are swapped for one that notes the signal, which is raised
+    again once the old handlers are back."""
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's alone
+        with stop_signals_blocked():
+            yield
+        return
+    noted: list[int] = []
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    swapped = [signum for signum, handler in handlers.items() if handler is not None]  # None: set outside Python
+    for signum in swapped:
+        signal.signal(signum, lambda signum, frame: noted.append(signum))
+    try:
+        with stop_signals_blocked():
+            yield
+    finally:
+        for signum in swapped:
+            signal.signal(signum, handlers[signum])
+        for signum in dict.fromkeys(noted):
+            signal.raise_signal(signum)
 
 
 def load_in_threads(jobs: list, load: Callable[[Any], Any], threads: int,

@@ -451,3 +451,30 @@ def test_held_stops_are_noted_and_the_handlers_come_back():
         assert seen == [signal.SIGTERM] and interrupts.late_stops() == []
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+DEFERRED = """
+import os, signal, sys, threading, time
+from packer import engine
+calls = []
+signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("inside" if inside else "after"))
+threading.Thread(target=time.sleep, args=(10,), daemon=True).start()  # a thread that does not block SIGTERM
+inside = True
+with getattr(engine, sys.argv[1])():
+    os.kill(os.getpid(), signal.SIGTERM)  # to the process: the kernel may hand it to the other thread
+    time.sleep(0.3)  # a call that checks for signals, as the locks of apply_async's queue do
+    inside = False
+time.sleep(0.1)
+print(",".join(calls))
+"""
+
+
+def test_a_stop_signal_sent_to_the_process_waits_for_the_end_of_a_pool_submission():
+    # pool.apply_async registers its job before queueing it; a SIGTERM's handler run between
+    # the two left a job that never runs, and the pack's Pool.join() waited for it forever.
+    # Blocking the signal in the main thread does not hold the handler off while another
+    # thread (tqdm's monitor, a reader) takes the signal for the process.
+    proc = subprocess.run([sys.executable, "-c", DEFERRED, "stop_signals_deferred"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "after"
