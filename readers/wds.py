@@ -1,8 +1,8 @@
 """WDSDataset: streams WebDataset tar shards (packer's or any tool's) across DDP ranks and workers.
 
 One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
-by (seed, epoch) when shuffling), dealt to ranks, then to DataLoader workers, and only
-then streamed through a per-worker shuffle buffer. Reading is three small generators:
+by (seed, epoch) when shuffling), their samples cut into equal shares for the ranks, then
+for the DataLoader workers, and only then streamed through a per-worker shuffle buffer. Reading is three small generators:
 shard samples, the buffer, the conversion to (image, label). A local packer folder's
 shard samples are read by its index (one pread per image, no tar header parsed); any
 other shard, or a packer shard the index does not describe, is parsed.
@@ -17,6 +17,7 @@ that point on, are read again; every other shard already consumed is skipped unr
 from __future__ import annotations
 
 import bisect
+import math
 import multiprocessing
 import multiprocessing.context
 import os
@@ -41,9 +42,9 @@ from ._wds_checks import sample_label
 from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
-from .ranks import accelerate_runs, check_rank, deal, worker, world
+from .ranks import accelerate_runs, check_rank, worker, world
 from .sampler import STATE_VERSION, check_state, checked_count
-from .wds_elastic import checked_history, continue_or_deal, rank_plan
+from .wds_elastic import checked_history, continue_or_deal, rank_plan, share
 
 ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
@@ -76,13 +77,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     Distribution: the rank and world size come from rank=/world_size=, else from
     torch.distributed when it is initialised, else from the RANK and WORLD_SIZE
-    environment variables. Shards are dealt to ranks in epoch order, each to the rank
-    holding the fewest samples so far. Padding rule: every rank yields exactly len(self)
-    samples, the largest rank's share; a rank with fewer samples repeats samples from the
-    start of its own shards (of the epoch's shard list, if it got none), as
-    DistributedSampler repeats indices. Nothing is dropped: every sample is yielded at
-    least once per epoch, and exactly once when the ranks' shares come out equal (always,
-    with one rank). A rank's samples are then cut into one run per DataLoader worker,
+    environment variables. Each epoch, the shards' samples, in epoch order, are cut into
+    equal contiguous shares, one per rank (a shard shared by two ranks where a share ends
+    inside it). Padding rule: every rank yields exactly len(self) samples, ceil(samples /
+    ranks), the same every epoch; the last ranks' shortfall (ranks - 1 samples at most)
+    repeats the epoch's first samples, as DistributedSampler repeats indices. Nothing is
+    dropped: every sample is yielded once per epoch, and at most ranks - 1 of them twice.
+    A rank's samples are then cut into one run per DataLoader worker,
     equal to within one sample (stream_sizes), a shard shared by two workers where a run
     ends inside it. Each worker batches its own run, so with the same runs on every rank,
     every rank makes the same number of batches, and DDP never hangs.
@@ -202,30 +203,21 @@ class WDSDataset(torch.utils.data.IterableDataset):
             return 0
 
     def plan(self, rank: int, world_size: int) -> list[Task]:
-        """This rank's tasks for the current epoch: its own shards, then its padding."""
+        """This rank's tasks for the current epoch: its equal, contiguous share of the epoch's
+        shard order (wds_elastic.share), so every epoch has the same length on every rank."""
         counts = self.shard_counts()
         order = list(range(len(self.shards)))
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
-        owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
-        tasks = [Task(s) for s in owned[rank] if counts[s]]
-        deficit = max(load) - load[rank]
-        sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
-        while deficit > 0 and sources:
-            for shard in sources:
-                take = min(deficit, counts[shard])
-                tasks.append(Task(shard, 0, take))
-                deficit -= take
-                if not deficit:
-                    break
-        return tasks
+        # Shares of samples, not of whole shards: dealing whole shards made each epoch's length the
+        # largest rank's load, which changed with the shard order, and frameworks read a loader's
+        # length once (Lightning cut longer epochs short at the first one's batch count).
+        return share(self, [Task(shard) for shard in order if counts[shard]], rank, world_size)
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (padded; the total sample count with one rank)."""
-        rank, world_size = self.world()
-        if world_size == 1:
-            return sum(self.shard_counts())
-        return sum(map(self.task_size, self.plan(rank, world_size)))
+        """Samples this rank yields per epoch: the total over the world size, rounded up
+        (padded; the total sample count with one rank), the same every epoch."""
+        return math.ceil(sum(self.shard_counts()) / self.world()[1])
 
     def batches(self, batch_size: int, drop_last: bool, workers: int) -> int:
         """Batches a DataLoader with `workers` workers makes of one epoch here: the same on
