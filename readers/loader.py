@@ -500,7 +500,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
         workers: DataLoader processes; default: the cores available (affinity-aware),
-            divided by LOCAL_WORLD_SIZE.
+            divided by the local ranks (readers.ranks.local_world_size).
         seed: the shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
