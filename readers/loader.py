@@ -119,8 +119,8 @@ class EpochLoader(tud.DataLoader):
         """Batches of the pass under way, or of the next: after a resume, the rest of its epoch."""
         length = super().__len__()  # also what torch checks an IterableDataset's batch count against
         if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
-            # Each worker batches its own stream: WDSDataset knows how many batches they make,
-            # which differs between epochs; between passes, count the next one's.
+            # Each worker batches its own stream: WDSDataset knows how many batches they make
+            # (between passes, of the next one's epoch).
             if self._progress is None or self._progress[2]:
                 self.dataset.set_epoch(self.coming_epoch())
             return self.dataset.batches(self.batch_size, self.drop_last, self.num_workers)

@@ -161,6 +161,14 @@ def accelerate_run(job: dict) -> None:
     record(out, accelerator.process_index, seen)
 
 
+def torchrun_options(ranks: int) -> list[str]:
+    """python's arguments that run a script under torchrun on `ranks` processes, on a free port."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+
+
 def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False, ranks: int = 2) -> dict:
     """Run a job; {rank: {epoch: labels}} from its record files."""
     out = tmp_path / name
@@ -169,10 +177,7 @@ def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False,
     (out / "job.json").write_text(json.dumps(job))
     command = [sys.executable, __file__, kind, str(out / "job.json")]
     if torchrun:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+        command[1:1] = torchrun_options(ranks)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=240, env=env)
     assert done.returncode == 0, f"the {kind} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
@@ -292,10 +297,7 @@ def run_recipe(name: str, arguments: list[str], where: Path, ranks: int = 0) -> 
     (where / "train.py").write_text(recipe(name))
     command = [sys.executable, "train.py", *arguments]
     if ranks:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+        command[1:1] = torchrun_options(ranks)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}  # this checkout's readers
     done = subprocess.run(command, capture_output=True, text=True, cwd=where, timeout=240, env=env)
     assert done.returncode == 0, f"the {name} recipe failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -329,11 +331,7 @@ def test_make_loader_refuses_a_one_process_accelerator_where_the_launcher_starte
     script = tmp_path / "alone.py"
     script.write_text("import sys\nfrom accelerate import Accelerator\nimport readers\n\naccelerator = Accelerator()\n"
                       f"readers.make_loader(readers.LMDBDataset({str(packs / 'd.lmdb')!r}), {BATCH})\n")
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               str(script)]
+    command = [sys.executable, *torchrun_options(2), str(script)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(HERE.parent)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
