@@ -184,15 +184,15 @@ def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False,
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
-def check_whole_epochs(seen: dict, epochs) -> None:
-    """Every epoch, the ranks' samples are disjoint and cover the dataset (less drop_last's
-    share), and each epoch's order differs from the one before."""
+def check_whole_epochs(seen: dict, epochs, padded: int = 0) -> None:
+    """Every epoch, the ranks' samples are disjoint (but for `padded` repeats) and cover the
+    dataset (less drop_last's share), and each epoch's order differs from the one before."""
     for epoch in epochs:
         ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
         assert len(ranks[0]) == len(ranks[1])
         kept = len(ranks[0]) + len(ranks[1])  # less than SAMPLES by drop_last, more by padding
         union = set(ranks[0]) | set(ranks[1])
-        assert len(union) == min(kept, SAMPLES), f"epoch {epoch}: {len(union)} of {kept} samples distinct"
+        assert 0 <= min(kept, SAMPLES) - len(union) <= padded, f"epoch {epoch}: {len(union)} of {kept} distinct"
         assert kept > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {SAMPLES} samples seen"
         if epoch:
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
@@ -231,7 +231,7 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
     job = {"root": str(packs), "loader": loader, "mid_step": 11}  # 7 or 8 steps an epoch: mid-epoch 1
     whole = run("lightning", job, tmp_path, "whole")
-    check_whole_epochs(whole, range(EPOCHS))
+    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0)  # a stream pads odd counts
     if loader == "wds":
         check_stream_epochs(whole, packs)
     (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
