@@ -2,10 +2,11 @@
 
 One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
 by (seed, epoch) when shuffling), their samples cut into equal shares for the ranks, then
-for the DataLoader workers, and only then streamed through a per-worker shuffle buffer. Reading is three small generators:
-shard samples, the buffer, the conversion to (image, label). A local packer folder's
-shard samples are read by its index (one pread per image, no tar header parsed); any
-other shard, or a packer shard the index does not describe, is parsed.
+for the DataLoader workers, and only then streamed through a per-worker shuffle buffer.
+Reading is three small generators: shard samples, the buffer, the conversion to (image,
+label). A local packer folder's shard samples are read by its index (one pread per image,
+no tar header parsed); any other shard, or a packer shard the index does not describe, is
+parsed.
 
 Resuming (docs/resume.md): each worker's stream is fixed by (seed, epoch, rank, worker,
 workers), the buffer's draws included, so a position in it is a count of samples
@@ -83,10 +84,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
     ranks), the same every epoch; the last ranks' shortfall (ranks - 1 samples at most)
     repeats the epoch's first samples, as DistributedSampler repeats indices. Nothing is
     dropped: every sample is yielded once per epoch, and at most ranks - 1 of them twice.
-    A rank's samples are then cut into one run per DataLoader worker,
-    equal to within one sample (stream_sizes), a shard shared by two workers where a run
-    ends inside it. Each worker batches its own run, so with the same runs on every rank,
-    every rank makes the same number of batches, and DDP never hangs.
+    A rank's samples are then cut into one run per DataLoader worker, equal to within one
+    sample (stream_sizes), a shard shared by two workers where a run ends inside it. Each
+    worker batches its own run, so with the same runs on every rank, every rank makes the
+    same number of batches, and DDP never hangs.
 
     shuffle: buffer size per worker (0: shards and samples in stored order). With
     shuffle > 0, set_epoch(n) changes the shard order, the rank/worker assignment and
