@@ -12,6 +12,7 @@ dealt again would leave each rank 1/N of its share.
 """
 from __future__ import annotations
 
+import heapq
 import os
 import sys
 from typing import Any, Iterable
@@ -94,8 +95,10 @@ def deal(items: Iterable[tuple[Any, int]], ranks: int) -> tuple[list[list], list
     keep step counts equal (DDP hangs otherwise)."""
     owned: list[list] = [[] for _ in range(ranks)]
     load = [0] * ranks
+    least = [(0, rank) for rank in range(ranks)]  # a heap: (load, rank), so a tie goes to the lowest rank
     for item, size in items:
-        least = load.index(min(load))
-        owned[least].append(item)
-        load[least] += size
+        rank = least[0][1]
+        owned[rank].append(item)
+        load[rank] += size
+        heapq.heapreplace(least, (load[rank], rank))
     return owned, load

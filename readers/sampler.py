@@ -44,6 +44,7 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
+from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .ranks import check_rank, world
 
@@ -69,16 +70,18 @@ def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
 
 
 def check_state(state, kind: str, expected: dict) -> None:
-    """Raise a ValueError naming every setting where `state` differs from `expected`."""
+    """Raise a ValueError naming every setting where `state` differs from `expected`
+    (first, one nested too deep or too large to be any state_dict()'s: _state_limits)."""
     if not isinstance(state, dict):
         raise ValueError(f"{kind}.load_state_dict: expected a dict from {kind}.state_dict(), got "
                          f"{type(state).__name__}")
+    check_shape(state, f"{kind}.load_state_dict")
     saved_kind = state.get("kind")
     if saved_kind != kind or state.get("version") != STATE_VERSION:
         raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {STATE_VERSION} "
-                         f"(it says {saved_kind!r}, version {state.get('version')!r}); load each object's own "
-                         "state_dict()")
-    differ = [f"{key} {state.get(key)!r} (now {value!r})" for key, value in expected.items()
+                         f"(it says {shown(saved_kind)}, version {shown(state.get('version'))}); load each object's "
+                         "own state_dict()")
+    differ = [f"{key} {shown(state.get(key))} (now {value!r})" for key, value in expected.items()
               if state.get(key) != value]
     if differ:
         raise ValueError(f"{kind}.load_state_dict: the state was saved with a different {', '.join(differ)}; a "
@@ -88,11 +91,7 @@ def check_state(state, kind: str, expected: dict) -> None:
 
 def checked_count(state: dict, key: str, kind: str, most: int | None = None) -> int:
     """state[key] as an int in [0, most], or a ValueError saying what it is."""
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
-        bound = "" if most is None else f" <= {most}"
-        raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= 0{bound}, got {value!r}")
-    return value
+    return bounded_int(state.get(key), key, f"{kind}.load_state_dict", 0, most)
 
 
 def reader_of(dataset):
@@ -162,7 +161,7 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         if the state is another sampler's, or was saved over other data or with another seed."""
         kind = type(self).__name__
         check_state(state, kind, self.settings())
-        epoch = checked_count(state, "epoch", kind)
+        epoch = checked_count(state, "epoch", kind, MAX_EPOCH)
         world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
         if ended(self.count, start, position, world_size, self.drop_last):
             # Its epoch was wholly consumed: the epoch stays the one set (torchdata loads this as a pass

@@ -25,8 +25,9 @@ import importlib.metadata
 
 import torch
 
+from ._state_limits import MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, check_shape, shown
 from .wds import checked_position
-from .wds_elastic import checked_history
+from .wds_elastic import appended, checked_history
 
 CHECKED_TORCHDATA = ("0.11",)  # releases whose StatefulDataLoader state layout this was read from
 MAIN_KEYS = {"_sampler_iter_state", "_index_sampler_state", "_sampler_iter_yielded", "_IterableDataset_len_called",
@@ -47,10 +48,9 @@ def for_workers(state: dict, num_workers: int) -> dict:
     Raises ValueError for a state that is not a StatefulDataLoader's, of a layout other
     than torchdata 0.11's, saved between snapshots (snapshot_every_n_steps above 1), or
     over an IterableDataset other than WDSDataset."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"readers.for_workers: num_workers must be an int >= 0 (the new loader's), got "
-                         f"{num_workers!r}")
+    bounded_int(num_workers, "num_workers", "readers.for_workers", 0, MAX_WORKERS)
     check_torchdata()
+    check_shape(state, "readers.for_workers")
     saved = parts(state)
     if saved["workers"] == num_workers:
         return state
@@ -108,7 +108,7 @@ def parts(state) -> dict:
     main = snapshot["_main_snapshot"]
     if not (isinstance(main, dict) and set(main) == MAIN_KEYS | {"_num_workers", "_base_seed"}):
         raise ValueError(layout_message(main, "its _main_snapshot"))
-    workers = count(main, "_num_workers")
+    workers = count(main, "_num_workers", MAX_WORKERS)
     snapshots = snapshot["_worker_snapshots"]
     keys = [f"worker_{i}" for i in range(workers)]
     if not (workers >= 1 and isinstance(snapshots, dict) and set(snapshots) == set(keys)
@@ -124,15 +124,12 @@ def parts(state) -> dict:
             "fetchers": [snapshots[k]["fetcher_state"] for k in keys]}
 
 
-def count(state: dict, key: str) -> int:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"readers.for_workers: the state's {key} must be an int >= 0, got {value!r}")
-    return value
+def count(state: dict, key: str, most: int | None = None) -> int:
+    return bounded_int(state[key], f"the state's {key}", "readers.for_workers", 0, most)
 
 
 def layout_message(state, what: str = "it") -> str:
-    got = sorted(state) if isinstance(state, dict) else type(state).__name__
+    got = shown(sorted(map(str, state))) if isinstance(state, dict) else type(state).__name__
     return (f"readers.for_workers: this is not a StatefulDataLoader state of torchdata "
             f"{', '.join(CHECKED_TORCHDATA)} ({what} has {got}; one saved with workers has {sorted(LOADER_KEYS)}, "
             f"with num_workers=0 {sorted(SINGLE_KEYS)}): pass the dict StatefulDataLoader.state_dict() returned, "
@@ -161,20 +158,22 @@ def stream_states(states: list[dict], workers: int) -> list[dict]:
     if any({key: value for key, value in state.items() if key != "position"} != first for state in states):
         raise ValueError("readers.for_workers: the workers' WDSDataset states differ in more than their position "
                          "(data, seed, epoch or world size): they are not one loader's")
-    positions = [checked_position(state["position"]) for state in states]
+    positions = [checked_position(state.get("position")) for state in states]
     if all(position is None for position in positions):  # an epoch's start
         return [copy.deepcopy(states[0]) for _ in range(workers)]
     if not all(position is not None and "samples" in position and position["workers"] == len(states)
                and position["worker"] == w for w, position in enumerate(positions)):
         raise ValueError(f"readers.for_workers: the {len(states)} workers' WDSDataset positions are not each "
-                         f"worker's own count of {len(states)} (got {positions}): not a StatefulDataLoader's")
+                         f"worker's own count of {len(states)} (got {shown(positions)}): not a StatefulDataLoader's")
     history = checked_history(positions[0].get("history", []))
     if any(position.get("history", []) != history for position in positions):
         raise ValueError("readers.for_workers: the workers' WDSDataset positions hold different histories: they "
                          "are not one loader's")
     streams = [position["samples"] for position in positions]
     if any(streams):
-        history = history + [{"world_size": first["world_size"], "workers": len(streams), "streams": streams}]
+        world_size = bounded_int(first.get("world_size"), "world_size", "readers.for_workers: a WDSDataset state's",
+                                 1, MAX_WORLD_SIZE)
+        history = appended(history, {"world_size": world_size, "workers": len(streams), "streams": streams})
     if not history:  # nothing consumed: the epoch as a fresh run reads it
         return [{**copy.deepcopy(first), "position": None} for _ in range(workers)]
     return [{**copy.deepcopy(first), "position": {"rank": positions[0]["rank"], "worker": w, "workers": workers,

@@ -17,6 +17,7 @@ that point on, are read again; every other shard already consumed is skipped unr
 from __future__ import annotations
 
 import bisect
+import itertools
 import multiprocessing
 import multiprocessing.context
 import os
@@ -36,6 +37,7 @@ from packer.formats._tables import replaced_error
 
 from ._dataset import PackedDataset
 from ._pool import CountPool
+from ._state_limits import MAX_EPOCH, MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, shown
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from ._wds_checks import sample_label
 from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
@@ -203,22 +205,24 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def plan(self, rank: int, world_size: int) -> list[Task]:
         """This rank's tasks for the current epoch: its own shards, then its padding."""
+        return self.plans(world_size, [rank])[0]
+
+    def plans(self, world_size: int, ranks: Iterable[int] | None = None) -> list[list[Task]]:
+        """plan() of each of `ranks` (default: every rank), from one deal of the shards."""
         counts = self.shard_counts()
         order = list(range(len(self.shards)))
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
         owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
-        tasks = [Task(s) for s in owned[rank] if counts[s]]
-        deficit = max(load) - load[rank]
-        sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
-        while deficit > 0 and sources:
-            for shard in sources:
-                take = min(deficit, counts[shard])
-                tasks.append(Task(shard, 0, take))
-                deficit -= take
-                if not deficit:
-                    break
-        return tasks
+        most = max(load)
+        plans = []
+        for rank in range(world_size) if ranks is None else ranks:
+            own = [s for s in owned[rank] if counts[s]]
+            # A rank with no samples of its own repeats the epoch's shards from its place in the order on.
+            begin = rank if rank < len(order) else 0
+            sources = itertools.cycle(own) if own else (order[(begin + i) % len(order)] for i in range(len(order)))
+            plans.append([Task(s) for s in own] + padding(sources, counts, most - load[rank]))
+        return plans
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (padded; the total sample count with one rank)."""
@@ -351,11 +355,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
         buffer. A state saved on another number of ranks or DataLoader workers resumes with
         the samples its streams had not yielded, dealt anew (readers.wds_elastic)."""
         check_state(state, "WDSDataset", self.settings())
-        epoch = checked_count(state, "epoch", "WDSDataset")
+        epoch = checked_count(state, "epoch", "WDSDataset", MAX_EPOCH)
         position = checked_position(state.get("position"))
-        saved_world = checked_count(state, "world_size", "WDSDataset")
-        if saved_world < 1:
-            raise ValueError(f"WDSDataset.load_state_dict: world_size must be >= 1, got {saved_world}")
+        saved_world = bounded_int(state.get("world_size"), "world_size", "WDSDataset.load_state_dict", 1,
+                                  MAX_WORLD_SIZE)
         # Not set_epoch(): a worker's epoch is shared with the main process, whose next passes run the
         # epoch set there (torchdata, finding a state saved after the loop finished, starts one at once).
         self._pass_epoch = epoch
@@ -577,6 +580,19 @@ class WDSDataset(torch.utils.data.IterableDataset):
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
 
 
+def padding(sources: Iterator[int], counts: list[int], deficit: int) -> list[Task]:
+    """Runs from the start of the shards `sources` yields, in turn, that make up `deficit` samples."""
+    tasks = []
+    for shard in sources:
+        if deficit <= 0:
+            break
+        take = min(deficit, counts[shard])
+        if take:
+            tasks.append(Task(shard, 0, take))
+            deficit -= take
+    return tasks
+
+
 def shuffled(items: Iterable, size: int, rng: random.Random, buffer: list | None = None) -> Iterator:
     """A shuffle buffer: keep `size` items, yield a random one as each new one arrives.
     buffer: the items already held (a resumed stream's)."""
@@ -607,10 +623,12 @@ def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drain
 
 
 POSITION_KEYS = ({"rank", "worker", "workers", "samples"}, {"workers", "batches", "batch_size", "drop_last"})
+POSITION_MOST = {"rank": MAX_WORLD_SIZE - 1, "worker": MAX_WORKERS - 1, "workers": MAX_WORKERS}
 
 
 def checked_position(position) -> dict | None:
-    """A state's position: None, one worker's or a loader's (see WDSDataset), checked."""
+    """A state's position: None, one worker's or a loader's (see WDSDataset), checked,
+    its counts within what a state may name (readers._state_limits)."""
     if position is None:
         return None
     if isinstance(position, dict) and "history" in position:
@@ -618,15 +636,17 @@ def checked_position(position) -> dict | None:
                 "history": checked_history(position["history"])}
     if not isinstance(position, dict) or set(position) not in POSITION_KEYS:
         raise ValueError(f"WDSDataset.load_state_dict: position must be None or a dict with the keys "
-                         f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {position!r}")
+                         f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {shown(position)}")
+    who = "WDSDataset.load_state_dict: position's"
     for key, value in position.items():
         if key == "drop_last":
             if not isinstance(value, bool):
-                raise ValueError(f"WDSDataset.load_state_dict: drop_last must be a bool, got {value!r}")
+                raise ValueError(f"WDSDataset.load_state_dict: drop_last must be a bool, got {shown(value)}")
         else:
-            checked_count(position, key, "WDSDataset")
-    if position["workers"] < 1 or position.get("batch_size", 1) < 1:
-        raise ValueError(f"WDSDataset.load_state_dict: workers and batch_size must be >= 1, got {position!r}")
+            bounded_int(value, key, who, 1 if key in ("workers", "batch_size") else 0, POSITION_MOST.get(key))
+    if "worker" in position and position["worker"] >= position["workers"]:
+        raise ValueError(f"WDSDataset.load_state_dict: position's worker must be below its workers, got "
+                         f"{shown(position)}")
     return dict(position)
 
 
