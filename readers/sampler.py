@@ -44,6 +44,7 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
+from ._pack_identity import reader_identity, without_identity
 from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .ranks import check_rank, world
@@ -57,8 +58,8 @@ STATE_VERSION = 1  # of the samplers' and the loader's state dicts
 
 def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
     """What a sampler walks, named without its path (a dataset may move between machines):
-    the sample count and, for packer data, the split and a CRC-32 of the class names and
-    of the storage order given."""
+    the sample count and, for packer data, the split, a CRC-32 of the class names and of
+    the storage order given, and the pack's own identity (readers._pack_identity)."""
     name = f"{len(dataset)} samples"
     reader = reader_of(dataset)
     if reader is None:
@@ -66,7 +67,8 @@ def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
     crc = zlib.crc32("\n".join(reader.classes).encode("utf-8", "surrogateescape"))
     if order is not None:
         crc = zlib.crc32(np.ascontiguousarray(order, dtype="<i8").tobytes(), crc)
-    return f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    shape = f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    return shape + reader_identity(reader) if hasattr(reader, "metadata") else shape
 
 
 def check_state(state, kind: str, expected: dict) -> None:
@@ -81,6 +83,13 @@ def check_state(state, kind: str, expected: dict) -> None:
         raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {STATE_VERSION} "
                          f"(it says {shown(saved_kind)}, version {shown(state.get('version'))}); load each object's "
                          "own state_dict()")
+    if without_identity(state.get("dataset"), expected.get("dataset", "")):
+        raise ValueError(f"{kind}.load_state_dict: the state names the data it was saved over as "
+                         f"{shown(state['dataset'])}, without the pack (saved before states named it); this pack "
+                         f"is {expected['dataset']!r}: a dataset re-packed from other images of the same count and "
+                         "classes looks the same, and would be resumed in the old order over the new images. If "
+                         "this is the pack the state was saved over, set the state's \"dataset\" to this pack's name "
+                         "and load it again; else start the epoch afresh (docs/resume.md)")
     differ = [f"{key} {shown(state.get(key))} (now {value!r})" for key, value in expected.items()
               if state.get(key) != value]
     if differ:

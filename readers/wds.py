@@ -145,7 +145,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # ties every worker's stream to the dataset these shards, counts and classes are of.
         self.index_file = index_file_of(path_or_urls, self.remote)
         self.identity = None if self.index_file is None else current_identity(self.index_file, self.remote)
-        self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
+        self.shards, self.counts, self.classes, self.split, self.pack = resolve(path_or_urls, split, self.remote)
         self.check_replaced()
         # A local packer folder is streamed through its index (read_shards); this process's reader of it:
         self.packed = None if self.remote is not None else packed_folder(path_or_urls)
@@ -215,13 +215,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
         owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
         most = max(load)
-        plans = []
+        plans, beyond = [], None  # beyond: the one plan of every rank past the shard count with none of its own
         for rank in range(world_size) if ranks is None else ranks:
+            if beyond is not None and rank >= len(order) and not owned[rank]:
+                plans.append(beyond)  # the same list: readers.wds_elastic marks a plan once
+                continue
             own = [s for s in owned[rank] if counts[s]]
             # A rank with no samples of its own repeats the epoch's shards from its place in the order on.
             begin = rank if rank < len(order) else 0
             sources = itertools.cycle(own) if own else (order[(begin + i) % len(order)] for i in range(len(order)))
             plans.append([Task(s) for s in own] + padding(sources, counts, most - load[rank]))
+            if not owned[rank] and rank >= len(order):
+                beyond = plans[-1]
         return plans
 
     def __len__(self) -> int:
@@ -315,12 +320,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def fingerprint(self) -> str:
         """The shards, named without their folder (a dataset may move): their names and
-        sample counts. Worked out once: StatefulDataLoader asks for a state every batch."""
+        sample counts, and in a packer folder the pack's identity (readers._pack_identity).
+        Worked out once: StatefulDataLoader asks for a state every batch."""
         if self._fingerprint is None:
             counts = self.shard_counts()
             names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
             crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
-            self._fingerprint = f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}"
+            self._fingerprint = f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}{self.pack}"
         return self._fingerprint
 
     def state_dict(self) -> dict:
