@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import os
 import sys
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
 import torch.utils.data
@@ -87,17 +87,21 @@ def worker() -> tuple[int, int]:
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
-def deal(items: Iterable[tuple[Any, int]], ranks: int) -> tuple[list[list], list[int]]:
+def deal(items: Iterable[tuple[Any, int]], ranks: int) -> tuple[list[Sequence], list[int]]:
     """Deal (item, size) pairs, in the order given, whole to `ranks` ranks, each to the rank
-    holding the least so far (the lowest rank on a tie); returns each rank's items and each
-    rank's total size. Every rank computes the same deal from the same order, so shares are
+    holding the least so far (the lowest rank on a tie); returns each rank's items (a list,
+    or () for none) and each rank's total size. Every rank computes the same deal from the same order, so shares are
     disjoint without any communication; max(load) - load[rank] is what a rank must pad to
     keep step counts equal (DDP hangs otherwise)."""
-    owned: list[list] = [[] for _ in range(ranks)]
+    # A rank with no item keeps the shared empty tuple: on many ranks (a resume replays a deal to
+    # each world size a state names) a list apiece would cost more than the deal.
+    owned: list[Sequence] = [()] * ranks
     load = [0] * ranks
     least = [(0, rank) for rank in range(ranks)]  # a heap: (load, rank), so a tie goes to the lowest rank
     for item, size in items:
         rank = least[0][1]
+        if not owned[rank]:
+            owned[rank] = []
         owned[rank].append(item)
         load[rank] += size
         heapq.heapreplace(least, (load[rank], rank))

@@ -36,6 +36,13 @@ SINGLE_KEYS = MAIN_KEYS | {"_num_yielded", "_iterator_finished", "fetcher_state"
 LOADER_KEYS = {"_snapshot", "_steps_since_snapshot", "_iterator_finished"}
 SNAPSHOT_KEYS = {"_snapshot_step", "_last_yielded_worker_id", "_main_snapshot", "_worker_snapshots"}
 WORKER_KEYS = {"worker_id", "fetcher_state", "dataset_state"}
+NONE = type(None)
+VALUE_TYPES = {  # the types torchdata 0.11 saves under each key it owns: any other was altered
+    "_sampler_iter_state": (dict, NONE), "_index_sampler_state": (dict, NONE), "_sampler_iter_yielded": (int,),
+    "_IterableDataset_len_called": (int, NONE), "_shared_seed": (int, NONE), "_base_seed": (int,),
+    "_num_workers": (int,), "_num_yielded": (int,), "_iterator_finished": (bool,), "fetcher_state": (dict, NONE),
+    "dataset_state": (dict, NONE), "worker_id": (int,), "_snapshot_step": (int,), "_last_yielded_worker_id": (int,),
+    "_steps_since_snapshot": (int,), "_snapshot": (dict,), "_main_snapshot": (dict,), "_worker_snapshots": (dict,)}
 FRESH_FETCHER = {"dataset_iter_state": None, "fetcher_ended": False}  # an iterable dataset's, not yet ended
 
 
@@ -98,6 +105,7 @@ def parts(state) -> dict:
         raise ValueError("readers.for_workers: this is readers.make_loader's loader state, which resumes with any "
                          "number of workers as it is: load it into make_loader's loader")
     if isinstance(state, dict) and set(state) == SINGLE_KEYS:
+        check_types(state)
         return {"workers": 0, "main": {key: state[key] for key in MAIN_KEYS}, "step": count(state, "_num_yielded"),
                 "steps_since": 0, "finished": state["_iterator_finished"],
                 "datasets": [state["dataset_state"]], "fetchers": [state["fetcher_state"]]}
@@ -108,6 +116,8 @@ def parts(state) -> dict:
     main = snapshot["_main_snapshot"]
     if not (isinstance(main, dict) and set(main) == MAIN_KEYS | {"_num_workers", "_base_seed"}):
         raise ValueError(layout_message(main, "its _main_snapshot"))
+    for part in (state, snapshot, main):
+        check_types(part)
     workers = count(main, "_num_workers", MAX_WORKERS)
     snapshots = snapshot["_worker_snapshots"]
     keys = [f"worker_{i}" for i in range(workers)]
@@ -117,11 +127,24 @@ def parts(state) -> dict:
         raise ValueError(f"readers.for_workers: the state's _worker_snapshots are not one dict {sorted(WORKER_KEYS)} "
                          f"for each of its {workers} workers, keyed worker_0 on: it was not saved by torchdata "
                          f"{', '.join(CHECKED_TORCHDATA)}'s StatefulDataLoader, or was altered since")
+    for k in keys:
+        check_types(snapshots[k], f"_worker_snapshots/{k}/")
     return {"workers": workers, "main": {key: main[key] for key in MAIN_KEYS | {"_base_seed"}},
             "step": count(snapshot, "_snapshot_step"), "steps_since": count(state, "_steps_since_snapshot"),
             "finished": state["_iterator_finished"],
             "datasets": [snapshots[k]["dataset_state"] for k in keys],
             "fetchers": [snapshots[k]["fetcher_state"] for k in keys]}
+
+
+def check_types(part: dict, where: str = "") -> None:
+    """Refuse a value of a key torchdata owns whose type is not the one torchdata saves there:
+    torchdata would fail on it later, with an error of its own."""
+    for key, value in part.items():
+        allowed = VALUE_TYPES.get(key)
+        if allowed is not None and type(value) not in allowed:
+            raise ValueError(f"readers.for_workers: the state's {where}{key} is {shown(value)}, and torchdata "
+                             f"{', '.join(CHECKED_TORCHDATA)} saves {' or '.join(t.__name__ for t in allowed)} there: "
+                             "it was altered since it was saved")
 
 
 def count(state: dict, key: str, most: int | None = None) -> int:

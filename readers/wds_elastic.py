@@ -19,7 +19,6 @@ count, which the rank's new workers pool (readers._pool) as they start, each wit
 """
 from __future__ import annotations
 
-import functools
 import math
 import random
 
@@ -103,19 +102,20 @@ def rest(dataset, history: list[dict]) -> list:
         if pool is None:
             plans = dataset.plans(world_size)
             length = sum(map(dataset.task_size, plans[0]))  # every rank's plan is padded to one length
-            rank_numbers = lambda rank: numbers(dataset, plans[rank], first)  # noqa: E731
+            groups = plan_groups(dataset, plans, first)
         else:
             pooled = numbers(dataset, pool, first)
             length = math.ceil(len(pooled) / world_size)
-            rank_numbers = functools.partial(share_numbers, pooled, each=length)
-        mark_pass(dataset, segment, length, rank_numbers, taken)
+            groups = share_groups(pooled, length, world_size)
+        mark_pass(dataset, segment, length, groups, taken)
         pool = untaken(dataset, taken, first)
     return pool
 
 
-def mark_pass(dataset, segment: dict, length: int, rank_numbers, taken: np.ndarray) -> None:
+def mark_pass(dataset, segment: dict, length: int, groups, taken: np.ndarray) -> None:
     """Mark in `taken` the samples the streams of the segment's pass had yielded to its
-    batches: every rank's plan is `length` samples, rank_numbers(rank) gives them."""
+    batches: every rank's plan is `length` samples; groups yields (ranks, their plan's
+    sample numbers) for each plan, once (the ranks past the data's end share one)."""
     workers = segment["workers"]
     sizes = stream_sizes(length, workers)
     if "streams" in segment:
@@ -133,16 +133,29 @@ def mark_pass(dataset, segment: dict, length: int, rank_numbers, taken: np.ndarr
             whole[edges[stream_id]:edges[stream_id] + n] = True
         elif n:
             partial.append(stream_id)
-    for rank in range(segment["world_size"]):
-        ids = rank_numbers(rank)
+    if not (whole.any() or partial):
+        return
+    for ranks, ids in groups:
         taken[ids[whole]] = True
         for stream_id in partial:
-            ordinals = np.zeros(sizes[stream_id], dtype=bool)
-            slots, read, _ = replay_shuffle(sizes[stream_id], dataset.shuffle, stream_rng(dataset, rank, stream_id),
-                                            yielded[stream_id])
-            ordinals[:read] = True
-            ordinals[slots] = False  # still in the buffer: read, not yet yielded
-            taken[ids[edges[stream_id]:edges[stream_id + 1]][ordinals]] = True
+            taken[ids[edges[stream_id]:edges[stream_id + 1]][stream_yield(dataset, ranks, stream_id, sizes[stream_id],
+                                                                          yielded[stream_id])]] = True
+
+
+def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> np.ndarray:
+    """Which ordinals of a stream of `size` samples, stopped after `yielded` inside its shuffle
+    buffer, any of `ranks` had yielded (each rank's buffer draws differ). The ranks share one
+    plan (padding past the data's end); once they cover every sample read, the rest add none."""
+    union = np.zeros(size, dtype=bool)
+    for rank in ranks:
+        slots, read, _ = replay_shuffle(size, dataset.shuffle, stream_rng(dataset, rank, stream_id), yielded)
+        ordinals = np.zeros(size, dtype=bool)
+        ordinals[:read] = True
+        ordinals[slots] = False  # still in the buffer: read, not yet yielded
+        union |= ordinals
+        if union[:read].all():
+            break
+    return union
 
 
 def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
@@ -156,11 +169,25 @@ def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
     return tasks
 
 
-def share_numbers(pooled: np.ndarray, rank: int, each: int) -> np.ndarray:
-    """The sample numbers of share()'s tasks, from the pool's sample numbers."""
+def plan_groups(dataset, plans: list[list], first: np.ndarray):
+    """(ranks, sample numbers) of each distinct plan of the epoch's own deal."""
+    ranks_of: dict[int, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        ranks_of.setdefault(id(plan), []).append(rank)
+    for ranks in ranks_of.values():
+        yield ranks, numbers(dataset, plans[ranks[0]], first)
+
+
+def share_groups(pooled: np.ndarray, each: int, world_size: int):
+    """(ranks, sample numbers) of each distinct share of share()'s deal of the pool, from
+    the pool's sample numbers: every rank past the pool's end has the same, its first."""
     total = len(pooled)
-    begin, end = min(total, rank * each), min(total, (rank + 1) * each)
-    return np.concatenate([pooled[begin:end], pooled[:each - (end - begin)]])
+    within = min(world_size, math.ceil(total / each)) if each else 0
+    for rank in range(within):
+        begin, end = rank * each, min(total, (rank + 1) * each)
+        yield [rank], np.concatenate([pooled[begin:end], pooled[:each - (end - begin)]])
+    if within < world_size:
+        yield range(within, world_size), pooled[:each]
 
 
 def stream_rng(dataset, rank: int, stream_id: int) -> random.Random | None:

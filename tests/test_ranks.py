@@ -44,7 +44,7 @@ def test_deal_gives_each_item_to_the_least_loaded_rank():
     # a -> 0 (0,0: lowest rank), b -> 1, c -> 1 (3 < 5), d -> 1 (4 < 5), e -> 0 (5 < 8)
     assert owned == [["a", "e"], ["b", "c", "d"]] and load == [5, 8]
     owned, load = ranks.deal([], 3)
-    assert owned == [[], [], []] and load == [0, 0, 0]
+    assert owned == [(), (), ()] and load == [0, 0, 0]
 
 
 def test_outside_a_worker_it_is_worker_zero_of_one():

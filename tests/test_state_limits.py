@@ -118,8 +118,8 @@ def test_a_stream_state_naming_a_billion_ranks_is_refused_before_dealing_to_them
     state = elastic_stream_state(packs)
     top = json.loads(json.dumps(state))
     top["dataset"]["world_size"] = 10**9
-    with pytest.raises(ValueError, match=f"world_size must be an int >= 1 \\(at most {MAX_WORLD_SIZE}\\), got "
-                                         "1000000000"):
+    with pytest.raises(ValueError, match=f"world_size must be an int >= 1, got 1000000000 \\(and at most "
+                                         f"{MAX_WORLD_SIZE}\\)"):
         loader_of(packs, "stream", 0, 3).load_state_dict(top)
     deep = json.loads(json.dumps(state))
     deep["dataset"]["position"]["history"][0]["world_size"] = 10**9
@@ -140,16 +140,17 @@ def test_a_billion_ranks_in_a_worker_state_is_refused_by_for_workers(packs):
 def test_a_position_naming_a_trillion_workers_is_refused(packs):
     state = saved(loader_of(packs, "stream", 0, 2))
     state["dataset"]["position"]["workers"] = 10**12
-    with pytest.raises(ValueError, match=f"position's: workers must be an int >= 1 \\(at most {MAX_WORKERS}\\)"):
+    with pytest.raises(ValueError, match=f"position's: workers must be an int >= 1, got 1000000000000 \\(and at most "
+                                         f"{MAX_WORKERS}\\)"):
         loader_of(packs, "stream", 0, 3).load_state_dict(state)
 
 
 def test_for_workers_refuses_a_billion_saved_workers(packs):
     state = sdl_state(packs, "random", 2)
     state["_snapshot"]["_main_snapshot"]["_num_workers"] = 10**9
-    with pytest.raises(ValueError, match=f"_num_workers must be an int >= 0 \\(at most {MAX_WORKERS}\\)"):
+    with pytest.raises(ValueError, match=f"_num_workers must be an int >= 0, got 1000000000 \\(and at most {MAX_WORKERS}"):
         for_workers(state, 3)
-    with pytest.raises(ValueError, match=f"num_workers must be an int >= 0 \\(at most {MAX_WORKERS}\\)"):
+    with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got 1000000000 \\(and at most {MAX_WORKERS}"):
         for_workers(state, 10**9)
 
 
@@ -193,9 +194,10 @@ def test_an_epoch_past_2_to_the_32_is_refused_at_load_not_at_the_first_batch(pac
     state = saved(loader_of(packs, order))
     part = "dataset" if order == "stream" else "sampler"
     state["epoch"] = state[part]["epoch"] = 2**70
-    with pytest.raises(ValueError, match="epoch must be an int >= 0 \\(at most 4294967295\\), got 1180591620717411303424"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got 1180591620717411303424 \\(and at most "
+                                         "4294967295\\)"):
         loader_of(packs, order).load_state_dict(state)
-    with pytest.raises(ValueError, match="epoch must be an int >= 0 \\(at most 4294967295\\)"):
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got .* \\(and at most 4294967295\\)"):
         (loader_of(packs, order).dataset if order == "stream" else loader_of(packs, order).sampler
          ).load_state_dict(state[part])
 
@@ -226,3 +228,164 @@ def test_an_error_quotes_a_huge_value_in_a_few_hundred_characters(packs):
     with pytest.raises(ValueError) as refused:
         loader_of(packs, "stream", 0, 3).load_state_dict(state)
     assert len(str(refused.value)) < 1000 and "batch_size" in str(refused.value)
+
+
+# -- The fuzz: random edits of real saved states, each loaded within 1 s and 100 MB or refused.
+
+FUZZ_SECONDS, FUZZ_BYTES = 1.0, 100 << 20
+CASES_PER_SURFACE = 30  # x 3 orders x 3 ways of loading
+HUGE = (-1, 0, 1, 2, 2**31, 10**9, 10**12, 2**63, 2**70, -2**70, MAX_WORLD_SIZE, MAX_WORLD_SIZE + 1,
+        MAX_WORKERS, MAX_WORKERS + 1, 2**32, 2**32 - 1)
+FOREIGN = ("x", None, 1.5, True, [], {}, [1, 2], "0" * 1000, float("nan"))
+PACKER_KINDS = ("ShuffleSampler", "BlockShuffleSampler", "WDSDataset")
+
+
+def paths(value, at=(), owned=False):
+    """Every (path, value, packer-owned) in a state: dict keys and list places."""
+    owned = owned or (isinstance(value, dict) and value.get("kind") in PACKER_KINDS)
+    yield at, value, owned
+    if len(at) > 12:  # inside an earlier edit's nesting
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        yield from paths(child, at + (key,), owned)
+
+
+def mutated(state: dict, rng: random.Random, torchdata: bool) -> tuple[dict, str]:
+    """A copy of state with 1 to 3 random edits, and what they were. In a StatefulDataLoader's
+    state, numbers and types are edited only in packer's parts (torchdata's own counters are
+    torchdata's to check); its structure is attacked anywhere."""
+    state = json.loads(json.dumps(state))
+    done = []
+    for _ in range(rng.randint(1, 3)):
+        places = [(at, value, owned) for at, value, owned in paths(state) if at]
+        at, value, owned = rng.choice(places)
+        parent = state
+        for key in at[:-1]:
+            parent = parent[key]
+        ops = ["deep", "long", "drop", "extra"] + (["number", "foreign", "history"] * 3 if owned or not torchdata
+                                                    else [])
+        op = rng.choice(ops)
+        if op == "number":
+            new = rng.choice(HUGE + (rng.randrange(-10**6, 10**6),))
+        elif op == "foreign":
+            new = rng.choice(FOREIGN)
+        elif op == "deep":
+            new = nested(rng.choice((30, 500, 100_000)), value)
+        elif op == "long":
+            new = ([value] * rng.choice((17, 1000, 100_000)) if not isinstance(value, list)
+                   else (value or [0]) * rng.choice((2, 17, 10_000)))
+        elif op == "history":
+            new = {"world_size": rng.choice(HUGE), "workers": rng.choice(HUGE), "batches": rng.choice(HUGE),
+                   "batch_size": rng.choice(HUGE), "drop_last": rng.choice((True, False))}
+            new = [new] * rng.choice((1, 2, 16, 17, 1000))
+            at = at[:-1] + ("history",)
+            parent = parent if isinstance(parent, dict) else state
+        if op == "drop":
+            del parent[at[-1]]
+        elif op == "extra":
+            (parent if isinstance(parent, dict) else state)["junk"] = 1
+        else:
+            parent[at[-1]] = new
+        done.append(f"{op} at {'/'.join(map(str, at))}")
+    return state, "; ".join(done)
+
+
+def fuzz_side(job: dict) -> dict:
+    """Every case's outcome: "loaded", "refused", or a failure (another error, over time or memory)."""
+    root, rng = job["root"], random.Random(job["seed"])
+    surfaces = {}
+    for order in ORDERS:
+        loader = elastic_stream_state(root) if order == "stream" else saved(loader_of(root, order, 0, 2))
+        surfaces[f"{order} make_loader"] = (loader, lambda state, order=order: use_loader(root, order, state), False)
+        part = loader["dataset"] if order == "stream" else loader["sampler"]
+        surfaces[f"{order} own state"] = (part, lambda state, order=order: use_own(root, order, state), False)
+        surfaces[f"{order} StatefulDataLoader"] = (sdl_state(root, order, 2),
+                                                   lambda state, order=order: use_sdl(root, order, state), True)
+    signal.signal(signal.SIGALRM, overtime)
+    cap_address_space(2 << 30)
+    outcomes = []
+    for name, (state, use, torchdata) in surfaces.items():
+        for case in range(CASES_PER_SURFACE + 1):  # case 0: the state as saved
+            edited, what = (state, "as saved") if case == 0 else mutated(state, rng, torchdata)
+            outcomes.append({"surface": name, "edit": what, **measured(use, edited)})
+    return {"outcomes": outcomes}
+
+
+def use_loader(root: str, order: str, state: dict):
+    loader = loader_of(root, order, 0, 3)
+    return lambda: (loader.load_state_dict(state), first_batch(loader))
+
+
+def use_own(root: str, order: str, state: dict):
+    target = loader_of(root, order, 0, 3)
+    target = target.dataset if order == "stream" else target.sampler
+    return lambda: (target.load_state_dict(state), next(iter(target), None))
+
+
+def use_sdl(root: str, order: str, state: dict):
+    loader, ordered = sdl_loader(root, order, 0, 0, 3)
+    ordered.set_epoch(0)
+    return lambda: (loader.load_state_dict(for_workers(state, 0)), first_batch(loader))
+
+
+class Overtime(BaseException):
+    """Raised by SIGALRM in a case that runs far past its second."""
+
+
+def overtime(signum, frame):
+    raise Overtime()
+
+
+def cap_address_space(headroom: int) -> None:
+    """Cap this process's address space at what it maps now plus headroom: a case that
+    allocated without bound fails with MemoryError instead of taking the machine."""
+    size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + headroom, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def status_kb(field: str) -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+def measured(use, state) -> dict:
+    """use(state)'s outcome, its seconds and its growth of resident memory (peak over start)."""
+    run = use(state)  # the loader is built before the clock starts: only loading and a first batch are timed
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset VmHWM to the current resident size
+    rss = status_kb("VmRSS")
+    signal.setitimer(signal.ITIMER_REAL, 20 * FUZZ_SECONDS)
+    start = time.perf_counter()
+    try:
+        run()
+        outcome = "loaded"
+    except ValueError:
+        outcome = "refused"
+    except (Exception, Overtime) as exc:  # noqa: BLE001 - any other error is what the fuzz looks for
+        outcome = f"{type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"outcome": outcome, "seconds": time.perf_counter() - start, "grew": (status_kb("VmHWM") - rss) * 1024}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures memory with /proc (Linux)")
+def test_random_edits_of_real_states_load_within_a_second_and_100_mb_or_are_refused(packs, tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"root": packs, "seed": 50, "out": str(tmp_path / "out.json")}))
+    done = subprocess.run([sys.executable, __file__, "fuzz", str(job)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    outcomes = json.loads((tmp_path / "out.json").read_text())["outcomes"]
+    assert len(outcomes) == 9 * (CASES_PER_SURFACE + 1)
+    bad = [o for o in outcomes if o["outcome"] not in ("loaded", "refused") or o["seconds"] > FUZZ_SECONDS
+           or o["grew"] > FUZZ_BYTES]
+    assert not bad, "\n".join(f"{o['surface']}, {o['edit']}: {o['outcome']}, {o['seconds']:.2f} s, "
+                              f"{o['grew'] >> 20} MB" for o in bad)
+    assert all(o["outcome"] == "loaded" for o in outcomes if o["edit"] == "as saved")
+    refused = sum(o["outcome"] == "refused" for o in outcomes)
+    assert len(outcomes) / 2 < refused < len(outcomes)  # most edits are refused, some still load
+
+
+if __name__ == "__main__":
+    job = json.loads(Path(sys.argv[2]).read_text())
+    Path(job["out"]).write_text(json.dumps({"fuzz": fuzz_side}[sys.argv[1]](job)))
