@@ -26,16 +26,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
 sys.path.insert(0, str(HERE))
 
-import readers  # noqa: E402
-from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, for_workers, make_loader  # noqa: E402
+from readers import WDSDataset, for_workers  # noqa: E402
 from readers._state_limits import MAX_HISTORY, MAX_WORKERS, MAX_WORLD_SIZE  # noqa: E402
 
-from conftest import packed_three_ways, sample_ids  # noqa: E402
+from conftest import packed_three_ways  # noqa: E402
+from test_elastic import SEED, build  # noqa: E402
+from test_stateful_workers import stateful  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
-BATCH, SEED = 5, 3
 ORDERS = ("random", "block", "stream")  # over LMDB (shuffled storage), HDF5, WDS shards
 
 
@@ -45,17 +45,8 @@ def packs(tmp_path_factory) -> str:
 
 
 def loader_of(root: str, order: str, rank: int = 0, world_size: int = 1, workers: int = 0):
-    """make_loader's loader over the order's pack, on rank of world_size."""
-    root = Path(root)
-    if order == "stream":
-        data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
-        return make_loader(data, BATCH, workers=workers, collate_fn=sample_ids, drop_last=False)
-    data = (readers.LMDBDataset(root / "d.lmdb", decode="raw") if order == "random"
-            else readers.HDF5Dataset(root / "d.h5", decode="raw"))
-    loader = make_loader(data, BATCH, workers=workers, seed=SEED, order=order, block_size=4, window=3,
-                         collate_fn=sample_ids, drop_last=False)
-    loader.sampler.rank, loader.sampler.world_size = rank, world_size
-    return loader
+    """make_loader's loader over the order's pack, on rank of world_size (tests/test_elastic.py's)."""
+    return build(root, order, workers, rank, world_size)
 
 
 def saved(loader, take: int = 2) -> dict:
@@ -81,30 +72,12 @@ def sdl_state(root: str, order: str, workers: int, take: int = 2) -> dict:
     """Rank 0 of 2's StatefulDataLoader state over the order after `take` batches."""
     loader, ordered = sdl_loader(root, order, workers, 0, 2)
     ordered.set_epoch(0)
-    batches = iter(loader)
-    for _ in range(take):
-        next(batches)
-    state = loader.state_dict()
-    del batches
-    return json.loads(json.dumps(state))
+    return saved(loader, take)
 
 
 def sdl_loader(root: str, order: str, workers: int, rank: int = 0, world_size: int = 1):
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    root = Path(root)
-    if order == "stream":
-        data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
-        ordered, sampler = data, None
-    elif order == "random":
-        data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
-        ordered = sampler = ShuffleSampler(data, seed=SEED, rank=rank, world_size=world_size)
-    else:
-        data = readers.HDF5Dataset(root / "d.h5", decode="raw")
-        ordered = sampler = BlockShuffleSampler(data, block_size=4, window=3, seed=SEED, rank=rank,
-                                                world_size=world_size)
-    return StatefulDataLoader(data, BATCH, sampler=sampler, num_workers=workers, collate_fn=sample_ids,
-                              drop_last=False), ordered
+    """(a StatefulDataLoader over the order, what set_epoch is called on): tests/test_stateful_workers.py's."""
+    return stateful(root, f"sdl-{order}", workers, rank, world_size)
 
 
 def first_batch(loader) -> None:
@@ -148,9 +121,9 @@ def test_a_position_naming_a_trillion_workers_is_refused(packs):
 def test_for_workers_refuses_a_billion_saved_workers(packs):
     state = sdl_state(packs, "random", 2)
     state["_snapshot"]["_main_snapshot"]["_num_workers"] = 10**9
-    with pytest.raises(ValueError, match=f"_num_workers must be an int >= 0, got 1000000000 \\(and at most {MAX_WORKERS}"):
+    with pytest.raises(ValueError, match=f"_num_workers must be an int >= 0, got 10+ \\(and at most {MAX_WORKERS}"):
         for_workers(state, 3)
-    with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got 1000000000 \\(and at most {MAX_WORKERS}"):
+    with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got 10+ \\(and at most {MAX_WORKERS}"):
         for_workers(state, 10**9)
 
 
