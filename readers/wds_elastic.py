@@ -90,10 +90,10 @@ def rank_plan(dataset, rank: int, world_size: int, history: list[dict]) -> list:
 
 def rest(dataset, history: list[dict]) -> list:
     """The samples no stream of the history's passes yielded, as tasks in the epoch's shard
-    order. Each pass costs O(its samples + ranks + workers): the streams of every rank are
-    cut alike, so what was yielded of each is worked out once and marked rank by rank; only
-    a stream stopped inside its shuffle buffer is replayed, rank by rank (at most one per
-    two of its samples)."""
+    order. Each pass costs O(samples + shards + ranks + workers): the streams of every rank
+    are cut alike, so what each had yielded is worked out once, and marked once per distinct
+    plan (every rank past the data's end has the same padding); only a stream stopped inside
+    its shuffle buffer is replayed, rank by rank, as its draws depend on the rank."""
     first = offsets(dataset)
     taken = np.zeros(int(first[-1]), dtype=bool)
     pool = None  # what the pass being replayed dealt: None, the epoch's own plan
