@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from ._state_limits import MAX_WORLD_SIZE, bounded_int, shown
+
 
 def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int:
     """Indexes each of `world_size` ranks takes of the rest of a global order of `count`
@@ -50,17 +52,11 @@ def ended(count: int, start: int, position: int, world_size: int, drop_last: boo
 def elastic_fields(state: dict, kind: str, count: int, drop_last: bool) -> tuple[int, int, int]:
     """(world_size, start, position) of a sampler state, checked: a position within that
     pass, a start within the epoch."""
-    values = []
-    for key, most in (("world_size", None), ("start", count)):
-        value = state.get(key, 0 if key == "start" else None)  # states before elastic resume began at 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "world_size" else 0) \
-                or (most is not None and value > most):
-            raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= {1 if key == 'world_size' else 0}"
-                             f"{'' if most is None else f' <= {most}'}, got {value!r}")
-        values.append(value)
-    world_size, start = values
+    who = f"{kind}.load_state_dict"
+    world_size = bounded_int(state.get("world_size"), "world_size", who, 1, MAX_WORLD_SIZE)
+    start = bounded_int(state.get("start", 0), "start", who, 0, count)  # states before elastic resume began at 0
     most = pass_length(count, start, world_size, drop_last)
     position = state.get("position")
     if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= most:
-        raise ValueError(f"{kind}.load_state_dict: position must be an int >= 0 <= {most}, got {position!r}")
+        raise ValueError(f"{who}: position must be an int >= 0 <= {most}, got {shown(position)}")
     return world_size, start, position

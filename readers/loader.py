@@ -38,6 +38,7 @@ import torch.utils.data as tud
 from packer.cores import available_cores
 
 from ._dataset import ReaderDataset
+from ._state_limits import MAX_EPOCH, shown
 from .buffers import WorkerBatch
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
@@ -241,10 +242,13 @@ class EpochLoader(tud.DataLoader):
         Raises ValueError naming what differs if it was saved by a loader over other data,
         or with another batch size, seed, world size (or workers, for an IterableDataset)."""
         check_state(state, "EpochLoader", self._settings())
-        epoch = checked_count(state, "epoch", "EpochLoader")
+        epoch = checked_count(state, "epoch", "EpochLoader", MAX_EPOCH)
         batches = checked_count(state, "batches", "EpochLoader")
         for name, target in (("sampler", self.sampler), ("dataset", self.dataset)):
             if state.get(name) is not None:
+                if not isinstance(state[name], dict):
+                    raise ValueError(f"EpochLoader.load_state_dict: the {name} state must be a dict (the "
+                                     f"{name}'s state_dict()) or None, got {type(state[name]).__name__}")
                 if not hasattr(target, "load_state_dict"):
                     raise ValueError(f"EpochLoader.load_state_dict: the state holds a {name} state and this "
                                      f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
@@ -328,8 +332,8 @@ def check_part(part, epoch: int, position: int, name: str) -> None:
     if name == "dataset":  # WDSDataset's: None at an epoch's start, else the loader's batch count
         saved = 0 if saved is None else saved.get("batches") if isinstance(saved, dict) else saved
     if part.get("epoch") != epoch or saved != position:
-        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {part.get('epoch')!r}, position "
-                         f"{saved!r}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
+        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {shown(part.get('epoch'))}, position "
+                         f"{shown(saved)}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
                          "load whole states from state_dict()")
 
 

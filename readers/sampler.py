@@ -44,6 +44,8 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
+from ._pack_identity import reader_identity, without_identity
+from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .ranks import check_rank, world
 
@@ -56,8 +58,8 @@ STATE_VERSION = 1  # of the samplers' and the loader's state dicts
 
 def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
     """What a sampler walks, named without its path (a dataset may move between machines):
-    the sample count and, for packer data, the split and a CRC-32 of the class names and
-    of the storage order given."""
+    the sample count and, for packer data, the split, a CRC-32 of the class names and of
+    the storage order given, and the pack's own identity (readers._pack_identity)."""
     name = f"{len(dataset)} samples"
     reader = reader_of(dataset)
     if reader is None:
@@ -65,20 +67,30 @@ def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
     crc = zlib.crc32("\n".join(reader.classes).encode("utf-8", "surrogateescape"))
     if order is not None:
         crc = zlib.crc32(np.ascontiguousarray(order, dtype="<i8").tobytes(), crc)
-    return f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    shape = f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    return shape + reader_identity(reader) if hasattr(reader, "metadata") else shape
 
 
 def check_state(state, kind: str, expected: dict) -> None:
-    """Raise a ValueError naming every setting where `state` differs from `expected`."""
+    """Raise a ValueError naming every setting where `state` differs from `expected`
+    (first, one nested too deep or too large to be any state_dict()'s: _state_limits)."""
     if not isinstance(state, dict):
         raise ValueError(f"{kind}.load_state_dict: expected a dict from {kind}.state_dict(), got "
                          f"{type(state).__name__}")
+    check_shape(state, f"{kind}.load_state_dict")
     saved_kind = state.get("kind")
     if saved_kind != kind or state.get("version") != STATE_VERSION:
         raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {STATE_VERSION} "
-                         f"(it says {saved_kind!r}, version {state.get('version')!r}); load each object's own "
-                         "state_dict()")
-    differ = [f"{key} {state.get(key)!r} (now {value!r})" for key, value in expected.items()
+                         f"(it says {shown(saved_kind)}, version {shown(state.get('version'))}); load each object's "
+                         "own state_dict()")
+    if without_identity(state.get("dataset"), expected.get("dataset", "")):
+        raise ValueError(f"{kind}.load_state_dict: the state names the data it was saved over as "
+                         f"{shown(state['dataset'])}, without the pack (saved before states named it); this pack "
+                         f"is {expected['dataset']!r}: a dataset re-packed from other images of the same count and "
+                         "classes looks the same, and would be resumed in the old order over the new images. If "
+                         "this is the pack the state was saved over, set the state's \"dataset\" to this pack's name "
+                         "and load it again; else start the epoch afresh (docs/resume.md)")
+    differ = [f"{key} {shown(state.get(key))} (now {value!r})" for key, value in expected.items()
               if state.get(key) != value]
     if differ:
         raise ValueError(f"{kind}.load_state_dict: the state was saved with a different {', '.join(differ)}; a "
@@ -88,11 +100,7 @@ def check_state(state, kind: str, expected: dict) -> None:
 
 def checked_count(state: dict, key: str, kind: str, most: int | None = None) -> int:
     """state[key] as an int in [0, most], or a ValueError saying what it is."""
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
-        bound = "" if most is None else f" <= {most}"
-        raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= 0{bound}, got {value!r}")
-    return value
+    return bounded_int(state.get(key), key, f"{kind}.load_state_dict", 0, most)
 
 
 def reader_of(dataset):
@@ -162,7 +170,7 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         if the state is another sampler's, or was saved over other data or with another seed."""
         kind = type(self).__name__
         check_state(state, kind, self.settings())
-        epoch = checked_count(state, "epoch", kind)
+        epoch = checked_count(state, "epoch", kind, MAX_EPOCH)
         world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
         if ended(self.count, start, position, world_size, self.drop_last):
             # Its epoch was wholly consumed: the epoch stays the one set (torchdata loads this as a pass
