@@ -59,6 +59,7 @@ BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
 AHEAD = 64  # records hinted ahead of the one being read in random order
 HINT_CHUNK = 16  # records hinted per call: fewer numpy passes, reads still kept in flight
+WINDOW_BATCH = 64  # windows whose blocks are worked out at once
 STATE_VERSION = 1  # of the loader's and WDSDataset's state dicts
 # Of the samplers' state dicts. 2: the orders are keyed bijections; a version 1 state's
 # position counted torch.randperm's (ShuffleSampler) or numpy's (BlockShuffleSampler) order.
@@ -387,6 +388,7 @@ class BlockShuffleSampler(RankedSampler):
         # The last block is short by `deficit` records; every other window holds window x block_size.
         self.deficit = self.blocks * block_size - self.count
         self._epoch: tuple | None = None  # (epoch, block permutation, the short block's window)
+        self._starts: tuple | None = None  # (epoch, batch, block_starts of WINDOW_BATCH windows)
 
     def block_order(self) -> tuple[KeyedPermutation | None, int]:
         """(the epoch's permutation of blocks, None unshuffled; the window the short last block lies in)."""
@@ -410,23 +412,32 @@ class BlockShuffleSampler(RankedSampler):
         """Where window w begins in the global order."""
         return w * self.window * self.block_size - (self.deficit if w > self.block_order()[1] else 0)
 
+    def block_starts(self, w: int) -> np.ndarray:
+        """The stored positions where window w's blocks start, in the order the window lists
+        them. Worked out for WINDOW_BATCH windows at once (one vectorised pass of the
+        bijection instead of one per window), the last batch kept."""
+        batch = w // WINDOW_BATCH
+        if self._starts is None or self._starts[:2] != (self.epoch, batch):
+            blocks = self.block_order()[0]
+            first = batch * WINDOW_BATCH * self.window
+            slots = np.arange(first, min(first + WINDOW_BATCH * self.window, self.blocks), dtype=np.int64)
+            self._starts = (self.epoch, batch, (slots if blocks is None else blocks(slots)) * self.block_size)
+        begin = (w - batch * WINDOW_BATCH) * self.window
+        return self._starts[2][begin:begin + self.window]
+
     def window_blocks(self, w: int) -> list[tuple[int, int]]:
         """Window w's blocks, as [start, stop) stored positions, in the order the window lists them."""
-        blocks = self.block_order()[0]
-        slots = np.arange(w * self.window, min((w + 1) * self.window, self.blocks), dtype=np.int64)
-        starts = (slots if blocks is None else blocks(slots)) * self.block_size
-        return [(start, min(start + self.block_size, self.count)) for start in starts.tolist()]
+        return [(start, min(start + self.block_size, self.count)) for start in self.block_starts(w).tolist()]
 
     def stored_at(self, w: int, positions: np.ndarray) -> np.ndarray:
         """The stored positions at these positions of the global order, all in window w."""
-        group = self.window_blocks(w)
-        sizes = np.array([stop - start for start, stop in group], np.int64)
+        starts = self.block_starts(w)
+        sizes = np.minimum(starts + self.block_size, self.count) - starts
         local = np.asarray(positions, np.int64) - self.window_begin(w)
         if self.shuffle:
             local = KeyedPermutation(int(sizes.sum()), (self.seed, self.epoch, 1, w))(local)
         ends = np.cumsum(sizes)
         block = np.searchsorted(ends, local, side="right")
-        starts = np.array([start for start, _ in group], np.int64)
         return starts[block] + local - (ends[block] - sizes[block])
 
     def order_at(self, positions: np.ndarray) -> np.ndarray:
