@@ -2,6 +2,7 @@
 
     python -m benchmarks.scale corpus --records 1281167 --workdir /var/tmp/scale
     python -m benchmarks.scale run --records 20000 200000 1281167 --workdir /var/tmp/scale
+    python -m benchmarks.scale tiny --records 20000 1281167 10000000 100000000 --workdir /var/tmp/tiny
 
 `corpus` writes WORKDIR/corpus-<records>/train/<class>/<name>.JPEG: small JPEG crops
 (64-160 px long side, a few KB) cut from the real photos in ../shared/data, 1,000
@@ -17,6 +18,10 @@ wall time and files/s, the packer's peak RSS, a fresh process's open() time, one
 DataLoader-style worker's RSS and USS (private memory, /proc/PID/smaps_rollup) after
 open and after one epoch of random reads, and `packer info` / `packer verify` wall time.
 It writes WORKDIR/scale.json and WORKDIR/scale.md (the table).
+
+`tiny` goes further, to 10^8 records and beyond, on packs of tiny synthetic records
+(benchmarks.tiny): open, a shuffled loader's first batch, private memory after random
+reads and an elastic resume, per record count.
 """
 from __future__ import annotations
 
@@ -496,6 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     reopen.add_argument("--records", type=int, nargs="+", required=True)
     reopen.add_argument("--workdir", required=True)
     reopen.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    tiny = sub.add_parser("tiny", help="synthetic tiny-record packs: open, first batch, memory, resume")
+    tiny.add_argument("--records", type=int, nargs="+", default=[20_000, IMAGENET_TRAIN_RECORDS, 10_000_000])
+    tiny.add_argument("--workdir", required=True)
+    tiny.add_argument("--format", choices=FORMATS, default="hdf5")
+    tiny.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
+    tiny_pack = sub.add_parser("tiny-pack", help="(internal) write one tiny-record pack")
+    tiny_pack.add_argument("out")
+    tiny_pack.add_argument("--records", type=int, required=True)
+    tiny_pack.add_argument("--format", choices=FORMATS, default="hdf5")
+    tiny_probe = sub.add_parser("tiny-probe", help="(internal) open, load, read and resume one pack, as JSON")
+    tiny_probe.add_argument("packed")
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
     probe.add_argument("packed")
     probe.add_argument("--epoch-seconds", type=float, default=600)
@@ -505,6 +521,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
     elif args.command == "reopen":
         print(table(remeasure_open(args.workdir, args.records, args.formats)), end="")
+    elif args.command in ("tiny", "tiny-pack", "tiny-probe"):
+        from . import tiny as study  # imports scale's helpers: loaded only when asked for
+        if args.command == "tiny":
+            print(study.table(study.run(args.workdir, args.records, args.format, args.keep)), end="")
+        elif args.command == "tiny-pack":
+            study.write_tiny_pack(args.out, args.records, args.format)
+        else:
+            print(json.dumps(study.probe(args.packed)))
     elif args.command == "run":
         print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep,
                         args.verify_seconds)), end="")
