@@ -30,12 +30,12 @@ import time
 
 import numpy as np
 
-from .scale import MB, log, memory, open_seconds, timed_process
+from .processes import MB, log, memory, open_seconds, timed_process
 
 CLASSES = 1000
 BATCH = 256
 READS = 10_000  # random reads before memory is measured
-CHUNK = 1 << 20  # records generated at a time
+CHUNK = 1 << 16  # records generated at a time: a few MB of temporaries
 PATH_WIDTH = 16  # "c0000/0000000000": every path the same length, so offsets are a formula
 EXTRAPOLATE = (400_000_000, 1_000_000_000)
 
