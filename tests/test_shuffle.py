@@ -5,12 +5,15 @@ permutation it replaced; and they cost the same few MB on 10^9 records as on 1,0
 from __future__ import annotations
 
 import math
+import os
 import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+import torch.utils.data as tud
 
+from benchmarks.processes import memory
 from readers import BlockShuffleSampler, ShuffleSampler, class_entropy
 
 ALPHA = 0.001  # significance of every chi-square test below (fixed seeds: deterministic)
@@ -25,6 +28,9 @@ class Sized:
 
     def __len__(self):
         return self.n
+
+    def __getitem__(self, i):
+        return i
 
 
 def epoch_order(sampler, epoch: int) -> np.ndarray:
@@ -146,3 +152,29 @@ def test_a_billion_records_cost_a_few_mb_to_start_or_resume_on_any_ranks(kind):
         assert len(elsewhere) == -(-(n - 600_000_000) // 3) and len(set(resumed)) == 10_000
 
     assert traced_peak(first_indexes) < 4 << 20
+
+
+def loader_memory(n: int, kind) -> tuple[float, list[float]]:
+    """(this process's USS growth, each worker's USS) in MB once a 2-worker DataLoader over
+    n items, this sampler dealing rank 1 of 4 its share, has handed out 10,240 indexes."""
+    before = memory()["uss_mb"]
+    loader = tud.DataLoader(Sized(n), batch_size=256, num_workers=2,
+                            sampler=kind(Sized(n), seed=1, rank=1, world_size=4))
+    batches = iter(loader)
+    seen = [next(batches) for _ in range(40)]
+    assert len(set(torch.cat(seen).tolist())) == 10_240
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        workers = [memory(int(child))["uss_mb"] for child in f.read().split()]
+    grown = memory()["uss_mb"] - before
+    del batches
+    return grown, workers
+
+
+@pytest.mark.parametrize("kind", [ShuffleSampler, BlockShuffleSampler])
+def test_a_dataloader_over_a_billion_items_holds_what_one_over_100k_does(kind):
+    loader_memory(100_000, kind)  # the DataLoader's own first-use costs, paid once
+    small_main, small_workers = loader_memory(100_000, kind)
+    large_main, large_workers = loader_memory(10 ** 9, kind)
+    assert len(large_workers) == 2 and large_main < small_main + 4
+    assert max(large_workers) < max(small_workers) + 4
