@@ -174,7 +174,8 @@ def measure(workdir: str, records: int, fmt: str, keep: bool) -> dict:
 
 
 COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f"{r['pack_rate']:,.0f}"),
-           ("pack peak RSS MB (anon)", lambda r: f"{r['pack_peak_rss_mb']:.0f} ({r['pack_peak_anon_mb']:.0f})"), ("open s", lambda r: f"{r['open_s']:.3f}"),
+           ("pack peak RSS MB (anon)", lambda r: f"{r['pack_peak_rss_mb']:.0f} ({r['pack_peak_anon_mb']:.0f})"),
+           ("open s", lambda r: f"{r['open_s']:.3f}"),
            ("first batch s", lambda r: f"{r['first_batch_s']:.2f}"),
            ("main USS MB", lambda r: f"{r['main']['uss_mb']:.1f}"),
            ("worker USS MB", lambda r: " / ".join(f"{w['uss_mb']:.1f}" for w in r["workers"])),
@@ -183,21 +184,22 @@ COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f
            ("resume / start", lambda r: f"{r['resume_2_ranks_s'] / r['fresh_2_ranks_s']:.2f}"))
 
 
+SCALARS = ("pack_s", "pack_peak_rss_mb", "pack_peak_anon_mb", "open_s", "first_batch_s", "fresh_2_ranks_s",
+           "resume_2_ranks_s")
+
+
 def extrapolated(rows: list[dict], records: int) -> dict:
     """A row at `records` from the slope between the two largest rows measured."""
     low, high = sorted(rows, key=lambda r: r["records"])[-2:]
 
-    def at(get):
-        slope = (get(high) - get(low)) / (high["records"] - low["records"])
-        return get(high) + slope * (records - high["records"])
+    def at(before: float, last: float) -> float:
+        return last + (last - before) * (records - high["records"]) / (high["records"] - low["records"])
 
-    workers = [{"uss_mb": at(lambda r, k=k: r["workers"][k]["uss_mb"])} for k in range(len(high["workers"]))]
-    return {"records": records, "extrapolated": True, "pack_s": at(lambda r: r["pack_s"]),
-            "pack_rate": records / at(lambda r: r["pack_s"]), "pack_peak_rss_mb": at(lambda r: r["pack_peak_rss_mb"]),
-            "pack_peak_anon_mb": at(lambda r: r["pack_peak_anon_mb"]),
-            "open_s": at(lambda r: r["open_s"]), "first_batch_s": at(lambda r: r["first_batch_s"]),
-            "main": {"uss_mb": at(lambda r: r["main"]["uss_mb"])}, "workers": workers,
-            "fresh_2_ranks_s": at(lambda r: r["fresh_2_ranks_s"]), "resume_2_ranks_s": at(lambda r: r["resume_2_ranks_s"])}
+    row = {key: at(low[key], high[key]) for key in SCALARS}
+    row.update(records=records, extrapolated=True, pack_rate=records / row["pack_s"],
+               main={"uss_mb": at(low["main"]["uss_mb"], high["main"]["uss_mb"])},
+               workers=[{"uss_mb": at(a["uss_mb"], b["uss_mb"])} for a, b in zip(low["workers"], high["workers"])])
+    return row
 
 
 def table(rows: list[dict]) -> str:
