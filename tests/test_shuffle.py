@@ -47,6 +47,15 @@ def test_every_epoch_of_either_order_is_a_permutation(n):
             assert sorted(order.tolist()) == list(range(n)), (block_size, window)
 
 
+@pytest.mark.parametrize("kind", [ShuffleSampler, BlockShuffleSampler])
+def test_any_positions_of_an_order_are_computed_alone(kind):
+    sampler = kind(Sized(5_003), seed=4)
+    order = epoch_order(sampler, 2)
+    positions = np.random.default_rng(0).integers(0, 5_003, 500)
+    assert sampler.order_at(positions).tolist() == order[positions].tolist()
+    assert sampler.order_at(np.arange(5_003)).tolist() == order.tolist()
+
+
 def test_epochs_and_seeds_give_different_orders():
     orders = {tuple(epoch_order(ShuffleSampler(Sized(1000), seed=seed), epoch))
               for seed in range(3) for epoch in range(10)}
