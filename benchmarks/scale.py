@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny_pack.add_argument("out")
     tiny_pack.add_argument("--records", type=int, required=True)
     tiny_pack.add_argument("--format", choices=FORMATS, default="hdf5")
+    sub.add_parser("tiny-sampler", help="each sampler alone over 10^9 items: first indexes, fresh and resumed")
     tiny_probe = sub.add_parser("tiny-probe", help="(internal) open, load, read and resume one pack, as JSON")
     tiny_probe.add_argument("packed")
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
@@ -425,10 +426,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
     elif args.command == "reopen":
         print(table(remeasure_open(args.workdir, args.records, args.formats)), end="")
-    elif args.command in ("tiny", "tiny-pack", "tiny-probe"):
+    elif args.command in ("tiny", "tiny-pack", "tiny-probe", "tiny-sampler"):
         from . import tiny as study  # imports scale's helpers: loaded only when asked for
         if args.command == "tiny":
             print(study.table(study.run(args.workdir, args.records, args.format, args.keep)), end="")
+        elif args.command == "tiny-sampler":
+            import readers
+            for kind in (readers.ShuffleSampler, readers.BlockShuffleSampler):
+                print(json.dumps(study.sampler_start(kind)))
         elif args.command == "tiny-pack":
             study.write_tiny_pack(args.out, args.records, args.format)
         else:

@@ -18,6 +18,10 @@ fresh processes:
   1's), to its first batch, against the same loader started afresh on 2 ranks.
 WORKDIR/tiny.json holds every figure, WORKDIR/tiny.md the table, with the 400M and 1B
 rows extrapolated from the slopes between the two largest sizes measured.
+
+`python -m benchmarks.scale tiny-sampler` times each sampler alone over a plain dataset
+of 10^9 items: its first indexes on rank 3 of 8, and its first after resuming that
+rank's state half-way through the epoch on 3 ranks, with the peak memory they allocate.
 """
 from __future__ import annotations
 
@@ -119,6 +123,41 @@ def first_batch_s(out: str, **env) -> tuple[float, object]:
     batches = iter(loader)
     next(batches)
     return time.perf_counter() - start, (loader, batches)
+
+
+class Items:
+    """A plain map-style dataset of n items (no packer reader): the sampler alone is measured."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def sampler_start(kind, n: int = 10 ** 9, indexes: int = BATCH) -> dict:
+    """Seconds and traced peak MB to a sampler's first `indexes`, fresh on rank 3 of 8 and
+    resumed half-way through the epoch on rank 1 of 3."""
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    sampler = kind(Items(n), seed=0, rank=3, world_size=8)
+    first = [index for _, index in zip(range(indexes), sampler)]
+    fresh = time.perf_counter() - start
+    state = {**sampler.state_dict(), "position": n // 16}
+    start = time.perf_counter()
+    resumed = kind(Items(n), seed=0, rank=1, world_size=3)
+    resumed.load_state_dict(state)
+    after = [index for _, index in zip(range(indexes), resumed)]
+    found = {"sampler": kind.__name__, "records": n, "first_s": fresh, "resumed_s": time.perf_counter() - start,
+             "peak_mb": tracemalloc.get_traced_memory()[1] / MB}
+    tracemalloc.stop()
+    assert len(set(first)) == len(set(after)) == indexes
+    return found
 
 
 def children() -> list[int]:
