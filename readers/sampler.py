@@ -365,8 +365,8 @@ class BlockShuffleSampler(RankedSampler):
     permutation, so every rank reads from the same window at a time, 1/world_size of its
     records, and yields len(self) indexes (at most world_size - 1 padded repeats in all).
     A position's window, block and record are computed, nothing per record is built; a
-    shuffled pack's storage order is read from the pack's mapped table as each window is
-    read. On one machine the ranks share the page cache, so each block is still read
+    shuffled LMDB or HDF5 pack's storage order is read from its mapped table as each
+    window is read (a WebDataset pack's is worked out from records.bin, 4 bytes a record). On one machine the ranks share the page cache, so each block is still read
     once; on several, each machine reads every window's blocks (docs/resume.md).
     """
 
