@@ -9,16 +9,22 @@ exactly the first C + p * W of it. That one count resumes the epoch on any numbe
 ranks: the rest is the global order from there, dealt again.
 
 Equal shares: without drop_last the rest is padded to a multiple of W with indexes from
-the start of the global order (at most W - 1 repeats; from C = 0 exactly
-DistributedSampler's padding); with drop_last its last (rest mod W) indexes are left out.
+the start of the global order (at most W - 1 repeats, as DistributedSampler pads); with
+drop_last its last (rest mod W) indexes are left out.
+
+A rank's share is dealt a chunk of positions at a time (rank_position_chunks), never as
+one array or list: a share of 10^9 records costs what one chunk does.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import numpy as np
 
 from ._state_limits import MAX_WORLD_SIZE, bounded_int, shown
+
+CHUNK = 4096  # positions dealt at a time: one vectorised step of the order, a few tens of KB
 
 
 def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int:
@@ -28,13 +34,24 @@ def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int
     return rest // world_size if drop_last else math.ceil(rest / world_size)
 
 
-def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """The positions in the global order that `rank` reads, in order, in a pass from `start`."""
+def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool,
+                   first: int = 0, stop: int | None = None) -> np.ndarray:
+    """The positions in the global order that `rank` reads, in order, in a pass from `start`:
+    its share's slots [first, stop) (stop None: to the share's end)."""
     share = pass_length(count, start, world_size, drop_last)
-    slots = rank + world_size * np.arange(share, dtype=np.int64)  # places in the rest, padded
+    stop = share if stop is None else min(stop, share)
+    slots = rank + world_size * np.arange(min(first, stop), stop, dtype=np.int64)  # places in the rest, padded
     rest = max(0, count - start)
     # A place past the rest's end is padding: the global order again from its start.
     return np.where(slots < rest, start + slots, (slots - rest) % max(count, 1))
+
+
+def rank_position_chunks(count: int, start: int, rank: int, world_size: int, drop_last: bool,
+                         chunk: int = CHUNK) -> Iterator[np.ndarray]:
+    """rank_positions' share, `chunk` positions at a time, each chunk made as it is asked for."""
+    share = pass_length(count, start, world_size, drop_last)
+    for first in range(0, share, chunk):
+        yield rank_positions(count, start, rank, world_size, drop_last, first, first + chunk)
 
 
 def consumed(count: int, start: int, position: int, world_size: int) -> int:

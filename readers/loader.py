@@ -9,8 +9,8 @@ What it sets and why:
 - a worker init that pins OpenMP/MKL/torch to one thread per worker (N workers x N
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
-- for packed data a ShuffleSampler (DistributedSampler's permutation, or index order
-  unshuffled, and rank shares, with the next records hinted to the kernel so cold
+- for packed data a ShuffleSampler (a keyed permutation per epoch, or index order
+  unshuffled, in DistributedSampler's rank shares, with the next records hinted to the kernel so cold
   random reads overlap; a FolderDataset gets the same order, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
