@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .check import MAX_PIXELS, open_lazily, size_problem
+from .check import MAX_PIXELS, jpeg_problem, open_lazily, size_problem, sniff, strict_jpeg_problem
 from .errors import BadImageError, PackError
 from .jpeg_form import BASELINE_420, in_baseline_420
 
@@ -138,6 +138,7 @@ def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) ->
         if spec.keeps(data, image.size):  # the long side is the same upright or not
             return None
         size = target_size(*image.size, spec.max_side) or image.size
+        refuse_damaged(data, max_pixels)
         try:
             pixels = _resized(image, size)
         except Exception as exc:  # Pillow raises many types for damaged data
@@ -150,12 +151,25 @@ def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) ->
     return _encode(pixels, spec.quality)
 
 
+def refuse_damaged(data: bytes, max_pixels: int) -> None:
+    """BadImageError when a strict decode rejects the JPEG about to be re-encoded: Pillow's
+    decode greys over a cut or corrupt scan, and the re-encoded copy would be a valid JPEG
+    that no later check could tell from the photo (a source kept as it is stays as
+    damaged as it came, for --check full and the readers to find)."""
+    if sniff(data) != "jpeg":
+        return
+    reason = jpeg_problem(data, max_pixels) or strict_jpeg_problem(data, max_pixels, scaled=True)
+    if reason is not None:
+        raise BadImageError(None, f"{reason}; not re-encoded, which would hide the damage")
+
+
 def _opened(data: bytes, max_pixels: int):
     """Pillow's lazy open, refusing an image over max_pixels before any pixel is decoded."""
     try:
         image = open_lazily(data, max_pixels)
     except Exception as exc:
-        raise BadImageError(None, f"cannot read the image header ({type(exc).__name__}: {exc})") from exc
+        known = jpeg_problem(data, max_pixels) if sniff(data) == "jpeg" else None  # a 12-bit JPEG, say
+        raise BadImageError(None, known or f"cannot read the image header ({type(exc).__name__}: {exc})") from exc
     reason = size_problem(*image.size, max_pixels)
     if reason is not None:
         image.close()

@@ -20,7 +20,7 @@ from packer.records import Metadata, metadata_crc
 from packer.reencode import Reencode, expected_size, reencode_image, reencode_spec, target_size
 from packer.verify import DAMAGED, DIFFERS, verify
 
-from conftest import write
+from conftest import cut_with_end_marker, noisy_jpeg_444, write
 
 ORIENTATION = 0x0112
 
@@ -443,3 +443,17 @@ def test_the_resolution_benchmark_measures_the_baseline_420_variants(forms_tree,
     reads = json.loads(result.read_text())["reads"]
     assert set(reads) == {"full", "baseline-420", "max-side-250+baseline-420", "every-q90"}
     assert all(rate["rrc224_per_s"] > 0 and rate["sample_bytes"] > 0 for rate in reads.values())
+
+
+@pytest.mark.parametrize("options", [{"baseline_420": True}, {"max_side": 64}])
+def test_a_cut_jpeg_with_its_end_marker_put_back_is_refused_not_laundered(tmp_path, options):
+    """Pillow's decode greys the missing half over; re-encoded, it would be a valid JPEG that
+    verify could not tell from the photo. A strict decode refuses it first: --on-error says."""
+    src = tmp_path / "src"
+    write(src / "a" / "cut.jpg", cut_with_end_marker(noisy_jpeg_444(128)))
+    write(src / "a" / "whole.jpg", noisy_jpeg_444(128, seed=1))
+    with pytest.raises(PackError, match=r"a/cut.jpg: corrupt JPEG \(.*premature end.*not re-encoded"):
+        pack(str(src), "lmdb", str(tmp_path / "failed.lmdb"), progress=False, workers=1, **options)
+    result = pack(str(src), "lmdb", str(tmp_path / "o.lmdb"), progress=False, workers=1, on_error="skip", **options)
+    assert [entry["path"] for entry in result.metadata.skipped] == ["a/cut.jpg"] and result.metadata.count == 1
+    assert verify(str(tmp_path / "o.lmdb"), str(src)).ok
