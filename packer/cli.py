@@ -385,7 +385,7 @@ def parts_lines(parts: dict | None) -> list[str]:
 @library_errors
 def verify_command(packed, against, check, workers, as_json):
     """Re-read every record of PACKED; exit 1 on any damage or difference."""
-    from .verify import verify
+    from .verify import COMPARISONS, verify
 
     report = verify(packed, against, check=check, workers=workers)
     report_verify(report)
@@ -395,7 +395,7 @@ def verify_command(packed, against, check, workers, as_json):
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""
     if against and report.reencoded:
-        versus += " (the re-encoded ones in size)"
+        versus += " (" + "; ".join(f"{report.compared[how]} {how}" for how in COMPARISONS if report.compared[how]) + ")"
     say(f"ok: {report.checked} records intact{versus}")
 
 

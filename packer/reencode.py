@@ -20,7 +20,8 @@ other image is stored byte for byte, exactly as without the options. A re-encode
     pixels), so the stored pixels are upright and carry no orientation tag;
   - encoded as baseline JPEG at `quality` with 4:2:0 chroma subsampling (libjpeg-turbo,
     through simplejpeg), whatever the source format (a PNG over the limit becomes a JPEG;
-    the record keeps its source path, which is its identity).
+    the record keeps its source path, which is its identity), carrying the digest of its
+    source's bytes in a comment (packer.source_digest) for verify --against.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import numpy as np
 from .check import MAX_PIXELS, jpeg_problem, open_lazily, size_problem, sniff, strict_jpeg_problem
 from .errors import BadImageError, PackError
 from .jpeg_form import BASELINE_420, in_baseline_420
+from .source_digest import stamped
 
 DEFAULT_QUALITY = 90  # FFCV's default JPEG quality for its ImageNet datasets
 MAX_SIDE_LIMIT = 65535  # JPEG's largest dimension
@@ -148,7 +150,7 @@ def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) ->
         from PIL import Image
 
         pixels = pixels.transpose(getattr(Image.Transpose, _UPRIGHT[orientation]))
-    return _encode(pixels, spec.quality)
+    return stamped(_encode(pixels, spec.quality), data)
 
 
 def refuse_damaged(data: bytes, max_pixels: int) -> None:
