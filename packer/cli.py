@@ -310,7 +310,14 @@ def info_command(packed, as_json, storage_options, deadline):
     if given and not is_url(packed):
         raise click.UsageError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a PACKED "
                                "given as a URL (s3://bucket/key) only")
-    facts = info(packed, with_deadline(storage_options, deadline))
+    options = with_deadline(storage_options, deadline)
+    if is_url(packed):
+        from .remote.retry import split_deadline, within
+
+        with within(split_deadline(options)[0]):  # the whole command, not each of its requests
+            facts = info(packed, options)
+    else:
+        facts = info(packed, options)
     if as_json:
         echo_json(facts)
         return
