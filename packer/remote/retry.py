@@ -148,9 +148,10 @@ def past_whole(url: str, doing: str, what: str) -> RemoteError:
     """The error of a request cut short because the whole operation (within()) ran out."""
     seconds = _whole[1] if _whole is not None else DEADLINE
     return RemoteError(
-        f"{url}: {f'{doing} {what}'.strip()} was still under way when the whole operation's {seconds:g} s deadline "
-        "ran out: the server answers too slowly; check the link and the server, or, on a slow link, allow more with "
-        "--deadline SECONDS (storage_options {\"deadline\": SECONDS})", url, TIMEOUT)
+        f"{url}: {f'{doing} {what}'.strip()} did not finish within the {seconds:g} s deadline of the whole "
+        "operation (all of its requests together): the server answers too slowly, or not at all; check the link "
+        "and the server, or, on a slow link, allow more with --deadline SECONDS (storage_options "
+        "{\"deadline\": SECONDS})", url, TIMEOUT)
 
 
 def past_deadline(url: str, last: BaseException, doing: str, what: str, deadline: float, spent: float,
