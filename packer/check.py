@@ -156,6 +156,20 @@ def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     return "truncated JPEG (ends inside the header)"
 
 
+def unusual_precision(data: bytes) -> str | None:
+    """precision_problem() for a JPEG whose frame header gives other than 8-bit samples,
+    else None: what a decoder's failure on it means, in packer's words."""
+    if not data.startswith(JPEG_MAGIC):
+        return None
+    try:
+        for marker, start, _ in jpeg_segments(data):
+            if marker in SOF_MARKERS:
+                return precision_problem(data[start]) if start < len(data) and data[start] != 8 else None
+    except ValueError:
+        return None
+    return None
+
+
 def precision_problem(bits: int) -> str:
     """Why a JPEG of other than 8-bit samples is refused: neither libjpeg-turbo's 8-bit
     decoder (simplejpeg, Pillow, torchvision, DALI) nor packer can decode it, so it can be
