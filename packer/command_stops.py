@@ -22,8 +22,11 @@ _finished = False  # the command's outcome is decided (finished())
 
 
 def run_as_command() -> bool:
-    """Whether this process is the `packer` command (its script, or `python -m packer`)."""
+    """Whether this process is the `packer` command (its script, or `python -m packer`); not
+    a process it spawned, which multiprocessing gives the command's sys.argv."""
     argv = list(getattr(sys, "orig_argv", []))
+    if "--multiprocessing-fork" in argv:
+        return False
     by_module = any(argv[k:k + 2] == ["-m", "packer"] for k in range(len(argv) - 1))
     return by_module or os.path.basename(sys.argv[0] if sys.argv else "") == "packer"
 
