@@ -131,7 +131,7 @@ def test_workers_and_loaders_give_the_same_stream(pack, reference):
     stateful = StatefulDataLoader(dataset, BATCH, sampler=sampler, num_workers=2, persistent_workers=True)
     assert [flat(p) for p in passes(stateful, 2, sampler)] == reference
     sampler = ShuffleSampler(dataset, seed=SEED)
-    plain = DataLoader(dataset, BATCH, sampler=sampler, num_workers=1, multiprocessing_context="spawn")
+    plain = DataLoader(dataset, BATCH, sampler=sampler, num_workers=1)
     assert [flat(p) for p in passes(plain, 2, sampler)] == reference
 
 
@@ -187,10 +187,12 @@ def check_resumed(got: list[list[str]], reference, start: int, rank: int, world_
 
 
 def test_gloo_ranks_and_resumes_on_other_topologies_give_the_same_stream(pack, reference, tmp_path):
+    """2 ranks x 2 workers resume 1 x 0's states at each stop and save their own mid-way;
+    3 ranks x 1 worker resume that one and 1 x 0's mid-way; 1 x 0 resumes the 2 ranks' too."""
     states = {f"1x0-k{k}": (stopped(pack, 0, k), min(COUNT, k * BATCH)) for k in STOPS}
     for world_size, workers in ((2, 2), (3, 1)):
         job = {"pack": pack, "world_size": world_size, "workers": workers, "group": str(tmp_path / f"g{world_size}"),
-               "resume": {name: state for name, (state, _) in states.items()}}
+               "save": world_size == 2, "resume": {name: state for name, (state, _) in states.items()}}
         path = tmp_path / f"job{world_size}.json"
         path.write_text(json.dumps(job))
         run_ranks(path, world_size)
@@ -200,9 +202,9 @@ def test_gloo_ranks_and_resumes_on_other_topologies_give_the_same_stream(pack, r
                 assert got["full"][epoch] == expected_share(reference, epoch, 0, rank, world_size), (world_size, rank)
             for name, (_, start) in states.items():
                 check_resumed(got["resumed"][name], reference, start, rank, world_size, f"{name} on {world_size}")
-        if world_size == 2:  # rank 0's state after 3 of 6 batches: resumed on 3 ranks, and on 1 here
+        if world_size == 2:  # rank 0's state after 3 of 6 batches, with 1 x 0's mid-way one
             saved = json.loads((tmp_path / "job2.json.0").read_text())["state"]
-            states = {"2x2-k3": (saved, 3 * BATCH * 2)}
+            states = {"2x2-k3": (saved, 3 * BATCH * 2), "1x0-k6": states["1x0-k6"]}
     check_resumed(resumed_passes(pack, 0, states["2x2-k3"][0]), reference, 12, 0, 1, "2x2-k3 on 1x0")
 
 
@@ -215,8 +217,8 @@ def run_ranks(job: Path, world_size: int) -> None:
 
 
 def rank_job(path: str, rank: int) -> None:
-    """Script side: one gloo rank runs two whole epochs, saves a state after 3 batches, and
-    resumes each state of the job."""
+    """Script side: one gloo rank runs two whole epochs, saves a state after 3 batches if
+    the job says so, and resumes each state of the job."""
     import torch.distributed as dist
 
     job = json.loads(Path(path).read_text())
@@ -224,7 +226,7 @@ def rank_job(path: str, rank: int) -> None:
     try:
         pack, workers = job["pack"], job["workers"]
         record = {"full": [flat(p) for p in passes(loader_of(pack, workers), 2)],
-                  "state": stopped(pack, workers, 3),
+                  "state": stopped(pack, workers, 3) if job["save"] else None,
                   "resumed": {name: resumed_passes(pack, workers, state) for name, state in job["resume"].items()}}
         Path(f"{path}.{rank}").write_text(json.dumps(record))
         dist.barrier()
