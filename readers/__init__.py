@@ -17,6 +17,7 @@ from .decode import decode_array, decode_pil, decode_tensor, image_size
 from .folder import FolderDataset
 from .gpu import IMAGENET_MEAN, IMAGENET_STD, CUDAPrefetcher
 from .hdf5 import HDF5Dataset
+from .keyed import KeyedTransform, sample_generator, sample_seed
 from .lmdb import LMDBDataset
 from .loader import make_loader
 from .sampler import BlockShuffleSampler, ShuffleSampler, class_entropy
@@ -36,7 +37,7 @@ def open_dataset(path, split=None, **kwargs):
 
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
-    "FolderDataset", "HDF5Dataset", "LMDBDataset", "LoaderStats", "LoaderWarning", "PackedDataset", "RandomResizedCrop",
+    "FolderDataset", "HDF5Dataset", "KeyedTransform", "LMDBDataset", "LoaderStats", "LoaderWarning", "PackedDataset", "RandomResizedCrop",
     "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
-    "decode_tensor", "diagnose", "for_workers", "image_size", "make_loader", "open_dataset",
+    "decode_tensor", "diagnose", "for_workers", "image_size", "make_loader", "open_dataset", "sample_generator", "sample_seed",
 ]

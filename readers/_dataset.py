@@ -10,6 +10,7 @@ from packer.formats import CAN_ADVISE, FORMATS, REMOTE_OPTIONS, detect_format
 
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
+from .keyed import call_keyed, key_of
 from .sampler import HINT_CHUNK, ReadAhead, reader_of
 
 
@@ -21,6 +22,10 @@ class ReaderDataset(torch.utils.data.Dataset):
 
     max_pixels: decoding refuses (CorruptDataError) an image whose header claims more
     pixels, before allocating them; the default is Pillow's own limit (readers.decode).
+
+    An index that carries a sample key (readers.keyed.KeyedIndex, as packer's samplers
+    hand them out) has the transform's random draws keyed to it; a plain int leaves them
+    to torch's global generator.
 
     A DataLoader asks for a whole batch at once (__getitems__): over packed data every
     record of the batch is hinted to the kernel before the first is read, so a cold batch
@@ -47,7 +52,7 @@ class ReaderDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         if self.check_not_cut is not None:  # the file cut short since: an error, not SIGBUS (docs/safety.md)
             self.check_not_cut()
-        if index < 0:
+        if index < 0:  # never a KeyedIndex: samplers hand out positions
             if index < -len(self):  # not wrapped round to a record at the end
                 raise IndexError(f"index {index} out of range for split {self.split!r} of {len(self)} records")
             index += len(self)
@@ -55,7 +60,7 @@ class ReaderDataset(torch.utils.data.Dataset):
         try:
             image = decode(data, self.decode, max_pixels=self.max_pixels)
             if self.transform is not None:
-                image = self.transform(image)
+                image = call_keyed(key_of(index), self.transform, image)
         except CorruptDataError as exc:
             if exc.path is not None:
                 raise
@@ -79,7 +84,8 @@ class ReaderDataset(torch.utils.data.Dataset):
         warm dataset pays a probe now and then. A reader that takes no hints (the
         folder's, or without posix_fadvise) reads one record at a time, as ds[i] does.
         In a DataLoader worker, the first batch also has the worker keep its freed heap for
-        the next batch (readers.heap).
+        the next batch (readers.heap). Keyed indexes give a KeyedSamples list, whose keys
+        a collate of raw bytes hands on to the decoder (readers.collate.encoded_collate).
         """
         keep_heap_in_worker()
         if self.check_not_cut is not None:  # before the hints below read the record tables
@@ -90,7 +96,9 @@ class ReaderDataset(torch.utils.data.Dataset):
             wanted = self.hintable(indexes)
             for k in range(0, len(wanted), HINT_CHUNK):
                 hint(wanted[k:k + HINT_CHUNK])
-        return [self[i] for i in indexes]
+        samples = [self[i] for i in indexes]
+        keys = [key_of(i) for i in indexes]
+        return KeyedSamples(samples, keys) if keys and keys[0] is not None else samples
 
     @property
     def check_not_cut(self):
@@ -143,6 +151,15 @@ class ReaderDataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({redact(self.reader.path)!r}, split={self.split!r}, "
                 f"samples={len(self)}, classes={len(self.classes)}, decode={self.decode!r})")
+
+
+class KeyedSamples(list):
+    """A batch's samples, with `keys`, each sample's key: for a decoder that transforms
+    them later, on the GPU (readers.nvjpeg) or in a collate (readers.hybrid)."""
+
+    def __init__(self, samples: list, keys: list):
+        super().__init__(samples)
+        self.keys = keys
 
 
 class PackedDataset(ReaderDataset):

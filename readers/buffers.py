@@ -49,11 +49,12 @@ class EncodedBatch:
     256 against 7), and it is pinned in one piece. readers.nvjpeg.GPUDecoder decodes it.
     """
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor):
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, keys: list | None = None):
         self.data, self.offsets = data, offsets
+        self.keys = keys  # each image's sample key (readers.keyed), or None: unkeyed
 
     @classmethod
-    def of(cls, blobs: list, pin_memory: bool = False) -> "EncodedBatch":
+    def of(cls, blobs: list, pin_memory: bool = False, keys: list | None = None) -> "EncodedBatch":
         """The bytes-like objects in blobs, copied once into one new (shared or pinned) buffer."""
         arrays = [np.frombuffer(blob, dtype=np.uint8) for blob in blobs]
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
@@ -61,7 +62,7 @@ class EncodedBatch:
         data = allocate((int(offsets[-1]),), torch.uint8, pin_memory)
         if arrays:
             np.concatenate(arrays, out=data.numpy())
-        return cls(data, torch.from_numpy(offsets))
+        return cls(data, torch.from_numpy(offsets), keys)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -81,7 +82,7 @@ class EncodedBatch:
 
     def pin_memory(self) -> "EncodedBatch":
         """This batch with its bytes in pinned memory (DataLoader(pin_memory=True) calls this)."""
-        return EncodedBatch(self.data.pin_memory(), self.offsets)
+        return EncodedBatch(self.data.pin_memory(), self.offsets, self.keys)
 
     def __repr__(self) -> str:
         return f"EncodedBatch({len(self)} images, {self.data.numel()} bytes)"

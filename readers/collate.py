@@ -102,7 +102,8 @@ def encoded_collate(batch, pin_memory: bool = False):
     if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) != 2 \
             or not isinstance(batch[0][0], BYTES_TYPES):
         return collate(batch, pin_memory)
-    return EncodedBatch.of([sample[0] for sample in batch], pin_memory), collate_labels(batch)
+    keys = getattr(batch, "keys", None)  # readers._dataset.KeyedSamples': for the decoder's draws
+    return EncodedBatch.of([sample[0] for sample in batch], pin_memory, keys), collate_labels(batch)
 
 
 def collate(batch, pin_memory: bool = False, normalise: Normalise | None = None):

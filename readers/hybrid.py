@@ -29,6 +29,7 @@ import torch
 
 from .buffers import EncodedBatch, allocate
 from .collate import collate_labels, encoded_collate, to_be_pinned
+from .keyed import call_keyed
 from .transforms import BYTES_TYPES
 
 
@@ -133,12 +134,14 @@ class SplitBatch(EncodedBatch):
     """An EncodedBatch of the images left to the engine, plus `decoded`, the uint8 KxCxHxW
     images the workers decoded (the batch's first K), and the worker-seconds they took."""
 
-    def __init__(self, decoded: torch.Tensor, data: torch.Tensor, offsets: torch.Tensor, cpu_seconds: float):
-        super().__init__(data, offsets)
+    def __init__(self, decoded: torch.Tensor, data: torch.Tensor, offsets: torch.Tensor, cpu_seconds: float,
+                 keys: list | None = None):
+        super().__init__(data, offsets, keys)
         self.decoded, self.cpu_seconds = decoded, cpu_seconds
 
     def pin_memory(self) -> "SplitBatch":
-        return SplitBatch(self.decoded.pin_memory(), self.data.pin_memory(), self.offsets, self.cpu_seconds)
+        return SplitBatch(self.decoded.pin_memory(), self.data.pin_memory(), self.offsets, self.cpu_seconds,
+                          self.keys)
 
     def __repr__(self) -> str:
         return f"SplitBatch({len(self.decoded)} decoded, {len(self)} encoded images)"
@@ -156,13 +159,14 @@ class HybridCollate:
                 or not isinstance(batch[0][0], BYTES_TYPES):
             return encoded_collate(batch, self.pin_memory)
         k = split_count(self.share.get(), len(batch))
+        keys = getattr(batch, "keys", None) or [None] * len(batch)  # readers._dataset.KeyedSamples'
         started = time.perf_counter()
-        images = [self.transform(sample[0]) for sample in batch[:k]]
+        images = [call_keyed(key, self.transform, sample[0]) for key, sample in zip(keys, batch[:k])]
         decoded = (torch.stack(images, out=allocate((k, *images[0].shape), torch.uint8, self.pin_memory))
                    if images else torch.empty((0, 3, 1, 1), dtype=torch.uint8))
         seconds = time.perf_counter() - started
         rest = EncodedBatch.of([sample[0] for sample in batch[k:]], self.pin_memory)
-        return SplitBatch(decoded, rest.data, rest.offsets, seconds), collate_labels(batch)
+        return SplitBatch(decoded, rest.data, rest.offsets, seconds, keys[k:]), collate_labels(batch)
 
 
 class HybridDecoder:
@@ -192,7 +196,7 @@ class HybridDecoder:
         started = time.perf_counter()
         parts = []
         if len(batch):
-            parts.append(self.engine(EncodedBatch(batch.data, batch.offsets)))
+            parts.append(self.engine(EncodedBatch(batch.data, batch.offsets, batch.keys)))
             if parts[0].is_cuda:  # the engine's kernels are queued: time them, not their launches
                 torch.cuda.current_stream(parts[0].device).synchronize()
         seconds = time.perf_counter() - started

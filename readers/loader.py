@@ -451,8 +451,10 @@ class Order:
 
 
 def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, drop_last: bool, seed: int,
-                 rank: int, world_size: int, block_size: int = BLOCK_SIZE, window: int = WINDOW) -> Order:
-    """The walk make_loader sets up for `order` and `shuffle` (None: by `train`) on this rank."""
+                 rank: int, world_size: int, block_size: int = BLOCK_SIZE, window: int = WINDOW,
+                 keyed: bool = True) -> Order:
+    """The walk make_loader sets up for `order` and `shuffle` (None: by `train`) on this rank;
+    keyed: packer's samplers hand out keyed indexes (readers.keyed)."""
     if order is not None and order not in ORDERS:
         raise ValueError(f"make_loader: order must be one of {', '.join(ORDERS)}, not {order!r}")
     if isinstance(dataset, tud.IterableDataset):
@@ -472,7 +474,7 @@ def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, 
                              "(use order='block' for near-sequential reads with shuffled batches)")
         block_shuffle = order == "block" and (train if shuffle is None else shuffle)
         return walk(BlockShuffleSampler(dataset, block_size, window, shuffle=block_shuffle, seed=seed, rank=rank,
-                                        world_size=world_size), None, False)
+                                        world_size=world_size, keyed=keyed), None, False)
     if shuffle is None:
         shuffle = train or order == "random"
     # Packed data: the permutation, read ahead. A FolderDataset takes the same seeded permutation
@@ -480,7 +482,7 @@ def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, 
     # DistributedSampler's share of it under DDP: either way resumable mid-epoch.
     if packed or isinstance(dataset, ReaderDataset):
         return walk(ShuffleSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                                   drop_last=drop_last), None, shuffle)
+                                   drop_last=drop_last, keyed=keyed), None, shuffle)
     if world_size > 1:
         return walk(tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                            drop_last=drop_last), None, shuffle)
@@ -493,7 +495,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
                 multiprocessing_context=None, collate_fn=None, worker_init_fn=None, seed: int = 0,
                 mean=None, std=None, channels_last: bool = False, dtype=torch.float32,
                 gpu_decode=None, stats=False, order: str | None = None, block_size: int = BLOCK_SIZE,
-                window: int = WINDOW):
+                window: int = WINDOW, keyed: bool = True):
     """A DataLoader (or CUDAPrefetcher over one) for `dataset`, set up for training speed.
 
     Args:
@@ -505,7 +507,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
         train: shuffle and drop the last partial batch (each can be overridden).
         workers: DataLoader processes; default: the cores available (affinity-aware),
             divided by the local ranks (readers.ranks.local_world_size).
-        seed: the shuffle seed (the same on every rank).
+        seed: the run's seed (the same on every rank): of the shuffle and, keyed, of the
+            augmentation.
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
             RandomResizedCrop(224, flip=0.5) / ResizeCenterCrop(224) by `train`, or a
@@ -518,6 +521,12 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             ahead); "block": readers.BlockShuffleSampler(block_size, window),
             near-sequential reads with mixed batches, for cold or remote storage;
             "sequential": storage order. Default: "random" if shuffling, else index order.
+        keyed: packer's transforms (and readers.KeyedTransform) draw from a generator
+            keyed to (seed, epoch, sample index), so the batches are the same on any
+            number of ranks and workers and across resumes (docs/reproducibility.md).
+            False: from each worker's own generator, as torch's DataLoader seeds it.
+            Applies where make_loader walks the dataset with packer's samplers (map-style
+            readers datasets); gpu_decode's transform is keyed the same way.
 
     Returns an EpochLoader; wrapped in a CUDAPrefetcher when device is given, and in
     LoaderStats when stats is; all three iterate the same batches.
@@ -531,7 +540,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     pin = pin_policy(pin_memory, cuda)
     drop_last = train if drop_last is None else drop_last
     rank, world_size = world()
-    walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window)
+    walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window,
+                        keyed)
     if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
         reader_of(dataset).advise(walk.access)
 

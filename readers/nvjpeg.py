@@ -60,34 +60,36 @@ class GPUDecoder:
         bytes-like objects, copied once into one."""
         batch = encoded if isinstance(encoded, EncodedBatch) else EncodedBatch.of(list(encoded))
         views, tensors = batch.views(), batch.tensors()
+        keys = batch.keys or [None] * len(views)  # each sample's key: its window is drawn from it
         # Header only, before nvJPEG allocates whatever size a crafted header claims.
         on_gpu = [i for i, data in enumerate(views)
                   if checked_jpeg_size(data, f"image {i} of the batch", self.max_pixels) is not None]
         pieces = [on_gpu[i:i + self.chunk] for i in range(0, len(on_gpu), self.chunk)] if self.chunk else [on_gpu]
         out: list = [None] * len(views)
         if len(pieces) > 1:
-            self._pipelined(tensors, pieces, out)
+            self._pipelined(tensors, pieces, out, keys)
         elif on_gpu:
             images = self._decode_gpu(tensors, on_gpu)
             if len(images) == len(views) and all(image is not None for image in images):
-                return transform_batch(self.transform, images)  # the usual batch: nothing to place
-            self._place(on_gpu, images, out)
+                return transform_batch(self.transform, images, keys)  # the usual batch: nothing to place
+            self._place(on_gpu, images, out, keys)
         cpu = [i for i, piece in enumerate(out) if piece is None]
         if cpu:
             decoded = [decode_tensor(bytes(views[i]), f"image {i} of the batch",
                                      max_pixels=self.max_pixels).to(self.device) for i in cpu]
-            self._place(cpu, decoded, out)
+            self._place(cpu, decoded, out, keys)
         return torch.cat(out)
 
-    def _place(self, indices: list, images: list, out: list) -> None:
-        """Transforms the decoded images (None: left for the CPU decoder) into out's slots."""
+    def _place(self, indices: list, images: list, out: list, keys: list) -> None:
+        """Transforms the decoded images (None: left for the CPU decoder), each under its
+        key, into out's slots."""
         done = [(i, image) for i, image in zip(indices, images) if image is not None]
         if done:
-            batch = transform_batch(self.transform, [image for _, image in done])
+            batch = transform_batch(self.transform, [image for _, image in done], [keys[i] for i, _ in done])
             for k, (i, _) in enumerate(done):
                 out[i] = batch[k:k + 1]
 
-    def _pipelined(self, tensors: list, pieces: list, out: list) -> None:
+    def _pipelined(self, tensors: list, pieces: list, out: list, keys: list) -> None:
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -96,7 +98,7 @@ class GPUDecoder:
             images = pending.result()
             if k + 1 < len(pieces):
                 pending = self._thread.submit(self._decode_on, stream, tensors, pieces[k + 1])
-            self._place(piece, images, out)
+            self._place(piece, images, out, keys)
 
     def _decode_on(self, stream, tensors: list, indices: list) -> list:
         # The caller's stream: the resizes queued on it are ordered after the decode.

@@ -55,6 +55,7 @@ from ._pack_identity import reader_identity, without_identity
 from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_position_chunks, rank_positions
 from .permutation import KeyedPermutation
+from .keyed import KeyedIndex
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
@@ -139,13 +140,20 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
     says it deals the ranks their shares already, so that frameworks which shard a
     loader's sampler (Lightning's use_distributed_sampler, its default) leave it as it is
     and call its set_epoch, instead of dealing each rank's share out again.
+
+    Each index is handed out as a readers.keyed.KeyedIndex carrying (seed, epoch), so the
+    transform of its sample draws from a generator keyed to the sample, in any loader, on
+    any number of ranks and workers (docs/reproducibility.md); keyed=False hands out plain
+    ints, leaving the draws to each worker's own generator.
     """
 
     drop_last = False  # True: a pass leaves out the rest's last (rest mod world size) indexes
+    seed = 0
+    keyed = True  # hand out KeyedIndex (readers.keyed): augmentation keyed to (seed, epoch, index)
 
-    def __init__(self, rank: int | None, world_size: int | None):
+    def __init__(self, rank: int | None, world_size: int | None, keyed: bool = True):
         check_rank(rank, world_size, type(self).__name__)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.keyed = rank, world_size, bool(keyed)
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, samples of its global order consumed)
         self._progress: list[int] | None = None  # [epoch, indexes handed out, global start] of the last pass
@@ -235,11 +243,18 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         return rank_positions(self.count, start, rank, world_size, self.drop_last, 0, most)
 
     def counted(self, indexes: Iterable[int]) -> Iterator[int]:
-        """indexes, each counted in the pass's progress as it is handed out."""
+        """indexes, each counted in the pass's progress as it is handed out; keyed, each
+        carries (seed, epoch) to the transform that augments its sample (readers.keyed)."""
         progress = self._progress
+        if not self.keyed:
+            for index in indexes:
+                progress[1] += 1
+                yield index
+            return
+        prefix = (self.seed, progress[0])
         for index in indexes:
             progress[1] += 1
-            yield index
+            yield KeyedIndex(index, prefix)
 
     def __len__(self) -> int:
         return self.pass_length(self.world()[1], self.pass_start())
@@ -286,8 +301,8 @@ class ShuffleSampler(RankedSampler):
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False, prefetch: bool = True,
-                 ahead: int = AHEAD):
-        super().__init__(rank, world_size)
+                 ahead: int = AHEAD, keyed: bool = True):
+        super().__init__(rank, world_size, keyed)
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"ShuffleSampler: ahead must be an int >= 0, got {ahead!r}")
         self.count = len(dataset)
@@ -379,11 +394,12 @@ class BlockShuffleSampler(RankedSampler):
     """
 
     def __init__(self, dataset, block_size: int = BLOCK_SIZE, window: int = WINDOW, shuffle: bool = True,
-                 seed: int = 0, rank: int | None = None, world_size: int | None = None, prefetch: bool = True):
+                 seed: int = 0, rank: int | None = None, world_size: int | None = None, prefetch: bool = True,
+                 keyed: bool = True):
         for name, value in (("block_size", block_size), ("window", window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockShuffleSampler: {name} must be a positive int, got {value!r}")
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size, keyed)
         self.count = len(dataset)
         reader = reader_of(dataset)
         self.reader = reader if prefetch else None

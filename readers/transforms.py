@@ -13,9 +13,12 @@ is decoded, as readers.decode does.
 The names mean what they mean in torchvision: RandomResizedCrop crops (flip= adds a
 horizontal flip in the same copy), CenterCrop only crops, RandomHorizontalFlip flips,
 and ResizeCenterCrop is the usual evaluation pair Resize(256) + CenterCrop(224). Random
-draws use torch's generator in torchvision's order (crop, then flip), so a DataLoader's
-per-worker seeding applies and a seeded run draws what
-`Compose([RandomResizedCrop(...), RandomHorizontalFlip()])` would.
+draws are torchvision's, in its order (crop, then flip), from the sample's keyed generator
+(readers.keyed) when the sample has a key, else from torch's global one, which a
+DataLoader seeds per worker: then a seeded run draws what
+`Compose([RandomResizedCrop(...), RandomHorizontalFlip()])` would. Every decode path draws
+the window from the full image's size and the key, before decoding, so the CPU, nvJPEG
+and hybrid paths crop the same window of a sample.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode import MAX_PIXELS, checked_max_pixels, decode_array, image_size
+from .keyed import call_keyed, sample_generator
 from .resize import resize_windows, to_uint8
 
 BYTES_TYPES = (bytes, bytearray, memoryview)
@@ -85,10 +89,10 @@ def scratch_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     return found
 
 
-def flip_drawn(p: float) -> bool:
+def flip_drawn(p: float, generator: torch.Generator | None = None) -> bool:
     """torchvision's `torch.rand(1) < p` (rand is empty(1).uniform_(0, 1)), compared as torch
     compares it: in the tensor's dtype, so p is rounded to it first."""
-    draw = scratch_tensors()[0].uniform_(0, 1)
+    draw = scratch_tensors()[0].uniform_(0, 1, generator=generator)
     return draw.item() < _in_dtype(p, draw.dtype)
 
 
@@ -151,18 +155,20 @@ def flip_some(batch: torch.Tensor, flips: list[bool]) -> torch.Tensor:
     return torch.where(mask, batch.flip(-1), batch)
 
 
-def transform_batch(transform, images: list) -> torch.Tensor:
-    """The uint8 batch of `transform` applied to each CxHxW tensor of `images`.
+def transform_batch(transform, images: list, keys: list | None = None) -> torch.Tensor:
+    """The uint8 batch of `transform` applied to each CxHxW tensor of `images`, each under
+    its sample's key in `keys` (None: unkeyed; see readers.keyed).
 
     On the GPU a transform with a batched form (RandomResizedCrop, ResizeCenterCrop) draws
     each image's window as calling it would, then resizes, rounds and flips the whole batch
     at once (readers.resize): a fixed number of kernel launches per batch instead of a few
     per image, with the values of calling it image by image, to float rounding.
     """
+    keys = [None] * len(images) if keys is None else keys
     batched = getattr(transform, "batch", None)
     if batched is not None and images and images[0].device.type != "cpu":
-        return batched(images)
-    return torch.stack([transform(image) for image in images])
+        return batched(images, keys)
+    return torch.stack([call_keyed(key, transform, image) for key, image in zip(keys, images)])
 
 
 def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -214,33 +220,39 @@ class RandomResizedCrop:
         if isinstance(image, BYTES_TYPES):
             data = bytes(image)
             full_h, full_w = image_size(data, max_pixels=self.max_pixels)
-            top, left, h, w = random_resized_crop_params(full_h, full_w, self.scale, self.ratio)
-            flip = self._draw_flip()
+            (top, left, h, w), flip = self.draw(full_h, full_w)
             need = (math.ceil(out_h * full_h / h), math.ceil(out_w * full_w / w)) if self.dct else None
             decoded = as_chw(decode_array(data, min_size=need, max_pixels=self.max_pixels))
             top, left, h, w = _scaled_window(top, left, h, w, full_h, full_w, *decoded.shape[-2:])
         else:
             decoded = as_chw(image)
-            top, left, h, w = random_resized_crop_params(*decoded.shape[-2:], self.scale, self.ratio)
-            flip = self._draw_flip()
+            (top, left, h, w), flip = self.draw(*decoded.shape[-2:])
         # Flip after resize() has made the result contiguous: the cheaper order of the two copies.
         out = resize(decoded[:, top:top + h, left:left + w], (out_h, out_w))
         return out.flip(-1) if flip else out
 
-    def batch(self, images: list) -> torch.Tensor:
-        """self(image) for each CxHxW GPU tensor, stacked: the same draws in the same order,
-        every window resized at once (readers.resize) and rounded once (see transform_batch).
-        On the CPU, transform_batch calls the transform image by image instead: torch's
-        uint8 resize there costs a fraction of these matrix products."""
+    def batch(self, images: list, keys: list | None = None) -> torch.Tensor:
+        """self(image) for each CxHxW GPU tensor, stacked: the same draws in the same order
+        (each under its key in `keys`, as transform_batch gives them), every window resized
+        at once (readers.resize) and rounded once (see transform_batch). On the CPU,
+        transform_batch calls the transform image by image instead: torch's uint8 resize
+        there costs a fraction of these matrix products."""
         images = [as_chw(image) for image in images]
+        keys = [None] * len(images) if keys is None else keys
         windows, flips = [], []
-        for image in images:
-            windows.append(random_resized_crop_params(*image.shape[-2:], self.scale, self.ratio))
-            flips.append(self._draw_flip())
+        for key, image in zip(keys, images):
+            window, flip = call_keyed(key, self.draw, *image.shape[-2:])
+            windows.append(window)
+            flips.append(flip)
         return flip_some(resize_windows(images, windows, self.size, rounded=True), flips)
 
-    def _draw_flip(self) -> bool:
-        return self.flip > 0 and flip_drawn(self.flip)
+    def draw(self, height: int, width: int) -> tuple[tuple[int, int, int, int], bool]:
+        """(window, flip) for an image of height x width: the crop window (top, left, h, w)
+        and whether to flip, from one stream of the sample's key (or torch's global
+        generator outside a key). Every decode path calls this with the full image's size."""
+        generator = sample_generator()
+        window = random_resized_crop_params(height, width, self.scale, self.ratio, generator)
+        return window, self.flip > 0 and flip_drawn(self.flip, generator)
 
     def __repr__(self) -> str:
         ratio = tuple(round(r, 4) for r in self.ratio)
@@ -261,7 +273,7 @@ class RandomHorizontalFlip:
         self.p = p
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return image.flip(-1) if flip_drawn(self.p) else image
+        return image.flip(-1) if flip_drawn(self.p, sample_generator()) else image
 
     def __repr__(self) -> str:
         return f"RandomHorizontalFlip(p={self.p})"
@@ -325,9 +337,9 @@ class ResizeCenterCrop:
         # Resizing the whole image, then cropping, keeps torchvision's exact sampling grid.
         return resize_view(decoded, (new_h, new_w))[:, top:top + out_h, left:left + out_w].contiguous()
 
-    def batch(self, images: list) -> torch.Tensor:
+    def batch(self, images: list, keys: list | None = None) -> torch.Tensor:
         """self(image) for each CxHxW GPU tensor, stacked: resized at once (readers.resize),
-        rounded once (see transform_batch)."""
+        rounded once (see transform_batch). It draws nothing, so keys change nothing."""
         images = [as_chw(image) for image in images]
         windows, resized = [], []
         for image in images:

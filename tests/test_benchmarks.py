@@ -656,3 +656,17 @@ def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path,
     assert result["fill"] == fill
     assert set(runs) == set(map_reads.CASES) and all(len(v) == 1 and v[0] > 0 for v in runs.values())
     assert "| map + xxh3, fresh |" in capsys.readouterr().out
+
+
+def test_keyed_cost_study_times_one_setting_per_process(tmp_path, capsys):
+    from benchmarks.suites import keyed_cost
+    from packer import pack
+    from packer.synth import make_corpus
+
+    make_corpus(str(tmp_path / "src"), classes=2, per_class=10)
+    packed = tmp_path / "d.lmdb"
+    pack(str(tmp_path / "src"), "lmdb", str(packed), progress=False, workers=1)
+    for keyed in ("on", "off"):
+        assert keyed_cost.main([str(packed), "--keyed", keyed, "--records", "8", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "keyed=on workers=0 batch=4:" in out and "keyed=off workers=0 batch=4:" in out

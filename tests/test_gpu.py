@@ -313,3 +313,28 @@ def test_make_loader_hybrid_joins_the_workers_part_and_nvjpeg_s_in_order(tmp_pat
     assert torch.cat([labels for _, labels in batches[:2]]).tolist() == dataset.targets.tolist()
     tuner = loader.gpu_decode.tuner
     assert tuner.cpu_rate and tuner.engine_rate and 0 <= tuner.fraction <= 1
+
+
+@cuda
+def test_keyed_gpu_decode_crops_the_cpu_path_s_windows_and_differs_only_by_rounding(capsys):
+    """gpu_decode's batches keyed as a loader's workers key them (EncodedBatch.keys) against
+    the CPU path's crops of the same samples (dct=False: crop-then-resize of the full decode):
+    the same windows and flips, so the pixels differ only by nvJPEG's and the GPU resize's
+    rounding, which is printed (docs/reproducibility.md); another seed's crops are far off."""
+    pytest.importorskip("torchvision")
+    from readers import RandomResizedCrop
+    from readers.buffers import EncodedBatch
+    from readers.keyed import call_keyed
+    from readers.nvjpeg import GPUDecoder
+
+    encoded = [jpeg("RGB", size=(120 + 9 * i, 90 + 4 * i)) for i in range(16)]
+    keys = [(7, 0, i) for i in range(16)]
+    transform = RandomResizedCrop(48, flip=0.5, dct=False)
+    gpu = GPUDecoder(transform)(EncodedBatch.of(encoded, keys=keys)).cpu().int()
+    cpu = torch.stack([call_keyed(key, transform, data) for key, data in zip(keys, encoded)]).int()
+    other = torch.stack([call_keyed((8, *key[1:]), transform, data) for key, data in zip(keys, encoded)]).int()
+    gap, other_gap = (gpu - cpu).abs(), (gpu - other).abs()
+    with capsys.disabled():
+        print(f"\nkeyed gpu_decode vs CPU: max {int(gap.max())}, mean {gap.float().mean():.3f} levels; "
+              f"share of values off {(gap > 0).float().mean():.4f}")
+    assert gap.float().mean() < 3 and gap.float().mean() < other_gap.float().mean() / 4

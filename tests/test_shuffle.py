@@ -152,12 +152,12 @@ def test_a_billion_records_cost_a_few_mb_to_start_or_resume_on_any_ranks(kind):
     def first_indexes():
         sampler = kind(Sized(n), seed=2, rank=3, world_size=8)
         sampler.set_epoch(4)
-        found = [index for _, index in zip(range(10_000), sampler)]
+        found = [int(index) for _, index in zip(range(10_000), sampler)]
         assert len(sampler) == n // 8 and len(set(found)) == 10_000
         elsewhere = kind(Sized(n), seed=2, rank=1, world_size=3)
         elsewhere.set_epoch(7)  # resumed 600M samples into epoch 4, on 3 ranks
         elsewhere.load_state_dict({**sampler.state_dict(), "position": 75_000_000})
-        resumed = [index for _, index in zip(range(10_000), elsewhere)]
+        resumed = [int(index) for _, index in zip(range(10_000), elsewhere)]
         assert len(elsewhere) == -(-(n - 600_000_000) // 3) and len(set(resumed)) == 10_000
 
     assert traced_peak(first_indexes) < 4 << 20
@@ -188,6 +188,9 @@ def loader_memory(n: int, kind) -> tuple[float, list[float]]:
 def test_a_dataloader_over_a_billion_items_holds_what_one_over_100k_does(kind):
     loader_memory(100_000, kind)  # the DataLoader's own first-use costs, paid once
     small_main, small_workers = loader_memory(100_000, kind)
-    large_main, large_workers = loader_memory(10 ** 9, kind)
+    # Of two runs the smaller growth: a busy machine's allocator now and then keeps a few MB more
+    # of one run's freed batches, which a per-record cost (8 GB at 10^9) would dwarf.
+    (large_main, large_workers), again = loader_memory(10 ** 9, kind), loader_memory(10 ** 9, kind)
+    large_main = min(large_main, again[0])
     assert len(large_workers) == 2 and large_main < small_main + 4
     assert max(large_workers) < max(small_workers) + 4

@@ -83,7 +83,7 @@ def test_a_batch_of_crop_and_flip_draws_is_torchvisions_under_either_default_dty
                     for h, w in SIZES * 8]
         after = torch.rand(1)
         torch.manual_seed(11)
-        drawn = [(random_resized_crop_params(h, w, crop.scale, crop.ratio), crop._draw_flip()) for h, w in SIZES * 8]
+        drawn = [crop.draw(h, w) for h, w in SIZES * 8]
         assert drawn == expected and torch.equal(torch.rand(1), after)
     finally:
         torch.set_default_dtype(saved)
@@ -100,7 +100,7 @@ def test_flip_draws_compare_in_the_draws_dtype_as_torch_does():
     torch.manual_seed(0)
     assert not bool(torch.rand(1) < p)  # torchvision's comparison
     torch.manual_seed(0)
-    assert not RandomResizedCrop(8, flip=p)._draw_flip()
+    assert not T.flip_drawn(p)  # what RandomResizedCrop(flip=p) compares
     torch.manual_seed(0)
     assert RandomHorizontalFlip(p)(torch.arange(2).view(1, 1, 2)).flatten().tolist() == [0, 1]
     torch.manual_seed(0)

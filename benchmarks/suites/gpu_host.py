@@ -122,12 +122,12 @@ def resize_work(blobs: list, size: int = 224) -> dict:
 def crop_window_by_window(crop, images: list) -> torch.Tensor:
     """RandomResizedCrop.batch as it was before readers.resize: the same draws, then a float
     conversion and an F.interpolate per window; rounded and flipped once."""
-    from readers.transforms import flip_some, random_resized_crop_params, resized_float, to_uint8
+    from readers.transforms import flip_some, resized_float, to_uint8
 
     floats, flips = [], []
     for image in images:
-        top, left, h, w = random_resized_crop_params(*image.shape[-2:], crop.scale, crop.ratio)
-        flips.append(crop._draw_flip())
+        (top, left, h, w), flip = crop.draw(*image.shape[-2:])
+        flips.append(flip)
         floats.append(resized_float(image[:, top:top + h, left:left + w], crop.size))
     return flip_some(to_uint8(torch.cat(floats)), flips)
 
