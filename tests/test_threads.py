@@ -202,6 +202,29 @@ def hold(pids: str) -> None:
         time.sleep(0.1)
 
 
+def test_worker_kind_refuses_what_threads_cannot_do(packs):
+    data = readers.LMDBDataset(Path(packs) / "d.lmdb")
+    with pytest.raises(ValueError, match="worker_kind must be one of processes, threads, threads-inline"):
+        make_loader(data, BATCH, worker_kind="thread")
+    with pytest.raises(ValueError, match="workers is the number of threads and must be an int >= 1, got 0"):
+        make_loader(data, BATCH, workers=0, worker_kind="threads")
+    with pytest.raises(ValueError, match="WDSDataset is an IterableDataset, so use worker_kind='processes'"):
+        make_loader(readers.WDSDataset(Path(packs) / "d.wds"), BATCH, workers=2, worker_kind="threads-inline")
+
+
+def test_the_benchmark_suite_measures_every_kind(packs, tmp_path, capsys):
+    from benchmarks.suites import thread_workers
+
+    out = tmp_path / "runs.json"
+    assert thread_workers.main([str(Path(packs) / "d.lmdb"), "--batch", "4", "--batches", "3", "--repeats", "1",
+                                "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == set(thread_workers.KINDS)
+    for kind, figures in summary.items():
+        assert figures["samples_per_s"] > 0 and figures["first_batch_s"] > 0 and figures["uss_mb"] > 0, kind
+    assert "| threads-inline |" in capsys.readouterr().out
+
+
 def run_script(*args, timeout: int = 180) -> None:
     done = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True, text=True,
                           cwd=HERE.parent, timeout=timeout)
