@@ -112,8 +112,15 @@ class ThreadBatches(tud.DataLoader):
                                   self.pin, self.context)
 
 
+def one_intra_op_thread() -> None:
+    """Each worker thread's torch ops run on that thread alone (OpenMP's setting is per
+    thread, so the trainer's own ops keep theirs): W threads each fanning out to every
+    core would oversubscribe them, as one thread per worker process avoids."""
+    torch.set_num_threads(1)
+
+
 def inline_batches(dataset, batches, collate_fn, threads: int, prefetch: int):
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="packer-loader")
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread)
     try:
         yield from in_order(pool, batches, dataset, collate_fn, prefetch)
     finally:
@@ -204,7 +211,7 @@ def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) ->
             message = (number, False, str(error))
         results.put(message)  # thread-safe: the queue's feeder thread sends it
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="packer-loader") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread) as pool:
         while True:
             try:
                 request = requests.get(timeout=POLL)

@@ -14,6 +14,8 @@ round (medians):
 - step slowdown: a fixed CPU-side step (Python arithmetic, as a training loop's host
   side is) timed with a batch taken after each, over the same step alone: the noisy
   neighbour, in-process threads against an isolated process.
+--profile FILE writes a cProfile of one thread making --batches batches (readers.threads.fetch),
+by own time: what is left in Python there holds the GIL, and bounds threads.
 """
 from __future__ import annotations
 
@@ -99,6 +101,30 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
             "uss_mb": uss, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
 
 
+def profile(packed: str, batch: int, batches: int, path: str) -> None:
+    """A cProfile, by own time, of one thread making `batches` batches as a thread worker does."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from readers import LMDBDataset, RandomResizedCrop, collate
+    from readers.threads import fetch
+
+    torch.set_num_threads(1)  # as in a thread worker
+    data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
+    fetch(data, list(range(batch)), collate)  # opened and warm
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for b in range(1, batches + 1):
+        fetch(data, list(range(b * batch, (b + 1) * batch)), collate)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    Path(path).write_text(out.getvalue())
+
+
 def run(packed: str, kind: str, args) -> dict:
     cmd = [sys.executable, __file__, packed, "--one", kind, "--workers", str(args.workers), "--batch",
            str(args.batch), "--batches", str(args.batches)]
@@ -116,12 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--profile", help="write a cProfile of one thread worker here")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(one(args.packed, args.one, args.workers, args.batch, args.batches)))
         return 0
+    if args.profile:
+        profile(args.packed, args.batch, args.batches, args.profile)
     kinds = args.kinds.split(",")
     rounds = {kind: [] for kind in kinds}
     for r in range(args.repeats):
