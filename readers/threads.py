@@ -33,6 +33,8 @@ import torch.multiprocessing as tmp
 import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
+from .buffers import share_batches
+
 WORKER_KINDS = ("processes", "threads", "threads-inline")
 # Seconds between checks that the other side is alive: the bound on noticing a death.
 POLL = 1.0
@@ -130,10 +132,9 @@ def inline_batches(dataset, batches, collate_fn, threads: int, prefetch: int):
 def background_batches(dataset, batches, collate_fn, threads: int, prefetch: int, pin: bool, context):
     """Batches made in one background process: the trainer sends each batch's indexes
     (numbered), the process's threads collate them, the trainer hands them out in order."""
-    ctx = tmp.get_context(context) if isinstance(context, str) or context is None else context
-    if context is None:
-        # fork is fastest to start but unsafe once CUDA is initialised here.
-        ctx = tmp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    if context is None:  # fork starts soonest, but is unsafe once CUDA is initialised here
+        context = "spawn" if torch.cuda.is_initialized() else "fork"
+    ctx = tmp.get_context(context) if isinstance(context, str) else context
     requests, results = ctx.Queue(), ctx.Queue()
     process = ctx.Process(target=serve, args=(dataset, collate_fn, threads, requests, results, os.getpid()),
                           daemon=True, name="packer-thread-loader")
@@ -203,6 +204,7 @@ def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) ->
     this process); a trainer that vanishes ends it within POLL seconds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the pool is the parallelism
+    share_batches()  # collate straight into shared memory: the queue then moves no bytes
 
     def work(number: int, indexes: list) -> None:
         try:
