@@ -175,12 +175,21 @@ def receive(results, process, first: bool):
         except queue.Empty:
             waited += POLL
             if not process.is_alive():
-                raise RuntimeError(f"make_loader: the thread-worker process (pid {process.pid}) exited with code "
-                                   f"{process.exitcode} while the trainer waited for a batch; if it was killed "
-                                   f"(a negative code is the signal), look for an out-of-memory kill in dmesg") from None
-            if first and waited >= START_LIMIT:
-                raise RuntimeError(f"make_loader: the thread-worker process (pid {process.pid}) handed back no "
-                                   f"batch in {START_LIMIT:.0f} s") from None
+                raise died(process) from None
+        except Exception as error:  # a batch whose shared memory its dead sender can no longer pass
+            process.join(timeout=POLL)
+            if not process.is_alive():
+                raise died(process) from error
+            raise
+        if first and waited >= START_LIMIT:
+            raise RuntimeError(f"make_loader: the thread-worker process (pid {process.pid}) handed back no "
+                               f"batch in {START_LIMIT:.0f} s")
+
+
+def died(process) -> RuntimeError:
+    return RuntimeError(f"make_loader: the thread-worker process (pid {process.pid}) exited with code "
+                        f"{process.exitcode} while the trainer waited for a batch; if it was killed (a negative "
+                        f"code is the signal), look for an out-of-memory kill in dmesg")
 
 
 def stop(process, requests, results) -> None:
