@@ -104,9 +104,6 @@ class ThreadBatches(tud.DataLoader):
     context = None  # the background process's multiprocessing context (None: fork, or spawn after CUDA)
 
     def __iter__(self):
-        if isinstance(self.dataset, tud.IterableDataset):
-            raise ValueError(f"make_loader: worker_kind={self.kind!r} reads map-style datasets; "
-                             f"{type(self.dataset).__name__} is an IterableDataset, so use worker_kind='processes'")
         batches = self._index_sampler  # the batch sampler, resumed by load_state_dict
         if self.kind == "threads-inline":
             return inline_batches(self.dataset, batches, self.collate_fn, self.threads, self.prefetch)
