@@ -509,7 +509,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             conversion done in the DataLoader workers as each batch is collated (float
             batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
-        workers: DataLoader processes; default: the cores available (affinity-aware),
+        workers: DataLoader processes (threads, with a threads worker_kind); default: the cores available (affinity-aware),
             divided by the local ranks (readers.ranks.local_world_size).
         seed: the shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.

@@ -105,6 +105,29 @@ def resume_jobs(root: str, path: str) -> None:
     Path(path + ".out").write_text(json.dumps(results))
 
 
+def test_an_elastic_resume_from_two_ranks_of_processes_to_one_of_threads(packs, monkeypatch):
+    """Two ranks (RANK/WORLD_SIZE) hand out 3 batches each with worker processes; rank 0's
+    state, loaded on one rank with threads, yields every sample no rank handed out, once."""
+    k, handed = 3, []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        made = loader(packs, "lmdb", "random", "processes", drop_last=False)
+        batches = iter(made)
+        handed += [s for _ in range(k) for s in next(batches)]
+        if rank == 0:
+            state = made.state_dict()
+        del batches
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    everything = [s for batch in loader(packs, "lmdb", "random", "processes", drop_last=False) for s in batch]
+    for kind in ("threads-inline", "threads"):
+        resumed = loader(packs, "lmdb", "random", kind, drop_last=False)
+        resumed.load_state_dict(state)
+        rest = [s for batch in resumed for s in batch]
+        assert sorted(rest) == sorted(set(everything) - set(handed)), kind
+
+
 class Failing(torch.utils.data.Dataset):
     """Samples 0..n-1; sample `bad` raises, as a corrupt record would."""
 
