@@ -534,7 +534,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
-    threads = thread_workers(worker_kind, dataset, workers, persistent_workers)
+    threads = thread_workers(worker_kind, dataset, workers, persistent_workers, worker_init_fn)
     policy = worker_policy(0 if threads else workers, persistent_workers, None if threads else prefetch_factor,
                            None if threads else multiprocessing_context)
     target = None if device is None else resolve_device(device, "make_loader")
@@ -562,7 +562,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
 
 
-def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_workers) -> int:
+def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_workers, worker_init_fn) -> int:
     """The thread count for a threads worker_kind (0 for processes), checked."""
     if worker_kind not in WORKER_KINDS:
         raise ValueError(f"make_loader: worker_kind must be one of {', '.join(WORKER_KINDS)}, not {worker_kind!r}")
@@ -576,9 +576,10 @@ def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_wo
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"make_loader: with worker_kind={worker_kind!r}, workers is the number of threads and "
                          f"must be an int >= 1, got {workers!r}")
-    if persistent_workers:
-        raise ValueError(f"make_loader: persistent_workers applies to worker processes; with "
-                         f"worker_kind={worker_kind!r} drop it")
+    for name, given in (("persistent_workers", persistent_workers), ("worker_init_fn", worker_init_fn)):
+        if given:
+            raise ValueError(f"make_loader: {name} applies to worker processes; with worker_kind={worker_kind!r} "
+                             f"there are none, so drop it")
     return threads
 
 
