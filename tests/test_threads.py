@@ -211,18 +211,36 @@ def test_the_trainers_signal_ends_the_background_process_and_leaves_no_shared_me
         trainer.wait()
 
 
-def hold(pids: str) -> None:
-    """Script side of the test above: a trainer holding a shared-memory batch, waiting for a signal."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_trainers_signal_stops_threads_inline_mid_pass(sig, tmp_path):
+    trainer = subprocess.Popen([sys.executable, __file__, "hold", str(tmp_path / "pids"), "threads-inline"],
+                               cwd=HERE.parent, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pids").exists() and time.monotonic() < deadline and trainer.poll() is None:
+            time.sleep(0.1)
+        assert (tmp_path / "pids").exists(), f"the trainer never took a batch:\n{trainer.stderr.read()[-3000:]}"
+        trainer.send_signal(sig)
+        assert trainer.wait(timeout=30) != 0  # stopped, its threads with it, within the bound
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def hold(pids: str, kind: str = "threads") -> None:
+    """Script side of the tests above: a trainer holding a batch mid-pass (in shared memory,
+    from a background process), iterating on until a signal."""
     import multiprocessing
 
-    batches = iter(make_loader(Slow(4000, bad=-1), 8, workers=THREADS, train=False, worker_kind="threads"))
+    batches = iter(make_loader(Slow(4000, bad=-1), 8, workers=THREADS, train=False, worker_kind=kind))
     batch = next(batches)
-    assert batch.is_shared()  # handed over in the background process's shared memory, not copied
-    (child,) = multiprocessing.active_children()
-    Path(pids + ".tmp").write_text(f"{os.getpid()} {child.pid}")
+    children = [child.pid for child in multiprocessing.active_children()]
+    if kind == "threads":
+        assert batch.is_shared() and len(children) == 1  # handed over in its shared memory, not copied
+    Path(pids + ".tmp").write_text(" ".join(map(str, [os.getpid(), *children])))
     os.replace(pids + ".tmp", pids)
-    while batch is not None:
-        time.sleep(0.1)
+    for batch in batches:  # the threads busy when the signal comes
+        time.sleep(0.05)
 
 
 def test_worker_kind_refuses_what_threads_cannot_do(packs):
