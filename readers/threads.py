@@ -23,10 +23,12 @@ raises surfaces in the trainer as a RuntimeError naming its index.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import signal
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.multiprocessing as tmp
@@ -48,11 +50,16 @@ class SampleError(RuntimeError):
 
 
 def fetch(dataset, indexes: list, collate_fn):
-    """One batch: the samples at `indexes`, collated. An error names the sample's index
-    (a batch read through __getitems__ is read again one by one to find it)."""
+    """One batch: the samples at `indexes`, collated."""
+    return collated(read_samples(dataset, indexes), indexes, collate_fn)
+
+
+def read_samples(dataset, indexes: list) -> list:
+    """The samples at `indexes`. An error names the sample's index (a batch read through
+    __getitems__ is read again one by one to find it)."""
     try:
         getitems = getattr(dataset, "__getitems__", None)
-        samples = getitems(indexes) if getitems else [read_one(dataset, i) for i in indexes]
+        return getitems(indexes) if getitems else [read_one(dataset, i) for i in indexes]
     except SampleError:
         raise
     except Exception as error:
@@ -60,11 +67,39 @@ def fetch(dataset, indexes: list, collate_fn):
             read_one(dataset, index)  # raises SampleError at the culprit
         raise SampleError(f"thread worker: reading the batch of samples {indexes} failed: "
                           f"{type(error).__name__}: {error}") from error
+
+
+def collated(samples: list, indexes: list, collate_fn):
     try:
         return collate_fn(samples)
     except Exception as error:
         raise SampleError(f"thread worker: collating the batch of samples {indexes} failed: "
                           f"{type(error).__name__}: {error}") from error
+
+
+def submit_batch(pool: ThreadPoolExecutor, dataset, indexes: list, collate_fn, parts: int = 1) -> Future:
+    """A future of one collated batch. parts > 1 splits its reading among that many threads
+    (a pass's first batch: it then arrives `parts` times sooner), collated by the thread
+    that reads the last part; otherwise one thread makes the whole batch."""
+    if parts <= 1 or len(indexes) < 2:
+        return pool.submit(fetch, dataset, indexes, collate_fn)
+    size = -(-len(indexes) // parts)
+    reads = [pool.submit(read_samples, dataset, indexes[i:i + size]) for i in range(0, len(indexes), size)]
+    batch, left, lock = Future(), [len(reads)], threading.Lock()
+
+    def part_done(_) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            batch.set_result(collated([s for read in reads for s in read.result()], indexes, collate_fn))
+        except BaseException as error:  # a part's SampleError, or its cancellation at shutdown
+            batch.set_exception(error)
+
+    for read in reads:
+        read.add_done_callback(part_done)
+    return batch
 
 
 def read_one(dataset, index):
@@ -75,19 +110,20 @@ def read_one(dataset, index):
                           f"{type(error).__name__}: {error}") from error
 
 
-def in_order(pool: ThreadPoolExecutor, batches, dataset, collate_fn, prefetch: int):
+def in_order(pool: ThreadPoolExecutor, threads: int, batches, dataset, collate_fn, prefetch: int):
     """The collated batches of `batches` (lists of indexes), in order, with at most
-    `prefetch` of them submitted ahead of the one handed out."""
+    `prefetch` of them submitted ahead of the one handed out; the first read by every thread."""
     pending = collections.deque()
     batches = iter(batches)
     for indexes in batches:
-        pending.append(pool.submit(fetch, dataset, list(indexes), collate_fn))
+        parts = 1 if pending else threads
+        pending.append(submit_batch(pool, dataset, list(indexes), collate_fn, parts))
         if len(pending) >= prefetch:
             break
     while pending:
         batch = pending.popleft().result()
         for indexes in batches:
-            pending.append(pool.submit(fetch, dataset, list(indexes), collate_fn))
+            pending.append(submit_batch(pool, dataset, list(indexes), collate_fn))
             break
         yield batch
 
@@ -121,7 +157,7 @@ def one_intra_op_thread() -> None:
 def inline_batches(dataset, batches, collate_fn, threads: int, prefetch: int):
     pool = ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread)
     try:
-        yield from in_order(pool, batches, dataset, collate_fn, prefetch)
+        yield from in_order(pool, threads, batches, dataset, collate_fn, prefetch)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -212,10 +248,10 @@ def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) ->
     torch.set_num_threads(1)  # the pool is the parallelism
     share_batches()  # collate straight into shared memory: the queue then moves no bytes
 
-    def work(number: int, indexes: list) -> None:
+    def send(number: int, batch: Future) -> None:
         try:
-            message = (number, True, fetch(dataset, indexes, collate_fn))
-        except Exception as error:
+            message = (number, True, batch.result())
+        except BaseException as error:
             message = (number, False, str(error))
         results.put(message)  # thread-safe: the queue's feeder thread sends it
 
@@ -229,7 +265,9 @@ def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) ->
                 continue
             if request is None:
                 break
-            pool.submit(work, *request)
+            number, indexes = request
+            batch = submit_batch(pool, dataset, indexes, collate_fn, threads if number == 0 else 1)
+            batch.add_done_callback(functools.partial(send, number))
     # The trainer has taken every batch it asked for before it says stop; one that broke
     # off early wants none of the rest, so do not wait to flush them.
     results.cancel_join_thread()

@@ -144,9 +144,10 @@ class Failing(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("kind", KINDS[1:])
-def test_a_failing_sample_surfaces_in_the_trainer_with_its_index(kind):
-    made = make_loader(Failing(40, bad=17), 4, workers=THREADS, train=False, worker_kind=kind)
-    with pytest.raises(RuntimeError, match=r"sample 17 of Failing failed: ValueError: not a JPEG"):
+@pytest.mark.parametrize("bad", [1, 17])  # in the first batch (read by both threads) or a later one
+def test_a_failing_sample_surfaces_in_the_trainer_with_its_index(kind, bad):
+    made = make_loader(Failing(40, bad=bad), 4, workers=THREADS, train=False, worker_kind=kind)
+    with pytest.raises(RuntimeError, match=rf"sample {bad} of Failing failed: ValueError: not a JPEG"):
         list(made)
 
 
