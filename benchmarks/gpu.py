@@ -22,6 +22,8 @@ order (`--steps` picks some; `corpus` runs whenever a later step needs it):
   suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
   scaling  scaling.py: e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the
            per-core decode + crop rate, and against as many lone processes at once
+  threads  thread_workers.py: 16 threads (in one background process, and in the trainer)
+           against 16 worker processes, decode + RandomResizedCrop(224)
 
 This module is the orchestration: each step is timed, logged and recorded whatever happens
 to it: a failed step records its error and the next one runs. `--time-budget` (seconds for
@@ -52,11 +54,11 @@ from .suites import cuda_tests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
 # scaling saves each row as it goes, so it takes what is left.
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "pack", "suite", "scaling")
-NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "pack", "scaling", "suite")
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "pack", "suite", "scaling", "threads")
+NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "pack", "scaling", "suite", "threads")
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
 MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "handover": 60, "disk": 40,
-               "pack": 40, "scaling": 90, "suite": 120}
+               "pack": 40, "scaling": 90, "suite": 120, "threads": 60}
 MARGIN_S = 20  # left free at the end of the budget: writing results, the machine's transfers
 
 
@@ -334,6 +336,13 @@ def step_pack(run: Run, args, ctx: dict, summary: dict) -> None:
         "--profile", os.path.join(run.out, "pack-profile.txt")])
 
 
+def step_threads(run: Run, args, ctx: dict, summary: dict) -> None:
+    """16 thread workers against 16 worker processes (benchmarks/suites/thread_workers.py)."""
+    study_step(run, args, summary, "threads", "thread_workers.py", [
+        ctx["lmdb"], "--workers", "16", "--batch", "256", "--batches", "8" if args.quick else "30",
+        "--repeats", "1" if args.quick else "3"])
+
+
 def study_step(run: Run, args, summary: dict, step: str, script: str, script_args: list) -> None:
     """Run benchmarks/suites/<script>: its runs go into gpu-results.json, its table into summary.md."""
     with run.step(step) as entry:
@@ -431,7 +440,7 @@ def run_steps(args, argv: list[str]) -> int:
             step_corpus(run, args, ctx)
         else:
             {"feed": step_feed, "nvjpeg": step_nvjpeg, "handover": step_handover, "disk": step_disk,
-             "pack": step_pack, "scaling": step_scaling, "suite": step_suite}[name](
+             "pack": step_pack, "scaling": step_scaling, "suite": step_suite, "threads": step_threads}[name](
                 run, args, ctx, summary)
         write_summary(run, summary)
     run.results["seconds"] = round(time.monotonic() - run.started, 1)

@@ -24,10 +24,20 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 from packer.formats._io import MADV_REMOVE, advise_pages
 
 
+_shared_here = False  # set by share_batches(): this process hands its batches to another
+
+
+def share_batches() -> None:
+    """Allocate batches in shared memory in this process from now on, as in a DataLoader
+    worker (readers.threads' background process)."""
+    global _shared_here
+    _shared_here = True
+
+
 def allocate(shape, dtype, pin_memory: bool = False) -> torch.Tensor:
-    """A new uninitialised tensor: shared in a DataLoader worker; pinned in the main process
-    when pin_memory is set and CUDA is available."""
-    if torch.utils.data.get_worker_info() is not None:
+    """A new uninitialised tensor: shared in a DataLoader worker (or after share_batches());
+    pinned in the main process when pin_memory is set and CUDA is available."""
+    if _shared_here or torch.utils.data.get_worker_info() is not None:
         # Sending a tensor to the main process moves it to shared memory (a copy), so
         # allocate it there. torch's default_collate does the same through this private
         # call; share_memory_() is the public fallback, slower by a copy of the batch.

@@ -48,6 +48,7 @@ from .ranks import accelerate_shards, local_world_size, process_rank, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
 from .sampler import STATE_VERSION, check_state, checked_count
 from .stats import LoaderStats, LoaderWarning
+from .threads import WORKER_KINDS, ThreadBatches
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 # Aim for this many batches ready or in flight across all workers: enough to absorb a
@@ -280,6 +281,11 @@ class EpochLoader(tud.DataLoader):
         return {**position, "history": history} if history else position
 
 
+class ThreadLoader(EpochLoader, ThreadBatches):
+    """An EpochLoader whose batches thread workers make (readers.threads): the same
+    sampler, collate, position and state as with DataLoader worker processes."""
+
+
 def sampler_state(sampler, epoch: int, pass_batches: int | None, batch_size: int) -> dict:
     """The sampler's state at the loader's position: the indexes of the batches handed out
     in this pass (the workers draw ahead of them), or the start of an epoch not begun."""
@@ -495,7 +501,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
                 multiprocessing_context=None, collate_fn=None, worker_init_fn=None, seed: int = 0,
                 mean=None, std=None, channels_last: bool = False, dtype=torch.float32,
                 gpu_decode=None, stats=False, order: str | None = None, block_size: int = BLOCK_SIZE,
-                window: int = WINDOW, keyed: bool = True):
+                window: int = WINDOW, keyed: bool = True, worker_kind: str = "processes"):
     """A DataLoader (or CUDAPrefetcher over one) for `dataset`, set up for training speed.
 
     Args:
@@ -505,7 +511,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             conversion done in the DataLoader workers as each batch is collated (float
             batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
-        workers: DataLoader processes; default: the cores available (affinity-aware),
+        workers: DataLoader processes (threads, with a threads worker_kind); default: the cores available (affinity-aware),
             divided by the local ranks (readers.ranks.local_world_size).
         seed: the run's seed (the same on every rank): of the shuffle and, keyed, of the
             augmentation.
@@ -527,13 +533,19 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             False: from each worker's own generator, as torch's DataLoader seeds it.
             Applies where make_loader walks the dataset with packer's samplers (map-style
             readers datasets); gpu_decode's transform is keyed the same way.
+        worker_kind: what the `workers` are (docs/readers.md): "processes" (DataLoader
+            worker processes), "threads" (threads in one background process per rank,
+            batches handed over in shared memory) or "threads-inline" (threads in this
+            process). The state is the same whichever kind saved it (map-style datasets).
 
     Returns an EpochLoader; wrapped in a CUDAPrefetcher when device is given, and in
     LoaderStats when stats is; all three iterate the same batches.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
-    policy = worker_policy(workers, persistent_workers, prefetch_factor, multiprocessing_context)
+    threads = thread_workers(worker_kind, dataset, workers, persistent_workers, worker_init_fn)
+    policy = worker_policy(0 if threads else workers, persistent_workers, None if threads else prefetch_factor,
+                           None if threads else multiprocessing_context)
     target = None if device is None else resolve_device(device, "make_loader")
     cuda = target is not None and target.type == "cuda"
     decoder = gpu_decoder(gpu_decode, dataset, target, cuda, train)
@@ -548,17 +560,43 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
     collate = hybrid_collate(decoder, policy.workers, pin, collate_fn) or batch_collate(
-        collate_fn, pin and policy.workers == 0, cpu_normalise, decoder is not None,
+        collate_fn, pin and policy.workers == 0 and worker_kind != "threads", cpu_normalise, decoder is not None,
         give_back=pin and policy.workers > 0)
-    loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn)
+    loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn,
+                          ThreadLoader if threads else EpochLoader)
+    if threads:  # the same DataLoader; its batches made by thread workers
+        loader.threads, loader.kind, loader.pin = threads, worker_kind, pin and worker_kind == "threads"
+        loader.prefetch = max(1, prefetch_factor * threads if prefetch_factor else max(BATCHES_IN_FLIGHT, threads))
+        loader.context = multiprocessing_context
     warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
 
 
+def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_workers, worker_init_fn) -> int:
+    """The thread count for a threads worker_kind (0 for processes), checked."""
+    if worker_kind not in WORKER_KINDS:
+        raise ValueError(f"make_loader: worker_kind must be one of {', '.join(WORKER_KINDS)}, not {worker_kind!r}")
+    if worker_kind == "processes":
+        return 0
+    if isinstance(dataset, tud.IterableDataset):
+        raise ValueError(f"make_loader: worker_kind={worker_kind!r} reads map-style datasets by index; "
+                         f"{type(dataset).__name__} is an IterableDataset, so use worker_kind='processes' (or "
+                         f"readers.WDSMapDataset over the same shards)")
+    threads = default_workers() if workers is None else workers
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"make_loader: with worker_kind={worker_kind!r}, workers is the number of threads and "
+                         f"must be an int >= 1, got {workers!r}")
+    for name, given in (("persistent_workers", persistent_workers), ("worker_init_fn", worker_init_fn)):
+        if given:
+            raise ValueError(f"make_loader: {name} applies to worker processes; with worker_kind={worker_kind!r} "
+                             f"there are none, so drop it")
+    return threads
+
+
 def epoch_loader(dataset, batch_size: int, walk: Order, policy: WorkerPolicy, pin: bool, drop_last: bool,
-                 collate_fn, worker_init_fn) -> EpochLoader:
+                 collate_fn, worker_init_fn, loader_class=None) -> EpochLoader:
     """The DataLoader make_loader sets up: its walk, workers, pinning and collate."""
-    return EpochLoader(
+    return (loader_class or EpochLoader)(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
         collate_fn=collate_fn, pin_memory=pin, drop_last=drop_last,
         worker_init_fn=(functools.partial(worker_init, rank=process_rank(), user_init=worker_init_fn)
