@@ -26,10 +26,13 @@ def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int
     return rest // world_size if drop_last else math.ceil(rest / world_size)
 
 
-def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """The positions in the global order that `rank` reads, in order, in a pass from `start`."""
+def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool, first: int = 0,
+                   stop: int | None = None) -> np.ndarray:
+    """The positions in the global order that `rank` reads, in order, in a pass from `start`
+    (its indexes first to stop of them: a pass mapped a part at a time)."""
     share = pass_length(count, start, world_size, drop_last)
-    slots = rank + world_size * np.arange(share, dtype=np.int64)  # places in the rest, padded
+    stop = share if stop is None else min(stop, share)
+    slots = rank + world_size * np.arange(first, stop, dtype=np.int64)  # places in the rest, padded
     rest = max(0, count - start)
     # A place past the rest's end is padding: the global order again from its start.
     return np.where(slots < rest, start + slots, (slots - rest) % max(count, 1))
