@@ -28,6 +28,7 @@ there on. The state holds the segment, O(sources).
 """
 from __future__ import annotations
 
+import json
 import math
 import zlib
 import numpy as np
@@ -95,8 +96,13 @@ class Schedule:
 
     def draws_at(self, epoch: int, position: int) -> np.ndarray:
         """Draws of each source made before `position` of `epoch` (in all, over the run)."""
-        begin, _ = self.piece(epoch)
-        return self.before(epoch) + split_counts(max(0, position - begin), self.weights)
+        begin, length = self.piece(epoch)
+        offset = min(max(0, position - begin), length)
+        w, inside = divmod(offset, WINDOW_POSITIONS)
+        made = split_counts(w * WINDOW_POSITIONS, self.weights)
+        if inside:  # the window's own order: its first `inside` positions
+            made += np.bincount(self.window(epoch, w)[0][:inside], minlength=len(self.weights))
+        return self.before(epoch) + made
 
     def window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw within the epoch's piece) of each position of window w of the piece."""
@@ -184,10 +190,14 @@ def sample_kind(image) -> str:
 
 
 def source_fingerprint(dataset) -> str:
-    """What a state must have been saved over, for one source: its size, classes and
-    storage order, and for packer data when it was packed (a pack replaced on disk differs)."""
+    """What a state must have been saved over, for one source: its size, classes and storage
+    order, and for packer data its tables' checksums (which cover every record's bytes), so a
+    pack replaced on disk by other data differs, and a copy of it elsewhere does not."""
     reader = reader_of(dataset)
     name = dataset_fingerprint(dataset)
+    sums = reader.table_checksums() if hasattr(reader, "table_checksums") else None
+    if sums:
+        return f"{name}, tables crc32 {zlib.crc32(json.dumps(sums, sort_keys=True).encode()):08x}"
     created = getattr(getattr(reader, "metadata", None), "created", "")
     return f"{name}, packed {created}" if created else name
 
