@@ -31,6 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWa
 
 BATCH, SEED, EPOCHS = 8, 5, 3
 SAMPLES = 125
+SOURCE_STRIDE = 1000  # a mixture's sample is named label + SOURCE_STRIDE x source
+MIX_SAMPLES = 2 * SAMPLES  # the LMDB pack and the WDS folder mixed by their sizes: each sample once an epoch
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def packs(tmp_path_factory):
 def labels_of(batch) -> torch.Tensor:
     """The collate: each sample's label (its name: one image per class), as a tensor, which
     Accelerate's dispatch slices among the ranks."""
-    return torch.tensor([label for _, label in batch])
+    return torch.tensor([sample[1] + SOURCE_STRIDE * (sample[2] if len(sample) == 3 else 0) for sample in batch])
 
 
 def make(job: dict):
@@ -63,6 +65,8 @@ def make(job: dict):
         return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
                                    multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
+    if job["loader"] == "mix":  # by index from the WDS folder: readers.WDSMapDataset
+        data = readers.Mix({"lmdb": data, "wds": readers.WDSMapDataset(root / "d.wds", decode="raw")}, seed=SEED)
     if job["loader"] == "sampler":  # a plain DataLoader over packer's sampler
         return tud.DataLoader(data, BATCH, sampler=readers.ShuffleSampler(data, seed=SEED), drop_last=True,
                               collate_fn=labels_of)
@@ -169,7 +173,7 @@ def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False,
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
-def check_whole_epochs(seen: dict, epochs) -> None:
+def check_whole_epochs(seen: dict, epochs, samples: int = SAMPLES) -> None:
     """Every epoch, the ranks' samples are disjoint and cover the dataset (less drop_last's
     share), and each epoch's order differs from the one before."""
     for epoch in epochs:
@@ -177,8 +181,8 @@ def check_whole_epochs(seen: dict, epochs) -> None:
         assert len(ranks[0]) == len(ranks[1])
         kept = len(ranks[0]) + len(ranks[1])  # less than SAMPLES by drop_last, more by padding
         union = set(ranks[0]) | set(ranks[1])
-        assert len(union) == min(kept, SAMPLES), f"epoch {epoch}: {len(union)} of {kept} samples distinct"
-        assert kept > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {SAMPLES} samples seen"
+        assert len(union) == min(kept, samples), f"epoch {epoch}: {len(union)} of {kept} samples distinct"
+        assert kept > samples - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {samples} samples seen"
         if epoch:
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
@@ -188,28 +192,30 @@ def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_share
     check_whole_epochs(seen, range(EPOCHS))
 
 
-@pytest.mark.parametrize("loader", ["make_loader", "wds"])
+@pytest.mark.parametrize("loader", ["make_loader", "wds", "mix"])
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
-    job = {"root": str(packs), "loader": loader, "mid_step": 11}  # 7 or 8 steps an epoch: mid-epoch 1
+    mid_step = 20 if loader == "mix" else 11  # 15, or 7 or 8, steps an epoch: mid-epoch 1
+    job = {"root": str(packs), "loader": loader, "mid_step": mid_step}
     whole = run("lightning", job, tmp_path, "whole")
-    check_whole_epochs(whole, range(EPOCHS))
+    check_whole_epochs(whole, range(EPOCHS), MIX_SAMPLES if loader == "mix" else SAMPLES)
     (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
-    (mid,) = (tmp_path / "whole" / "mid").glob("*step=11.ckpt")
+    (mid,) = (tmp_path / "whole" / "mid").glob(f"*step={mid_step}.ckpt")
     after_end = run("lightning", {**job, "mid_step": None, "resume": str(end)}, tmp_path, "after-end")
     after_mid = run("lightning", {**job, "mid_step": None, "resume": str(mid)}, tmp_path, "after-mid")
     for rank in (0, 1):
         assert after_end[rank] == {e: whole[rank][e] for e in ("1", "2")}
-        steps_before = 11 - len(whole[rank]["0"]) // BATCH
+        steps_before = mid_step - len(whole[rank]["0"]) // BATCH
         assert after_mid[rank]["1"] == whole[rank]["1"][steps_before * BATCH:]
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False)])
+@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False),
+                                              ("mix", False)])
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1, 3]}
     whole = run("accelerate", job, tmp_path, "whole", torchrun=True)
-    check_whole_epochs(whole, range(EPOCHS))
+    check_whole_epochs(whole, range(EPOCHS), MIX_SAMPLES if loader == "mix" else SAMPLES)
     resumed = run("accelerate", {**job, "save_at": None, "resume": str(tmp_path / "whole" / "state"),
                                  "resume_at": [1, 3]}, tmp_path, "resumed", torchrun=True)
     for rank in (0, 1):  # each step gives each rank one batch of BATCH
