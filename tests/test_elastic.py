@@ -439,3 +439,11 @@ if __name__ == "__main__":
     if job["gloo"]:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def test_every_resumable_row_of_make_loaders_table_is_a_case_here():
+    """A new row of readers.loader.SAMPLERS is tested here by adding its case (build() makes it)."""
+    from readers.loader import SAMPLERS
+
+    stateless = {"distributed", "plain"}  # torch's own samplers: no state to resume
+    assert {name for name, _, _ in SAMPLERS} - stateless == set(SAMPLER_CASES)
