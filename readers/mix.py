@@ -414,6 +414,11 @@ class MixSampler(RankedSampler):
         if not isinstance(draws, dict) or list(draws) != names:
             raise ValueError("MixSampler.load_state_dict: the segment's draws must name the state's sources")
         counts = tuple(checked_count(draws, name, "MixSampler", MOST) for name in names)
+        last = checked_count(state, "epoch", "MixSampler", MOST)
+        if epoch > last + 1 or (last + 1) * size + max(counts) > MOST:  # draws count in int64
+            raise ValueError(f"MixSampler.load_state_dict: the segment's epoch {epoch} or the draws ({max(counts)}) "
+                             f"do not fit a state of epoch {last} of {size} samples; save and load whole states "
+                             "from state_dict()")
         return Schedule(tuple(float(weights[n]) for n in names), size, self.mix.seed, epoch, start, counts)
 
     def reweighted(self, state: dict, saved: Schedule) -> None:

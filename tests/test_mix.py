@@ -343,3 +343,17 @@ def test_a_state_is_small_and_the_same_size_at_20k_and_1_28m_samples():
         elsewhere.load_state_dict(json.loads(json.dumps(state)))
         assert len(elsewhere) == -(-(mix.epoch_size - 8000) // 5)
     assert abs(sizes[0] - sizes[1]) < 16 and max(sizes) < 700  # a few digits more, nothing per sample
+
+
+def test_a_damaged_segment_is_refused_naming_the_field(packs):
+    _, state = run_ranks(packs, 1, 0, 2)
+    for change, message in ((lambda s: s["sampler"]["segment"]["draws"].update(lmdb=-1), "lmdb must be an int >= 0"),
+                            (lambda s: s["sampler"]["segment"].update(epoch=7), "segment's epoch 7 .* state of epoch 0"),
+                            (lambda s: s["sampler"]["segment"]["draws"].pop("hdf5"), "draws must name"),
+                            (lambda s: s["sampler"].update(epoch=2 ** 61), "draws .* do not fit")):
+        damaged = json.loads(json.dumps(state))
+        change(damaged)
+        damaged["epoch"] = damaged["sampler"]["epoch"]
+        loader = make_loader(mixture(packs), BATCH, workers=0, seed=SEED, collate_fn=sample_ids, drop_last=False)
+        with pytest.raises(ValueError, match=message):
+            loader.load_state_dict(damaged)
