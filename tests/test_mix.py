@@ -300,13 +300,14 @@ def test_labels_merge_by_name_or_by_a_mapping_and_unlabeled_sources_are_named(pa
     assert images.shape == (4, 3, 32, 32) and labels.dtype == which.dtype == torch.int64
 
 
-def test_torchdata_resumes_a_mixture_on_another_world_size_and_with_new_weights(packs):
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_torchdata_resumes_a_mixture_on_another_world_size_and_with_new_weights(packs, order):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def loader(rank, world_size, weights=WEIGHTS):
         mix = mixture(packs, weights, reweight=weights != WEIGHTS)
-        return StatefulDataLoader(mix, BATCH, sampler=MixSampler(mix, rank=rank, world_size=world_size),
-                                  num_workers=2, collate_fn=sample_ids)
+        sampler = MixSampler(mix, order, block_size=4, window=3, rank=rank, world_size=world_size)
+        return StatefulDataLoader(mix, BATCH, sampler=sampler, num_workers=2, collate_fn=sample_ids)
 
     handed, states = [], []
     for rank in range(3):
