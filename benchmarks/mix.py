@@ -5,12 +5,13 @@ count, and how close each batch is to the weights.
     python -m benchmarks.mix memory --records 20000 1281167
     python -m benchmarks.mix spread [--records 1281167]
 
-`rate`: make_loader (2 workers, batches of 64, raw bytes, a collate that sums their sizes)
-over one LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"),
-or over a readers.Mix of two LMDB packs holding half of those classes each, weighted by
-their sizes ("mix"): the same bytes, every record once an epoch, random order. Prints
-samples/s per epoch (median of the repeats, after one warm epoch); whole-process pairs of
-the two commands are timed against each other from outside (docs/mixing.md).
+`rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
+LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
+a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
+("mix"): the same bytes, every record once an epoch, random order. Prints the samples/s of
+an epoch with 2 workers and the CPU microseconds per sample with none (medians of the
+repeats, after one warm epoch); whole-process pairs of the two commands are timed against
+each other from outside (docs/mixing.md).
 
 `memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
 the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
@@ -88,15 +89,21 @@ def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
         data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
     else:
         data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
-    loader = readers.make_loader(data, BATCH, workers=WORKERS, collate_fn=sizes)
-    rates, total = [], 0
-    for epoch in range(repeats + 1):
-        begin = time.perf_counter()
-        total = sum(loader)
-        if epoch:  # the first warms the page cache and starts the workers
-            rates.append(len(loader) * BATCH / (time.perf_counter() - begin))
-    return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)), "bytes": total,
-            "samples": len(loader) * BATCH, "repeats": repeats}
+    rates, cpu, total = [], [], 0
+    for workers, figures in ((WORKERS, rates), (0, cpu)):
+        loader = readers.make_loader(data, BATCH, workers=workers, collate_fn=sizes)
+        for epoch in range(repeats + 1):
+            wall, own = time.perf_counter(), time.process_time()
+            total = sum(loader)
+            if epoch:  # the first warms the page cache and starts the workers
+                samples = len(loader) * BATCH
+                figures.append(samples / (time.perf_counter() - wall) if workers else
+                               1e6 * (time.process_time() - own) / samples)
+    # With workers the rate (wall clock); in one process (workers=0) the CPU time per sample, which
+    # a loaded machine disturbs far less: the cost the mixture adds, whatever else runs.
+    return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)),
+            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total, "samples": len(loader) * BATCH,
+            "repeats": repeats}
 
 
 def peak_rss_mb() -> float:
