@@ -1,14 +1,15 @@
 """Mixtures (readers.mix): read rate against one source, memory and state against the record
 count, and how close each batch is to the weights.
 
-    python -m benchmarks.mix rate --what mix|single [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix rate --what mix|mix1|single [--copies 16] [--repeats 3] [--workdir DIR]
     python -m benchmarks.mix memory --records 20000 1281167
     python -m benchmarks.mix spread [--records 1281167]
 
 `rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
 LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
 a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
-("mix"): the same bytes, every record once an epoch, random order. Prints the samples/s of
+("mix"), or over a Mix of the one pack ("mix1": the mixing code's own cost): the same
+bytes, every record once an epoch, random order. Prints the samples/s of
 an epoch with 2 workers and the CPU microseconds per sample with none (medians of the
 repeats, after one warm epoch); whole-process pairs of the two commands are timed against
 each other from outside (docs/mixing.md).
@@ -87,6 +88,8 @@ def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
     root = packs(workdir, copies)
     if what == "single":
         data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+    elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
+        data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
     else:
         data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
     rates, cpu, total = [], [], 0
@@ -144,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("rate")
-    r.add_argument("--what", choices=("mix", "single"), required=True)
+    r.add_argument("--what", choices=("mix", "mix1", "single"), required=True)
     r.add_argument("--copies", type=int, default=16)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")
