@@ -3,7 +3,7 @@ count, and how close each batch is to the weights.
 
     python -m benchmarks.mix rate --what mix|mix1|single [--copies 16] [--repeats 3] [--workdir DIR]
     python -m benchmarks.mix memory --records 20000 1281167
-    python -m benchmarks.mix spread [--records 1281167]
+    python -m benchmarks.mix spread [--records 1281167] [--weight 0.7] [--ranks 1 2 3 8]
 
 `rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
 LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
@@ -17,7 +17,8 @@ each other from outside (docs/mixing.md).
 `memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
 the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
 the JSON size of its state. `spread`: the count of the first source in every full batch
-of 256 of an epoch, weights 0.7/0.3, on 1, 2 and 8 ranks: min, max, mean and stdev.
+of 256 of an epoch, weights 0.7/0.3 (or --weight), on 1, 2, 3 and 8 ranks (or --ranks),
+every rank's batches: min, max, mean and stdev.
 """
 from __future__ import annotations
 
@@ -126,19 +127,19 @@ def memory(records: int) -> dict:
             "indexes_per_s": round(walked / seconds)}
 
 
-def spread(records: int) -> list[dict]:
+def spread(records: int, weight: float, ranks: list[int]) -> list[dict]:
     from readers import Mix, MixSampler
 
-    mix = Mix({"a": Synthetic(records), "b": Synthetic(records // 3)}, weights={"a": 0.7, "b": 0.3})
+    mix = Mix({"a": Synthetic(records), "b": Synthetic(records // 3)}, weights={"a": weight, "b": 1 - weight})
     out = []
-    for world_size in (1, 2, 8):
+    for world_size in ranks:
         counts = []
         for rank in range(world_size):
             first = mix.source_of(list(MixSampler(mix, rank=rank, world_size=world_size))) == 0
             counts.append(first[:len(first) // 256 * 256].reshape(-1, 256).sum(1))
         c = np.concatenate(counts)
         out.append({"figure": "spread", "records": mix.epoch_size, "world_size": world_size, "batches": len(c),
-                    "expected": 0.7 * 256, "min": int(c.min()), "max": int(c.max()), "mean": round(float(c.mean()), 2),
+                    "weight": weight, "expected": round(weight * 256, 1), "min": int(c.min()), "max": int(c.max()), "mean": round(float(c.mean()), 2),
                     "stdev": round(float(c.std()), 2)})
     return out
 
@@ -155,6 +156,8 @@ def main() -> None:
     m.add_argument("--records", type=int, nargs="+", default=[20_000, 1_281_167])
     s = sub.add_parser("spread")
     s.add_argument("--records", type=int, default=1_281_167)
+    s.add_argument("--weight", type=float, default=0.7, help="the first source's weight")
+    s.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 8])
     args = parser.parse_args()
     if args.command == "rate":
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +166,7 @@ def main() -> None:
         for n in args.records:  # each in a fresh process would isolate peaks; growth is what is shown
             print(json.dumps(memory(n)), flush=True)
     else:
-        for row in spread(args.records):
+        for row in spread(args.records, args.weight, args.ranks):
             print(json.dumps(row))
 
 

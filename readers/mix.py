@@ -10,7 +10,7 @@ The schedule (which source each position belongs to): the epoch's positions are 
 windows of WINDOW_POSITIONS; a window's share per source is the difference of prefix counts
 that split every prefix of the epoch by the weights at each node of a binary tree of the
 sources (floor(x f + 1/2): each count within 1 of x times its weight at every node), and
-inside a window the positions are ranked by a golden-ratio rotation (a Weyl sequence,
+inside a window the positions are ranked by an irrational rotation (a Weyl sequence,
 offset per window by the key), the first shares of ranks going to each source in turn.
 Every run of consecutive positions, and every rank's stride through them, then holds its
 weight's share within a few samples (a plain interleave aliases with the stride: 0.5/0.5
@@ -41,7 +41,10 @@ from .sampler import BLOCK_SIZE, WINDOW, RankedSampler, check_state, checked_cou
 
 WINDOW_POSITIONS = 4096  # positions whose order is worked out together: fixed memory, any epoch size
 CHUNK = 4096  # positions a rank's pass maps at a time
-GOLDEN = (math.sqrt(5) - 1) / 2  # the rotation whose every stride stays evenly spread
+# The rotation: 1 / the plastic number (the real root of x^3 = x + 1). Its multiples by 2, 4, 8,
+# 16 and 32 stay badly approximable too, so a rank's stride through a window on a power-of-2
+# world stays as evenly spread as the window (the golden ratio's 8th multiple is near 1).
+ROTATION = 1 / 1.3247179572447460
 MOST = 2 ** 62  # a count no run reaches: the bound for numbers read from a state
 ORDERS = ("random", "block", "sequential")  # how each source's passes run
 PASSES_KEPT = 16  # source passes whose keys are kept between chunks
@@ -112,7 +115,7 @@ class Schedule:
         base = split_counts(lo, self.weights)
         shares = split_counts(hi, self.weights) - base
         offset = float(round_keys((self.seed, epoch, self.start if epoch == self.epoch else 0, w))[0]) / 2 ** 64
-        ranked = np.argsort(np.modf(np.arange(hi - lo) * GOLDEN + offset)[0], kind="stable")
+        ranked = np.argsort(np.modf(np.arange(hi - lo) * ROTATION + offset)[0], kind="stable")
         sources = np.empty(hi - lo, dtype=np.int64)
         sources[ranked] = np.repeat(np.arange(len(shares)), shares)
         draws = np.empty(hi - lo, dtype=np.int64)
