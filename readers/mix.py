@@ -41,10 +41,11 @@ from .sampler import BLOCK_SIZE, WINDOW, RankedSampler, check_state, checked_cou
 
 WINDOW_POSITIONS = 4096  # positions whose order is worked out together: fixed memory, any epoch size
 CHUNK = 4096  # positions a rank's pass maps at a time
-# The rotation: 1 / the plastic number (the real root of x^3 = x + 1). Its multiples by 2, 4, 8,
-# 16 and 32 stay badly approximable too, so a rank's stride through a window on a power-of-2
-# world stays as evenly spread as the window (the golden ratio's 8th multiple is near 1).
-ROTATION = 1 / 1.3247179572447460
+# The rotation: the golden ratio, whose runs of consecutive points are the most evenly spread
+# of any rotation (its continued fraction is all ones), so one rank's batches, of any size,
+# hold their shares within 1-2; a rank's stride through a window is another rotation (its
+# multiple), less even but never aliased as an interleave would be (docs/mixing.md's figures).
+ROTATION = (math.sqrt(5) - 1) / 2
 MOST = 2 ** 62  # a count no run reaches: the bound for numbers read from a state
 ORDERS = ("random", "block", "sequential")  # how each source's passes run
 PASSES_KEPT = 16  # source passes whose keys are kept between chunks
