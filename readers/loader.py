@@ -14,6 +14,7 @@ What it sets and why:
   random reads overlap; a FolderDataset gets the same order, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
+  for a readers.Mix its MixSampler (the weights' schedule); one row each in SAMPLERS;
   an epoch counter that advances by itself so shuffles differ per epoch;
 - the reader told the access pattern (random: read exactly each record; block or
   sequential: let the kernel read ahead);
