@@ -358,3 +358,12 @@ def test_a_damaged_segment_is_refused_naming_the_field(packs):
         loader = make_loader(mixture(packs), BATCH, workers=0, seed=SEED, collate_fn=sample_ids, drop_last=False)
         with pytest.raises(ValueError, match=message):
             loader.load_state_dict(damaged)
+
+
+def test_the_benchmark_walks_an_epoch_in_flat_memory_and_measures_the_spread():
+    from benchmarks.mix import memory, spread
+
+    row = memory(4000)  # sources of 4,000 and 1,333: rank 0 of 8 walks its eighth
+    assert row["walked"] == math.ceil(5333 / 8) and row["state_bytes"] < 700
+    for r in spread(30_000, 0.7, [1, 2]):
+        assert r["batches"] == 40_000 // 256 and 176 <= r["min"] <= r["max"] <= 182 and abs(r["mean"] - 179.2) < 0.5
