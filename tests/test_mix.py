@@ -367,3 +367,8 @@ def test_the_benchmark_walks_an_epoch_in_flat_memory_and_measures_the_spread():
     assert row["walked"] == math.ceil(5333 / 8) and row["state_bytes"] < 700
     for r in spread(30_000, 0.7, [1, 2]):
         assert r["batches"] == 40_000 // 256 and 176 <= r["min"] <= r["max"] <= 182 and abs(r["mean"] - 179.2) < 0.5
+
+
+def test_gpu_decode_over_a_mixture_is_refused_saying_what_to_do(packs):
+    with pytest.raises(ValueError, match="gpu_decode .* mixture.*decode in the workers"):
+        make_loader(mixture(packs), BATCH, workers=0, gpu_decode=True, device="cuda")
