@@ -338,6 +338,13 @@ def pin_policy(pin_memory: bool | None, cuda: bool) -> bool:
     return bool(pin_memory)
 
 
+def refuse_gpu_decode_of_a_mix(gpu_decode, dataset) -> None:
+    if gpu_decode not in (None, False) and isinstance(dataset, Mix):
+        raise ValueError("make_loader: gpu_decode batches (bytes, label) pairs and a mixture's samples also name "
+                         "their source; decode in the workers (decode= and transform on each source), or mix "
+                         "without gpu_decode")
+
+
 def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
     """The batch decoder for gpu_decode (None, False, True or a decoder), or None."""
     if gpu_decode is None or gpu_decode is False:
@@ -537,10 +544,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
-    if gpu_decode not in (None, False) and isinstance(dataset, Mix):
-        raise ValueError("make_loader: gpu_decode batches (bytes, label) pairs and a mixture's samples also name "
-                         "their source; decode in the workers (decode= and transform on each source), or mix "
-                         "without gpu_decode")
+    refuse_gpu_decode_of_a_mix(gpu_decode, dataset)  # before the device: say what to change first
     policy = worker_policy(workers, persistent_workers, prefetch_factor, multiprocessing_context)
     target = None if device is None else resolve_device(device, "make_loader")
     cuda = target is not None and target.type == "cuda"
