@@ -5,6 +5,7 @@ ranks deal the rest of an epoch, are readers.elastic's; what fixes each order, i
 sampler's (readers.sampler, readers.mix)."""
 from __future__ import annotations
 
+from ._state_limits import shown
 from .elastic import pass_length
 
 
@@ -47,6 +48,6 @@ def check_part(part, epoch: int, position: int, name: str) -> None:
     if name == "dataset":  # WDSDataset's: None at an epoch's start, else the loader's batch count
         saved = 0 if saved is None else saved.get("batches") if isinstance(saved, dict) else saved
     if part.get("epoch") != epoch or saved != position:
-        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {part.get('epoch')!r}, position "
-                         f"{saved!r}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
+        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {shown(part.get('epoch'))}, position "
+                         f"{shown(saved)}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
                          "load whole states from state_dict()")
