@@ -37,7 +37,7 @@ from ._mix_checks import UNLABELED, checked_kind, checked_sources, checked_weigh
 from ._mix_checks import source_fingerprint
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from .permutation import KeyedPermutation, round_keys
-from .sampler import BLOCK_SIZE, WINDOW, RankedSampler, check_state, checked_count, reader_of
+from .sampler import BLOCK_SIZE, SAMPLER_STATE_VERSION, WINDOW, RankedSampler, check_state, checked_count, reader_of
 
 WINDOW_POSITIONS = 4096  # positions whose order is worked out together: fixed memory, any epoch size
 CHUNK = 4096  # positions a rank's pass maps at a time
@@ -376,7 +376,7 @@ class MixSampler(RankedSampler):
         """The samplers' resume (RankedSampler.load_state_dict) with the saved segment; over
         another mixture (weights, sources, epoch size) only where the Mix says reweight=True:
         then the draws made stay made, and the rest of the epoch follows this Mix's weights."""
-        check_state(state, "MixSampler", {})
+        check_state(state, "MixSampler", {}, SAMPLER_STATE_VERSION)
         now = self.settings()
         replaced = [n for n, fp in (state.get("sources") or {}).items() if n in now["sources"] and fp != now["sources"][n]]
         if replaced:
@@ -386,7 +386,7 @@ class MixSampler(RankedSampler):
                              "on over other data: open the saved data again, or give the new data another name in "
                              "the Mix with reweight=True to start its passes afresh")
         fixed = {k: v for k, v in now.items() if k not in ("sources", "weights", "epoch_size")}
-        check_state(state, "MixSampler", fixed)
+        check_state(state, "MixSampler", fixed, SAMPLER_STATE_VERSION)
         changed = [f"{k} {state.get(k)!r} (now {now[k]!r})" for k in ("sources", "weights", "epoch_size")
                    if state.get(k) != now[k]]
         if changed and not self.mix.reweight:

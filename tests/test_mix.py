@@ -351,7 +351,7 @@ def test_a_damaged_segment_is_refused_naming_the_field(packs):
     for change, message in ((lambda s: s["sampler"]["segment"]["draws"].update(lmdb=-1), "lmdb must be an int >= 0"),
                             (lambda s: s["sampler"]["segment"].update(epoch=7), "segment's epoch 7 .* state of epoch 0"),
                             (lambda s: s["sampler"]["segment"]["draws"].pop("hdf5"), "draws must name"),
-                            (lambda s: s["sampler"].update(epoch=2 ** 61), "draws .* do not fit")):
+                            (lambda s: s["sampler"]["segment"]["draws"].update(lmdb=2 ** 62), "draws .* do not fit")):
         damaged = json.loads(json.dumps(state))
         change(damaged)
         damaged["epoch"] = damaged["sampler"]["epoch"]
