@@ -20,6 +20,7 @@ from .hdf5 import HDF5Dataset
 from .keyed import KeyedTransform, sample_generator, sample_seed
 from .lmdb import LMDBDataset
 from .loader import make_loader
+from .mix import Mix, MixSampler
 from .sampler import BlockShuffleSampler, ShuffleSampler, class_entropy
 from .stateful_workers import for_workers
 from .stats import LoaderStats, LoaderWarning
@@ -37,7 +38,8 @@ def open_dataset(path, split=None, **kwargs):
 
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "BlockShuffleSampler", "CUDAPrefetcher", "CenterCrop", "Diagnosis", "Finding",
-    "FolderDataset", "HDF5Dataset", "KeyedTransform", "LMDBDataset", "LoaderStats", "LoaderWarning", "PackedDataset", "RandomResizedCrop",
+    "FolderDataset", "HDF5Dataset", "KeyedTransform", "LMDBDataset", "LoaderStats", "LoaderWarning", "Mix", "MixSampler",
+    "PackedDataset", "RandomResizedCrop",
     "RandomHorizontalFlip", "ResizeCenterCrop", "ShuffleSampler", "WDSDataset", "WDSMapDataset", "class_entropy", "collate", "decode_array", "decode_pil",
     "decode_tensor", "diagnose", "for_workers", "image_size", "make_loader", "open_dataset", "sample_generator", "sample_seed",
 ]

@@ -107,20 +107,22 @@ def encoded_collate(batch, pin_memory: bool = False):
 
 
 def collate(batch, pin_memory: bool = False, normalise: Normalise | None = None):
-    """(images, labels) from a list of (image, label) pairs of equal-sized uint8 images.
+    """(images, labels) from a list of (image, label) pairs of equal-sized uint8 images;
+    (images, labels, sources) from a readers.Mix's (image, label, source) triples.
 
     Images may be tensors or numpy arrays (stacked in the shape they have: CxHxW tensors
     give NxCxHxW). Any other sample structure goes to torch's default_collate.
     Pinning applies only in the main process and only when CUDA is available.
     normalise: image batches come out as its float batches instead of uint8.
     """
-    if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) != 2:
+    if not batch or not isinstance(batch[0], (tuple, list)) or len(batch[0]) not in (2, 3):
         return default_collate(batch)
     first = batch[0][0]
     if not isinstance(first, (torch.Tensor, np.ndarray)):
         return default_collate(batch)
     images = [torch.as_tensor(sample[0]) for sample in batch]
-    return stack(images, pin_memory, normalise), collate_labels(batch)
+    out = stack(images, pin_memory, normalise), collate_labels(batch)
+    return out if len(batch[0]) == 2 else (*out, torch.tensor([sample[2] for sample in batch], dtype=torch.int64))
 
 
 def collate_labels(batch) -> torch.Tensor:

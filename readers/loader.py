@@ -14,6 +14,7 @@ What it sets and why:
   random reads overlap; a FolderDataset gets the same order, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
+  for a readers.Mix its MixSampler (the weights' schedule); one row each in SAMPLERS;
   an epoch counter that advances by itself so shuffles differ per epoch;
 - the reader told the access pattern (random: read exactly each record; block or
   sequential: let the kernel read ahead);
@@ -46,6 +47,8 @@ from .heap import keep_heap
 from .hybrid import HybridDecoder, hybrid_collate
 from .ranks import accelerate_shards, local_world_size, process_rank, world
 from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
+from .mix import Mix, MixSampler
+from .resume_state import check_part, sampler_position, sampler_state, stream_batches
 from .sampler import STATE_VERSION, check_state, checked_count
 from .stats import LoaderStats, LoaderWarning
 from .threads import WORKER_KINDS, ThreadBatches
@@ -286,35 +289,6 @@ class ThreadLoader(EpochLoader, ThreadBatches):
     sampler, collate, position and state as with DataLoader worker processes."""
 
 
-def sampler_state(sampler, epoch: int, pass_batches: int | None, batch_size: int) -> dict:
-    """The sampler's state at the loader's position: the indexes of the batches handed out
-    in this pass (the workers draw ahead of them), or the start of an epoch not begun."""
-    state = {**sampler.state_dict(), "epoch": epoch}
-    if pass_batches is None:
-        return {**state, "position": 0, **({"start": 0} if "start" in state else {})}
-    return {**state, "position": min(pass_batches * batch_size, len(sampler))}
-
-
-def sampler_position(sampler, part, batches: int, batch_size: int):
-    """The position a sampler state saved after `batches` batches of its epoch must hold:
-    the batches' indexes, for a pass that began the epoch (on the world size that saved
-    it); a resumed pass's own count is not the loader's, so its part is taken as it is."""
-    world_size = part.get("world_size") if isinstance(part, dict) else None
-    if (not hasattr(sampler, "pass_length") or part.get("start", 0) != 0 or isinstance(world_size, bool)
-            or not isinstance(world_size, int) or world_size < 1):
-        return part.get("position") if isinstance(part, dict) else None
-    return min(batches * batch_size, sampler.pass_length(world_size))
-
-
-def stream_batches(part, batches: int):
-    """The batch count a stream's state saved after `batches` batches of its epoch must
-    hold: the loader's, unless the pass followed a resume on other ranks or workers."""
-    position = part.get("position") if isinstance(part, dict) else None
-    if isinstance(position, dict) and "history" in position:
-        return position.get("batches", position.get("samples"))
-    return batches
-
-
 class EpochSetter(tud.Sampler):
     """An IterableDataset loader's sampler (torch's yields None forever; so does this one)
     that takes set_epoch: EpochLoader reads the epoch from it as from any sampler."""
@@ -327,20 +301,6 @@ class EpochSetter(tud.Sampler):
 
     def __iter__(self):
         return itertools.repeat(None)
-
-
-def check_part(part, epoch: int, position: int, name: str) -> None:
-    """Refuse a sampler's or dataset's state that disagrees with the loader's epoch and
-    position (a state put together by hand, or from two checkpoints)."""
-    if not isinstance(part, dict):
-        raise ValueError(f"EpochLoader.load_state_dict: the {name} state must be a dict, got {type(part).__name__}")
-    saved = part.get("position")
-    if name == "dataset":  # WDSDataset's: None at an epoch's start, else the loader's batch count
-        saved = 0 if saved is None else saved.get("batches") if isinstance(saved, dict) else saved
-    if part.get("epoch") != epoch or saved != position:
-        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {shown(part.get('epoch'))}, position "
-                         f"{shown(saved)}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
-                         "load whole states from state_dict()")
 
 
 @dataclass(frozen=True)
@@ -386,6 +346,13 @@ def pin_policy(pin_memory: bool | None, cuda: bool) -> bool:
         raise ValueError("make_loader: pin_memory=True needs CUDA (pinned memory only speeds up copies to a "
                          "GPU, and there is none here); drop pin_memory")
     return bool(pin_memory)
+
+
+def refuse_gpu_decode_of_a_mix(gpu_decode, dataset) -> None:
+    if gpu_decode not in (None, False) and isinstance(dataset, Mix):
+        raise ValueError("make_loader: gpu_decode batches (bytes, label) pairs and a mixture's samples also name "
+                         "their source; decode in the workers (decode= and transform on each source), or mix "
+                         "without gpu_decode")
 
 
 def gpu_decoder(gpu_decode, dataset, device, cuda: bool, train: bool):
@@ -456,6 +423,75 @@ class Order:
     access: str | None
 
 
+@dataclass(frozen=True)
+class Walk:
+    """What make_loader asks of a sampler row: the dataset, the order and shuffle asked
+    (shuffle already resolved by `train` where None), and this rank's place."""
+
+    dataset: object
+    order: str | None
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    rank: int
+    world_size: int
+    block_size: int
+    window: int
+    keyed: bool = True  # packer's samplers hand out keyed indexes (readers.keyed)
+
+    def packed(self) -> bool:
+        return reader_of(self.dataset) is not None
+
+    def access(self, random_access: bool) -> str | None:
+        return ("random" if random_access else "sequential") if self.packed() else None
+
+
+def mix_walk(w: Walk) -> Order:
+    """A readers.Mix: its sources' passes in `order` (random when shuffling, else index
+    order), interleaved by weight (readers.mix.MixSampler)."""
+    order = w.order or ("random" if w.shuffle else "sequential")
+    return Order(MixSampler(w.dataset, order, w.block_size, w.window, rank=w.rank, world_size=w.world_size,
+                            drop_last=w.drop_last, keyed=w.keyed), None, "random" if order == "random" else "sequential")
+
+
+def block_walk(w: Walk) -> Order:
+    """Shuffled blocks of storage order ("block"), or storage order itself ("sequential")."""
+    sampler = BlockShuffleSampler(w.dataset, w.block_size, w.window, shuffle=w.order == "block" and w.shuffle,
+                                  seed=w.seed, rank=w.rank, world_size=w.world_size, keyed=w.keyed)
+    return Order(sampler, None, w.access(False))
+
+
+def shuffle_walk(w: Walk) -> Order:
+    """Packed data: the permutation, read ahead. A FolderDataset takes the same seeded
+    permutation (no hints): the same order as its packed copy. Unshuffled (evaluation),
+    index order. Either way resumable mid-epoch."""
+    sampler = ShuffleSampler(w.dataset, shuffle=w.shuffle, seed=w.seed, rank=w.rank, world_size=w.world_size,
+                             drop_last=w.drop_last, keyed=w.keyed)
+    return Order(sampler, None, w.access(w.shuffle))
+
+
+def distributed_walk(w: Walk) -> Order:
+    """Any other dataset under DDP: DistributedSampler's share."""
+    return Order(tud.DistributedSampler(w.dataset, num_replicas=w.world_size, rank=w.rank, shuffle=w.shuffle,
+                                        seed=w.seed, drop_last=w.drop_last), None, w.access(w.shuffle))
+
+
+def plain_walk(w: Walk) -> Order:
+    """Any other dataset on one process: the DataLoader's own sampler."""
+    return Order(None, w.shuffle, w.access(w.shuffle))
+
+
+# The samplers make_loader sets up, one row each: the first row whose test takes the walk
+# builds it. A new order or kind of dataset is one row here (and its sampler's module).
+SAMPLERS = (
+    ("mix", lambda w: isinstance(w.dataset, Mix), mix_walk),
+    ("block", lambda w: w.order in ("block", "sequential"), block_walk),
+    ("random", lambda w: w.packed() or isinstance(w.dataset, ReaderDataset), shuffle_walk),
+    ("distributed", lambda w: w.world_size > 1, distributed_walk),
+    ("plain", lambda w: True, plain_walk),
+)
+
+
 def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, drop_last: bool, seed: int,
                  rank: int, world_size: int, block_size: int = BLOCK_SIZE, window: int = WINDOW,
                  keyed: bool = True) -> Order:
@@ -469,30 +505,19 @@ def choose_order(dataset, order: str | None, shuffle: bool | None, train: bool, 
                              f"splits shards among ranks and workers) itself; drop shuffle/order and configure "
                              f"the dataset")
         return Order(None, None, None)
-    packed = reader_of(dataset) is not None
+    if order == "sequential" and shuffle:
+        raise ValueError("make_loader: order='sequential' reads in storage order; it cannot also shuffle "
+                         "(use order='block' for near-sequential reads with shuffled batches)")
+    if shuffle is None:  # block shuffles its blocks when training; random always shuffles
+        shuffle = train if order in ("block", "sequential") else train or order == "random"
+    walk = Walk(dataset, order, bool(shuffle), drop_last, seed, rank, world_size, block_size, window, keyed)
+    return next(build(walk) for _, takes, build in SAMPLERS if takes(walk))
 
-    def walk(sampler, dataloader_shuffle, random_access: bool) -> Order:
-        return Order(sampler, dataloader_shuffle, ("random" if random_access else "sequential") if packed else None)
 
-    if order in ("block", "sequential"):
-        if order == "sequential" and shuffle:
-            raise ValueError("make_loader: order='sequential' reads in storage order; it cannot also shuffle "
-                             "(use order='block' for near-sequential reads with shuffled batches)")
-        block_shuffle = order == "block" and (train if shuffle is None else shuffle)
-        return walk(BlockShuffleSampler(dataset, block_size, window, shuffle=block_shuffle, seed=seed, rank=rank,
-                                        world_size=world_size, keyed=keyed), None, False)
-    if shuffle is None:
-        shuffle = train or order == "random"
-    # Packed data: the permutation, read ahead. A FolderDataset takes the same seeded permutation
-    # (no hints): the same order as its packed copy. Unshuffled (evaluation), index order,
-    # DistributedSampler's share of it under DDP: either way resumable mid-epoch.
-    if packed or isinstance(dataset, ReaderDataset):
-        return walk(ShuffleSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                                   drop_last=drop_last, keyed=keyed), None, shuffle)
-    if world_size > 1:
-        return walk(tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                           drop_last=drop_last), None, shuffle)
-    return walk(None, shuffle, shuffle)
+def readers_to_advise(dataset) -> list:
+    """The packer readers behind a dataset (each source's, for a Mix)."""
+    found = [reader_of(d) for d in (dataset.sources if isinstance(dataset, Mix) else [dataset])]
+    return [r for r in found if r is not None]
 
 
 def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, workers: int | None = None,
@@ -543,6 +568,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
+    refuse_gpu_decode_of_a_mix(gpu_decode, dataset)  # before the device: say what to change first
     threads = thread_workers(worker_kind, dataset, workers, persistent_workers, worker_init_fn)
     policy = worker_policy(0 if threads else workers, persistent_workers, None if threads else prefetch_factor,
                            None if threads else multiprocessing_context)
@@ -555,7 +581,8 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window,
                         keyed)
     if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
-        reader_of(dataset).advise(walk.access)
+        for reader in readers_to_advise(dataset):
+            reader.advise(walk.access)
 
     # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
     cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None

@@ -254,7 +254,8 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         prefix = (self.seed, progress[0])
         for index in indexes:
             progress[1] += 1
-            yield KeyedIndex(index, prefix)
+            # An index keyed already (a mixture's, whose key also names its source's pass) keeps its key.
+            yield index if isinstance(index, KeyedIndex) else KeyedIndex(index, prefix)
 
     def __len__(self) -> int:
         return self.pass_length(self.world()[1], self.pass_start())

@@ -127,10 +127,11 @@ def packed_three_ways(root: Path) -> str:
 
 
 def sample_ids(batch) -> list[int]:
-    """A collate: each (raw bytes, label) sample's name, the CRC-32 of its bytes."""
+    """A collate: each (raw bytes, label) sample's name, the CRC-32 of its bytes; a mixture's
+    (raw bytes, label, source), the CRC-32 begun from its source's number + 1."""
     import zlib
 
-    return [zlib.crc32(bytes(image)) for image, _ in batch]
+    return [zlib.crc32(bytes(sample[0]), sample[2] + 1 if len(sample) == 3 else 0) for sample in batch]
 
 
 def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:

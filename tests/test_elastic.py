@@ -33,8 +33,10 @@ from conftest import class_sorted_tree, packed_three_ways, sample_ids  # noqa: E
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 BATCH, SEED = 5, 3
-CASES = ("random", "block", "stream")  # over LMDB (shuffled storage), HDF5, WDS shards
-SAMPLER_CASES = ("random", "block")
+# The orders of make_loader's table (readers.loader.SAMPLERS): over LMDB (shuffled storage), HDF5,
+# WDS shards, and a mixture of the LMDB and HDF5 packs, 0.7/0.3 (readers.mix)
+CASES = ("random", "block", "stream", "mix")
+SAMPLER_CASES = ("random", "block", "mix")
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +50,22 @@ def build(root: str, case: str, workers: int, rank: int | None = None, world_siz
         data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
         return make_loader(data, BATCH, workers=workers, collate_fn=sample_ids, drop_last=False)
     data = (readers.LMDBDataset(root / "d.lmdb", decode="raw") if case == "random"
-            else readers.HDF5Dataset(root / "d.h5", decode="raw"))
-    loader = make_loader(data, BATCH, workers=workers, seed=SEED, order=case, block_size=4, window=3,
-                         collate_fn=sample_ids, drop_last=False)
+            else readers.HDF5Dataset(root / "d.h5", decode="raw") if case == "block" else mixture(root))
+    loader = make_loader(data, BATCH, workers=workers, seed=SEED, order="random" if case == "mix" else case,
+                         block_size=4, window=3, collate_fn=sample_ids, drop_last=False)
     if rank is not None:  # in-process ranks: the sampler told its place
         sampler = loader.sampler
         sampler.rank, sampler.world_size = rank, world_size
     return loader
+
+
+def mixture(root: Path, **weights) -> readers.Mix:
+    """The LMDB and HDF5 packs (the same 100 images: sample_ids tells them apart by source) mixed
+    0.7/0.3, or by the weights given, in epochs of 100."""
+    sources = {"lmdb": readers.LMDBDataset(root / "d.lmdb", decode="raw"),
+               "hdf5": readers.HDF5Dataset(root / "d.h5", decode="raw")}
+    return readers.Mix(sources, weights=weights or {"lmdb": 0.7, "hdf5": 0.3}, seed=SEED, epoch_size=100,
+                       reweight=bool(weights))
 
 
 def stops(batches: int) -> tuple[int, ...]:
@@ -449,3 +460,11 @@ if __name__ == "__main__":
     if job["gloo"]:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def test_every_resumable_row_of_make_loaders_table_is_a_case_here():
+    """A new row of readers.loader.SAMPLERS is tested here by adding its case (build() makes it)."""
+    from readers.loader import SAMPLERS
+
+    stateless = {"distributed", "plain"}  # torch's own samplers: no state to resume
+    assert {name for name, _, _ in SAMPLERS} - stateless == set(SAMPLER_CASES)

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWa
 
 BATCH, SEED, EPOCHS = 8, 5, 3
 SAMPLES = 125
+SOURCE_STRIDE = 1000  # a mixture's sample is named label + SOURCE_STRIDE x source
+MIX_SAMPLES = 2 * SAMPLES  # the LMDB pack and the WDS folder mixed by their sizes: each sample once an epoch
 # Over uneven.wds, this seed's shard orders gave 8, 9 and 8 batches a rank when whole shards
 # were dealt: an epoch longer than the first, which Lightning cut short at the first's length.
 WDS_SEED = 8
@@ -57,7 +59,7 @@ def packs(tmp_path_factory):
 def labels_of(batch) -> torch.Tensor:
     """The collate: each sample's label (its name: one image per class), as a tensor, which
     Accelerate's dispatch slices among the ranks."""
-    return torch.tensor([label for _, label in batch])
+    return torch.tensor([sample[1] + SOURCE_STRIDE * (sample[2] if len(sample) == 3 else 0) for sample in batch])
 
 
 def make(job: dict):
@@ -70,6 +72,9 @@ def make(job: dict):
         return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
                                    multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
+    if job["loader"] == "mix":  # by index from the WDS folder: readers.WDSMapDataset
+        data = readers.Mix({"lmdb": data, "wds": readers.WDSMapDataset(root / "uneven.wds", decode="raw")},
+                          seed=SEED)
     if job["loader"] == "sampler":  # a plain DataLoader over packer's sampler
         return tud.DataLoader(data, BATCH, sampler=readers.ShuffleSampler(data, seed=SEED), drop_last=True,
                               collate_fn=labels_of)
@@ -184,16 +189,16 @@ def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False,
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
-def check_whole_epochs(seen: dict, epochs, padded: int = 0) -> None:
+def check_whole_epochs(seen: dict, epochs, padded: int = 0, samples: int = SAMPLES) -> None:
     """Every epoch, the ranks' samples are disjoint (but for `padded` repeats) and cover the
-    dataset (less drop_last's share), and each epoch's order differs from the one before."""
+    dataset of `samples` (less drop_last's share), and each epoch's order differs from the one before."""
     for epoch in epochs:
         ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
         assert len(ranks[0]) == len(ranks[1])
         kept = len(ranks[0]) + len(ranks[1])  # less than SAMPLES by drop_last, more by padding
         union = set(ranks[0]) | set(ranks[1])
-        assert 0 <= min(kept, SAMPLES) - len(union) <= padded, f"epoch {epoch}: {len(union)} of {kept} distinct"
-        assert kept > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {SAMPLES} samples seen"
+        assert 0 <= min(kept, samples) - len(union) <= padded, f"epoch {epoch}: {len(union)} of {kept} distinct"
+        assert kept > samples - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {samples} samples seen"
         if epoch:
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
@@ -227,31 +232,34 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
         assert len(set(trained)) >= SAMPLES - 2 * BATCH  # each rank drops its partial batch, nothing more
 
 
-@pytest.mark.parametrize("loader", ["make_loader", "wds"])
+@pytest.mark.parametrize("loader", ["make_loader", "wds", "mix"])
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
-    job = {"root": str(packs), "loader": loader, "mid_step": 11}  # 7 or 8 steps an epoch: mid-epoch 1
+    mid_step = 20 if loader == "mix" else 11  # 15, or 7 or 8, steps an epoch: mid-epoch 1
+    job = {"root": str(packs), "loader": loader, "mid_step": mid_step}
     whole = run("lightning", job, tmp_path, "whole")
-    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0)  # a stream pads odd counts
+    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
+                       samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     if loader == "wds":
         check_stream_epochs(whole, packs)
     (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
-    (mid,) = (tmp_path / "whole" / "mid").glob("*step=11.ckpt")
+    (mid,) = (tmp_path / "whole" / "mid").glob(f"*step={mid_step}.ckpt")
     after_end = run("lightning", {**job, "mid_step": None, "resume": str(end)}, tmp_path, "after-end")
     after_mid = run("lightning", {**job, "mid_step": None, "resume": str(mid)}, tmp_path, "after-mid")
     for rank in (0, 1):
         assert epochs_of(after_end[rank]) == {e: whole[rank][e] for e in ("1", "2")}
-        steps_before = 11 - len(whole[rank]["0"]) // BATCH
+        steps_before = mid_step - len(whole[rank]["0"]) // BATCH
         assert set(epochs_of(after_mid[rank])) == {"1", "2"}
         assert after_mid[rank]["1"] == whole[rank]["1"][steps_before * BATCH:]
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False)])
+@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False),
+                                              ("mix", False)])
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1, 3]}
     whole = run("accelerate", job, tmp_path, "whole", torchrun=True)
-    check_whole_epochs(whole, range(EPOCHS))
+    check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     resumed = run("accelerate", {**job, "save_at": None, "resume": str(tmp_path / "whole" / "state"),
                                  "resume_at": [1, 3]}, tmp_path, "resumed", torchrun=True)
     for rank in (0, 1):  # each step gives each rank one batch of BATCH

@@ -1,0 +1,174 @@
+"""Mixtures (readers.mix): read rate against one source, memory and state against the record
+count, and how close each batch is to the weights.
+
+    python -m benchmarks.mix rate --what mix|mix1|single [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix memory --records 20000 1281167
+    python -m benchmarks.mix spread [--records 1281167] [--weight 0.7] [--ranks 1 2 3 8]
+
+`rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
+LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
+a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
+("mix"), or over a Mix of the one pack ("mix1": the mixing code's own cost): the same
+bytes, every record once an epoch, random order. Prints the samples/s of
+an epoch with 2 workers and the CPU microseconds per sample with none (medians of the
+repeats, after one warm epoch); whole-process pairs of the two commands are timed against
+each other from outside (docs/mixing.md).
+
+`memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
+the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
+the JSON size of its state. `spread`: the count of the first source in every full batch
+of 256 of an epoch, weights 0.7/0.3 (or --weight), on 1, 2, 3 and 8 ranks (or --ranks),
+every rank's batches: min, max, mean and stdev.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHARED = Path(os.environ.get("PACKER_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+BATCH, WORKERS = 64, 2
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """n records made on demand: the sampler's cost, not the storage's."""
+
+    def __init__(self, n: int):
+        self.n, self.classes = n, ["thing"]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        return index.to_bytes(8, "little"), 0
+
+
+def sizes(batch) -> int:
+    return sum(len(sample[0]) for sample in batch)
+
+
+def packs(workdir: Path, copies: int) -> Path:
+    """workdir/single.lmdb (every class), workdir/a.lmdb and b.lmdb (half the classes each)."""
+    from packer import pack
+
+    done = workdir / f"packs-{copies}"
+    if (done / "b.lmdb").exists():
+        return done
+    if not (SHARED / "imagenet-sample").is_dir():
+        raise SystemExit(f"benchmarks.mix rate: {SHARED / 'imagenet-sample'} is absent; set PACKER_SHARED_DATA to the "
+                         "folder holding imagenet-sample/")
+    classes = sorted(p for p in (SHARED / "imagenet-sample").iterdir() if p.is_dir())
+    halves = {"a": classes[:len(classes) // 2], "b": classes[len(classes) // 2:]}
+    done.mkdir(parents=True, exist_ok=True)
+    for name, chosen in [("single", classes), *halves.items()]:
+        tree = workdir / f"tree-{name}-{copies}"
+        shutil.rmtree(tree, ignore_errors=True)
+        for folder in chosen:
+            for image in folder.iterdir():
+                for k in range(copies):
+                    target = tree / folder.name / f"{k}-{image.name}"
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(image.read_bytes())
+        pack(str(tree), "lmdb", str(done / f"{name}.lmdb"), workers=1, progress=False, force=True)
+        shutil.rmtree(tree)
+    return done
+
+
+def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
+    import readers
+
+    root = packs(workdir, copies)
+    if what == "single":
+        data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+    elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
+        data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
+    else:
+        data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
+    rates, cpu, total = [], [], 0
+    for workers, figures in ((WORKERS, rates), (0, cpu)):
+        loader = readers.make_loader(data, BATCH, workers=workers, collate_fn=sizes)
+        for epoch in range(repeats + 1):
+            wall, own = time.perf_counter(), time.process_time()
+            total = sum(loader)
+            if epoch:  # the first warms the page cache and starts the workers
+                samples = len(loader) * BATCH
+                figures.append(samples / (time.perf_counter() - wall) if workers else
+                               1e6 * (time.process_time() - own) / samples)
+    # With workers the rate (wall clock); in one process (workers=0) the CPU time per sample, which
+    # a loaded machine disturbs far less: the cost the mixture adds, whatever else runs.
+    return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)),
+            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total, "samples": len(loader) * BATCH,
+            "repeats": repeats}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory(records: int) -> dict:
+    from readers import Mix, MixSampler
+
+    before = peak_rss_mb()
+    mix = Mix({"imagenet": Synthetic(records), "web": Synthetic(records // 3)}, weights={"imagenet": 0.7, "web": 0.3})
+    sampler = MixSampler(mix, rank=0, world_size=8)
+    begin, walked = time.perf_counter(), sum(1 for _ in sampler)
+    seconds = time.perf_counter() - begin
+    return {"figure": "memory", "records": records, "epoch_size": mix.epoch_size, "walked": walked,
+            "peak_rss_growth_mb": round(peak_rss_mb() - before, 1), "state_bytes": len(json.dumps(sampler.state_dict())),
+            "indexes_per_s": round(walked / seconds)}
+
+
+def spread(records: int, weight: float, ranks: list[int]) -> list[dict]:
+    from readers import Mix, MixSampler
+
+    mix = Mix({"a": Synthetic(records), "b": Synthetic(records // 3)}, weights={"a": weight, "b": 1 - weight})
+    out = []
+    for world_size in ranks:
+        counts = []
+        for rank in range(world_size):
+            first = mix.source_of(list(MixSampler(mix, rank=rank, world_size=world_size))) == 0
+            counts.append(first[:len(first) // 256 * 256].reshape(-1, 256).sum(1))
+        c = np.concatenate(counts)
+        out.append({"figure": "spread", "records": mix.epoch_size, "world_size": world_size, "batches": len(c),
+                    "weight": weight, "expected": round(weight * 256, 1), "min": int(c.min()), "max": int(c.max()), "mean": round(float(c.mean()), 2),
+                    "stdev": round(float(c.std()), 2)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("rate")
+    r.add_argument("--what", choices=("mix", "mix1", "single"), required=True)
+    r.add_argument("--copies", type=int, default=16)
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")
+    m = sub.add_parser("memory")
+    m.add_argument("--records", type=int, nargs="+", default=[20_000, 1_281_167])
+    s = sub.add_parser("spread")
+    s.add_argument("--records", type=int, default=1_281_167)
+    s.add_argument("--weight", type=float, default=0.7, help="the first source's weight")
+    s.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 8])
+    args = parser.parse_args()
+    if args.command == "rate":
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(rate(args.what, args.copies, args.repeats, args.workdir)))
+    elif args.command == "memory":
+        for n in args.records:  # each in a fresh process would isolate peaks; growth is what is shown
+            print(json.dumps(memory(n)), flush=True)
+    else:
+        for row in spread(args.records, args.weight, args.ranks):
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Mixtures: several map-style datasets read as one, each giving its weight's share of every epoch.
+
+Mix({"imagenet": a, "web": b}, weights={"imagenet": 0.7, "web": 0.3}) is a Dataset whose
+index space is the sources end to end (mix[i] -> (image, label, source)); MixSampler walks
+it: the epoch's global order is a sequence of (source, draw) computed per position, so
+nothing of the epoch's size is held and the order depends on (seed, epoch) alone, and its
+elastic resume is readers.elastic's, as for the single-dataset samplers (docs/mixing.md).
+
+The schedule (which source each position belongs to): the epoch's positions are cut into
+windows of WINDOW_POSITIONS; a window's share per source is the difference of prefix counts
+that split every prefix of the epoch by the weights at each node of a binary tree of the
+sources (floor(x f + 1/2): each count within 1 of x times its weight at every node), and
+inside a window the positions are ranked by an irrational rotation (a Weyl sequence,
+offset per window by the key), the first shares of ranks going to each source in turn.
+Every run of consecutive positions, and every rank's stride through them, then holds its
+weight's share within a few samples (a plain interleave aliases with the stride: 0.5/0.5
+alternated would give rank 0 of 2 one source only).
+
+Draws: the k-th draw of source s, counted over the whole run (its passes carry on across
+the mixture's epochs), is pass k // len(s), element k mod len(s) of that pass's order, a
+readers.permutation.KeyedPermutation keyed by (seed, source name, pass) (or shuffled
+blocks for order="block"): a source drawn more repeats a sample only after all of its
+samples; one drawn less covers new samples each epoch until all are seen.
+
+A weight change on resume (Mix(reweight=True)) starts a new segment of the schedule where
+the saved run stopped: the draws of each source so far, kept, and the new weights from
+there on. The state holds the segment, O(sources).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+import numpy as np
+import torch.utils.data
+
+from ._mix_checks import UNLABELED, checked_kind, checked_sources, checked_weights, merged_labels
+from ._mix_checks import source_fingerprint
+from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
+from .keyed import KeyedIndex
+from .permutation import KeyedPermutation, round_keys
+from .sampler import BLOCK_SIZE, SAMPLER_STATE_VERSION, WINDOW, RankedSampler, check_state, checked_count, reader_of
+
+WINDOW_POSITIONS = 4096  # positions whose order is worked out together: fixed memory, any epoch size
+CHUNK = 4096  # positions a rank's pass maps at a time
+# The rotation: the golden ratio, whose runs of consecutive points are the most evenly spread
+# of any rotation (its continued fraction is all ones), so one rank's batches, of any size,
+# hold their shares within 1-2; a rank's stride through a window is another rotation (its
+# multiple), less even but never aliased as an interleave would be (docs/mixing.md's figures).
+ROTATION = (math.sqrt(5) - 1) / 2
+MOST = 2 ** 62  # a count no run reaches: the bound for numbers read from a state
+ORDERS = ("random", "block", "sequential")  # how each source's passes run
+PASSES_KEPT = 16  # source passes whose keys are kept between chunks
+
+
+def split_counts(x: int, weights: tuple[float, ...]) -> np.ndarray:
+    """How many of the first x positions of a schedule each source takes: the sources halved
+    recursively, each node's x split by its halves' weights, rounded; monotone in x."""
+    out = np.zeros(len(weights), dtype=np.int64)
+
+    def split(lo: int, hi: int, x: int) -> None:
+        if hi - lo == 1:
+            out[lo] = x
+            return
+        mid = (lo + hi) // 2
+        left, right = sum(weights[lo:mid]), sum(weights[mid:hi])
+        share = 0 if left == 0 else x if right == 0 else math.floor(x * (left / (left + right)) + 0.5)
+        split(lo, mid, share)
+        split(mid, hi, x - share)
+
+    split(0, len(weights), int(x))
+    return out
+
+
+class Schedule:
+    """Which source, and which draw of it, stands at each position of an epoch: the
+    weights' schedule over epochs of `size`, from position `start` of epoch `epoch` on,
+    where each source had made `draws` draws."""
+
+    def __init__(self, weights: tuple[float, ...], size: int, seed: int, epoch: int = 0, start: int = 0,
+                 draws: tuple[int, ...] | None = None):
+        self.weights, self.size, self.seed = weights, size, seed
+        self.epoch, self.start = epoch, start
+        self.draws = np.array(draws if draws is not None else [0] * len(weights), dtype=np.int64)
+        self._window: tuple | None = None  # ((epoch, window), its sources and draws): the last one worked out
+
+    def piece(self, epoch: int) -> tuple[int, int]:
+        """(first position, positions) of the part of `epoch` this schedule lays out."""
+        if epoch < self.epoch:
+            raise ValueError(f"MixSampler: epoch {epoch} comes before epoch {self.epoch}, where this run's weights "
+                             "took effect (a resume with reweight=True); its order is the earlier run's")
+        return (self.start, self.size - self.start) if epoch == self.epoch else (0, self.size)
+
+    def before(self, epoch: int) -> np.ndarray:
+        """Draws of each source made before `epoch`'s piece."""
+        self.piece(epoch)  # refuses an epoch before this schedule's
+        if epoch == self.epoch:
+            return self.draws.copy()
+        return (self.draws + split_counts(self.size - self.start, self.weights)
+                + (epoch - self.epoch - 1) * split_counts(self.size, self.weights))
+
+    def draws_at(self, epoch: int, position: int) -> np.ndarray:
+        """Draws of each source made before `position` of `epoch` (in all, over the run)."""
+        begin, length = self.piece(epoch)
+        offset = min(max(0, position - begin), length)
+        w, inside = divmod(offset, WINDOW_POSITIONS)
+        made = split_counts(w * WINDOW_POSITIONS, self.weights)
+        if inside:  # the window's own order: its first `inside` positions
+            made += np.bincount(self.window(epoch, w)[0][:inside], minlength=len(self.weights))
+        return self.before(epoch) + made
+
+    def window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw within the epoch's piece) of each position of window w of the piece."""
+        if self._window is not None and self._window[0] == (epoch, w):
+            return self._window[1]
+        _, length = self.piece(epoch)
+        lo, hi = w * WINDOW_POSITIONS, min((w + 1) * WINDOW_POSITIONS, length)
+        base = split_counts(lo, self.weights)
+        shares = split_counts(hi, self.weights) - base
+        offset = float(round_keys((self.seed, epoch, self.start if epoch == self.epoch else 0, w))[0]) / 2 ** 64
+        ranked = np.argsort(np.modf(np.arange(hi - lo) * ROTATION + offset)[0], kind="stable")
+        sources = np.empty(hi - lo, dtype=np.int64)
+        sources[ranked] = np.repeat(np.arange(len(shares)), shares)
+        draws = np.empty(hi - lo, dtype=np.int64)
+        for s in range(len(shares)):
+            mine = np.flatnonzero(sources == s)
+            draws[mine] = base[s] + np.arange(len(mine))
+        self._window = ((epoch, w), (sources, draws))
+        return sources, draws
+
+    def at(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw over the run) at each of these positions of `epoch`."""
+        begin, _ = self.piece(epoch)
+        offsets = np.asarray(positions, dtype=np.int64) - begin
+        sources, draws = np.empty(len(offsets), np.int64), np.empty(len(offsets), np.int64)
+        windows = offsets // WINDOW_POSITIONS
+        for w in np.unique(windows).tolist():
+            mine = np.flatnonzero(windows == w)
+            src, drawn = self.window(epoch, w)
+            inside = offsets[mine] - w * WINDOW_POSITIONS
+            sources[mine], draws[mine] = src[inside], drawn[inside]
+        return sources, draws + self.before(epoch)[sources]
+
+
+def name_key(name: str) -> int:
+    """A source's part of its passes' keys: from its name, so adding or removing another
+    source leaves its order as it was."""
+    return zlib.crc32(name.encode("utf-8", "surrogateescape"))
+
+
+class PassOrder:
+    """The order of one pass over a source of n samples: elements at given pass positions."""
+
+    def __init__(self, n: int, key: tuple[int, ...], order: str, block_size: int, window: int, stored=None):
+        self.n, self.order, self.block_size, self.window, self.stored = n, order, block_size, window, stored
+        self.key = key
+        full = n // block_size
+        self.blocks = KeyedPermutation(full, key + (-1,)) if order == "block" else None
+        self.perm = KeyedPermutation(n, key) if order == "random" else None
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        if self.order == "random":
+            return self.perm(positions)
+        if self.order == "sequential":
+            return np.asarray(positions, dtype=np.int64)
+        return self.block_elements(np.asarray(positions, dtype=np.int64))
+
+    def block_elements(self, positions: np.ndarray) -> np.ndarray:
+        """Blocks of block_size stored records in a keyed order (a short last block stays
+        last), records shuffled within each run of `window` blocks, as BlockShuffleSampler."""
+        span = self.block_size * self.window
+        out = np.empty(len(positions), dtype=np.int64)
+        runs = positions // span
+        for w in np.unique(runs).tolist():
+            mine = np.flatnonzero(runs == w)
+            length = min(span, self.n - w * span)
+            inside = KeyedPermutation(length, self.key + (w,))(positions[mine] - w * span)
+            slot = w * self.window + inside // self.block_size
+            full = self.blocks.n
+            block = np.where(slot < full, self.blocks(np.minimum(slot, full - 1)), slot) if full else slot
+            out[mine] = block * self.block_size + inside % self.block_size
+        return out if self.stored is None else self.stored[out]
+
+
+class Mix(torch.utils.data.Dataset):
+    """Several map-style datasets (any format, local or by URL) read as one, by weight.
+
+    Args:
+        sources: {name: dataset}; each a map-style Dataset of (image, label) samples.
+        weights: {name: weight >= 0} for every source (normalised; 0 leaves a source out
+            of the draws); default: proportional to the sources' sizes.
+        seed: the order's seed; the same on every rank.
+        epoch_size: samples per epoch; default: the sum of the sources' sizes.
+        class_to_idx: {class name: label} for the merged labels; default: the sources'
+            classes merged by name, in the order the sources first name them.
+        unlabeled: names of sources whose samples are mixed without labels (label -1):
+            unlabeled sources, or ones whose classes are not to be merged.
+        reweight: a state saved over other weights or sources may be loaded: the samples
+            it consumed stay consumed, the rest follows these weights (docs/mixing.md).
+
+    mix[i] is (image, label, source index) for i in the sources' indexes end to end
+    (mix.names[source] names it); MixSampler (make_loader's sampler for a Mix) draws
+    them by weight. Bad input (weights, an empty source, samples of different kinds,
+    labels that do not merge) is refused here, before any batch.
+    """
+
+    def __init__(self, sources: dict, weights: dict | None = None, seed: int = 0, epoch_size: int | None = None, *,
+                 class_to_idx: dict | None = None, unlabeled=(), reweight: bool = False):
+        self.names, self.sources = checked_sources(sources)
+        self.lengths = np.array([len(ds) for ds in self.sources], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.weights = checked_weights(weights, self.names, self.lengths)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"Mix: seed must be an int, got {seed!r}")
+        self.seed = seed
+        if epoch_size is None:
+            epoch_size = int(self.offsets[-1])
+        if isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or not 1 <= epoch_size <= MOST:
+            raise ValueError(f"Mix: epoch_size must be a positive int (samples per epoch), or None for the sum of "
+                             f"the sources' sizes, got {epoch_size!r}")
+        self.epoch_size, self.reweight = epoch_size, bool(reweight)
+        self.kind = checked_kind(self.names, self.sources)
+        self.classes, self.class_to_idx, self.label_maps = merged_labels(self.names, self.sources, class_to_idx,
+                                                                         unlabeled)
+        self.fingerprints = [source_fingerprint(ds) for ds in self.sources]
+        decodes = {getattr(ds, "decode", None) for ds in self.sources}
+        self.decode = decodes.pop() if len(decodes) == 1 else None  # what make_loader's gpu_decode checks
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def source_of(self, indexes) -> np.ndarray:
+        """The source index of each mixture index."""
+        return np.searchsorted(self.offsets, np.asarray(indexes, dtype=np.int64), side="right") - 1
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(f"Mix: index {index} out of range for {len(self)} samples of {len(self.names)} sources")
+        s = int(self.source_of(index))
+        image, label = self.sources[s][self.local(index, s, int(index) - int(self.offsets[s]))]
+        return image, self.label(s, label), s
+
+    def local(self, index, source: int, local: int):
+        """The source's own index; keyed (readers.keyed), it carries the run's key with the
+        source's name in it, so two sources' samples of one number augment apart."""
+        return index.within(self.names[source], local) if isinstance(index, KeyedIndex) else local
+
+    def __getitems__(self, indexes) -> list:
+        """[self[i] for i in indexes], each source asked for its part of the batch at once
+        (a packed source starts the batch's reads together: readers._dataset)."""
+        given = list(indexes)
+        indexes = np.asarray([int(i) for i in given], dtype=np.int64)
+        if len(indexes) and (indexes.min() < 0 or indexes.max() >= len(self)):
+            raise IndexError(f"Mix: indexes out of range for {len(self)} samples")
+        sources, out = self.source_of(indexes), [None] * len(indexes)
+        for s in np.unique(sources).tolist():
+            mine = np.flatnonzero(sources == s)
+            local = [self.local(given[k], s, i) for k, i in zip(mine.tolist(), (indexes[mine] - self.offsets[s]).tolist())]
+            source = self.sources[s]
+            samples = source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
+            for k, (image, label) in zip(mine.tolist(), samples):
+                out[k] = (image, self.label(s, label), s)
+        return out
+
+    def label(self, source: int, label) -> int:
+        labels = self.label_maps[source]
+        if labels is None:
+            return UNLABELED
+        return int(labels[label]) if label != UNLABELED else UNLABELED
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {int(k)} x {w:.3g}" for n, k, w in zip(self.names, self.lengths, self.weights))
+        return f"Mix({{{parts}}}, seed={self.seed}, epoch_size={self.epoch_size})"
+
+
+class MixSampler(RankedSampler):
+    """A Mix's indexes, by weight, this rank's share: the epoch's global order is the
+    schedule's (source, draw) at each position, mapped through each source's passes.
+
+    Args:
+        mix: the readers.Mix.
+        order: how each source's passes run: "random" (a keyed permutation per pass),
+            "block" (shuffled blocks of storage order, as BlockShuffleSampler), or
+            "sequential" (index order; the schedule still interleaves the sources).
+        rank, world_size: this process's share; default readers.ranks.world().
+        drop_last: a pass leaves out the rest's last (rest mod world size) positions.
+
+    state_dict()/load_state_dict() are the samplers' (readers.sampler.RankedSampler) plus
+    the schedule's segment, so a state resumes on any number of ranks and workers.
+    """
+
+    def __init__(self, mix: Mix, order: str = "random", block_size: int = BLOCK_SIZE, window: int = WINDOW,
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False,
+                 keyed: bool = True):
+        if not isinstance(mix, Mix):
+            raise ValueError(f"MixSampler: expected a readers.Mix, got {type(mix).__name__}")
+        if order not in ORDERS:
+            raise ValueError(f"MixSampler: order must be one of {', '.join(ORDERS)}, not {order!r}")
+        for name, value in (("block_size", block_size), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MixSampler: {name} must be a positive int, got {value!r}")
+        super().__init__(rank, world_size, keyed)
+        self.mix, self.order, self.block_size, self.window = mix, order, block_size, window
+        self.seed = mix.seed
+        self.drop_last = bool(drop_last)
+        self.count = mix.epoch_size
+        self.schedule = Schedule(mix.weights, mix.epoch_size, mix.seed)
+        self.stored = [None] * len(mix.sources)  # storage orders, read when block order first needs them
+        self._passes: dict[tuple[int, int], PassOrder] = {}
+
+    def settings(self) -> dict:
+        mix = self.mix
+        return {"sources": dict(zip(mix.names, mix.fingerprints)), "weights": dict(zip(mix.names, mix.weights)),
+                "seed": mix.seed, "epoch_size": mix.epoch_size, "order": self.order, "block_size": self.block_size,
+                "window": self.window, "drop_last": self.drop_last}
+
+    def state_dict(self) -> dict:
+        schedule = self.schedule
+        segment = {"epoch": schedule.epoch, "start": schedule.start,
+                   "draws": dict(zip(self.mix.names, schedule.draws.tolist()))}
+        return {**super().state_dict(), "segment": segment}
+
+    def __iter__(self):
+        # Not a generator itself: a loaded position is taken when the pass begins (iter()).
+        return self.counted(self.mixed(self.start()))
+
+    def mixed(self, start: int):
+        """This rank's indexes of the current epoch in a pass from `start`, CHUNK at a time."""
+        rank, world_size = self.world()
+        share = self.pass_length(world_size, start)
+        for begin in range(0, share, CHUNK):
+            positions = rank_positions(self.count, start, rank, world_size, self.drop_last, begin,
+                                       min(share, begin + CHUNK))
+            indexes, passes = self.indexes_at(positions, with_passes=True)
+            if not self.keyed:
+                yield from indexes.tolist()
+                continue
+            # The source's pass is in the key: a source drawn twice in an epoch (weighted above its
+            # size) augments each draw of a sample afresh.
+            epoch = self._progress[0] if self._progress is not None else self.epoch
+            yield from (KeyedIndex(i, (self.seed, epoch, p)) for i, p in zip(indexes.tolist(), passes.tolist()))
+
+    def indexes_at(self, positions: np.ndarray, with_passes: bool = False):
+        """The mixture's indexes at these positions of the current epoch's global order (and,
+        with_passes, the pass of its source each is drawn in)."""
+        epoch = self.epoch
+        begin, length = self.schedule.piece(epoch)
+        if begin:  # a resumed segment's padding wraps round to its own start
+            positions = np.where(positions < begin, begin + positions % max(length, 1), positions)
+        sources, draws = self.schedule.at(epoch, positions)
+        out = np.empty(len(positions), dtype=np.int64)
+        out_passes = np.empty(len(positions), dtype=np.int64)
+        for s in np.unique(sources).tolist():
+            mine = np.flatnonzero(sources == s)
+            n = int(self.mix.lengths[s])
+            passes, within = np.divmod(draws[mine], n)
+            out_passes[mine] = passes
+            for p in np.unique(passes).tolist():
+                here = passes == p
+                out[mine[here]] = self.pass_order(s, p)(within[here]) + self.mix.offsets[s]
+        return (out, out_passes) if with_passes else out
+
+    def pass_order(self, source: int, number: int) -> PassOrder:
+        """Pass `number` of a source (a few are live at a time: kept, up to PASSES_KEPT)."""
+        found = self._passes.get((source, number))
+        if found is None:
+            if len(self._passes) >= PASSES_KEPT:
+                self._passes.clear()
+            found = self._passes[(source, number)] = self.new_pass(source, number)
+        return found
+
+    def new_pass(self, source: int, number: int) -> PassOrder:
+        mix = self.mix
+        if self.order == "block" and self.stored[source] is None:
+            reader = reader_of(mix.sources[source])
+            self.stored[source] = reader.storage_order() if reader is not None else None
+        key = (mix.seed, name_key(mix.names[source]), number)
+        return PassOrder(int(mix.lengths[source]), key, self.order, self.block_size, self.window,
+                         self.stored[source] if self.order == "block" else None)
+
+    def draws(self, epoch: int | None = None, position: int | None = None) -> dict[str, int]:
+        """Draws of each source over the run before `position` of `epoch` (default: where
+        the pass under way stands on this world): how far each source's passes have gone."""
+        epoch = self.epoch if epoch is None else epoch
+        if position is None:
+            position = consumed(self.count, self.pass_start(), self._progress[1] if self._progress else 0,
+                                self.world()[1])
+        return dict(zip(self.mix.names, self.schedule.draws_at(epoch, position).tolist()))
+
+    def count_of(self, state: dict) -> int:
+        """The epoch size a state's positions count in (a reweighted resume's may differ)."""
+        size = state.get("epoch_size") if isinstance(state, dict) else None
+        return size if isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= MOST else self.count
+
+    def load_state_dict(self, state: dict) -> None:
+        """The samplers' resume (RankedSampler.load_state_dict) with the saved segment; over
+        another mixture (weights, sources, epoch size) only where the Mix says reweight=True:
+        then the draws made stay made, and the rest of the epoch follows this Mix's weights."""
+        check_state(state, "MixSampler", {}, SAMPLER_STATE_VERSION)
+        now = self.settings()
+        replaced = [n for n, fp in (state.get("sources") or {}).items() if n in now["sources"] and fp != now["sources"][n]]
+        if replaced:
+            name = replaced[0]
+            raise ValueError(f"MixSampler.load_state_dict: source {name!r} has changed since the state was saved "
+                             f"(saved over {state['sources'][name]}, now {now['sources'][name]}); its pass cannot go "
+                             "on over other data: open the saved data again, or give the new data another name in "
+                             "the Mix with reweight=True to start its passes afresh")
+        fixed = {k: v for k, v in now.items() if k not in ("sources", "weights", "epoch_size")}
+        check_state(state, "MixSampler", fixed, SAMPLER_STATE_VERSION)
+        changed = [f"{k} {state.get(k)!r} (now {now[k]!r})" for k in ("sources", "weights", "epoch_size")
+                   if state.get(k) != now[k]]
+        if changed and not self.mix.reweight:
+            raise ValueError(f"MixSampler.load_state_dict: the state was saved over another mixture: "
+                             f"{'; '.join(changed)}; build the Mix as the saved run did, or pass Mix(..., "
+                             "reweight=True) to go on with these weights from where it stopped")
+        saved = self.saved_schedule(state)
+        if not changed:
+            self.schedule = saved
+            super().load_state_dict(state)
+            return
+        self.reweighted(state, saved)
+
+    def saved_schedule(self, state: dict) -> Schedule:
+        """The schedule the state was saved under, its numbers checked."""
+        segment = state.get("segment")
+        names, weights = list(state.get("sources") or {}), state.get("weights")
+        if not isinstance(segment, dict) or not isinstance(weights, dict) or list(weights) != names or not names:
+            raise ValueError("MixSampler.load_state_dict: the state's segment, sources and weights must be dicts "
+                             "over the same sources, as state_dict() gives them")
+        for name in names:
+            w = weights[name]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1:
+                raise ValueError(f"MixSampler.load_state_dict: weight of {name!r} must be in [0, 1], got {w!r}")
+        size = checked_count(state, "epoch_size", "MixSampler", MOST)
+        epoch = checked_count(segment, "epoch", "MixSampler", MOST)
+        start = checked_count(segment, "start", "MixSampler", size)
+        draws = segment.get("draws")
+        if not isinstance(draws, dict) or list(draws) != names:
+            raise ValueError("MixSampler.load_state_dict: the segment's draws must name the state's sources")
+        counts = tuple(checked_count(draws, name, "MixSampler", MOST) for name in names)
+        last = checked_count(state, "epoch", "MixSampler", MOST)
+        if epoch > last + 1 or (last + 1) * size + max(counts) > MOST:  # draws count in int64
+            raise ValueError(f"MixSampler.load_state_dict: the segment's epoch {epoch} or the draws ({max(counts)}) "
+                             f"do not fit a state of epoch {last} of {size} samples; save and load whole states "
+                             "from state_dict()")
+        return Schedule(tuple(float(weights[n]) for n in names), size, self.mix.seed, epoch, start, counts)
+
+    def reweighted(self, state: dict, saved: Schedule) -> None:
+        """Go on from a state of another mixture: a new segment of this one's schedule where it stopped."""
+        epoch = checked_count(state, "epoch", "MixSampler", MOST)
+        world_size, start, position = elastic_fields(state, "MixSampler", saved.size, self.drop_last)
+        over = ended(saved.size, start, position, world_size, self.drop_last)  # its epoch wholly consumed
+        at = saved.size if over else consumed(saved.size, start, position, world_size)
+        made = dict(zip(state["sources"], saved.draws_at(epoch, at).tolist()))
+        draws = tuple(made.get(name, 0) for name in self.mix.names)
+        if over or at >= self.count:  # nothing of the saved epoch is left: the next one starts the segment
+            self.schedule = Schedule(self.mix.weights, self.count, self.mix.seed, epoch + 1, 0, draws)
+            self._resume = (epoch, self.count)
+        else:
+            self.schedule = Schedule(self.mix.weights, self.count, self.mix.seed, epoch, at, draws)
+            self._after = self.epoch if self._after is None else self._after
+            self.epoch, self._resume = epoch, (epoch, at)
