@@ -656,3 +656,19 @@ def test_map_reads_study_times_every_case_over_the_readers_own_extents(tmp_path,
     assert result["fill"] == fill
     assert set(runs) == set(map_reads.CASES) and all(len(v) == 1 and v[0] > 0 for v in runs.values())
     assert "| map + xxh3, fresh |" in capsys.readouterr().out
+
+
+def test_suite_time_measures_a_pytest_run_and_its_slowest_tests(tmp_path):
+    from benchmarks import suitetime
+
+    out = tmp_path / "suite.json"
+    assert bench_main(["suite-time", "--out", str(out), "--", "tests/test_crc.py", "-k", "chains_over_pieces",
+                       "-p", "no:cacheprovider"]) == 0
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 0 and "1 passed" in result["summary"][0]
+    assert 0 < result["wall_s"] <= suitetime.TARGET_SECONDS and result["cpu_s"] > 0
+    assert [row["test"] for row in result["slowest"]][:1] == [
+        "tests/test_crc.py::test_chains_over_pieces_as_the_hdf5_writer_does"]
+    busy = {**result, "load_before": [result["cores"] + 1.0] * 3}
+    assert "the machine was busy" in suitetime.report(busy)
+    assert "the machine was busy" not in suitetime.report({**busy, "load_before": [0.0] * 3, "load_after": [0.0] * 3})

@@ -98,3 +98,14 @@ def test_only_demo_and_doctor_reach_torch_and_only_inside_a_function():
                 assert id(node) not in top_level, f"{path.name}:{node.lineno} imports torch at module level"
                 reaching.setdefault(path.relative_to(ROOT).as_posix(), []).append(node.lineno)
     assert sorted(reaching) == ["packer/demo.py", "packer/doctor.py"], reaching
+
+
+def test_the_readme_states_a_suite_time_within_the_one_target():
+    from benchmarks.suitetime import TARGET_SECONDS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"no GPU needed; about (\d+) minutes on 2 quiet cores, within the (\d+)-minute target that "
+                       r"`python -m benchmarks suite-time` measures", readme)
+    assert stated, "the README's set-up section states the suite's measured time and its target"
+    assert int(stated.group(2)) * 60 == TARGET_SECONDS
+    assert int(stated.group(1)) * 60 <= TARGET_SECONDS
