@@ -663,7 +663,7 @@ def test_suite_time_measures_a_pytest_run_and_its_slowest_tests(tmp_path):
 
     out = tmp_path / "suite.json"
     assert bench_main(["suite-time", "--out", str(out), "--", "tests/test_crc.py", "-k", "chains_over_pieces",
-                       "-p", "no:cacheprovider"]) == 0
+                       "-n", "0", "-p", "no:cacheprovider"]) == 0
     result = json.loads(out.read_text())
     assert result["exit_code"] == 0 and "1 passed" in result["summary"][0]
     assert 0 < result["wall_s"] <= suitetime.TARGET_SECONDS and result["cpu_s"] > 0
