@@ -120,9 +120,8 @@ def oldest_python() -> str:
 
 
 def test_every_module_runs_on_the_oldest_python_promised():
-    # vermin reads each module for the language features and standard-library names it needs.
-    # It cannot type a method called on a variable (exc.add_note): .ci/oldest-python runs the
-    # torch-free tests on that interpreter, where CI has it, for those.
+    # vermin reads each module for the language features and standard-library names it needs. It
+    # cannot type a method called on a variable (exc.add_note, 3.11): such a call needs a fallback.
     pytest.importorskip("vermin", reason="the Python-version check needs vermin (in the test extra)")
     vermin = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]  # it has no __main__
     proc = subprocess.run([*vermin, f"--target={oldest_python()}-", "--violations", "--eval-annotations", "--no-tips",
