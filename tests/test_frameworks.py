@@ -107,8 +107,9 @@ def lightning_run(job: dict) -> None:
     if job.get("mid_step"):
         checkpoints.append(ModelCheckpoint(out / "mid", save_top_k=-1, every_n_train_steps=job["mid_step"],
                                            save_on_train_epoch_end=False))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=job.get("strategy", "ddp_spawn"), max_epochs=EPOCHS,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=checkpoints,
+    # Lightning's own launcher, as the docs' recipe: rank 1 runs this script again, with the same jobs.
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=checkpoints,
                         num_sanity_val_steps=0)
     trainer.fit(Recorder(job), ckpt_path=job.get("resume"))
 
@@ -198,23 +199,18 @@ def check_whole_epochs(seen: dict, epochs) -> None:
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
 
-def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(packs, tmp_path):
-    seen = run("lightning", {"root": str(packs), "loader": "sampler"}, tmp_path, "full")
-    check_whole_epochs(seen, range(EPOCHS))
-
-
 LIGHTNING_LOADERS = ("make_loader", "wds")
 
 
 @pytest.fixture(scope="module")
-def lightning_resumed(packs, tmp_path_factory):
-    """The resume tests' Lightning runs under Lightning's own ddp launcher (the docs' recipe's):
-    the uninterrupted runs in one launch, then every run resumed from their checkpoints in
-    another. {LOADER-whole|LOADER-after-end|LOADER-after-mid: {rank: {epoch: labels}}}."""
+def lightning_runs(packs, tmp_path_factory):
+    """Every Lightning run of the tests below: the uninterrupted runs in one launch, then every
+    run resumed from their checkpoints in another.
+    {sampler-whole|LOADER-whole|LOADER-after-end|LOADER-after-mid: {rank: {epoch: labels}}}."""
     root = tmp_path_factory.mktemp("lightning")
-    whole = {f"{loader}-whole": {"root": str(packs), "loader": loader, "mid_step": 11, "strategy": "ddp"}
+    whole = {f"{loader}-whole": {"root": str(packs), "loader": loader, "mid_step": 11}
              for loader in LIGHTNING_LOADERS}  # 7 or 8 steps an epoch: step 11 is mid-epoch 1
-    launch("lightning", whole, root)
+    launch("lightning", {"sampler-whole": {"root": str(packs), "loader": "sampler"}, **whole}, root)
     resumed = {}
     for loader in LIGHTNING_LOADERS:
         (end,) = (root / f"{loader}-whole" / "end").glob("epoch=0-*.ckpt")
@@ -222,12 +218,16 @@ def lightning_resumed(packs, tmp_path_factory):
         for name, checkpoint in (("after-end", end), ("after-mid", mid)):
             resumed[f"{loader}-{name}"] = {**whole[f"{loader}-whole"], "mid_step": None, "resume": str(checkpoint)}
     launch("lightning", resumed, root)
-    return {name: records(root / name) for name in [*whole, *resumed]}
+    return {name: records(root / name) for name in ["sampler-whole", *whole, *resumed]}
+
+
+def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(lightning_runs):
+    check_whole_epochs(lightning_runs["sampler-whole"], range(EPOCHS))
 
 
 @pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
-def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_resumed, loader):
-    whole, after_end, after_mid = (lightning_resumed[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
+def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, loader):
+    whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
     check_whole_epochs(whole, range(EPOCHS))
     for rank in (0, 1):
         assert after_end[rank] == {e: whole[rank][e] for e in ("1", "2")}
