@@ -2,6 +2,7 @@
 
     python -m benchmarks.scale corpus --records 1281167 --workdir /var/tmp/scale
     python -m benchmarks.scale run --records 20000 200000 1281167 --workdir /var/tmp/scale
+    python -m benchmarks.scale tiny --records 20000 1281167 10000000 100000000 --workdir /var/tmp/tiny
 
 `corpus` writes WORKDIR/corpus-<records>/train/<class>/<name>.JPEG: small JPEG crops
 (64-160 px long side, a few KB) cut from the real photos in ../shared/data, 1,000
@@ -17,6 +18,10 @@ wall time and files/s, the packer's peak RSS, a fresh process's open() time, one
 DataLoader-style worker's RSS and USS (private memory, /proc/PID/smaps_rollup) after
 open and after one epoch of random reads, and `packer info` / `packer verify` wall time.
 It writes WORKDIR/scale.json and WORKDIR/scale.md (the table).
+
+`tiny` goes further, to 10^8 records and beyond, on packs of tiny synthetic records
+(benchmarks.tiny): open, a shuffled loader's first batch, private memory after random
+reads and an elastic resume, per record count.
 """
 from __future__ import annotations
 
@@ -24,13 +29,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from multiprocessing import Pool
 
 import numpy as np
+
+from .processes import log, memory, open_seconds, timed_process
 
 IMAGENET_TRAIN_RECORDS = 1_281_167
 IMAGENET_CLASSES = 1000
@@ -45,10 +50,6 @@ SOURCE_LONG_SIDE = 320  # sources are shrunk once to this; crops are then cheap
 # Distinct crops encoded; files draw from them (each made unique by a JPEG comment): encoding
 # 1.28M crops would take most of an hour of a shared 2-core machine, writing files minutes.
 POOL_SIZE = 20_000
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ class counts
@@ -221,76 +222,6 @@ def make_corpus(workdir: str, records: int, seed: int = 0, workers: int = 2) -> 
 
 FORMATS = ("lmdb", "hdf5", "wds")
 EXTENSIONS = {"lmdb": ".lmdb", "hdf5": ".h5", "wds": ".wds"}
-SAMPLE_S = 0.05
-MB = 1 << 20
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile of a live process, in bytes (empty once it is gone)."""
-    found = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    found[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return found
-
-
-def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
-    """/proc/PID/smaps_rollup in bytes: Rss, Pss, Private_Clean, Private_Dirty, Anonymous..."""
-    found = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            parts = value.split()
-            if len(parts) == 2 and parts[1] == "kB":
-                found[key] = int(parts[0]) * 1024
-    return found
-
-
-def memory(pid: int | str = "self") -> dict[str, float]:
-    """RSS, USS (private: Private_Clean + Private_Dirty), Private_Dirty alone (memory no other
-    process can share, mostly the heap) and anonymous memory, in MB. Private_Clean also
-    counts page-cache pages of a mapped file that no other process maps at the moment."""
-    m = smaps_rollup(pid)
-    return {"rss_mb": m["Rss"] / MB, "uss_mb": (m["Private_Clean"] + m["Private_Dirty"]) / MB,
-            "private_dirty_mb": m["Private_Dirty"] / MB, "anon_mb": m.get("Anonymous", 0) / MB}
-
-
-def timed_process(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
-    """Run cmd; its wall time, peak RSS (the kernel's, of the largest process: it and the
-    children it waited for) and peak anonymous memory of the main process (sampled).
-    Past timeout seconds it is stopped and "timed_out" is true."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    peak_anon = 0
-    output = []
-    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    while True:
-        found = proc_status(proc.pid)
-        peak_anon = max(peak_anon, found.get("RssAnon", 0))
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if timeout is not None and time.perf_counter() - start > timeout:
-            proc.terminate()  # packer's own interrupt handling: it leaves nothing behind
-            pid, status, usage = os.wait4(proc.pid, 0)
-            reader.join()
-            return {"wall_s": time.perf_counter() - start, "timed_out": True, "peak_rss_mb": usage.ru_maxrss / 1024,
-                    "peak_anon_mb": peak_anon / MB, "output": ""}
-        time.sleep(SAMPLE_S)
-    wall = time.perf_counter() - start
-    reader.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    text = output[0].decode(errors="replace") if output else ""
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-2000:]}")
-    return {"wall_s": wall, "timed_out": False, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "peak_anon_mb": peak_anon / MB, "output": text}
 
 
 def packer_cmd(*args: str) -> list[str]:
@@ -305,28 +236,6 @@ def tree_size(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(top, name)) for top, _, names in os.walk(path) for name in names)
-
-
-OPEN_PROBE = """
-import json, sys, time
-t0 = time.perf_counter()
-import packer
-from packer import open_reader
-t1 = time.perf_counter()
-reader = open_reader(sys.argv[1], split="train")
-reader.open()
-t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1}))
-"""
-
-
-def open_seconds(out: str, runs: int = 3) -> dict:
-    """A fresh process's open_reader + open() time (imports left out), median of runs."""
-    times = []
-    for _ in range(runs):
-        result = timed_process([sys.executable, "-c", OPEN_PROBE, out])
-        times.append(json.loads(result["output"].strip().splitlines()[-1])["open_s"])
-    return {"open_s": float(np.median(times)), "open_s_runs": times}
 
 
 def probe_worker(out: str, epoch_seconds: float, seed: int = 0) -> dict:
@@ -496,6 +405,18 @@ def main(argv: list[str] | None = None) -> int:
     reopen.add_argument("--records", type=int, nargs="+", required=True)
     reopen.add_argument("--workdir", required=True)
     reopen.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    tiny = sub.add_parser("tiny", help="synthetic tiny-record packs: open, first batch, memory, resume")
+    tiny.add_argument("--records", type=int, nargs="+", default=[20_000, IMAGENET_TRAIN_RECORDS, 10_000_000])
+    tiny.add_argument("--workdir", required=True)
+    tiny.add_argument("--format", choices=FORMATS, default="hdf5")
+    tiny.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
+    tiny_pack = sub.add_parser("tiny-pack", help="(internal) write one tiny-record pack")
+    tiny_pack.add_argument("out")
+    tiny_pack.add_argument("--records", type=int, required=True)
+    tiny_pack.add_argument("--format", choices=FORMATS, default="hdf5")
+    sub.add_parser("tiny-sampler", help="each sampler alone over 10^9 items: first indexes, fresh and resumed")
+    tiny_probe = sub.add_parser("tiny-probe", help="(internal) open, load, read and resume one pack, as JSON")
+    tiny_probe.add_argument("packed")
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
     probe.add_argument("packed")
     probe.add_argument("--epoch-seconds", type=float, default=600)
@@ -505,6 +426,18 @@ def main(argv: list[str] | None = None) -> int:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
     elif args.command == "reopen":
         print(table(remeasure_open(args.workdir, args.records, args.formats)), end="")
+    elif args.command in ("tiny", "tiny-pack", "tiny-probe", "tiny-sampler"):
+        from . import tiny as study  # imports scale's helpers: loaded only when asked for
+        if args.command == "tiny":
+            print(study.table(study.run(args.workdir, args.records, args.format, args.keep)), end="")
+        elif args.command == "tiny-sampler":
+            import readers
+            for kind in (readers.ShuffleSampler, readers.BlockShuffleSampler):
+                print(json.dumps(study.sampler_start(kind)))
+        elif args.command == "tiny-pack":
+            study.write_tiny_pack(args.out, args.records, args.format)
+        else:
+            print(json.dumps(study.probe(args.packed)))
     elif args.command == "run":
         print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep,
                         args.verify_seconds)), end="")

@@ -10,6 +10,8 @@ from packer.formats import _tar, wds
 from packer.records import choose_split
 from packer.remote import source as remote_source
 
+from ._pack_identity import index_identity
+
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
 
 
@@ -32,7 +34,7 @@ def remote_of(path_or_urls, storage_options: dict | None):
 
 
 def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], list[int] | None, list[str],
-                                                                    str | None]:
+                                                                    str | None, str]:
     """resolve() for URLs: a packer folder (its index.json), else shard URLs or brace patterns,
     each checked to exist (one HEAD each)."""
     if isinstance(path_or_urls, (str, os.PathLike)):
@@ -42,7 +44,7 @@ def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], 
             split = choose_split(list(index["wds"]["splits"]), split, url)
             shards = index["wds"]["splits"][split]["shards"]
             return ([remote_source.join(url, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split)
+                    list(index["classes"]), split, index_identity(index, split))
         urls = expand_braces(url)
     else:
         urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
@@ -50,12 +52,13 @@ def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], 
     if missing:
         raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing); check the URL and "
                           "that the shards were uploaded", missing[0])
-    return urls, None, [], split
+    return urls, None, [], split, ""
 
 
 def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], list[int] | None, list[str],
-                                                                   str | None]:
-    """(shard paths, their sample counts or None, class names, split) for any accepted source."""
+                                                                   str | None, str]:
+    """(shard paths, their sample counts or None, class names, split, the pack's identity:
+    readers._pack_identity, "" for shards not in a packer folder) for any accepted source."""
     if remote is not None:
         return resolve_remote(path_or_urls, split, remote)
     if isinstance(path_or_urls, (str, os.PathLike)):
@@ -65,7 +68,7 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
             split = choose_split(list(index["wds"]["splits"]), split, path)
             shards = index["wds"]["splits"][split]["shards"]
             return ([os.path.join(path, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split)
+                    list(index["classes"]), split, index_identity(index, split))
         if os.path.isdir(path):
             folder = os.path.join(path, split) if split else path
             if not os.path.isdir(folder):
@@ -75,7 +78,7 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
             shards = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(SHARD_SUFFIXES))
             if not shards:
                 raise FormatError(f"{folder}: no shards ({', '.join(SHARD_SUFFIXES)} files) in this folder", folder)
-            return shards, None, [], split
+            return shards, None, [], split, ""
         urls = expand_braces(path)
     else:
         urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
@@ -83,7 +86,7 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
     if missing:
         raise FormatError(f"{missing[0]}: no such shard ({len(missing)} of {len(urls)} missing; only local "
                           "files are read)", missing[0])
-    return urls, None, [], split
+    return urls, None, [], split, ""
 
 
 def index_file_of(path_or_urls, remote) -> str | None:

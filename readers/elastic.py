@@ -9,14 +9,22 @@ exactly the first C + p * W of it. That one count resumes the epoch on any numbe
 ranks: the rest is the global order from there, dealt again.
 
 Equal shares: without drop_last the rest is padded to a multiple of W with indexes from
-the start of the global order (at most W - 1 repeats; from C = 0 exactly
-DistributedSampler's padding); with drop_last its last (rest mod W) indexes are left out.
+the start of the global order (at most W - 1 repeats, as DistributedSampler pads); with
+drop_last its last (rest mod W) indexes are left out.
+
+A rank's share is dealt a chunk of positions at a time (rank_position_chunks), never as
+one array or list: a share of 10^9 records costs what one chunk does.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import numpy as np
+
+from ._state_limits import MAX_WORLD_SIZE, bounded_int, shown
+
+CHUNK = 4096  # positions dealt at a time: one vectorised step of the order, a few tens of KB
 
 
 def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int:
@@ -26,13 +34,24 @@ def pass_length(count: int, start: int, world_size: int, drop_last: bool) -> int
     return rest // world_size if drop_last else math.ceil(rest / world_size)
 
 
-def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """The positions in the global order that `rank` reads, in order, in a pass from `start`."""
+def rank_positions(count: int, start: int, rank: int, world_size: int, drop_last: bool,
+                   first: int = 0, stop: int | None = None) -> np.ndarray:
+    """The positions in the global order that `rank` reads, in order, in a pass from `start`:
+    its share's slots [first, stop) (stop None: to the share's end)."""
     share = pass_length(count, start, world_size, drop_last)
-    slots = rank + world_size * np.arange(share, dtype=np.int64)  # places in the rest, padded
+    stop = share if stop is None else min(stop, share)
+    slots = rank + world_size * np.arange(min(first, stop), stop, dtype=np.int64)  # places in the rest, padded
     rest = max(0, count - start)
     # A place past the rest's end is padding: the global order again from its start.
     return np.where(slots < rest, start + slots, (slots - rest) % max(count, 1))
+
+
+def rank_position_chunks(count: int, start: int, rank: int, world_size: int, drop_last: bool,
+                         chunk: int = CHUNK) -> Iterator[np.ndarray]:
+    """rank_positions' share, `chunk` positions at a time, each chunk made as it is asked for."""
+    share = pass_length(count, start, world_size, drop_last)
+    for first in range(0, share, chunk):
+        yield rank_positions(count, start, rank, world_size, drop_last, first, first + chunk)
 
 
 def consumed(count: int, start: int, position: int, world_size: int) -> int:
@@ -50,17 +69,11 @@ def ended(count: int, start: int, position: int, world_size: int, drop_last: boo
 def elastic_fields(state: dict, kind: str, count: int, drop_last: bool) -> tuple[int, int, int]:
     """(world_size, start, position) of a sampler state, checked: a position within that
     pass, a start within the epoch."""
-    values = []
-    for key, most in (("world_size", None), ("start", count)):
-        value = state.get(key, 0 if key == "start" else None)  # states before elastic resume began at 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "world_size" else 0) \
-                or (most is not None and value > most):
-            raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= {1 if key == 'world_size' else 0}"
-                             f"{'' if most is None else f' <= {most}'}, got {value!r}")
-        values.append(value)
-    world_size, start = values
+    who = f"{kind}.load_state_dict"
+    world_size = bounded_int(state.get("world_size"), "world_size", who, 1, MAX_WORLD_SIZE)
+    start = bounded_int(state.get("start", 0), "start", who, 0, count)  # states before elastic resume began at 0
     most = pass_length(count, start, world_size, drop_last)
     position = state.get("position")
     if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= most:
-        raise ValueError(f"{kind}.load_state_dict: position must be an int >= 0 <= {most}, got {position!r}")
+        raise ValueError(f"{who}: position must be an int >= 0 <= {most}, got {shown(position)}")
     return world_size, start, position

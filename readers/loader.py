@@ -9,8 +9,8 @@ What it sets and why:
 - a worker init that pins OpenMP/MKL/torch to one thread per worker (N workers x N
   threads oversubscribes the cores) and seeds torch, numpy and random from the
   worker's seed and the DDP rank, so ranks do not draw identical augmentations;
-- for packed data a ShuffleSampler (DistributedSampler's permutation, or index order
-  unshuffled, and rank shares, with the next records hinted to the kernel so cold
+- for packed data a ShuffleSampler (a keyed permutation per epoch, or index order
+  unshuffled, in DistributedSampler's rank shares, with the next records hinted to the kernel so cold
   random reads overlap; a FolderDataset gets the same order, unhinted), else
   DistributedSampler when torch.distributed is initialised (an IterableDataset splits
   itself), or with order="block" a BlockShuffleSampler, which splits across ranks too;
@@ -38,6 +38,7 @@ import torch.utils.data as tud
 from packer.cores import available_cores
 
 from ._dataset import ReaderDataset
+from ._state_limits import MAX_EPOCH, shown
 from .buffers import WorkerBatch
 from .collate import Normalise, NormalisedCollate, collate, encoded_collate, to_be_pinned
 from .gpu import CUDAPrefetcher, resolve_device
@@ -119,8 +120,8 @@ class EpochLoader(tud.DataLoader):
         """Batches of the pass under way, or of the next: after a resume, the rest of its epoch."""
         length = super().__len__()  # also what torch checks an IterableDataset's batch count against
         if isinstance(self.dataset, tud.IterableDataset) and hasattr(self.dataset, "batches"):
-            # Each worker batches its own stream: WDSDataset knows how many batches they make,
-            # which differs between epochs; between passes, count the next one's.
+            # Each worker batches its own stream: WDSDataset knows how many batches they make
+            # (between passes, of the next one's epoch).
             if self._progress is None or self._progress[2]:
                 self.dataset.set_epoch(self.coming_epoch())
             return self.dataset.batches(self.batch_size, self.drop_last, self.num_workers)
@@ -241,10 +242,13 @@ class EpochLoader(tud.DataLoader):
         Raises ValueError naming what differs if it was saved by a loader over other data,
         or with another batch size, seed, world size (or workers, for an IterableDataset)."""
         check_state(state, "EpochLoader", self._settings())
-        epoch = checked_count(state, "epoch", "EpochLoader")
+        epoch = checked_count(state, "epoch", "EpochLoader", MAX_EPOCH)
         batches = checked_count(state, "batches", "EpochLoader")
         for name, target in (("sampler", self.sampler), ("dataset", self.dataset)):
             if state.get(name) is not None:
+                if not isinstance(state[name], dict):
+                    raise ValueError(f"EpochLoader.load_state_dict: the {name} state must be a dict (the "
+                                     f"{name}'s state_dict()) or None, got {type(state[name]).__name__}")
                 if not hasattr(target, "load_state_dict"):
                     raise ValueError(f"EpochLoader.load_state_dict: the state holds a {name} state and this "
                                      f"loader's {name} ({type(target).__name__}) takes none; it was saved by "
@@ -328,8 +332,8 @@ def check_part(part, epoch: int, position: int, name: str) -> None:
     if name == "dataset":  # WDSDataset's: None at an epoch's start, else the loader's batch count
         saved = 0 if saved is None else saved.get("batches") if isinstance(saved, dict) else saved
     if part.get("epoch") != epoch or saved != position:
-        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {part.get('epoch')!r}, position "
-                         f"{saved!r}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
+        raise ValueError(f"EpochLoader.load_state_dict: the {name} state (epoch {shown(part.get('epoch'))}, position "
+                         f"{shown(saved)}) disagrees with the loader's (epoch {epoch}, position {position}); save and "
                          "load whole states from state_dict()")
 
 
@@ -500,7 +504,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
         workers: DataLoader processes; default: the cores available (affinity-aware),
-            divided by LOCAL_WORLD_SIZE.
+            divided by the local ranks (readers.ranks.local_world_size).
         seed: the shuffle seed (the same on every rank).
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for

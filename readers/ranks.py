@@ -1,10 +1,10 @@
-"""Who this process is among the training processes, and how work is shared among them.
+"""Who this process is among the training processes, and how many share its machine.
 
 One place answers "which rank of how many, which DataLoader worker of how many" for
 make_loader, the samplers and WDSDataset, as webdataset's pytorch_worker_info does:
 torch.distributed when a process group is initialised, else the RANK and WORLD_SIZE
 environment variables that torchrun and SLURM launchers set (also the seam tests use),
-else one rank. deal() is the one rule for splitting an epoch's work among ranks.
+else one rank.
 
 Under Hugging Face Accelerate, the data is one rank's: accelerator.prepare() deals a
 loader's batches among the processes itself (docs/frameworks.md), so a share of the data
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable
 
 import torch.distributed as dist
 import torch.utils.data
@@ -34,14 +33,27 @@ def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, 
     if accelerate_shards():
         return 0, 1
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    except ValueError as exc:
-        raise ValueError(f"RANK and WORLD_SIZE must be integers ({exc})") from exc
-    if not 0 <= rank < world_size:
-        raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        try:
+            rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        except ValueError as exc:
+            raise ValueError(f"RANK and WORLD_SIZE must be integers ({exc})") from exc
+        if not 0 <= rank < world_size:
+            raise ValueError(f"environment has RANK={rank}, WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
+    if world_size > 1 and accelerate_runs():
+        raise RuntimeError(single_accelerate_message(rank, world_size))
     return rank, world_size
+
+
+def single_accelerate_message(rank: int, world_size: int) -> str:
+    """Why packer stops where a launcher started several processes and Accelerate runs one."""
+    kind = getattr(accelerate_state().get("distributed_type"), "value", accelerate_state().get("distributed_type"))
+    return (f"this is rank {rank} of WORLD_SIZE={world_size} (a launcher such as torchrun started "
+            f"{world_size} processes), but the Accelerator here runs 1 process (distributed_type {kind}): the "
+            "processes would train apart, with no gradient sync, each on its own share of the data. On CPUs, "
+            "make it with Accelerator(cpu=True, ...); on GPUs, check that each process sees its device "
+            "(docs/frameworks.md)")
 
 
 def accelerate_shards() -> bool:
@@ -73,11 +85,30 @@ def process_rank() -> int:
 
 
 def local_world_size() -> int:
-    """Training processes on this machine (torchrun's LOCAL_WORLD_SIZE), at least 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    except ValueError:
+    """Training processes on this machine, at least 1: torchrun's LOCAL_WORLD_SIZE; else,
+    where a launcher started local ranks without it (Lightning's sets LOCAL_RANK and
+    WORLD_SIZE only; its ddp_spawn initialises torch.distributed), the world size over
+    the node count SLURM gives (one node without it: on several, too few workers, never
+    too many)."""
+    local = positive_env("LOCAL_WORLD_SIZE")
+    if local is not None:
+        return local
+    if dist.is_available() and dist.is_initialized():
+        processes = dist.get_world_size()
+    elif "LOCAL_RANK" in os.environ:
+        processes = positive_env("WORLD_SIZE") or 1
+    else:
         return 1
+    return max(1, processes // (positive_env("SLURM_NNODES") or 1))
+
+
+def positive_env(name: str) -> int | None:
+    """The environment variable `name` as a positive int, else None."""
+    try:
+        value = int(os.environ.get(name, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def worker() -> tuple[int, int]:
@@ -85,17 +116,3 @@ def worker() -> tuple[int, int]:
     info = torch.utils.data.get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
-
-def deal(items: Iterable[tuple[Any, int]], ranks: int) -> tuple[list[list], list[int]]:
-    """Deal (item, size) pairs, in the order given, whole to `ranks` ranks, each to the rank
-    holding the least so far (the lowest rank on a tie); returns each rank's items and each
-    rank's total size. Every rank computes the same deal from the same order, so shares are
-    disjoint without any communication; max(load) - load[rank] is what a rank must pad to
-    keep step counts equal (DDP hangs otherwise)."""
-    owned: list[list] = [[] for _ in range(ranks)]
-    load = [0] * ranks
-    for item, size in items:
-        least = load.index(min(load))
-        owned[least].append(item)
-        load[least] += size
-    return owned, load

@@ -1,16 +1,23 @@
 """Samplers that read packed data fast from a cold cache, on any number of ranks.
 
-ShuffleSampler: a true random permutation, as DistributedSampler deals it, with the next
-records asked of the kernel ahead of reading (Reader.will_need_records): one process
-reading in random order otherwise waits for one disk read at a time, while the disk
-could serve many at once. While the records are found already cached, it backs off.
+ShuffleSampler: a random permutation per epoch, with the next records asked of the kernel
+ahead of reading (Reader.will_need_records): one process reading in random order
+otherwise waits for one disk read at a time, while the disk could serve many at once.
+While the records are found already cached, it backs off.
+
+Both orders are stateless: a keyed bijection on [0, N) (readers.permutation, keyed by
+seed and epoch) gives the index at any position of an epoch's order, so each pass
+computes its indexes a chunk of positions at a time. Nothing the size of the dataset
+is built, in any process: the first index of a 10^9-record epoch costs what the first of
+a 1,000-record one does, and so does resuming at any position of it.
 
 BlockShuffleSampler: near-sequential reads from storage, well-mixed batches.
 
 A true random permutation makes every read a seek, which on a cold cache is as slow as
 the disk's random reads. This sampler cuts the records, in the order they are stored,
-into blocks of `block_size` consecutive records, shuffles the blocks, and shuffles the
-records within each run of `window` of them; the ranks take that order by position.
+into blocks of `block_size` consecutive records, permutes the blocks (the bijection over
+blocks), and permutes the records within each run of `window` of them (a bijection per
+window); the ranks take that order by position.
 Reads stay inside a few contiguous byte ranges at a time, which the sampler asks the
 kernel to fetch ahead (Reader.will_need: one large sequential read per block, started
 one window early), while a batch still draws from `window` places spread over the whole
@@ -44,41 +51,66 @@ import torch.utils.data.distributed
 
 from packer.formats import CAN_ADVISE
 
-from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
+from ._pack_identity import reader_identity, without_identity
+from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
+from .elastic import consumed, elastic_fields, ended, pass_length, rank_position_chunks, rank_positions
+from .permutation import KeyedPermutation
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
 WINDOW = 16  # blocks shuffled together: the classes a batch can draw from
 AHEAD = 64  # records hinted ahead of the one being read in random order
 HINT_CHUNK = 16  # records hinted per call: fewer numpy passes, reads still kept in flight
-STATE_VERSION = 1  # of the samplers' and the loader's state dicts
+WINDOW_BATCH = 64  # windows whose blocks are worked out at once
+STATE_VERSION = 1  # of the loader's and WDSDataset's state dicts
+# Of the samplers' state dicts. 2: the orders are keyed bijections; a version 1 state's
+# position counted torch.randperm's (ShuffleSampler) or numpy's (BlockShuffleSampler) order.
+SAMPLER_STATE_VERSION = 2
+CRC_CHUNK = 1 << 20  # order entries CRC'd at a time
 
 
 def dataset_fingerprint(dataset, order: np.ndarray | None = None) -> str:
     """What a sampler walks, named without its path (a dataset may move between machines):
-    the sample count and, for packer data, the split and a CRC-32 of the class names and
-    of the storage order given."""
+    the sample count and, for packer data, the split, a CRC-32 of the class names and of
+    the storage order given, and the pack's own identity (readers._pack_identity)."""
     name = f"{len(dataset)} samples"
     reader = reader_of(dataset)
     if reader is None:
         return name
     crc = zlib.crc32("\n".join(reader.classes).encode("utf-8", "surrogateescape"))
-    if order is not None:
-        crc = zlib.crc32(np.ascontiguousarray(order, dtype="<i8").tobytes(), crc)
-    return f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    if order is not None:  # a chunk at a time: a mapped table is read, never copied whole
+        for k in range(0, len(order), CRC_CHUNK):
+            crc = zlib.crc32(np.ascontiguousarray(order[k:k + CRC_CHUNK], dtype="<i4"), crc)
+    shape = f"{name} of split {reader.split!r}, {len(reader.classes)} classes, crc32 {crc:08x}"
+    return shape + reader_identity(reader) if hasattr(reader, "metadata") else shape
 
 
-def check_state(state, kind: str, expected: dict) -> None:
-    """Raise a ValueError naming every setting where `state` differs from `expected`."""
+def check_state(state, kind: str, expected: dict, version: int = STATE_VERSION) -> None:
+    """Raise a ValueError naming every setting where `state` differs from `expected`
+    (first, one nested too deep or too large to be any state_dict()'s: _state_limits)."""
     if not isinstance(state, dict):
         raise ValueError(f"{kind}.load_state_dict: expected a dict from {kind}.state_dict(), got "
                          f"{type(state).__name__}")
-    saved_kind = state.get("kind")
-    if saved_kind != kind or state.get("version") != STATE_VERSION:
-        raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {STATE_VERSION} "
-                         f"(it says {saved_kind!r}, version {state.get('version')!r}); load each object's own "
-                         "state_dict()")
-    differ = [f"{key} {state.get(key)!r} (now {value!r})" for key, value in expected.items()
+    check_shape(state, f"{kind}.load_state_dict")
+    saved_kind, saved_version = state.get("kind"), state.get("version")
+    if saved_kind == kind and isinstance(saved_version, int) and not isinstance(saved_version, bool) \
+            and 0 < saved_version < version:
+        raise ValueError(f"{kind}.load_state_dict: this state is of version {saved_version}, saved by an earlier "
+                         f"packer whose order was another; this packer's (version {version}) would resume it at "
+                         "other samples. Start its epoch afresh (set_epoch, no state), or finish the run with "
+                         "the packer that saved it")
+    if saved_kind != kind or saved_version != version:
+        raise ValueError(f"{kind}.load_state_dict: this state is not a {kind} state of version {version} "
+                         f"(it says {shown(saved_kind)}, version {shown(saved_version)}); load each object's "
+                         "own state_dict()")
+    if without_identity(state.get("dataset"), expected.get("dataset", "")):
+        raise ValueError(f"{kind}.load_state_dict: the state names the data it was saved over as "
+                         f"{shown(state['dataset'])}, without the pack (saved before states named it); this pack "
+                         f"is {expected['dataset']!r}: a dataset re-packed from other images of the same count and "
+                         "classes looks the same, and would be resumed in the old order over the new images. If "
+                         "this is the pack the state was saved over, set the state's \"dataset\" to this pack's name "
+                         "and load it again; else start the epoch afresh (docs/resume.md)")
+    differ = [f"{key} {shown(state.get(key))} (now {value!r})" for key, value in expected.items()
               if state.get(key) != value]
     if differ:
         raise ValueError(f"{kind}.load_state_dict: the state was saved with a different {', '.join(differ)}; a "
@@ -88,11 +120,7 @@ def check_state(state, kind: str, expected: dict) -> None:
 
 def checked_count(state: dict, key: str, kind: str, most: int | None = None) -> int:
     """state[key] as an int in [0, most], or a ValueError saying what it is."""
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (most is not None and value > most):
-        bound = "" if most is None else f" <= {most}"
-        raise ValueError(f"{kind}.load_state_dict: {key} must be an int >= 0{bound}, got {value!r}")
-    return value
+    return bounded_int(state.get(key), key, f"{kind}.load_state_dict", 0, most)
 
 
 def reader_of(dataset):
@@ -137,8 +165,9 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         """What fixes the global order besides the epoch; a state loads only where these match."""
         raise NotImplementedError
 
-    def global_order(self) -> np.ndarray:
-        """The current epoch's indexes in the order all ranks together consume them."""
+    def order_at(self, positions: np.ndarray) -> np.ndarray:
+        """The indexes at `positions` of the current epoch's global order: the order all
+        ranks together consume, computed for these positions alone."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -151,7 +180,7 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
             epoch, position, start = self._progress
         else:
             epoch, position, start = self.epoch, 0, 0
-        return {"kind": type(self).__name__, "version": STATE_VERSION, **self.settings(),
+        return {"kind": type(self).__name__, "version": SAMPLER_STATE_VERSION, **self.settings(),
                 "world_size": self.world()[1], "epoch": epoch, "start": start, "position": position}
 
     def load_state_dict(self, state: dict) -> None:
@@ -161,8 +190,8 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         whose pass was over leaves the epoch as set (its rest is empty). Raises ValueError
         if the state is another sampler's, or was saved over other data or with another seed."""
         kind = type(self).__name__
-        check_state(state, kind, self.settings())
-        epoch = checked_count(state, "epoch", kind)
+        check_state(state, kind, self.settings(), SAMPLER_STATE_VERSION)
+        epoch = checked_count(state, "epoch", kind, MAX_EPOCH)
         world_size, start, position = elastic_fields(state, kind, self.count, self.drop_last)
         if ended(self.count, start, position, world_size, self.drop_last):
             # Its epoch was wholly consumed: the epoch stays the one set (torchdata loads this as a pass
@@ -195,10 +224,15 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         self._progress = [self.epoch, 0, start]
         return start
 
-    def pass_positions(self, start: int) -> np.ndarray:
-        """The places in the global order this rank reads in a pass from `start`."""
+    def pass_positions(self, start: int) -> Iterator[np.ndarray]:
+        """The places in the global order this rank reads in a pass from `start`, a chunk at a time."""
         rank, world_size = self.world()
-        return rank_positions(self.count, start, rank, world_size, self.drop_last)
+        return rank_position_chunks(self.count, start, rank, world_size, self.drop_last)
+
+    def first_positions(self, start: int, most: int) -> np.ndarray:
+        """The first `most` places this rank reads in a pass from `start` (set_epoch's hints)."""
+        rank, world_size = self.world()
+        return rank_positions(self.count, start, rank, world_size, self.drop_last, 0, most)
 
     def counted(self, indexes: Iterable[int]) -> Iterator[int]:
         """indexes, each counted in the pass's progress as it is handed out."""
@@ -238,13 +272,16 @@ class ReadAhead:
 class ShuffleSampler(RankedSampler):
     """A random permutation of `dataset` per epoch, this rank's share, read ahead.
 
-    The indexes are exactly torch's DistributedSampler's for the same seed, epoch, ranks
-    and drop_last (one rank: the whole permutation). Over a readers Dataset of packed
-    data, the AHEAD records after the one being read are hinted to the kernel, HINT_CHUNK
-    at a time, from the process that iterates the sampler (the main process, with
-    DataLoader workers): up to AHEAD reads in flight instead of one, which on a cold
-    cache reads in random order at near the disk's sequential rate. `ahead` sets how
-    many; prefetch=False, or a dataset without a packer reader, gives the plain permutation.
+    The epoch's permutation is readers.permutation's keyed bijection, keyed by (seed,
+    epoch) and computed a chunk of positions at a time, so a dataset of any size costs
+    the same few KB; ranks take it by position with DistributedSampler's equal shares
+    and padding (readers.elastic). shuffle=False gives index order, dealt the same way.
+    Over a readers Dataset of packed data, the AHEAD records after the one being read are
+    hinted to the kernel, HINT_CHUNK at a time, from the process that iterates the
+    sampler (the main process, with DataLoader workers): up to AHEAD reads in flight
+    instead of one, which on a cold cache reads in random order at near the disk's
+    sequential rate. `ahead` sets how many; prefetch=False, or a dataset without a
+    packer reader, gives the plain permutation.
     """
 
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0, rank: int | None = None,
@@ -260,23 +297,25 @@ class ShuffleSampler(RankedSampler):
         self.reader = reader if prefetch and CAN_ADVISE and hasattr(reader, "will_need_records") else None
         self.shuffle, self.seed, self.drop_last, self.ahead = shuffle, int(seed), drop_last, ahead
         self.read_ahead: ReadAhead | None = None  # the last pass's, for inspection
+        self._permutation: KeyedPermutation | None = None  # the last epoch's
 
     def share(self, world_size: int) -> int:
         """Indexes per rank in a whole epoch (DistributedSampler's num_samples)."""
         return self.pass_length(world_size)
 
-    def global_order(self) -> np.ndarray:
-        """The epoch's permutation (index order unshuffled): the same on any number of ranks."""
-        if not self.shuffle:
-            return np.arange(self.count, dtype=np.int64)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.count, generator=generator).numpy()
+    def permutation(self) -> KeyedPermutation:
+        """The current epoch's permutation: the same on any number of ranks and workers."""
+        if self._permutation is None or self._permutation.key != (self.seed, self.epoch):
+            self._permutation = KeyedPermutation(self.count, (self.seed, self.epoch))
+        return self._permutation
 
-    def indexes(self, start: int = 0) -> np.ndarray:
-        """This rank's indexes for the current epoch in a pass from `start` (DistributedSampler's
-        share from 0), in reading order."""
-        return self.global_order()[self.pass_positions(start)].astype(np.int64)
+    def order_at(self, positions: np.ndarray) -> np.ndarray:
+        return self.permutation()(positions) if self.shuffle else np.asarray(positions, np.int64)
+
+    def index_chunks(self, start: int = 0) -> Iterator[np.ndarray]:
+        """This rank's indexes for the current epoch in a pass from `start`, in reading
+        order, a chunk (readers.elastic.CHUNK) at a time."""
+        return (self.order_at(positions) for positions in self.pass_positions(start))
 
     def settings(self) -> dict:
         return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
@@ -284,19 +323,34 @@ class ShuffleSampler(RankedSampler):
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.read_ahead_of(self.indexes(self.start())))
+        return self.counted(self.read_ahead_of(self.index_chunks(self.start())))
 
-    def read_ahead_of(self, indexes: np.ndarray) -> Iterator[int]:
+    def read_ahead_of(self, chunks: Iterator[np.ndarray]) -> Iterator[int]:
         if self.reader is None:
-            yield from indexes.tolist()
+            for chunk in chunks:
+                yield from chunk.tolist()
             return
         hint, ahead = ReadAhead(self.reader), self.ahead
         self.read_ahead = hint
-        for k in range(0, min(ahead, len(indexes)), HINT_CHUNK):
-            hint(indexes[k:k + HINT_CHUNK])
-        for k in range(0, len(indexes), HINT_CHUNK):
-            hint(indexes[k + ahead:k + ahead + HINT_CHUNK])
-            yield from indexes[k:k + HINT_CHUNK].tolist()
+        # Indexes not yet handed out, topped up from the chunks to reach AHEAD past the next.
+        pending, more = np.zeros(0, np.int64), True
+
+        def top_up(pending: np.ndarray) -> np.ndarray:
+            nonlocal more
+            while more and len(pending) < ahead + HINT_CHUNK:
+                chunk = next(chunks, None)
+                more = chunk is not None
+                if more:
+                    pending = np.concatenate([pending, chunk])
+            return pending
+
+        pending = top_up(pending)
+        for k in range(0, min(ahead, len(pending)), HINT_CHUNK):
+            hint(pending[k:k + HINT_CHUNK])
+        while len(pending):
+            hint(pending[ahead:ahead + HINT_CHUNK])
+            yield from pending[:HINT_CHUNK].tolist()
+            pending = top_up(pending[HINT_CHUNK:])
 
 
 class BlockShuffleSampler(RankedSampler):
@@ -313,11 +367,14 @@ class BlockShuffleSampler(RankedSampler):
         prefetch: start reading each window's blocks one window before they are used.
 
     The epoch's global order is the same on any number of ranks (readers.elastic): the
-    blocks in a permutation seeded by (seed, epoch), cut into windows of `window` blocks,
-    each window's records shuffled; ranks take it by position, as ShuffleSampler takes
-    its permutation, so every rank reads from the same window at a time, 1/world_size of
-    its records, and yields len(self) indexes (at most world_size - 1 padded repeats in
-    all). On one machine the ranks share the page cache, so each block is still read
+    blocks in the order of a keyed bijection over blocks (seed, epoch), cut into windows
+    of `window` blocks, each window's records in the order of a bijection of its own
+    (seed, epoch, window); ranks take it by position, as ShuffleSampler takes its
+    permutation, so every rank reads from the same window at a time, 1/world_size of its
+    records, and yields len(self) indexes (at most world_size - 1 padded repeats in all).
+    A position's window, block and record are computed, nothing per record is built; a
+    shuffled LMDB or HDF5 pack's storage order is read from its mapped table as each
+    window is read (a WebDataset pack's is worked out from records.bin, 4 bytes a record). On one machine the ranks share the page cache, so each block is still read
     once; on several, each machine reads every window's blocks (docs/resume.md).
     """
 
@@ -330,61 +387,84 @@ class BlockShuffleSampler(RankedSampler):
         self.count = len(dataset)
         reader = reader_of(dataset)
         self.reader = reader if prefetch else None
-        # The index of the record at each stored position; None: the identity.
+        # The index of the record at each stored position (the pack's mapped table); None: the identity.
         self.stored = reader.storage_order() if reader is not None else None
         self.block_size, self.window, self.shuffle, self.seed = block_size, window, shuffle, int(seed)
         self.fingerprint = dataset_fingerprint(dataset, self.stored)
-        self._layout: tuple | None = None  # (epoch, layout()'s result): worked out once per epoch
+        self.blocks = math.ceil(self.count / block_size)
+        self.windows = math.ceil(self.blocks / window)
+        # The last block is short by `deficit` records; every other window holds window x block_size.
+        self.deficit = self.blocks * block_size - self.count
+        self._epoch: tuple | None = None  # (epoch, block permutation, the short block's window)
+        self._starts: tuple | None = None  # (epoch, batch, block_starts of WINDOW_BATCH windows)
 
-    def layout(self) -> tuple[np.ndarray, list[list[tuple[int, int]]], np.ndarray]:
-        """(the epoch's global order as stored positions, each window's blocks as [start,
-        stop) stored positions, where each window begins in the order)."""
-        if self._layout is not None and self._layout[0] == self.epoch:
-            return self._layout[1]
-        n_blocks = math.ceil(self.count / self.block_size)
-        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n_blocks) if self.shuffle
-                 else np.arange(n_blocks))
-        rng = np.random.default_rng([self.seed, self.epoch, 0])  # one rank's draws before the order was global
-        starts = order * self.block_size
-        stops = np.minimum(starts + self.block_size, self.count)
-        groups, pieces, begins, begin = [], [], [], 0
-        for w in range(0, n_blocks, self.window):
-            group = list(zip(starts[w:w + self.window].tolist(), stops[w:w + self.window].tolist()))
-            positions = np.concatenate([np.arange(a, b) for a, b in group])
-            if self.shuffle:
-                rng.shuffle(positions)
-            groups.append(group)
-            pieces.append(positions)
-            begins.append(begin)
-            begin += len(positions)
-        found = (np.concatenate(pieces or [np.zeros(0, np.int64)]), groups, np.array(begins, dtype=np.int64))
-        self._layout = (self.epoch, found)
-        return found
+    def block_order(self) -> tuple[KeyedPermutation | None, int]:
+        """(the epoch's permutation of blocks, None unshuffled; the window the short last block lies in)."""
+        if self._epoch is None or self._epoch[0] != self.epoch:
+            blocks = KeyedPermutation(self.blocks, (self.seed, self.epoch, 0)) if self.shuffle else None
+            last = self.blocks - 1
+            slot = int(blocks.inverse([last])[0]) if blocks is not None and last >= 0 else last
+            self._epoch = (self.epoch, blocks, slot // self.window)
+        return self._epoch[1], self._epoch[2]
 
-    def load_state_dict(self, state: dict) -> None:
-        if isinstance(state, dict) and "start" not in state and state.get("world_size") != 1:
-            raise ValueError(f"BlockShuffleSampler.load_state_dict: this state was saved on {state.get('world_size')!r} "
-                             "ranks by an earlier packer, whose block order on several ranks was another; it cannot "
-                             "be resumed mid-epoch: start the epoch afresh (load it with the packer that saved it)")
-        super().load_state_dict(state)
+    def window_of(self, positions: np.ndarray) -> np.ndarray:
+        """The window each position of the global order lies in."""
+        full = self.window * self.block_size
+        short = self.block_order()[1]
+        positions = np.asarray(positions, np.int64)
+        # Windows up to the short block's are full, those after it start `deficit` earlier.
+        return np.where(positions < (short + 1) * full - self.deficit, positions // full,
+                        (positions + self.deficit) // full)
 
-    def global_order(self) -> np.ndarray:
-        order = self.layout()[0]
-        return order if self.stored is None else self.stored[order]
+    def window_begin(self, w: int) -> int:
+        """Where window w begins in the global order."""
+        return w * self.window * self.block_size - (self.deficit if w > self.block_order()[1] else 0)
+
+    def block_starts(self, w: int) -> np.ndarray:
+        """The stored positions where window w's blocks start, in the order the window lists
+        them. Worked out for WINDOW_BATCH windows at once (one vectorised pass of the
+        bijection instead of one per window), the last batch kept."""
+        batch = w // WINDOW_BATCH
+        if self._starts is None or self._starts[:2] != (self.epoch, batch):
+            blocks = self.block_order()[0]
+            first = batch * WINDOW_BATCH * self.window
+            slots = np.arange(first, min(first + WINDOW_BATCH * self.window, self.blocks), dtype=np.int64)
+            self._starts = (self.epoch, batch, (slots if blocks is None else blocks(slots)) * self.block_size)
+        begin = (w - batch * WINDOW_BATCH) * self.window
+        return self._starts[2][begin:begin + self.window]
+
+    def window_blocks(self, w: int) -> list[tuple[int, int]]:
+        """Window w's blocks, as [start, stop) stored positions, in the order the window lists them."""
+        return [(start, min(start + self.block_size, self.count)) for start in self.block_starts(w).tolist()]
+
+    def stored_at(self, w: int, positions: np.ndarray) -> np.ndarray:
+        """The stored positions at these positions of the global order, all in window w."""
+        starts = self.block_starts(w)
+        sizes = np.minimum(starts + self.block_size, self.count) - starts
+        local = np.asarray(positions, np.int64) - self.window_begin(w)
+        if self.shuffle:
+            local = KeyedPermutation(int(sizes.sum()), (self.seed, self.epoch, 1, w))(local)
+        ends = np.cumsum(sizes)
+        block = np.searchsorted(ends, local, side="right")
+        return starts[block] + local - (ends[block] - sizes[block])
+
+    def order_at(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        found = np.empty(len(positions), np.int64)
+        windows = self.window_of(positions)
+        for w in np.unique(windows).tolist():
+            mine = windows == w
+            found[mine] = self.stored_at(w, positions[mine])
+        return found if self.stored is None else self.stored[found].astype(np.int64)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass epoch n, and start reading its first windows now: a DataLoader
         starts its workers before it draws the first index, and the fetches overlap that."""
         super().set_epoch(epoch)
         if self.reader is not None:
-            _, groups, begins = self.layout()
-            windows = window_runs(begins, self.pass_positions(self.pass_start()))[0]
-            for w in dict.fromkeys(windows[:2].tolist()):
-                self.hint(groups[w])
-
-    def positions(self, start: int = 0) -> np.ndarray:
-        """The stored positions this rank reads in the current epoch, in a pass from `start`."""
-        return self.layout()[0][self.pass_positions(start)]
+            for w in self.window_of(self.first_positions(self.pass_start(), 1)).tolist():
+                for ahead in range(w, min(w + 2, self.windows)):  # what the pass's first run hints
+                    self.hint(self.window_blocks(ahead))
 
     def settings(self) -> dict:
         return {"dataset": self.fingerprint, "seed": self.seed, "shuffle": bool(self.shuffle),
@@ -394,18 +474,21 @@ class BlockShuffleSampler(RankedSampler):
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
         return self.counted(self.read_windows(self.pass_positions(self.start())))
 
-    def read_windows(self, places: np.ndarray) -> Iterator[int]:
-        """The records at these places of the global order, each window's blocks hinted
-        one window ahead of the records read from it."""
-        order, groups, begins = self.layout()
-        windows, edges = window_runs(begins, places)
-        if len(windows):
-            self.hint(groups[windows[0]])
-        for run in range(len(windows)):
-            if run + 1 < len(windows):
-                self.hint(groups[windows[run + 1]])  # read ahead while this window is consumed
-            positions = order[places[edges[run]:edges[run + 1]]]
-            yield from (positions if self.stored is None else self.stored[positions]).tolist()
+    def read_windows(self, chunks: Iterator[np.ndarray]) -> Iterator[int]:
+        """The records at these places of the global order (chunks of them), each window's
+        blocks hinted one window ahead of the records read from it."""
+        current = None
+        for places in chunks:
+            windows, edges = window_runs(self.window_of(places))
+            for run, w in enumerate(windows.tolist()):
+                if w != current:
+                    if current is None:
+                        self.hint(self.window_blocks(w))
+                    if w + 1 < self.windows:
+                        self.hint(self.window_blocks(w + 1))  # read ahead while this window is consumed
+                    current = w
+                positions = self.stored_at(w, places[edges[run]:edges[run + 1]])
+                yield from (positions if self.stored is None else self.stored[positions]).tolist()
 
     def hint(self, blocks: list[tuple[int, int]]) -> None:
         if self.reader is not None:
@@ -413,12 +496,11 @@ class BlockShuffleSampler(RankedSampler):
                 self.reader.will_need(start, stop)
 
 
-def window_runs(begins: np.ndarray, places: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """(the window of each run of consecutive places in one window, the runs' edges in places)."""
-    windows = np.searchsorted(begins, places, side="right") - 1
+def window_runs(windows: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(the window of each run of consecutive places in one window, the runs' edges)."""
     cuts = (np.flatnonzero(np.diff(windows)) + 1).tolist()
-    edges = [0, *cuts, len(places)]
-    return windows[edges[:-1]] if len(places) else windows[:0], edges
+    edges = [0, *cuts, len(windows)]
+    return windows[edges[:-1]] if len(windows) else windows[:0], edges
 
 
 def class_entropy(labels: np.ndarray, indexes, batch_size: int) -> float:

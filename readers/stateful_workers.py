@@ -25,8 +25,9 @@ import importlib.metadata
 
 import torch
 
+from ._state_limits import MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, check_shape, shown
 from .wds import checked_position
-from .wds_elastic import checked_history
+from .wds_elastic import appended, checked_history
 
 CHECKED_TORCHDATA = ("0.11",)  # releases whose StatefulDataLoader state layout this was read from
 MAIN_KEYS = {"_sampler_iter_state", "_index_sampler_state", "_sampler_iter_yielded", "_IterableDataset_len_called",
@@ -35,6 +36,13 @@ SINGLE_KEYS = MAIN_KEYS | {"_num_yielded", "_iterator_finished", "fetcher_state"
 LOADER_KEYS = {"_snapshot", "_steps_since_snapshot", "_iterator_finished"}
 SNAPSHOT_KEYS = {"_snapshot_step", "_last_yielded_worker_id", "_main_snapshot", "_worker_snapshots"}
 WORKER_KEYS = {"worker_id", "fetcher_state", "dataset_state"}
+NONE = type(None)
+VALUE_TYPES = {  # the types torchdata 0.11 saves under each key it owns: any other was altered
+    "_sampler_iter_state": (dict, NONE), "_index_sampler_state": (dict, NONE), "_sampler_iter_yielded": (int,),
+    "_IterableDataset_len_called": (int, NONE), "_shared_seed": (int, NONE), "_base_seed": (int,),
+    "_num_workers": (int,), "_num_yielded": (int,), "_iterator_finished": (bool,), "fetcher_state": (dict, NONE),
+    "dataset_state": (dict, NONE), "worker_id": (int,), "_snapshot_step": (int,), "_last_yielded_worker_id": (int,),
+    "_steps_since_snapshot": (int,), "_snapshot": (dict,), "_main_snapshot": (dict,), "_worker_snapshots": (dict,)}
 FRESH_FETCHER = {"dataset_iter_state": None, "fetcher_ended": False}  # an iterable dataset's, not yet ended
 
 
@@ -47,10 +55,9 @@ def for_workers(state: dict, num_workers: int) -> dict:
     Raises ValueError for a state that is not a StatefulDataLoader's, of a layout other
     than torchdata 0.11's, saved between snapshots (snapshot_every_n_steps above 1), or
     over an IterableDataset other than WDSDataset."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"readers.for_workers: num_workers must be an int >= 0 (the new loader's), got "
-                         f"{num_workers!r}")
+    bounded_int(num_workers, "num_workers", "readers.for_workers", 0, MAX_WORKERS)
     check_torchdata()
+    check_shape(state, "readers.for_workers")
     saved = parts(state)
     if saved["workers"] == num_workers:
         return state
@@ -98,6 +105,7 @@ def parts(state) -> dict:
         raise ValueError("readers.for_workers: this is readers.make_loader's loader state, which resumes with any "
                          "number of workers as it is: load it into make_loader's loader")
     if isinstance(state, dict) and set(state) == SINGLE_KEYS:
+        check_types(state)
         return {"workers": 0, "main": {key: state[key] for key in MAIN_KEYS}, "step": count(state, "_num_yielded"),
                 "steps_since": 0, "finished": state["_iterator_finished"],
                 "datasets": [state["dataset_state"]], "fetchers": [state["fetcher_state"]]}
@@ -108,7 +116,9 @@ def parts(state) -> dict:
     main = snapshot["_main_snapshot"]
     if not (isinstance(main, dict) and set(main) == MAIN_KEYS | {"_num_workers", "_base_seed"}):
         raise ValueError(layout_message(main, "its _main_snapshot"))
-    workers = count(main, "_num_workers")
+    for part in (state, snapshot, main):
+        check_types(part)
+    workers = count(main, "_num_workers", MAX_WORKERS)
     snapshots = snapshot["_worker_snapshots"]
     keys = [f"worker_{i}" for i in range(workers)]
     if not (workers >= 1 and isinstance(snapshots, dict) and set(snapshots) == set(keys)
@@ -117,6 +127,8 @@ def parts(state) -> dict:
         raise ValueError(f"readers.for_workers: the state's _worker_snapshots are not one dict {sorted(WORKER_KEYS)} "
                          f"for each of its {workers} workers, keyed worker_0 on: it was not saved by torchdata "
                          f"{', '.join(CHECKED_TORCHDATA)}'s StatefulDataLoader, or was altered since")
+    for k in keys:
+        check_types(snapshots[k], f"_worker_snapshots/{k}/")
     return {"workers": workers, "main": {key: main[key] for key in MAIN_KEYS | {"_base_seed"}},
             "step": count(snapshot, "_snapshot_step"), "steps_since": count(state, "_steps_since_snapshot"),
             "finished": state["_iterator_finished"],
@@ -124,15 +136,23 @@ def parts(state) -> dict:
             "fetchers": [snapshots[k]["fetcher_state"] for k in keys]}
 
 
-def count(state: dict, key: str) -> int:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"readers.for_workers: the state's {key} must be an int >= 0, got {value!r}")
-    return value
+def check_types(part: dict, where: str = "") -> None:
+    """Refuse a value of a key torchdata owns whose type is not the one torchdata saves there:
+    torchdata would fail on it later, with an error of its own."""
+    for key, value in part.items():
+        allowed = VALUE_TYPES.get(key)
+        if allowed is not None and type(value) not in allowed:
+            raise ValueError(f"readers.for_workers: the state's {where}{key} is {shown(value)}, and torchdata "
+                             f"{', '.join(CHECKED_TORCHDATA)} saves {' or '.join(t.__name__ for t in allowed)} there: "
+                             "it was altered since it was saved")
+
+
+def count(state: dict, key: str, most: int | None = None) -> int:
+    return bounded_int(state[key], f"the state's {key}", "readers.for_workers", 0, most)
 
 
 def layout_message(state, what: str = "it") -> str:
-    got = sorted(state) if isinstance(state, dict) else type(state).__name__
+    got = shown(sorted(map(str, state))) if isinstance(state, dict) else type(state).__name__
     return (f"readers.for_workers: this is not a StatefulDataLoader state of torchdata "
             f"{', '.join(CHECKED_TORCHDATA)} ({what} has {got}; one saved with workers has {sorted(LOADER_KEYS)}, "
             f"with num_workers=0 {sorted(SINGLE_KEYS)}): pass the dict StatefulDataLoader.state_dict() returned, "
@@ -161,20 +181,22 @@ def stream_states(states: list[dict], workers: int) -> list[dict]:
     if any({key: value for key, value in state.items() if key != "position"} != first for state in states):
         raise ValueError("readers.for_workers: the workers' WDSDataset states differ in more than their position "
                          "(data, seed, epoch or world size): they are not one loader's")
-    positions = [checked_position(state["position"]) for state in states]
+    positions = [checked_position(state.get("position")) for state in states]
     if all(position is None for position in positions):  # an epoch's start
         return [copy.deepcopy(states[0]) for _ in range(workers)]
     if not all(position is not None and "samples" in position and position["workers"] == len(states)
                and position["worker"] == w for w, position in enumerate(positions)):
         raise ValueError(f"readers.for_workers: the {len(states)} workers' WDSDataset positions are not each "
-                         f"worker's own count of {len(states)} (got {positions}): not a StatefulDataLoader's")
+                         f"worker's own count of {len(states)} (got {shown(positions)}): not a StatefulDataLoader's")
     history = checked_history(positions[0].get("history", []))
     if any(position.get("history", []) != history for position in positions):
         raise ValueError("readers.for_workers: the workers' WDSDataset positions hold different histories: they "
                          "are not one loader's")
     streams = [position["samples"] for position in positions]
     if any(streams):
-        history = history + [{"world_size": first["world_size"], "workers": len(streams), "streams": streams}]
+        world_size = bounded_int(first.get("world_size"), "world_size", "readers.for_workers: a WDSDataset state's",
+                                 1, MAX_WORLD_SIZE)
+        history = appended(history, {"world_size": world_size, "workers": len(streams), "streams": streams})
     if not history:  # nothing consumed: the epoch as a fresh run reads it
         return [{**copy.deepcopy(first), "position": None} for _ in range(workers)]
     return [{**copy.deepcopy(first), "position": {"rank": positions[0]["rank"], "worker": w, "workers": workers,

@@ -1,11 +1,12 @@
 """WDSDataset: streams WebDataset tar shards (packer's or any tool's) across DDP ranks and workers.
 
 One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
-by (seed, epoch) when shuffling), dealt to ranks, then to DataLoader workers, and only
-then streamed through a per-worker shuffle buffer. Reading is three small generators:
-shard samples, the buffer, the conversion to (image, label). A local packer folder's
-shard samples are read by its index (one pread per image, no tar header parsed); any
-other shard, or a packer shard the index does not describe, is parsed.
+by (seed, epoch) when shuffling), their samples cut into equal shares for the ranks, then
+for the DataLoader workers, and only then streamed through a per-worker shuffle buffer.
+Reading is three small generators: shard samples, the buffer, the conversion to (image,
+label). A local packer folder's shard samples are read by its index (one pread per image,
+no tar header parsed); any other shard, or a packer shard the index does not describe, is
+parsed.
 
 Resuming (docs/resume.md): each worker's stream is fixed by (seed, epoch, rank, worker,
 workers), the buffer's draws included, so a position in it is a count of samples
@@ -17,6 +18,7 @@ that point on, are read again; every other shard already consumed is skipped unr
 from __future__ import annotations
 
 import bisect
+import math
 import multiprocessing
 import multiprocessing.context
 import os
@@ -36,14 +38,15 @@ from packer.formats._tables import replaced_error
 
 from ._dataset import PackedDataset
 from ._pool import CountPool
+from ._state_limits import MAX_EPOCH, MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, shown
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from ._wds_checks import sample_label
 from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
-from .ranks import accelerate_runs, check_rank, deal, worker, world
+from .ranks import accelerate_runs, check_rank, worker, world
 from .sampler import STATE_VERSION, check_state, checked_count
-from .wds_elastic import checked_history, continue_or_deal, rank_plan
+from .wds_elastic import checked_history, continue_or_deal, rank_plan, shard_order, share
 
 ON_ERROR = ("fail", "skip")  # the words of packer pack --on-error
 # Accepted for code written before the two vocabularies were one.
@@ -76,16 +79,16 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     Distribution: the rank and world size come from rank=/world_size=, else from
     torch.distributed when it is initialised, else from the RANK and WORLD_SIZE
-    environment variables. Shards are dealt to ranks in epoch order, each to the rank
-    holding the fewest samples so far. Padding rule: every rank yields exactly len(self)
-    samples, the largest rank's share; a rank with fewer samples repeats samples from the
-    start of its own shards (of the epoch's shard list, if it got none), as
-    DistributedSampler repeats indices. Nothing is dropped: every sample is yielded at
-    least once per epoch, and exactly once when the ranks' shares come out equal (always,
-    with one rank). A rank's samples are then cut into one run per DataLoader worker,
-    equal to within one sample (stream_sizes), a shard shared by two workers where a run
-    ends inside it. Each worker batches its own run, so with the same runs on every rank,
-    every rank makes the same number of batches, and DDP never hangs.
+    environment variables. Each epoch, the shards' samples, in epoch order, are cut into
+    equal contiguous shares, one per rank (a shard shared by two ranks where a share ends
+    inside it). Padding rule: every rank yields exactly len(self) samples, ceil(samples /
+    ranks), the same every epoch; the last ranks' shortfall (ranks - 1 samples at most)
+    repeats the epoch's first samples, as DistributedSampler repeats indices. Nothing is
+    dropped: every sample is yielded once per epoch, and at most ranks - 1 of them twice.
+    A rank's samples are then cut into one run per DataLoader worker, equal to within one
+    sample (stream_sizes), a shard shared by two workers where a run ends inside it. Each
+    worker batches its own run, so with the same runs on every rank, every rank makes the
+    same number of batches, and DDP never hangs.
 
     shuffle: buffer size per worker (0: shards and samples in stored order). With
     shuffle > 0, set_epoch(n) changes the shard order, the rank/worker assignment and
@@ -143,7 +146,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         # ties every worker's stream to the dataset these shards, counts and classes are of.
         self.index_file = index_file_of(path_or_urls, self.remote)
         self.identity = None if self.index_file is None else current_identity(self.index_file, self.remote)
-        self.shards, self.counts, self.classes, self.split = resolve(path_or_urls, split, self.remote)
+        self.shards, self.counts, self.classes, self.split, self.pack = resolve(path_or_urls, split, self.remote)
         self.check_replaced()
         # A local packer folder is streamed through its index (read_shards); this process's reader of it:
         self.packed = None if self.remote is not None else packed_folder(path_or_urls)
@@ -202,30 +205,22 @@ class WDSDataset(torch.utils.data.IterableDataset):
             return 0
 
     def plan(self, rank: int, world_size: int) -> list[Task]:
-        """This rank's tasks for the current epoch: its own shards, then its padding."""
+        """This rank's tasks for the current epoch: its equal, contiguous share of the epoch's
+        samples in shard order (wds_elastic.share), so every epoch has the same length on every rank."""
+        # Shares of samples, not of whole shards: dealing whole shards made each epoch's length the
+        # largest rank's load, which changed with the shard order, and frameworks read a loader's
+        # length once (Lightning cut longer epochs short at the first one's batch count).
+        return share(self, self.epoch_tasks(), rank, world_size)
+
+    def epoch_tasks(self) -> list[Task]:
+        """The epoch's samples as whole-shard tasks, in its shard order."""
         counts = self.shard_counts()
-        order = list(range(len(self.shards)))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(order)).tolist()
-        owned, load = deal(((shard, counts[shard]) for shard in order), world_size)
-        tasks = [Task(s) for s in owned[rank] if counts[s]]
-        deficit = max(load) - load[rank]
-        sources = [s for s in owned[rank] if counts[s]] or [s for s in order[rank:] + order[:rank] if counts[s]]
-        while deficit > 0 and sources:
-            for shard in sources:
-                take = min(deficit, counts[shard])
-                tasks.append(Task(shard, 0, take))
-                deficit -= take
-                if not deficit:
-                    break
-        return tasks
+        return [Task(shard) for shard in shard_order(self) if counts[shard]]
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (padded; the total sample count with one rank)."""
-        rank, world_size = self.world()
-        if world_size == 1:
-            return sum(self.shard_counts())
-        return sum(map(self.task_size, self.plan(rank, world_size)))
+        """Samples this rank yields per epoch: the total over the world size, rounded up
+        (padded; the total sample count with one rank), the same every epoch."""
+        return math.ceil(sum(self.shard_counts()) / self.world()[1])
 
     def batches(self, batch_size: int, drop_last: bool, workers: int) -> int:
         """Batches a DataLoader with `workers` workers makes of one epoch here: the same on
@@ -311,12 +306,13 @@ class WDSDataset(torch.utils.data.IterableDataset):
 
     def fingerprint(self) -> str:
         """The shards, named without their folder (a dataset may move): their names and
-        sample counts. Worked out once: StatefulDataLoader asks for a state every batch."""
+        sample counts, and in a packer folder the pack's identity (readers._pack_identity).
+        Worked out once: StatefulDataLoader asks for a state every batch."""
         if self._fingerprint is None:
             counts = self.shard_counts()
             names = "\n".join(f"{os.path.basename(path)} {count}" for path, count in zip(self.shards, counts))
             crc = zlib.crc32(names.encode("utf-8", "surrogateescape"))
-            self._fingerprint = f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}"
+            self._fingerprint = f"{len(self.shards)} shards, {sum(counts)} samples, crc32 {crc:08x}{self.pack}"
         return self._fingerprint
 
     def state_dict(self) -> dict:
@@ -351,11 +347,10 @@ class WDSDataset(torch.utils.data.IterableDataset):
         buffer. A state saved on another number of ranks or DataLoader workers resumes with
         the samples its streams had not yielded, dealt anew (readers.wds_elastic)."""
         check_state(state, "WDSDataset", self.settings())
-        epoch = checked_count(state, "epoch", "WDSDataset")
+        epoch = checked_count(state, "epoch", "WDSDataset", MAX_EPOCH)
         position = checked_position(state.get("position"))
-        saved_world = checked_count(state, "world_size", "WDSDataset")
-        if saved_world < 1:
-            raise ValueError(f"WDSDataset.load_state_dict: world_size must be >= 1, got {saved_world}")
+        saved_world = bounded_int(state.get("world_size"), "world_size", "WDSDataset.load_state_dict", 1,
+                                  MAX_WORLD_SIZE)
         # Not set_epoch(): a worker's epoch is shared with the main process, whose next passes run the
         # epoch set there (torchdata, finding a state saved after the loop finished, starts one at once).
         self._pass_epoch = epoch
@@ -607,10 +602,12 @@ def resumed_shuffle(source: Iterator[tuple[int, tuple]], slots: list[int], drain
 
 
 POSITION_KEYS = ({"rank", "worker", "workers", "samples"}, {"workers", "batches", "batch_size", "drop_last"})
+POSITION_MOST = {"rank": MAX_WORLD_SIZE - 1, "worker": MAX_WORKERS - 1, "workers": MAX_WORKERS}
 
 
 def checked_position(position) -> dict | None:
-    """A state's position: None, one worker's or a loader's (see WDSDataset), checked."""
+    """A state's position: None, one worker's or a loader's (see WDSDataset), checked,
+    its counts within what a state may name (readers._state_limits)."""
     if position is None:
         return None
     if isinstance(position, dict) and "history" in position:
@@ -618,15 +615,17 @@ def checked_position(position) -> dict | None:
                 "history": checked_history(position["history"])}
     if not isinstance(position, dict) or set(position) not in POSITION_KEYS:
         raise ValueError(f"WDSDataset.load_state_dict: position must be None or a dict with the keys "
-                         f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {position!r}")
+                         f"{' or '.join(str(sorted(k)) for k in POSITION_KEYS)}, got {shown(position)}")
+    who = "WDSDataset.load_state_dict: position's"
     for key, value in position.items():
         if key == "drop_last":
             if not isinstance(value, bool):
-                raise ValueError(f"WDSDataset.load_state_dict: drop_last must be a bool, got {value!r}")
+                raise ValueError(f"WDSDataset.load_state_dict: drop_last must be a bool, got {shown(value)}")
         else:
-            checked_count(position, key, "WDSDataset")
-    if position["workers"] < 1 or position.get("batch_size", 1) < 1:
-        raise ValueError(f"WDSDataset.load_state_dict: workers and batch_size must be >= 1, got {position!r}")
+            bounded_int(value, key, who, 1 if key in ("workers", "batch_size") else 0, POSITION_MOST.get(key))
+    if "worker" in position and position["worker"] >= position["workers"]:
+        raise ValueError(f"WDSDataset.load_state_dict: position's worker must be below its workers, got "
+                         f"{shown(position)}")
     return dict(position)
 
 

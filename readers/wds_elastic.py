@@ -24,30 +24,37 @@ import random
 
 import numpy as np
 
-from ._stream import Task, consumed_samples, cut, replay_shuffle
+from ._state_limits import MAX_HISTORY, MAX_WORKERS, MAX_WORLD_SIZE, shown
+from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 
 SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")  # a loader's pass (its batches)
 STREAMS_KEYS = ("world_size", "workers", "streams")  # a pass of StatefulDataLoader's workers (each stream's count)
 
 
 def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
-    """A position's "history": a list of segments, each checked."""
+    """A position's "history": a list of at most MAX_HISTORY segments, each checked."""
     if not isinstance(history, list):
-        raise ValueError(f"{kind}.load_state_dict: history must be a list of passes, got {history!r}")
+        raise ValueError(f"{kind}.load_state_dict: history must be a list of passes, got {shown(history)}")
+    if len(history) > MAX_HISTORY:
+        raise ValueError(f"{kind}.load_state_dict: the history holds {len(history)} passes, over the {MAX_HISTORY} "
+                         "a state may hold (docs/resume.md): it is damaged or was not saved by state_dict()")
     for segment in history:
         if not (isinstance(segment, dict) and valid_segment(segment)):
             raise ValueError(f"{kind}.load_state_dict: each pass of the history needs the ints "
                              f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, or world_size, "
-                             f"workers and streams (a count >= 0 per worker), got {segment!r}")
+                             f"workers and streams (a count >= 0 per worker), with world_size at most "
+                             f"{MAX_WORLD_SIZE} and workers at most {MAX_WORKERS}, got {shown(segment)}")
     return [{**segment, "streams": list(segment["streams"])} if "streams" in segment else dict(segment)
             for segment in history]
 
 
 def valid_segment(segment: dict) -> bool:
+    if not all(type(segment.get(key)) is int and 1 <= segment[key] <= most
+               for key, most in (("world_size", MAX_WORLD_SIZE), ("workers", MAX_WORKERS))):
+        return False
     if set(segment) == set(STREAMS_KEYS):
         streams = segment["streams"]
-        return (all(type(segment[key]) is int and segment[key] >= 1 for key in STREAMS_KEYS[:2])
-                and isinstance(streams, list) and len(streams) == segment["workers"]
+        return (isinstance(streams, list) and len(streams) == segment["workers"]
                 and all(type(n) is int and n >= 0 for n in streams))
     if set(segment) != set(SEGMENT_KEYS):
         return False
@@ -82,17 +89,68 @@ def rank_plan(dataset, rank: int, world_size: int, history: list[dict]) -> list:
 
 
 def rest(dataset, history: list[dict]) -> list:
-    """The samples no stream of the history's passes yielded, as tasks in the epoch's shard order."""
+    """The samples no stream of the history's passes yielded, as tasks in the epoch's shard
+    order. Each pass costs O(samples + shards + ranks + workers): the streams of every rank
+    are cut alike, so what each had yielded is worked out once, and marked once per distinct
+    plan (every rank past the data's end has the same padding); only a stream stopped inside
+    its shuffle buffer is replayed, rank by rank, as its draws depend on the rank."""
     first = offsets(dataset)
     taken = np.zeros(int(first[-1]), dtype=bool)
-    pool = None  # what the pass being replayed dealt: None, the epoch's own plan
+    pool = dataset.epoch_tasks()  # what the pass being replayed dealt: first the epoch's own samples
     for segment in history:
         world_size = segment["world_size"]
-        for rank in range(world_size):
-            plan = dataset.plan(rank, world_size) if pool is None else share(dataset, pool, rank, world_size)
-            mark_consumed(dataset, plan, rank, segment, first, taken)
+        pooled = numbers(dataset, pool, first)
+        length = math.ceil(len(pooled) / world_size)
+        groups = share_groups(pooled, length, world_size)
+        mark_pass(dataset, segment, length, groups, taken)
         pool = untaken(dataset, taken, first)
     return pool
+
+
+def mark_pass(dataset, segment: dict, length: int, groups, taken: np.ndarray) -> None:
+    """Mark in `taken` the samples the streams of the segment's pass had yielded to its
+    batches: every rank's plan is `length` samples; groups yields (ranks, their plan's
+    sample numbers) for each plan, once (the ranks past the data's end share one)."""
+    workers = segment["workers"]
+    sizes = stream_sizes(length, workers)
+    if "streams" in segment:
+        yielded = segment["streams"]
+        if any(n > size for n, size in zip(yielded, sizes)):
+            raise ValueError(f"WDSDataset: the state has {shown(yielded)} samples read from the streams of a pass "
+                             f"whose streams hold {shown(sizes)}; it was saved over other data")
+    else:
+        yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    whole = np.zeros(length, dtype=bool)  # yielded on every rank: unshuffled, or the buffer drained
+    partial = []  # streams stopped inside their shuffle buffer: which samples depends on the rank's draws
+    for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
+        if dataset.shuffle <= 1 or n == size:
+            whole[edges[stream_id]:edges[stream_id] + n] = True
+        elif n:
+            partial.append(stream_id)
+    if not (whole.any() or partial):
+        return
+    for ranks, ids in groups:
+        taken[ids[whole]] = True
+        for stream_id in partial:
+            taken[ids[edges[stream_id]:edges[stream_id + 1]][stream_yield(dataset, ranks, stream_id, sizes[stream_id],
+                                                                          yielded[stream_id])]] = True
+
+
+def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> np.ndarray:
+    """Which ordinals of a stream of `size` samples, stopped after `yielded` inside its shuffle
+    buffer, any of `ranks` had yielded (each rank's buffer draws differ). The ranks share one
+    plan (padding past the data's end); once they cover every sample read, the rest add none."""
+    union = np.zeros(size, dtype=bool)
+    for rank in ranks:
+        slots, read, _ = replay_shuffle(size, dataset.shuffle, stream_rng(dataset, rank, stream_id), yielded)
+        ordinals = np.zeros(size, dtype=bool)
+        ordinals[:read] = True
+        ordinals[slots] = False  # still in the buffer: read, not yet yielded
+        union |= ordinals
+        if union[:read].all():
+            break
+    return union
 
 
 def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
@@ -106,27 +164,16 @@ def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
     return tasks
 
 
-def mark_consumed(dataset, plan: list, rank: int, segment: dict, first: np.ndarray, taken: np.ndarray) -> None:
-    """Mark in `taken` the samples this rank's streams had yielded to the segment's batches."""
-    workers = segment["workers"]
-    sizes = dataset.run_sizes(plan, workers)
-    if "streams" in segment:
-        yielded = segment["streams"]
-        if any(n > size for n, size in zip(yielded, sizes)):
-            raise ValueError(f"WDSDataset: the state has {yielded} samples read from the streams of a pass whose "
-                             f"streams hold {sizes}; it was saved over other data")
-    else:
-        yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
-    for stream_id in range(workers):
-        ordinals = np.zeros(sizes[stream_id], dtype=bool)
-        rng = stream_rng(dataset, rank, stream_id)
-        if rng is None:
-            ordinals[:yielded[stream_id]] = True
-        else:
-            slots, read, _ = replay_shuffle(sizes[stream_id], dataset.shuffle, rng, yielded[stream_id])
-            ordinals[:read] = True
-            ordinals[slots] = False  # still in the buffer: read, not yet yielded
-        taken[numbers(dataset, dataset.worker_tasks(plan, stream_id, workers), first)[ordinals]] = True
+def share_groups(pooled: np.ndarray, each: int, world_size: int):
+    """(ranks, sample numbers) of each distinct share of share()'s deal of the pool, from
+    the pool's sample numbers: every rank past the pool's end has the same, its first."""
+    total = len(pooled)
+    within = min(world_size, math.ceil(total / each)) if each else 0
+    for rank in range(within):
+        begin, end = rank * each, min(total, (rank + 1) * each)
+        yield [rank], np.concatenate([pooled[begin:end], pooled[:each - (end - begin)]])
+    if within < world_size:
+        yield range(within, world_size), pooled[:each]
 
 
 def stream_rng(dataset, rank: int, stream_id: int) -> random.Random | None:
@@ -168,7 +215,7 @@ def continue_or_deal(position: dict | None, saved_world: int, world_size: int, w
     if saved_world == world_size and position["workers"] == workers:
         return history, position
     if "samples" not in position:
-        return history + [segment_of(position, saved_world)], None
+        return appended(history, segment_of(position, saved_world)), None
     if position["workers"] == 1:  # the rank's one stream: this count is every rank's
         streams = [position["samples"]]
     elif pool is None or position["workers"] != workers:
@@ -177,7 +224,18 @@ def continue_or_deal(position: dict | None, saved_world: int, world_size: int, w
         streams = pool(position)
     if not (any(streams) or history):  # nothing consumed: the epoch as a run on this world reads it
         return [], None
-    return history + [{"world_size": saved_world, "workers": len(streams), "streams": streams}], None
+    return appended(history, {"world_size": saved_world, "workers": len(streams), "streams": streams}), None
+
+
+def appended(history: list[dict], segment: dict) -> list[dict]:
+    """history with one more pass, within MAX_HISTORY: an epoch's passes on other ranks or
+    workers are each replayed when it resumes, so their number bounds what a resume costs."""
+    if len(history) >= MAX_HISTORY:
+        raise ValueError(f"WDSDataset: this epoch has been resumed on other ranks or workers {len(history)} times, "
+                         f"the most a state records ({MAX_HISTORY}, docs/resume.md): resume it on the "
+                         f"{segment['world_size']} rank(s) with {segment['workers']} DataLoader worker(s) it was "
+                         "saved on, which adds no pass, or start the next epoch")
+    return history + [segment]
 
 
 def unpooled_message(position: dict, saved_world: int, world_size: int, workers: int) -> str:

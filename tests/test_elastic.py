@@ -25,9 +25,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
 
 import readers  # noqa: E402
+from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
 
-from conftest import packed_three_ways, sample_ids  # noqa: E402
+from conftest import class_sorted_tree, packed_three_ways, sample_ids  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -379,16 +380,36 @@ def test_a_state_is_a_few_hundred_bytes_at_imagenet_scale():
         assert len(elsewhere) == -(-(1_281_167 - 8000) // 5)
 
 
-def test_a_block_state_from_before_the_global_order_is_refused_on_several_ranks():
+# States that the packer before the keyed orders saved (sampler state version 1), verbatim.
+OLD_SHUFFLE_STATE = {"kind": "ShuffleSampler", "version": 1, "dataset": "100 samples", "seed": 3, "shuffle": True,
+                     "drop_last": False, "world_size": 2, "epoch": 1, "start": 0, "position": 10}
+OLD_BLOCK_STATE = {"kind": "BlockShuffleSampler", "version": 1, "dataset": "100 samples", "seed": 3,
+                   "shuffle": True, "block_size": 64, "window": 16, "world_size": 2, "epoch": 1, "start": 0,
+                   "position": 10}
+OLD_LOADER_STATE = {"kind": "EpochLoader", "version": 1, "batch_size": 4, "drop_last": True, "epoch": 0,
+                    "batches": 2, "sampler": {"kind": "ShuffleSampler", "version": 1,
+                                              "dataset": "40 samples of split 'all', 4 classes, crc32 232386cd",
+                                              "seed": 3, "shuffle": True, "drop_last": True, "world_size": 1,
+                                              "epoch": 0, "start": 0, "position": 8}, "dataset": None}
+
+
+def test_a_state_saved_under_the_stored_permutations_is_refused_naming_its_version(tmp_path):
     class Records:
         def __len__(self):
             return 100
 
-    old = {**BlockShuffleSampler(Records(), rank=0, world_size=2).state_dict(), "position": 10}
-    del old["start"]  # what packer saved before: that position counted another order
-    with pytest.raises(ValueError, match="saved on 2 ranks by an earlier packer.*start the epoch afresh"):
-        BlockShuffleSampler(Records(), rank=0, world_size=2).load_state_dict(old)
-    BlockShuffleSampler(Records()).load_state_dict({**old, "world_size": 1})  # one rank's order is unchanged
+    for kind, old in ((ShuffleSampler, OLD_SHUFFLE_STATE), (BlockShuffleSampler, OLD_BLOCK_STATE)):
+        sampler = kind(Records(), seed=3, rank=0, world_size=2)
+        with pytest.raises(ValueError, match="state is of version 1, saved by an earlier packer whose order was "
+                                             r"another; this packer's \(version 2\).*Start its epoch afresh"):
+            sampler.load_state_dict(old)
+        assert sampler.state_dict()["position"] == 0 and sampler.pass_start() == 0  # nothing of it was taken
+    tree = class_sorted_tree(tmp_path / "src", classes=4, per_class=10)
+    packed = tmp_path / "d.hdf5"
+    pack(str(tree), "hdf5", str(packed), progress=False, workers=1)
+    loader = make_loader(readers.open_dataset(packed, decode="raw"), 4, workers=0, seed=3)
+    with pytest.raises(ValueError, match="ShuffleSampler.load_state_dict: this state is of version 1"):
+        loader.load_state_dict(OLD_LOADER_STATE)
 
 
 def test_a_stream_state_with_a_damaged_history_is_refused_with_what_it_needs(packs):

@@ -2,9 +2,9 @@
 2 CPU ranks over gloo, the 125-image ImageNet sample (one image per class, so a label
 names a sample), every sample counted per rank per epoch; resumed from the frameworks'
 own checkpoints at an epoch's end and mid-epoch, which must replay exactly what an
-uninterrupted run saw.
+uninterrupted run saw. The docs' recipes are run too, as they are printed.
 
-The runs are new processes running this file as a script:
+The counting runs are new processes running this file as a script:
 `python tests/test_frameworks.py lightning|accelerate JOBFILE`, which runs the file's jobs one
 after another in the same ranks, so a launch's imports, rank start-up and process group are paid
 once for the several checks it serves. Runs resumed from a checkpoint are launched after the runs
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer a
 
 import readers  # noqa: E402
 from packer import pack  # noqa: E402
+from packer.cores import available_cores  # noqa: E402
 
 L = pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -34,6 +36,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWa
 
 BATCH, SEED, EPOCHS = 8, 5, 3
 SAMPLES = 125
+# Over uneven.wds, this seed's shard orders gave 8, 9 and 8 batches a rank when whole shards
+# were dealt: an epoch longer than the first, which Lightning cut short at the first's length.
+WDS_SEED = 8
+DOCS = HERE.parent / "docs" / "frameworks.md"
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +48,11 @@ def packs(tmp_path_factory):
     if not source.is_dir():
         pytest.skip(f"{source} is not present (set PACKER_SHARED_DATA)")
     root = tmp_path_factory.mktemp("frameworks")
-    pack(str(source), "lmdb", str(root / "d.lmdb"), workers=1, progress=False)
-    pack(str(source), "wds", str(root / "d.wds"), workers=1, progress=False, options={"max_count": 16})
-    # Shards of 12 to 22 samples: the ranks' shares, so the batch counts, change with the epoch.
-    pack(str(source), "wds", str(root / "uneven.wds"), workers=1, progress=False,
+    (root / "src").mkdir()
+    (root / "src" / "train").symlink_to(source)  # a "train" split, as the docs' recipes read
+    pack(str(root / "src"), "lmdb", str(root / "d.lmdb"), workers=1, progress=False)
+    # Shards of 12 to 22 samples, in an order that changes with the epoch.
+    pack(str(root / "src"), "wds", str(root / "uneven.wds"), workers=1, progress=False,
          options={"shard_size": 2_000_000, "max_count": None})
     return root
 
@@ -62,7 +69,7 @@ def make(job: dict):
 
     root = Path(job["root"])
     if job["loader"] == "wds":
-        data = readers.WDSDataset(root / "d.wds", decode="raw", shuffle=32, seed=SEED)
+        data = readers.WDSDataset(root / "uneven.wds", decode="raw", shuffle=32, seed=WDS_SEED)
         return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
                                    multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
@@ -83,9 +90,12 @@ class Recorder(L.LightningModule):
         super().__init__()
         self.job = job
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: dict[str, list[int]] = {}
+        self.seen: dict = {}
 
     def train_dataloader(self):
+        # make_loader's default workers, on the cores Lightning's launcher's ranks share
+        self.workers = readers.make_loader(readers.LMDBDataset(Path(self.job["root"]) / "d.lmdb"),
+                                                   BATCH).num_workers
         return make(self.job)
 
     def training_step(self, batch, index):
@@ -96,7 +106,7 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def on_train_end(self):
-        record(Path(self.job["out"]), self.global_rank, self.seen)
+        record(Path(self.job["out"]), self.global_rank, {**self.seen, "workers": self.workers})
 
 
 def lightning_run(job: dict) -> None:
@@ -155,6 +165,14 @@ def accelerate_run(job: dict) -> None:
     record(out, accelerator.process_index, seen)
 
 
+def torchrun_options(ranks: int) -> list[str]:
+    """python's arguments that run a script under torchrun on `ranks` processes, on a free port."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+
+
 def launch(kind: str, jobs: dict[str, dict], root: Path, torchrun: bool = False, ranks: int = 2) -> None:
     """Run jobs, in order, in one launch of `ranks` processes; job NAME writes to root/NAME."""
     for name, job in jobs.items():
@@ -163,10 +181,7 @@ def launch(kind: str, jobs: dict[str, dict], root: Path, torchrun: bool = False,
     jobfile.write_text(json.dumps([{**job, "out": str(root / name)} for name, job in jobs.items()]))
     command = [sys.executable, __file__, kind, str(jobfile)]
     if torchrun:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+        command[1:1] = torchrun_options(ranks)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=120 + 120 * len(jobs),
                           env=env)
@@ -179,24 +194,23 @@ def records(out: Path, ranks: int = 2) -> dict:
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
-def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False, ranks: int = 2) -> dict:
-    """Run one job in a launch of its own; {rank: {epoch: labels}} from its record files."""
-    launch(kind, {name: job}, tmp_path, torchrun, ranks)
-    return records(tmp_path / name, ranks)
-
-
-def check_whole_epochs(seen: dict, epochs) -> None:
-    """Every epoch, the ranks' samples are disjoint and cover the dataset (less drop_last's
-    share), and each epoch's order differs from the one before."""
+def check_whole_epochs(seen: dict, epochs, padded: int = 0) -> None:
+    """Every epoch, the ranks' samples are disjoint (but for `padded` repeats) and cover the
+    dataset (less drop_last's share), and each epoch's order differs from the one before."""
     for epoch in epochs:
         ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
         assert len(ranks[0]) == len(ranks[1])
         kept = len(ranks[0]) + len(ranks[1])  # less than SAMPLES by drop_last, more by padding
         union = set(ranks[0]) | set(ranks[1])
-        assert len(union) == min(kept, SAMPLES), f"epoch {epoch}: {len(union)} of {kept} samples distinct"
+        assert 0 <= min(kept, SAMPLES) - len(union) <= padded, f"epoch {epoch}: {len(union)} of {kept} distinct"
         assert kept > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: {kept} of {SAMPLES} samples seen"
         if epoch:
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
+
+
+def epochs_of(seen: dict) -> dict:
+    """A Lightning rank's record less its worker count: {epoch: labels}."""
+    return {key: labels for key, labels in seen.items() if key != "workers"}
 
 
 LIGHTNING_LOADERS = ("make_loader", "wds")
@@ -222,16 +236,39 @@ def lightning_runs(packs, tmp_path_factory):
 
 
 def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(lightning_runs):
-    check_whole_epochs(lightning_runs["sampler-whole"], range(EPOCHS))
+    seen = lightning_runs["sampler-whole"]
+    check_whole_epochs(seen, range(EPOCHS))
+    # Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, not LOCAL_WORLD_SIZE: make_loader's
+    # default still shares the cores between the 2 ranks.
+    assert [seen[rank]["workers"] for rank in (0, 1)] == [max(1, available_cores() // 2)] * 2
+
+
+def check_stream_epochs(seen: dict, root: Path) -> None:
+    """Every epoch Lightning ran over the stream is the whole pass each rank's stream makes of
+    it (outside Lightning, which reads a loader's length once), and covers every sample
+    less drop_last's share."""
+    for epoch in range(EPOCHS):
+        trained = []
+        for rank in (0, 1):
+            stream = readers.WDSDataset(root / "uneven.wds", decode="raw", shuffle=32, seed=WDS_SEED, rank=rank,
+                                        world_size=2)
+            stream.set_epoch(epoch)
+            loader = readers.make_loader(stream, BATCH, workers=1, collate_fn=labels_of)
+            assert len(seen[rank][str(epoch)]) == len(loader) * BATCH, f"epoch {epoch} cut short on rank {rank}"
+            trained += seen[rank][str(epoch)]
+        assert len(set(trained)) >= SAMPLES - 2 * BATCH  # each rank drops its partial batch, nothing more
 
 
 @pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
-def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, loader):
+def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, packs, loader):
     whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
-    check_whole_epochs(whole, range(EPOCHS))
+    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0)  # a stream pads odd counts
+    if loader == "wds":
+        check_stream_epochs(whole, packs)
     for rank in (0, 1):
-        assert after_end[rank] == {e: whole[rank][e] for e in ("1", "2")}
+        assert epochs_of(after_end[rank]) == {e: whole[rank][e] for e in ("1", "2")}
         steps_before = 11 - len(whole[rank]["0"]) // BATCH
+        assert set(epochs_of(after_mid[rank])) == {"1", "2"}
         assert after_mid[rank]["1"] == whole[rank]["1"][steps_before * BATCH:]
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
@@ -299,6 +336,64 @@ def test_accelerate_stateful_loader_over_wds_stops_at_prepare_saying_what_to_set
         assert "use_stateful_dataloader=False" in error and "skip_first_batches" in error
 
 
+# The docs' recipes, run as they are printed.
+
+def recipe(name: str) -> str:
+    """The code block docs/frameworks.md tags `<!-- recipe: name ... -->`, as printed."""
+    found = re.search(rf"<!-- recipe: {name} .*?-->\n```python\n(.*?)```", DOCS.read_text(), re.S)
+    assert found, f"{DOCS} has no recipe tagged {name!r}"
+    return found.group(1)
+
+
+def run_recipe(name: str, arguments: list[str], where: Path, ranks: int = 0) -> str:
+    """Run the recipe as train.py in `where`, under torchrun with `ranks` processes if given;
+    its output."""
+    (where / "train.py").write_text(recipe(name))
+    command = [sys.executable, "train.py", *arguments]
+    if ranks:
+        command[1:1] = torchrun_options(ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}  # this checkout's readers
+    done = subprocess.run(command, capture_output=True, text=True, cwd=where, timeout=240, env=env)
+    assert done.returncode == 0, f"the {name} recipe failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stdout + done.stderr
+
+
+def test_the_lightning_recipe_resumes_from_its_last_checkpoint(packs, tmp_path):
+    run_recipe("lightning", [str(packs / "d.lmdb"), "1", "16", "2"], tmp_path)
+    first = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    again = run_recipe("lightning", [str(packs / "d.lmdb"), "2", "16", "2"], tmp_path)
+    assert "Restored all states from the checkpoint" in again  # ckpt_path="last" found last.ckpt
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert first["global_step"] > 0
+    assert (first["epoch"], last["epoch"], last["global_step"]) == (0, 1, 2 * first["global_step"])
+
+
+def test_the_accelerate_recipe_trains_distributed_and_resumes_after_an_epochs_end(packs, tmp_path):
+    """On CPU under torchrun (the docs' launch), each rank gets half the loader's batches; a
+    state saved after an epoch's last batch resumes at the next epoch, replaying nothing."""
+    data = readers.LMDBDataset(packs / "d.lmdb")
+    whole = len(readers.make_loader(data, BATCH, workers=0))  # one process's batches of an epoch
+    first = run_recipe("accelerate", [str(packs / "d.lmdb"), "2", str(BATCH), "3", "checkpoint"], tmp_path, ranks=2)
+    assert re.findall(r"epoch (\d+): (\d+) steps", first) == [("0", str(whole // 2)), ("1", str(whole // 2))]
+    again = run_recipe("accelerate", [str(packs / "d.lmdb"), "3", str(BATCH), "3", "checkpoint"], tmp_path, ranks=2)
+    assert re.findall(r"epoch (\d+): (\d+) steps", again) == [("2", str(whole // 2))]
+
+
+def test_make_loader_refuses_a_one_process_accelerator_where_the_launcher_started_several(packs, tmp_path):
+    """Under torchrun, Accelerator() without cpu=True on a machine without GPUs runs one
+    process (DistributedType.NO) in each: each would train alone on its share."""
+    script = tmp_path / "alone.py"
+    script.write_text("import sys\nfrom accelerate import Accelerator\nimport readers\n\naccelerator = Accelerator()\n"
+                      f"readers.make_loader(readers.LMDBDataset({str(packs / 'd.lmdb')!r}), {BATCH})\n")
+    command = [sys.executable, *torchrun_options(2), str(script)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    for rank in (0, 1):
+        assert f"RuntimeError: this is rank {rank} of WORLD_SIZE=2" in done.stdout + done.stderr
+    assert "Accelerator(cpu=True" in done.stdout + done.stderr
+
+
 # What the frameworks rely on, in one process.
 
 def test_an_epoch_set_on_the_sampler_before_the_first_batch_is_the_pass_run(packs):
@@ -317,7 +412,7 @@ def test_an_epoch_set_on_the_sampler_before_the_first_batch_is_the_pass_run(pack
 
 def test_a_stream_loader_takes_its_epoch_through_its_sampler(packs):
     def loader():
-        stream = readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=32, seed=SEED)
+        stream = readers.WDSDataset(packs / "uneven.wds", decode="raw", shuffle=32, seed=WDS_SEED)
         return readers.make_loader(stream, BATCH, workers=0, collate_fn=labels_of)
 
     framework, direct = loader(), loader()
@@ -337,13 +432,13 @@ def test_a_state_saved_after_an_epochs_last_batch_resumes_at_the_next_epoch(pack
 
 
 
-def test_a_stream_loaders_length_is_the_pass_it_is_about_to_run(packs):
-    stream = readers.WDSDataset(packs / "uneven.wds", decode="raw", shuffle=32, seed=SEED, rank=0,
+def test_a_stream_loaders_length_is_every_pass_it_runs(packs):
+    """Lightning reads it once, and ends each epoch there."""
+    stream = readers.WDSDataset(packs / "uneven.wds", decode="raw", shuffle=32, seed=WDS_SEED, rank=0,
                                 world_size=2)
     loader = readers.make_loader(stream, BATCH, workers=1, collate_fn=labels_of)
-    lengths = [(len(loader), len(list(loader))) for _ in range(3)]
-    assert len({ran for _, ran in lengths}) > 1  # the passes differ, so the length must follow them
-    assert all(said == ran for said, ran in lengths), lengths
+    said = len(loader)
+    assert [len(list(loader)) for _ in range(3)] == [said] * 3
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def test_half_or_out_of_range_pairs_are_refused(rank, world_size):
 
 
 def test_local_world_size_defaults_to_one(monkeypatch):
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert ranks.local_world_size() == 8
     for value in ("", "x", "0"):
@@ -39,12 +41,20 @@ def test_local_world_size_defaults_to_one(monkeypatch):
         assert ranks.local_world_size() == 1
 
 
-def test_deal_gives_each_item_to_the_least_loaded_rank():
-    owned, load = ranks.deal([("a", 5), ("b", 3), ("c", 1), ("d", 4), ("e", 0)], 2)
-    # a -> 0 (0,0: lowest rank), b -> 1, c -> 1 (3 < 5), d -> 1 (4 < 5), e -> 0 (5 < 8)
-    assert owned == [["a", "e"], ["b", "c", "d"]] and load == [5, 8]
-    owned, load = ranks.deal([], 3)
-    assert owned == [[], [], []] and load == [0, 0, 0]
+def test_local_world_size_without_local_world_size_is_the_launchers_ranks_per_node(monkeypatch):
+    """Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, not LOCAL_WORLD_SIZE (its ranks
+    are run for real in tests/test_frameworks.py)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert ranks.local_world_size() == 1  # no launcher of local ranks: RANK/WORLD_SIZE alone name no machine
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert ranks.local_world_size() == 4
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert ranks.local_world_size() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun's own count comes first
+    assert ranks.local_world_size() == 3
 
 
 def test_outside_a_worker_it_is_worker_zero_of_one():

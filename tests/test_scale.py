@@ -227,3 +227,20 @@ def test_the_benchmark_corpus_has_imagenet_class_counts():
     for records in (20_000, 200_000):
         scaled = class_counts(records)
         assert scaled.sum() == records and len(scaled) == 1000
+
+
+def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_the_two_largest(tmp_path):
+    from benchmarks import tiny
+
+    out = tmp_path / "t.hdf5"
+    tiny.write_tiny_pack(str(out), 3_001)
+    reader = open_reader(str(out), "train").open()
+    assert len(reader) == 3_001 and reader.classes[0] == "c0000" and len(reader.classes) == 1000
+    assert [reader.read(i)[0] for i in (0, 1_500, 3_000)] == [i.to_bytes(5, "little") for i in (0, 1_500, 3_000)]
+    assert reader.paths[3_000] == "c0999/0000003000" and reader.labels[1_500] == 1_500 * 1000 // 3_001
+    reader.close()
+    row = {key: 1.0 for key in (*tiny.SCALARS, "pack_rate")} | {"main": {"uss_mb": 10.0}, "workers": [{"uss_mb": 10.0}]}
+    rows = [row | {"records": 10}, row | {"records": 100, "open_s": 2.0}, row | {"records": 200, "open_s": 3.0}]
+    far = tiny.extrapolated(rows, 1_000)
+    assert far["open_s"] == pytest.approx(11.0) and far["main"]["uss_mb"] == 10.0
+    assert "1,000 (extrapolated)" not in tiny.table(rows) and "400,000,000 (extrapolated)" in tiny.table(rows)

@@ -336,8 +336,35 @@ def test_more_ranks_than_shards_still_gives_every_rank_samples(tmp_path):
     shard = SHARED_DATA / "webdataset-testdata" / "sample.tgz"
     if not shard.is_file():
         pytest.skip("sample.tgz is not present")
-    lengths = [sum(1 for _ in WDSDataset(shard, decode="raw", rank=r, world_size=4)) for r in range(4)]
-    assert lengths == [90] * 4
+    everything = [digest(data) for data, _ in WDSDataset(shard, decode="raw")]
+    per_rank = [[digest(data) for data, _ in WDSDataset(shard, decode="raw", rank=r, world_size=4)]
+                for r in range(4)]
+    each = -(-len(everything) // 4)  # the one shard is cut among the ranks, not dealt whole to one
+    assert [len(r) for r in per_rank] == [each] * 4
+    handed = [d for r in per_rank for d in r]
+    assert set(handed) == set(everything) and len(handed) - len(everything) == 4 * each - len(everything) < 4
+
+
+def test_a_ranks_epoch_length_is_the_same_every_epoch(tmp_path):
+    """Uneven shards, shuffled: whichever order an epoch deals them in, every rank's pass has
+    the same length, epoch after epoch (Lightning reads a loader's length once)."""
+    out, counts = tmp_path / "uneven", [9, 2, 7, 1, 5]
+    out.mkdir()
+    for shard, count in enumerate(counts):
+        with tarfile.open(out / f"shard-{shard}.tar", "w") as tar:
+            for i in range(count):
+                for suffix, data in (("jpg", jpeg_bytes(100 * shard + i, size=(8, 8))), ("cls", b"0")):
+                    member = tarfile.TarInfo(f"s{shard}_{i}.{suffix}")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+    for world_size in (2, 3):
+        for rank in range(world_size):
+            ds = WDSDataset(out, decode="raw", shuffle=4, seed=1, rank=rank, world_size=world_size)
+            lengths = set()
+            for epoch in range(6):
+                ds.set_epoch(epoch)
+                lengths.add(len(list(ds)))
+            assert lengths == {-(-sum(counts) // world_size)} == {len(ds)}
 
 
 def ddp_rank(rank: int, world_size: int, out: str, init_file: str, results: str) -> None:

@@ -98,6 +98,9 @@ CHUNK_BYTES = 256 << 10
 # it ends in images and its CRC-32.
 SPILLED_ROW = np.dtype([("end", "<i8"), ("crc", "<u4")])
 FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x this): large writes
+# Records buffered at most: a buffered record costs ~50 bytes besides its own, so records of a
+# few bytes would otherwise hold ~10x FLUSH_BYTES before a write.
+FLUSH_RECORDS = 1 << 16
 LIBVER = ("v110", "v110")
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -137,7 +140,7 @@ class Writer:
         self.buffered += len(data)
         self.size += len(data)
         self.rows.append((self.size, crc))
-        if self.buffered >= FLUSH_BYTES:
+        if self.buffered >= FLUSH_BYTES or len(self.buffer) >= FLUSH_RECORDS:
             self.flush()
 
     def end_split(self, labels: np.ndarray, paths: PathTable, order: np.ndarray | None = None) -> None:

@@ -610,7 +610,7 @@ def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) 
 
 
 def info_facts(path: str, remote=None) -> dict:
-    """Per split, for `packer info`, its shards (readers deal whole shards to ranks): their count,
+    """Per split, for `packer info`, its shards (readers cut an epoch's shard order into one share per rank): their count,
     and the total, smallest and largest shard bytes (from the index)."""
     facts = {}
     for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():

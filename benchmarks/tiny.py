@@ -1,0 +1,262 @@
+"""Scale study on synthetic packs of tiny records, up to 10^8: what a record costs a reader.
+
+    python -m benchmarks.scale tiny --records 20000 1281167 10000000 100000000 --workdir /tmp/tiny
+
+Each pack holds `records` records of a few bytes (the record's number), 1,000 classes in
+runs, written by the format's own Writer (no ImageFolder tree: 10^8 files would not fit a
+machine's inodes, and what is measured here is what the pack's tables and the sampler
+cost per record, which the records' size does not change). For each size it measures, in
+fresh processes:
+- the pack: wall time, records/s, the packer's peak RSS (the kernel's high-water mark);
+- open: a fresh process's open_reader(...).open(), which loads and checks every table
+  (imports left out; a DataLoader worker loads only what its reads need);
+- first batch: a shuffled make_loader (ShuffleSampler, 2 workers, batch 256) from the
+  dataset's construction to its first batch;
+- memory after 10,000 random reads: the main process's and each worker's USS
+  (Private_Clean + Private_Dirty, /proc/PID/smaps_rollup);
+- resume: the loader's state after those reads, loaded into a loader on 2 ranks (rank
+  1's), to its first batch, against the same loader started afresh on 2 ranks.
+WORKDIR/tiny.json holds every figure, WORKDIR/tiny.md the table, with the 400M and 1B
+rows extrapolated from the slopes between the two largest sizes measured.
+
+`python -m benchmarks.scale tiny-sampler` times each sampler alone over a plain dataset
+of 10^9 items: its first indexes on rank 3 of 8, and its first after resuming that
+rank's state half-way through the epoch on 3 ranks, with the peak memory they allocate.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .processes import MB, log, memory, open_seconds, timed_process
+
+CLASSES = 1000
+BATCH = 256
+READS = 10_000  # random reads before memory is measured
+CHUNK = 1 << 16  # records generated at a time: a few MB of temporaries
+PATH_WIDTH = 16  # "c0000/0000000000": every path the same length, so offsets are a formula
+EXTRAPOLATE = (400_000_000, 1_000_000_000)
+
+
+def mapped_chunks(chunks, folder: str) -> mmap.mmap:
+    """The bytes of chunks written to an unlinked file in folder and mapped read-only: a
+    table as large as the records, off the heap."""
+    with tempfile.TemporaryFile(dir=folder) as f:
+        size = 0
+        for chunk in chunks:
+            f.write(chunk)
+            size += len(chunk)
+        f.flush()
+        return mmap.mmap(f.fileno(), max(size, 1), access=mmap.ACCESS_READ)
+
+
+def labels_of(first: int, stop: int, records: int) -> np.ndarray:
+    return (np.arange(first, stop, dtype=np.int64) * CLASSES // records).astype(np.int32)
+
+
+def path_chunks(records: int):
+    for first in range(0, records, CHUNK):
+        stop = min(records, first + CHUNK)
+        yield b"\0".join(b"c%04d/%010d" % (label, i) for i, label in
+                         zip(range(first, stop), labels_of(first, stop, records).tolist())) + (b"\0" if stop < records
+                                                                                                else b"")
+
+
+def write_tiny_pack(out: str, records: int, fmt: str = "hdf5") -> None:
+    """A pack of `records` tiny records at out, streamed: flat memory at any size."""
+    from packer import checksum as record_checksums
+    from packer.records import Metadata, PathTable, SplitInfo
+    from packer.formats._tables import drop_pages
+    from packer.version import __version__
+    from packer.writing import now_utc, write_dataset
+
+    folder = os.path.dirname(os.path.abspath(out))
+    kind = record_checksums.DEFAULT
+    labels = np.frombuffer(mapped_chunks((labels_of(a, min(records, a + CHUNK), records).tobytes()
+                                          for a in range(0, records, CHUNK)), folder), np.int32, records)
+    offsets = np.frombuffer(mapped_chunks(((np.arange(a, min(records, a + CHUNK) + (a + CHUNK >= records),
+                                                      dtype=np.int64) * (PATH_WIDTH + 1)).tobytes()
+                                           for a in range(0, records, CHUNK)), folder), np.int64, records + 1)
+    paths = PathTable(mapped_chunks(path_chunks(records), folder), offsets)
+
+    def fill(writer) -> Metadata:
+        writer.begin_split("train", expected_count=records)
+        checksum, add, nbytes = record_checksums.function(kind), writer.add, 0
+        for first in range(0, records, CHUNK):
+            stop = min(records, first + CHUNK)
+            for i, label in zip(range(first, stop), labels[first:stop].tolist()):
+                data = i.to_bytes(5, "little")
+                add(data, label, "", checksum(data))
+            nbytes += 5 * (stop - first)
+            drop_pages(labels)  # read once: out of RSS (they stay in the page cache)
+        writer.end_split(labels, paths)
+        counts = sum(np.bincount(labels_of(a, min(records, a + CHUNK), records), minlength=CLASSES)
+                     for a in range(0, records, CHUNK))
+        return Metadata(format=fmt, classes=[f"c{k:04d}" for k in range(CLASSES)],
+                        splits={"train": SplitInfo(records, nbytes, [int(c) for c in counts])},
+                        source="synthetic", created=now_utc(), packer_version=__version__,
+                        params={"format": fmt, "synthetic": True}, checksum=kind)
+
+    write_dataset(fmt, out, True, None, fill, kind)
+
+
+def batch_size_of(batch: list) -> int:
+    """A collate_fn for raw records: what is measured is reading them, not collating."""
+    return len(batch)
+
+
+def first_batch_s(out: str, **env) -> tuple[float, object]:
+    """Seconds from a dataset's construction to a shuffled make_loader's first batch, and the
+    loader's iterator (its workers alive), under RANK/WORLD_SIZE env."""
+    import readers
+
+    os.environ.update({key: str(value) for key, value in env.items()})
+    start = time.perf_counter()
+    loader = readers.make_loader(readers.open_dataset(out, decode="raw"), BATCH, workers=2, seed=0,
+                                 collate_fn=batch_size_of)
+    batches = iter(loader)
+    next(batches)
+    return time.perf_counter() - start, (loader, batches)
+
+
+class Items:
+    """A plain map-style dataset of n items (no packer reader): the sampler alone is measured."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def sampler_start(kind, n: int = 10 ** 9, indexes: int = BATCH) -> dict:
+    """Seconds and traced peak MB to a sampler's first `indexes`, fresh on rank 3 of 8 and
+    resumed half-way through the epoch on rank 1 of 3."""
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    sampler = kind(Items(n), seed=0, rank=3, world_size=8)
+    first = [index for _, index in zip(range(indexes), sampler)]
+    fresh = time.perf_counter() - start
+    state = {**sampler.state_dict(), "position": n // 16}
+    start = time.perf_counter()
+    resumed = kind(Items(n), seed=0, rank=1, world_size=3)
+    resumed.load_state_dict(state)
+    after = [index for _, index in zip(range(indexes), resumed)]
+    found = {"sampler": kind.__name__, "records": n, "first_s": fresh, "resumed_s": time.perf_counter() - start,
+             "peak_mb": tracemalloc.get_traced_memory()[1] / MB}
+    tracemalloc.stop()
+    assert len(set(first)) == len(set(after)) == indexes
+    return found
+
+
+def children() -> list[int]:
+    """This process's child processes: the DataLoader's workers."""
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def probe(out: str) -> dict:
+    """Everything measured in the reading process (run as `tiny-probe`, a fresh process)."""
+    import readers
+
+    found = {}
+    found["first_batch_s"], (loader, batches) = first_batch_s(out)
+    read = BATCH
+    while read < READS:
+        read += next(batches)
+    found["main"] = memory("self")
+    found["workers"] = [memory(pid) for pid in children()]
+    state = loader.state_dict()
+    del batches, loader
+    found["fresh_2_ranks_s"], fresh = first_batch_s(out, RANK=1, WORLD_SIZE=2)
+    del fresh
+    start = time.perf_counter()
+    resumed = readers.make_loader(readers.open_dataset(out, decode="raw"), BATCH, workers=2, seed=0,
+                                  collate_fn=batch_size_of)
+    resumed.load_state_dict(state)
+    next(iter(resumed))
+    found["resume_2_ranks_s"] = time.perf_counter() - start
+    found["read"] = read
+    return found
+
+
+def measure(workdir: str, records: int, fmt: str, keep: bool) -> dict:
+    out = os.path.join(workdir, f"tiny-{records}.{fmt}")
+    packed = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-pack", out, "--records", str(records),
+                            "--format", fmt])
+    log(f"tiny {records}: packed in {packed['wall_s']:.0f} s, peak RSS {packed['peak_rss_mb']:.0f} MB")
+    probes = []
+    for _ in range(3):
+        result = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-probe", out])
+        probes.append(json.loads(result["output"].strip().splitlines()[-1]))
+    found = probes[int(np.argsort([p["first_batch_s"] for p in probes])[1])]  # the median run's
+    found.update(open_seconds(out))
+    found.update(records=records, format=fmt, pack_s=packed["wall_s"], pack_peak_rss_mb=packed["peak_rss_mb"],
+                 pack_peak_anon_mb=packed["peak_anon_mb"],
+                 pack_rate=records / packed["wall_s"], pack_bytes=os.path.getsize(out))
+    if not keep:
+        os.remove(out)
+    log(f"tiny {records}: {json.dumps(found)}")
+    return found
+
+
+COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f"{r['pack_rate']:,.0f}"),
+           ("pack peak RSS MB (anon)", lambda r: f"{r['pack_peak_rss_mb']:.0f} ({r['pack_peak_anon_mb']:.0f})"),
+           ("open s", lambda r: f"{r['open_s']:.3f}"),
+           ("first batch s", lambda r: f"{r['first_batch_s']:.2f}"),
+           ("main USS MB", lambda r: f"{r['main']['uss_mb']:.1f}"),
+           ("worker USS MB", lambda r: " / ".join(f"{w['uss_mb']:.1f}" for w in r["workers"])),
+           ("start on 2 ranks s", lambda r: f"{r['fresh_2_ranks_s']:.2f}"),
+           ("resume on 2 ranks s", lambda r: f"{r['resume_2_ranks_s']:.2f}"),
+           ("resume / start", lambda r: f"{r['resume_2_ranks_s'] / r['fresh_2_ranks_s']:.2f}"))
+
+
+SCALARS = ("pack_s", "pack_peak_rss_mb", "pack_peak_anon_mb", "open_s", "first_batch_s", "fresh_2_ranks_s",
+           "resume_2_ranks_s")
+
+
+def extrapolated(rows: list[dict], records: int) -> dict:
+    """A row at `records` from the slope between the two largest rows measured."""
+    low, high = sorted(rows, key=lambda r: r["records"])[-2:]
+
+    def at(before: float, last: float) -> float:
+        return last + (last - before) * (records - high["records"]) / (high["records"] - low["records"])
+
+    row = {key: at(low[key], high[key]) for key in SCALARS}
+    row.update(records=records, extrapolated=True, pack_rate=records / row["pack_s"],
+               main={"uss_mb": at(low["main"]["uss_mb"], high["main"]["uss_mb"])},
+               workers=[{"uss_mb": at(a["uss_mb"], b["uss_mb"])} for a, b in zip(low["workers"], high["workers"])])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| records | " + " | ".join(name for name, _ in COLUMNS) + " |",
+             "| --- |" + " --- |" * len(COLUMNS)]
+    measured = [r for r in rows if not r.get("extrapolated")]
+    shown = measured + ([extrapolated(measured, n) for n in EXTRAPOLATE] if len(measured) >= 2 else [])
+    for r in shown:
+        name = f"{r['records']:,}" + (" (extrapolated)" if r.get("extrapolated") else "")
+        lines.append(f"| {name} | " + " | ".join(show(r) for _, show in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(workdir: str, counts: list[int], fmt: str, keep: bool) -> list[dict]:
+    os.makedirs(workdir, exist_ok=True)
+    rows = [measure(workdir, records, fmt, keep) for records in counts]
+    with open(os.path.join(workdir, "tiny.json"), "w") as f:
+        json.dump({"rows": rows, "mb": MB}, f, indent=1)
+    with open(os.path.join(workdir, "tiny.md"), "w") as f:
+        f.write(table(rows))
+    return rows
