@@ -1,4 +1,4 @@
-"""`python -m benchmarks run|compare|trend|gpu`: the command line of the suite."""
+"""`python -m benchmarks run|compare|trend|gpu|suite-time`: the command line of the suite."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
     trend.add_argument("--tolerance", type=float, default=0.1, help="as compare's (default: 0.1)")
     trend.add_argument("--png", default="trend.png",
                        help="write the chart here (default: trend.png; needs matplotlib); '' for none")
+    suite = sub.add_parser("suite-time", help="time the test suite (the README's command) against its target: "
+                                             "wall and CPU seconds, the load around it, the slowest tests")
+    suite.add_argument("--out", help="write the figures as JSON here")
+    suite.add_argument("pytest_args", nargs=argparse.REMAINDER, help="more arguments for pytest (after --)")
     from . import gpu
 
     gpu.add_arguments(sub.add_parser("gpu", help="the GPU proof: tests, feed, nvJPEG, scaling and the CUDA suite "
@@ -71,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         from . import trend
 
         return trend.main(args)
+    if args.command == "suite-time":
+        from . import suitetime
+
+        args.pytest_args = [a for a in args.pytest_args if a != "--"]
+        return suitetime.main(args)
     if args.command == "gpu":
         from . import gpu
 

@@ -42,7 +42,7 @@ def rate(dataset, order, seconds: float) -> float:
 
 def cold_raw_rate(dataset, folder: str, seconds: float = 2.0) -> float:
     """Raw records/s in make_loader's random order (readers.ShuffleSampler), page cache cold."""
-    import readers  # here, not at the top: readers needs torch, which packer never imports
+    import readers  # here, not at the top: readers needs torch, and the rest of packer runs without it
 
     if hasattr(dataset.reader, "advise"):  # as make_loader does for random order: read exactly each record
         dataset.reader.advise("random")
@@ -61,7 +61,7 @@ def warm_decode_rate(dataset, seconds: float = 2.0) -> float:
 
 def read_rates(src: str, packed: str) -> list[Comparison]:
     """The folder against the packed dataset: cold raw reads (where supported) and warm decodes."""
-    import readers  # here, not at the top: readers needs torch, which packer never imports
+    import readers  # here, not at the top: readers needs torch, and the rest of packer runs without it
 
     def pair(**options) -> list:
         return [readers.FolderDataset(src, **options), readers.open_dataset(packed, **options)]

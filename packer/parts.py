@@ -170,7 +170,16 @@ def say_also(exc: BaseException, text: str) -> None:
     if isinstance(exc, PackError) and exc.args and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}; {text}",) + exc.args[1:]
     else:
+        add_note(exc, text)
+
+
+def add_note(exc: BaseException, text: str) -> None:
+    """exc.add_note(text) on Python 3.11+; on 3.10, which lacks it, the same entry in
+    exc.__notes__, which 3.11's tracebacks print and 3.10's leave to the code that reads it."""
+    if hasattr(exc, "add_note"):
         exc.add_note(text)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), text]
 
 
 def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
@@ -192,7 +201,7 @@ def settled(future: concurrent.futures.Future, task: PartTask) -> dict:
         if isinstance(exc, OSError):  # the system's: a disk, a lost connection to a worker
             raise PackError(f"part {task.spec} ({task.out}): {type(exc).__name__} in its worker: {exc}; "
                             "pack again once that is mended", task.out) from exc
-        exc.add_note(f"raised by part {task.spec} ({task.out}) in its worker")  # a bug: its traceback shows
+        add_note(exc, f"raised by part {task.spec} ({task.out}) in its worker")  # a bug: its traceback shows
         raise
     if "error" in report:
         raise part_error(task.spec, report["error"])

@@ -3,8 +3,8 @@
 make_loader(gpu_decode="hybrid") decodes the first images of every batch in the workers
 (the transform applied to the bytes, as decode="raw" with a transform does) and hands the
 rest over undecoded for the engine (readers.nvjpeg.GPUDecoder); the main process decodes
-that part and puts the two together, in sample order. Both sides run at once, so the
-loader can deliver the engines' rate plus the workers'. DALI splits by a fixed ratio;
+that part and puts the two together, in sample order. Both sides run at once. DALI
+splits by a fixed ratio;
 here SplitTuner moves the CPU's share f after every batch towards the f at which both
 sides finish together,
 

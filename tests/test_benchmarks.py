@@ -670,3 +670,19 @@ def test_keyed_cost_study_times_one_setting_per_process(tmp_path, capsys):
         assert keyed_cost.main([str(packed), "--keyed", keyed, "--records", "8", "--batch", "4"]) == 0
     out = capsys.readouterr().out
     assert "keyed=on workers=0 batch=4:" in out and "keyed=off workers=0 batch=4:" in out
+
+
+def test_suite_time_measures_a_pytest_run_and_its_slowest_tests(tmp_path):
+    from benchmarks import suitetime
+
+    out = tmp_path / "suite.json"
+    assert bench_main(["suite-time", "--out", str(out), "--", "tests/test_crc.py", "-k", "chains_over_pieces",
+                       "-n", "0", "-p", "no:cacheprovider"]) == 0
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 0 and "1 passed" in result["summary"][0]
+    assert 0 < result["wall_s"] <= suitetime.TARGET_SECONDS and result["cpu_s"] > 0
+    assert [row["test"] for row in result["slowest"]][:1] == [
+        "tests/test_crc.py::test_chains_over_pieces_as_the_hdf5_writer_does"]
+    busy = {**result, "load_before": [result["cores"] + 1.0] * 3}
+    assert "the machine was busy" in suitetime.report(busy)
+    assert "the machine was busy" not in suitetime.report({**busy, "load_before": [0.0] * 3, "load_after": [0.0] * 3})

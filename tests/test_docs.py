@@ -1,9 +1,13 @@
 """The README stays a first page and the manual in docs/ stays in step with the code."""
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,3 +52,60 @@ def test_the_module_map_lists_every_module():
         for module in sorted((ROOT / package).glob("*.py")):
             assert re.search(rf"(^|\s){re.escape(module.name)}(\s|$|:)", mapping), \
                 f"docs/layout.md's module map lacks {package}/{module.name}"
+
+
+def section(page: str, heading: str) -> str:
+    """The text of page's section under heading, up to the next heading of any level."""
+    text = (ROOT / "docs" / page).read_text()
+    return re.split(r"\n#+ ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1)[0]
+
+
+def test_the_cuda_prefetchers_documented_signature_is_its_own():
+    pytest.importorskip("torch")
+    from readers import CUDAPrefetcher
+
+    documented = re.search(r"`CUDAPrefetcher\((.*)\)`", section("readers.md", "### `readers.CUDAPrefetcher`")).group(1)
+    assert [part.split("=")[0] for part in documented.split(", ")] == list(inspect.signature(CUDAPrefetcher).parameters)
+
+
+def test_the_default_worker_count_documented_is_the_one_counted():
+    # readers.md's make_loader table names what default_workers calls: affinity capped by the cgroup quota.
+    source = (ROOT / "readers" / "loader.py").read_text()
+    counted = re.search(r"def default_workers\(\).*?return ([^\n]*)", source, re.S).group(1)
+    assert "available_cores()" in counted and "local_world_size()" in counted
+    (row,) = [line for line in (ROOT / "docs" / "readers.md").read_text().splitlines()
+              if line.startswith("| `workers` |")]
+    assert "sched_getaffinity" in row and "cgroup CPU quota" in row and "LOCAL_WORLD_SIZE" in row
+
+
+def test_adding_a_format_names_every_file_a_test_requires_of_it():
+    # test_the_module_map_lists_every_module above holds every format module to a line in layout.md.
+    assert "layout.md" in section("formats.md", "## Adding a format")
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    assert "docs/layout.md" in layout.split("A\nformat is", 1)[1].split(";", 1)[0]
+
+
+def test_only_demo_and_doctor_reach_torch_and_only_inside_a_function():
+    # The README's Layout: packer runs without torch; demo and doctor call up into readers, lazily.
+    reaching = {}
+    for path in sorted((ROOT / "packer").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(name.split(".")[0] in ("torch", "readers", "torchvision") for name in names):
+                assert id(node) not in top_level, f"{path.name}:{node.lineno} imports torch at module level"
+                reaching.setdefault(path.relative_to(ROOT).as_posix(), []).append(node.lineno)
+    assert sorted(reaching) == ["packer/demo.py", "packer/doctor.py"], reaching
+
+
+def test_the_readme_states_a_suite_time_within_the_one_target():
+    from benchmarks.suitetime import TARGET_SECONDS
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"no GPU needed; about (\d+) minutes on 2 quiet cores, within the (\d+)-minute target that "
+                       r"`python -m benchmarks suite-time` measures", readme)
+    assert stated, "the README's set-up section states the suite's measured time and its target"
+    assert int(stated.group(2)) * 60 == TARGET_SECONDS
+    assert int(stated.group(1)) * 60 <= TARGET_SECONDS

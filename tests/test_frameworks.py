@@ -5,7 +5,10 @@ own checkpoints at an epoch's end and mid-epoch, which must replay exactly what 
 uninterrupted run saw. The docs' recipes are run too, as they are printed.
 
 The counting runs are new processes running this file as a script:
-`python tests/test_frameworks.py lightning|accelerate JOBFILE`.
+`python tests/test_frameworks.py lightning|accelerate JOBFILE`, which runs the file's jobs one
+after another in the same ranks, so a launch's imports, rank start-up and process group are paid
+once for the several checks it serves. Runs resumed from a checkpoint are launched after the runs
+that saved it, in processes of their own, as a user's resumed job is.
 """
 from __future__ import annotations
 
@@ -119,6 +122,7 @@ def lightning_run(job: dict) -> None:
     if job.get("mid_step"):
         checkpoints.append(ModelCheckpoint(out / "mid", save_top_k=-1, every_n_train_steps=job["mid_step"],
                                            save_on_train_epoch_end=False))
+    # Lightning's own launcher, as the docs' recipe: rank 1 runs this script again, with the same jobs.
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=checkpoints,
                         num_sanity_val_steps=0)
@@ -174,18 +178,24 @@ def torchrun_options(ranks: int) -> list[str]:
     return ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
 
 
-def run(kind: str, job: dict, tmp_path: Path, name: str, torchrun: bool = False, ranks: int = 2) -> dict:
-    """Run a job; {rank: {epoch: labels}} from its record files."""
-    out = tmp_path / name
-    out.mkdir()
-    job = {**job, "out": str(out)}
-    (out / "job.json").write_text(json.dumps(job))
-    command = [sys.executable, __file__, kind, str(out / "job.json")]
+def launch(kind: str, jobs: dict[str, dict], root: Path, torchrun: bool = False, ranks: int = 2) -> None:
+    """Run jobs, in order, in one launch of `ranks` processes; job NAME writes to root/NAME."""
+    for name, job in jobs.items():
+        (root / name).mkdir()
+    jobfile = root / f"jobs-{next(iter(jobs))}.json"
+    jobfile.write_text(json.dumps([{**job, "out": str(root / name)} for name, job in jobs.items()]))
+    command = [sys.executable, __file__, kind, str(jobfile)]
     if torchrun:
         command[1:1] = torchrun_options(ranks)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=240, env=env)
-    assert done.returncode == 0, f"the {kind} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=120 + 120 * len(jobs),
+                          env=env)
+    assert done.returncode == 0, f"the {kind} run of {', '.join(jobs)} failed:\n{done.stdout[-2000:]}\n" \
+                                 f"{done.stderr[-6000:]}"
+
+
+def records(out: Path, ranks: int = 2) -> dict:
+    """{rank: {epoch: labels}} from a job's record files (FileNotFoundError when it recorded none)."""
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 
@@ -208,8 +218,31 @@ def epochs_of(seen: dict) -> dict:
     return {key: labels for key, labels in seen.items() if key != "workers"}
 
 
-def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(packs, tmp_path):
-    seen = run("lightning", {"root": str(packs), "loader": "sampler"}, tmp_path, "full")
+LIGHTNING_LOADERS = ("make_loader", "wds", "mix")
+MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20}  # 7 or 8, or 15, steps an epoch: mid-epoch 1
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(packs, tmp_path_factory):
+    """Every Lightning run of the tests below: the uninterrupted runs in one launch, then every
+    run resumed from their checkpoints in another.
+    {sampler-whole|LOADER-whole|LOADER-after-end|LOADER-after-mid: {rank: {epoch: labels}}}."""
+    root = tmp_path_factory.mktemp("lightning")
+    whole = {f"{loader}-whole": {"root": str(packs), "loader": loader, "mid_step": MID_STEP[loader]}
+             for loader in LIGHTNING_LOADERS}
+    launch("lightning", {"sampler-whole": {"root": str(packs), "loader": "sampler"}, **whole}, root)
+    resumed = {}
+    for loader in LIGHTNING_LOADERS:
+        (end,) = (root / f"{loader}-whole" / "end").glob("epoch=0-*.ckpt")
+        (mid,) = (root / f"{loader}-whole" / "mid").glob(f"*step={MID_STEP[loader]}.ckpt")
+        for name, checkpoint in (("after-end", end), ("after-mid", mid)):
+            resumed[f"{loader}-{name}"] = {**whole[f"{loader}-whole"], "mid_step": None, "resume": str(checkpoint)}
+    launch("lightning", resumed, root)
+    return {name: records(root / name) for name in ["sampler-whole", *whole, *resumed]}
+
+
+def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(lightning_runs):
+    seen = lightning_runs["sampler-whole"]
     check_whole_epochs(seen, range(EPOCHS))
     # Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, not LOCAL_WORLD_SIZE: make_loader's
     # default still shares the cores between the 2 ranks.
@@ -232,19 +265,14 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
         assert len(set(trained)) >= SAMPLES - 2 * BATCH  # each rank drops its partial batch, nothing more
 
 
-@pytest.mark.parametrize("loader", ["make_loader", "wds", "mix"])
-def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(packs, tmp_path, loader):
-    mid_step = 20 if loader == "mix" else 11  # 15, or 7 or 8, steps an epoch: mid-epoch 1
-    job = {"root": str(packs), "loader": loader, "mid_step": mid_step}
-    whole = run("lightning", job, tmp_path, "whole")
+@pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
+def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, packs, loader):
+    whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
     check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
                        samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     if loader == "wds":
         check_stream_epochs(whole, packs)
-    (end,) = (tmp_path / "whole" / "end").glob("epoch=0-*.ckpt")
-    (mid,) = (tmp_path / "whole" / "mid").glob(f"*step={mid_step}.ckpt")
-    after_end = run("lightning", {**job, "mid_step": None, "resume": str(end)}, tmp_path, "after-end")
-    after_mid = run("lightning", {**job, "mid_step": None, "resume": str(mid)}, tmp_path, "after-mid")
+    mid_step = MID_STEP[loader]
     for rank in (0, 1):
         assert epochs_of(after_end[rank]) == {e: whole[rank][e] for e in ("1", "2")}
         steps_before = mid_step - len(whole[rank]["0"]) // BATCH
@@ -253,39 +281,65 @@ def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(pack
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-@pytest.mark.parametrize("loader, stateful", [("make_loader", False), ("make_loader", True), ("wds", False),
-                                              ("mix", False)])
-def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(packs, tmp_path, loader, stateful):
+ACCELERATE_CASES = [("make_loader", False), ("make_loader", True), ("wds", False), ("mix", False)]
+REFUSED_CASES = [(2, 1, None), (1, 1, None), (2, 2, "spawn"), (1, 0, None)]
+
+
+def accelerate_case(loader: str, stateful: bool) -> str:
+    return f"{loader}-{'stateful' if stateful else 'plain'}"
+
+
+def refused_case(ranks: int, workers: int, context: str | None) -> str:
+    return f"refused-{ranks}x{workers}-{context or 'default'}"
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(packs, tmp_path_factory) -> Path:
+    """Every Accelerate run of the tests below under torchrun: one launch of 2 ranks for the
+    uninterrupted runs and the refusals, one of 1 rank for its refusals, and one of 2 ranks for
+    the runs resumed from the first launch's saved states. The folder holding each job's."""
+    root = tmp_path_factory.mktemp("accelerate")
+    whole = {f"{accelerate_case(loader, stateful)}-whole": {"root": str(packs), "loader": loader, "stateful": stateful,
+                                                           "save_at": [1, 3]}
+             for loader, stateful in ACCELERATE_CASES}  # mid-epoch 1, after 3 steps
+    refused = {ranks: {refused_case(ranks, workers, context): {
+        "root": str(packs), "loader": "wds", "stateful": True, "refused": True, "workers": workers,
+        "context": context} for r, workers, context in REFUSED_CASES if r == ranks} for ranks in (1, 2)}
+    unprepared = {"unprepared": {"root": str(packs), "loader": "make_loader", "unprepared": True}}
+    launch("accelerate", {**whole, **unprepared, **refused[2]}, root, torchrun=True)
+    launch("accelerate", refused[1], root, torchrun=True, ranks=1)
+    resumed = {name.replace("-whole", "-resumed"): {**job, "save_at": None, "resume": str(root / name / "state"),
+                                                     "resume_at": [1, 3]} for name, job in whole.items()}
+    launch("accelerate", resumed, root, torchrun=True)
+    return root
+
+
+@pytest.mark.parametrize("loader, stateful", ACCELERATE_CASES)
+def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(accelerate_runs, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
-    job = {"root": str(packs), "loader": loader, "stateful": stateful, "save_at": [1, 3]}
-    whole = run("accelerate", job, tmp_path, "whole", torchrun=True)
+    whole = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-whole")
     check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
-    resumed = run("accelerate", {**job, "save_at": None, "resume": str(tmp_path / "whole" / "state"),
-                                 "resume_at": [1, 3]}, tmp_path, "resumed", torchrun=True)
+    resumed = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-resumed")
     for rank in (0, 1):  # each step gives each rank one batch of BATCH
         assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}
 
 
-def test_make_loader_not_prepared_under_accelerate_says_to_prepare_it(packs, tmp_path):
-    out = tmp_path / "unprepared"
-    with pytest.raises(FileNotFoundError):  # no records: the run stops at the error
-        run("accelerate", {"root": str(packs), "loader": "make_loader", "unprepared": True}, tmp_path,
-            "unprepared", torchrun=True)
+def test_make_loader_not_prepared_under_accelerate_says_to_prepare_it(accelerate_runs):
+    out = accelerate_runs / "unprepared"
+    assert not list(out.glob("rank*.json"))  # no records: the run stops at the error
     for rank in (0, 1):
         assert "accelerator.prepare()" in (out / f"error{rank}.txt").read_text()
 
 
-@pytest.mark.parametrize("ranks, workers, context", [(2, 1, None), (1, 1, None), (2, 2, "spawn"), (1, 0, None)])
-def test_accelerate_stateful_loader_over_wds_stops_at_prepare_saying_what_to_set(packs, tmp_path, ranks, workers,
+@pytest.mark.parametrize("ranks, workers, context", REFUSED_CASES)
+def test_accelerate_stateful_loader_over_wds_stops_at_prepare_saying_what_to_set(accelerate_runs, ranks, workers,
                                                                                   context):
     """use_stateful_dataloader=True saves a WDSDataset's streams a look-ahead past the batches
     trained on, and rank 1's stale state can overwrite rank 0's: prepare() refuses it."""
-    job = {"root": str(packs), "loader": "wds", "stateful": True, "refused": True, "workers": workers,
-           "context": context}
-    with pytest.raises(FileNotFoundError):  # no records: the run stops at the error
-        run("accelerate", job, tmp_path, "refused", torchrun=True, ranks=ranks)
+    out = accelerate_runs / refused_case(ranks, workers, context)
+    assert not list(out.glob("rank*.json"))  # no records: the run stops at the error
     for rank in range(ranks):
-        own, error = (tmp_path / "refused" / f"error{rank}.txt").read_text().split("\n", 1)
+        own, error = (out / f"error{rank}.txt").read_text().split("\n", 1)
         assert own == "EpochLoader"
         assert "use_stateful_dataloader=False" in error and "skip_first_batches" in error
 
@@ -396,4 +450,5 @@ def test_a_stream_loaders_length_is_every_pass_it_runs(packs):
 
 
 if __name__ == "__main__":
-    {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
+    for one in json.loads(Path(sys.argv[2]).read_text()):
+        {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](one)

@@ -54,7 +54,7 @@ if __name__ == "__main__":
     for ds in datasets:
         if not isinstance(ds, readers.WDSDataset):
             ds[0]  # opened in this process, and left open
-        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+        loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
         assert len(list(loader)) == 6
     print("read")
 """

@@ -60,7 +60,7 @@ def test_the_lock_pins_every_requirement_of_the_test_environment_within_its_rang
     # CI's .ci/lock --check re-resolves with uv (network); this is the offline half: every range
     # pyproject.toml states, for the library and every extra, admits the version the lock pins.
     try:
-        import tomllib
+        import tomllib  # novm: tomli below on Python 3.10
     except ImportError:  # Python 3.10
         tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
     from packaging.requirements import Requirement
@@ -110,3 +110,21 @@ def test_python_dash_m_packer_works_from_a_folder_holding_a_packer_folder(tmp_pa
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("packer, version ")
+
+
+def oldest_python() -> str:
+    """The oldest Python pyproject.toml promises: "3.10" from requires-python = ">=3.10"."""
+    (line,) = [line for line in (ROOT / "pyproject.toml").read_text().splitlines()
+               if line.startswith("requires-python")]
+    return line.split(">=", 1)[1].strip().strip('"')
+
+
+def test_every_module_runs_on_the_oldest_python_promised():
+    # vermin reads each module for the language features and standard-library names it needs. It
+    # cannot type a method called on a variable (exc.add_note, 3.11): such a call needs a fallback.
+    pytest.importorskip("vermin", reason="the Python-version check needs vermin (in the test extra)")
+    vermin = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]  # it has no __main__
+    proc = subprocess.run([*vermin, f"--target={oldest_python()}-", "--violations", "--eval-annotations", "--no-tips",
+                           "packer", "readers", "benchmarks", "tests"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"code that needs a newer Python than {oldest_python()}:\n{proc.stdout}{proc.stderr}"

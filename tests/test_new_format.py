@@ -1,7 +1,8 @@
-"""A new format is one module plus a registry line: `flat`, a small but real format written out in
-full below, registered with packer.formats.register, goes through pack, convert (to and from lmdb),
-verify, info and a DataLoader of its map-style Dataset without an edit anywhere else in packer or
-readers. docs/formats.md ("Adding a format") points here as the worked example."""
+"""A new format is one module, a registry line and its line in docs/layout.md's module map: `flat`,
+a small but real format written out in full below, registered with packer.formats.register, goes
+through pack, convert (to and from lmdb), verify, info and a DataLoader of its map-style Dataset
+without an edit anywhere else in packer or readers. docs/formats.md ("Adding a format") points here
+as the worked example."""
 from __future__ import annotations
 
 import json

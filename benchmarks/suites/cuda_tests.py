@@ -47,9 +47,10 @@ def tests_rootdir(tests: list[str], root: str = ROOT) -> str:
 
 
 def pytest_command(tests: list[str], junit: str, root: str = ROOT) -> list[str]:
-    """pytest over `tests` (run from `root`), its junit report written to `junit`."""
-    return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-            f"--rootdir={tests_rootdir(tests, root)}", *tests]
+    """pytest over `tests` (run from `root`), its junit report written to `junit`, in one process:
+    the GPU machine need not carry pytest-xdist, which pyproject.toml's addopts would ask for."""
+    return [sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider",
+            f"--junitxml={junit}", f"--rootdir={tests_rootdir(tests, root)}", *tests]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ from ._contract import Format, Option, parse_size
 from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
 
 # The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
-# A new format is one module and one name in this tuple (docs/formats.md, "Adding a format").
+# A new format is one module, one name in this tuple and one line in docs/layout.md's module map
+# (docs/formats.md, "Adding a format").
 FORMATS: dict[str, Format] = {}
 # Every spelling --to accepts, aliases included (h5, webdataset, ...), to its format's name.
 FORMAT_SPELLINGS: dict[str, str] = {}
