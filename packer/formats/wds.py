@@ -49,10 +49,20 @@ the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` beco
 the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
 
 A shard is started before one would exceed shard_size bytes or hold max_count samples.
-shard_size None (the default) is "auto": the split's expected bytes (the mean sample so far,
-tar headers included, times the sample count pack() passes to begin_split) over
-AUTO_SHARDS, bounded to [MIN_AUTO_SHARD_SIZE, MAX_AUTO_SHARD_SIZE]: enough shards for
-several ranks x DataLoader workers once a split is large enough, none tiny nor huge.
+shard_size None (the default) is "auto", a balanced split: the shards hold the same number
+of samples to within one, so ranks that take whole shards get equal shares and pad
+little. Their number is the split's expected bytes (the mean sample so far, tar headers
+included, times the sample count pack() passes to begin_split) over the auto size
+(AUTO_SHARDS shards, each within [MIN_AUTO_SHARD_SIZE, MAX_AUTO_SHARD_SIZE]: enough
+for several ranks x DataLoader workers once a split is large enough, none tiny nor
+huge), rounded up to a multiple of one of SHARD_MULTIPLES, the first that keeps shards
+of MIN_BALANCED_SHARD_SIZE or more: of 12, so that 2, 3, 4, 6 or 12 ranks divide it,
+else of 6, else of 2; a split too small for any keeps the count the size gives; at most
+one shard per sample. The count is fixed after PLAN_SAMPLES samples or when the first
+shard closes; a split that comes out smaller than expected (skipped files) has a
+smaller last shard or fewer shards, and no shard grows past MAX_AUTO_SHARD_SIZE. A
+max_count, or a shard_size, set by the user cuts shards by it instead (auto bytes
+beside a max_count).
 
 Shards are written in the order pack() hands samples over (a seeded permutation of
 ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
@@ -76,6 +86,7 @@ when first opened.
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -104,6 +115,9 @@ INDEX = "index.json"
 LAYOUT_VERSION = 2
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 AUTO_SHARDS = 64
+SHARD_MULTIPLES = (12, 6, 2)  # what auto shard counts are rounded up to: rank counts that divide them
+MIN_BALANCED_SHARD_SIZE = 1_000_000  # rounding up the count stops short of shards smaller than this
+PLAN_SAMPLES = 16  # a balanced split's shard count is fixed by then (or when its first shard closes)
 MIN_AUTO_SHARD_SIZE = 4_000_000
 MAX_AUTO_SHARD_SIZE = 1_000_000_000
 WIDS_INDEX = "wids-index.json"
@@ -116,6 +130,15 @@ def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
     """The shard size that splits expected_count samples into AUTO_SHARDS shards, bounded."""
     wanted = int(mean_sample_bytes * expected_count / AUTO_SHARDS)
     return min(MAX_AUTO_SHARD_SIZE, max(MIN_AUTO_SHARD_SIZE, wanted))
+
+
+def balanced_shard_count(mean_sample_bytes: float, expected_count: int) -> int:
+    """How many shards a balanced split of expected_count samples makes (module docstring)."""
+    total = mean_sample_bytes * expected_count
+    count = max(1, math.ceil(total / auto_shard_size(mean_sample_bytes, expected_count)))
+    rounded = (-(-count // m) * m for m in SHARD_MULTIPLES)
+    count = next((r for r in rounded if total / r >= MIN_BALANCED_SHARD_SIZE), count)
+    return max(1, min(count, expected_count))
 
 
 PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
@@ -227,6 +250,7 @@ class Writer:
         check_split_name(split)
         self.split = split
         self.expected_count = expected_count
+        self.planned: int | None = None  # the balanced split's shard count, once fixed
         self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
@@ -250,7 +274,10 @@ class Writer:
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
-            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob)))
+            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob))
+            or (self.balanced() and self.count >= self.balanced_shard(len(blob))))
+        if self.balanced() and self.planned is None and (full or len(self.rows) + 1 >= PLAN_SAMPLES):
+            self.planned = self.planned_shards(len(blob))
         if self.file is None or full:
             self.next_shard()
         self.split_bytes += len(blob)
@@ -261,13 +288,34 @@ class Writer:
         self.count += 1
 
     def split_shard_size(self, next_blob: int) -> int:
-        """The shard size in force: the option's, or auto from the mean sample so far (next one included)."""
+        """The byte bound in force: the option's, a balanced split's ceiling, or auto from the
+        mean sample so far (next one included) beside a max_count."""
         if self.shard_size is not None:
             return self.shard_size
-        if not self.expected_count:
+        if not self.expected_count or self.balanced():
             return MAX_AUTO_SHARD_SIZE
         added = len(self.rows) + 1
         return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
+
+    def balanced(self) -> bool:
+        """Whether shards are cut by sample count: no size set, the expected count known."""
+        return self.shard_size is None and self.max_count is None and bool(self.expected_count)
+
+    def planned_shards(self, next_blob: int) -> int:
+        """The split's shard count: fixed, or estimated from the mean sample so far (next one included)."""
+        if self.planned is not None:
+            return self.planned
+        mean = (self.split_bytes + next_blob) / (len(self.rows) + 1)
+        return balanced_shard_count(mean, self.expected_count)
+
+    def balanced_shard(self, next_blob: int) -> float:
+        """The samples the current shard holds in a balanced split: the samples not yet in
+        a closed shard over the shards left, rounded up, so shards differ by one at most."""
+        shards, k = self.planned_shards(next_blob), len(self.shards)
+        left = self.expected_count - (len(self.rows) - self.count)
+        if k >= shards or left <= 0:  # more samples than expected cannot come; never cut there
+            return math.inf
+        return -(-left // (shards - k))
 
     def next_shard(self) -> None:
         self.close_shard()
@@ -642,7 +690,8 @@ FORMAT = Format(
     options=(
         Option("shard_size", parse_size, DEFAULT_SHARD_SIZE,
                "start a new shard before one would exceed this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, "
-               "or a byte count [default: auto, 64 shards per split, each 4MB to 1GB]"),
+               "or a byte count [default: auto, about 64 shards per split of 4MB to 1GB each, with equal sample "
+               "counts so that ranks get equal shares]"),
         Option("max_count", positive_int, None, "at most this many samples per shard"),
     ))
 
