@@ -29,6 +29,7 @@ from .folder import FolderDataset
 WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time: data is the limit
 START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
 HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
+HANDOVER_SHARE = 0.02  # a typical wait under this share of the step is not worth a name
 
 
 @dataclasses.dataclass
@@ -123,7 +124,10 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
                  steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0)
     findings = pin_findings(settings, run[0]["first_batch"], m)
-    if limit == "data":
+    if limit == "data" and timed_step and handing_over(m, steady_waits) and not restart_findings(m):
+        limit = "hand-over"
+        findings.append(handover_finding(m, steady_waits))
+    elif limit == "data":
         findings += restart_findings(m) + steady_findings(m, steady_waits) + thread_findings(m)
     findings.sort(key=lambda f: -f.share)
     figures = {
@@ -181,23 +185,77 @@ def batch_cost(workers: int, stages: dict, batch: int, steady_waits: list, stead
 
 
 def restart_findings(m: Measured) -> list:
+    """Workers started again every epoch, where that costs a share of a whole epoch worth
+    naming. An epoch cut short at `steps` batches would overstate the share: it is then
+    weighed against the loader's whole epoch (its len()), or, unsized, not named."""
     s = m.settings
     if not s["workers"] or s["persistent_workers"] or len(m.run) < 2:
         return []
     firsts = [e["waits"][0] for e in m.run if e["waits"]]
     restart = sum(firsts) / len(firsts) - (m.cost or 0.0)
-    saved = restart * (len(firsts) - 1)
-    if restart < 0.05 or saved / m.wall < START_SHARE:
+    epoch = whole_epoch_seconds(m)
+    if epoch is None or restart < 0.05 or restart / epoch < START_SHARE:
         return []
-    samples = sum(n for e in m.run for n in e["samples"])
+    per_batch = sum(n for e in m.run for n in e["samples"]) / sum(len(e["samples"]) for e in m.run)
+    batches = epoch_length(m)
+    now, then = batches * per_batch / epoch, batches * per_batch / (epoch - restart)
     return [Finding(
         "persistent_workers",
         f"each epoch's first batch waited {sum(firsts) / len(firsts):.2f} s, while a worker makes a batch in "
-        f"{(m.cost or 0) * 1e3:.0f} ms: starting {s['workers']} workers again costs {restart:.2f} s an epoch, "
-        f"{saved / m.wall:.0%} of the time measured",
-        f"persistent_workers=True (workers start once, not every epoch): about "
-        f"{samples / (m.wall - saved):.0f} samples/s over these epochs, now {m.rate:.0f}",
-        saved / m.wall)]
+        f"{(m.cost or 0) * 1e3:.0f} ms: starting {s['workers']} workers again costs {restart:.2f} s an epoch "
+        f"of {batches} batches, {restart / epoch:.0%} of its time",
+        f"persistent_workers=True (workers start once, not every epoch): about {then:.0f} samples/s over "
+        f"whole epochs, now {now:.0f}",
+        restart / epoch)]
+
+
+def epoch_length(m: Measured) -> int | None:
+    """Batches in a whole epoch: as run, where every epoch ran to its end; else the loader's len()."""
+    if all(e["whole"] for e in m.run):
+        return round(sum(len(e["waits"]) for e in m.run) / len(m.run))
+    return m.settings.get("epoch_batches")
+
+
+def whole_epoch_seconds(m: Measured) -> float | None:
+    """A whole epoch's time with workers started again: its start (measured) plus its other
+    batches at the steady pace of these runs. None where the epoch's length is unknown."""
+    batches = epoch_length(m)
+    steady = [w + t for e in m.run for w, t in zip(e["waits"][1:], e["steps"][1:])]
+    if not batches or not steady:
+        return None
+    firsts = [e["waits"][0] + e["steps"][0] for e in m.run[1:] if e["waits"]]
+    return sum(firsts) / len(firsts) + (batches - 1) * sum(steady) / len(steady)
+
+
+def handing_over(m: Measured, steady_waits: list) -> bool:
+    """Whether the workers idle and the wait is the hand-over: they make batches well faster
+    than the step takes them, yet every batch waits about as long (the main process taking
+    it from a worker's queue)."""
+    workers = m.settings["workers"]
+    if not workers or not m.cost or not m.target or not steady_waits:
+        return False
+    keeps_up = workers * m.target >= HEADROOM * m.cost
+    # Every batch waits about as long: the typical wait is a real share of the step and near
+    # the mean (rare slow batches that drain the queue have a short typical wait, a long mean).
+    typical, mean = median(steady_waits), sum(steady_waits) / len(steady_waits)
+    drained = sum(1 for w in steady_waits if w > m.target) >= 2 and typical < m.target
+    return keeps_up and not drained and typical >= HANDOVER_SHARE * m.target and typical >= 0.5 * mean
+
+
+def handover_finding(m: Measured, steady_waits: list) -> Finding:
+    wait_ms = 1e3 * sum(steady_waits) / len(steady_waits)
+    workers = m.settings["workers"]
+    measured = m.stages.get("hand_over")
+    inside = f" (timed here: {measured * m.batch:.1f} ms a batch)" if measured else ""
+    return Finding(
+        "hand-over",
+        f"{workers} workers make a batch every {m.cost / workers * 1e3:.1f} ms, faster than the "
+        f"{m.target * 1e3:.1f} ms step, so they idle; yet the loop waited {wait_ms:.1f} ms a batch: that is the "
+        f"hand-over, the main process taking each finished batch from a worker's queue{inside}, not the data",
+        "hand over less a batch: uint8 batches rather than float ones (decode='raw' with readers' uint8 "
+        "transforms, normalised on the GPU), collated by readers.collate into one shared buffer (make_loader's "
+        f"default): up to {m.batch / m.target:.0f} samples/s, now {m.rate:.0f}",
+        m.steady_share)
 
 
 def steady_findings(m: Measured, steady_waits: list) -> list:
