@@ -8,6 +8,7 @@ when it makes them untrustworthy, rather than let a busy machine pass for a slow
 from __future__ import annotations
 
 import os
+import time
 
 # A 1-minute load above this share of the usable cores means other work took cores from
 # the measurement (its own processes add to the load too, so a quiet machine stays under).
@@ -45,3 +46,37 @@ def busy_words(loads: dict) -> str | None:
     at = ", ".join(f"{load['other_load']:.1f} {when}" for when, load in busy.items())
     return (f"other work held the cores (a load of {at}, over {BUSY_SHARE * cores:.1f} on {cores} cores): "
             "the rates are below what this machine gives; measure again when it is quiet")
+
+
+class CpuWindow:
+    """The cores a stretch of work had: what this process and its reaped children used, and
+    what stayed idle on the machine (Linux /proc/stat), so a rate can be scaled to the cores
+    that were actually free rather than to the cores the machine has."""
+
+    def __init__(self):
+        self.begun = (time.perf_counter(), os.times(), idle_and_total())
+
+    def cores(self) -> dict:
+        """Cores' worth used since the window began: "main" by this process, "workers" by its
+        children that have exited (been reaped) since, "ours" both; "idle" left idle on the
+        machine (None where /proc/stat is not there)."""
+        wall0, times0, stat0 = self.begun
+        wall = max(time.perf_counter() - wall0, 1e-9)
+        times = os.times()
+        main = (times.user + times.system - times0.user - times0.system) / wall
+        workers = (times.children_user + times.children_system - times0.children_user - times0.children_system) / wall
+        stat = idle_and_total()
+        idle = None
+        if stat0 is not None and stat is not None and stat[1] > stat0[1]:
+            idle = (stat[0] - stat0[0]) / (stat[1] - stat0[1]) * (os.cpu_count() or 1)
+        return {"ours": main + workers, "main": main, "workers": workers, "idle": idle}
+
+
+def idle_and_total() -> tuple[int, int] | None:
+    """(idle + iowait, all) jiffies of every CPU since boot, or None without /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])

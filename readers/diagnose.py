@@ -19,6 +19,7 @@ import time
 import torch
 
 from packer.cores import available_cores
+from packer.load import CpuWindow
 from packer.advice import GPU_DECODE_RATE, MAX_SIDE, max_side_gain
 
 from ._dataset import ReaderDataset
@@ -68,6 +69,10 @@ class Diagnosis:
                  f"batch_size={f['batch_size']}; {f['cores']} usable cores",
                  f"per batch: step {f['step_ms']:.1f} ms, wait {f['wait_ms']:.1f} ms (steady), "
                  f"epoch start {f['start_ms']:.0f} ms"]
+        if f.get("cores_used") is not None:
+            idle = f"{f['cores_idle']:.1f}" if f["cores_idle"] is not None else "unknown"
+            lines.append(f"cores over the run: {f['cores_used']:.1f} used here, {idle} idle (other work "
+                         f"held the rest of {f['cores']})")
         if f["stages_ms"]:
             stages = ", ".join(f"{name} {ms:.2f}" for name, ms in worker_stages(f["stages_ms"]).items())
             lines.append(f"inside a worker, ms a sample: {stages}; a batch: {f['batch_cost_ms']:.1f} ms; "
@@ -96,11 +101,12 @@ def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2) -> Diagnosi
         raise ValueError(f"diagnose: steps must be >= 2 and epochs >= 1, got {steps} and {epochs}")
     settings = loader_settings(loader)
     stages = probe_samples(loader, settings)
+    window = CpuWindow()
     run = run_loop(loader, step, steps, epochs)
-    return judge(settings, stages, run, timed_step=step is not None)
+    return judge(settings, stages, run, timed_step=step is not None, cpu=window.cores())
 
 
-def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagnosis:
+def judge(settings: dict, stages: dict, run: list, *, timed_step: bool, cpu: dict | None = None) -> Diagnosis:
     """The findings the measurements support, most important first."""
     waits = [w for e in run for w in e["waits"]]
     step_times = [s for e in run for s in e["steps"]]
@@ -122,7 +128,7 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     limit = "data" if wait_fraction > WAIT_LIMIT else "step"
     cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
-                 steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0)
+                 steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0, cpu)
     findings = pin_findings(settings, run[0]["first_batch"], m)
     if limit == "data" and timed_step and handing_over(m, steady_waits) and not restart_findings(m):
         limit = "hand-over"
@@ -138,6 +144,7 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
         # What every usable core making batches could deliver at the cost measured.
         "ceiling_samples_per_s": cores * batch / cost if cost else None,
         "busy_threads_per_worker": max_busy(run),
+        "cores_used": cpu["ours"] if cpu else None, "cores_idle": cpu["idle"] if cpu else None,
         **{k: v for k, v in settings.items() if k not in ("dataset", "collate_fn")},
     }
     return Diagnosis(limit, wait_fraction, findings, figures)
@@ -155,6 +162,7 @@ class Measured:
     cores: int
     steady_share: float  # the part of the steady state (epochs' starts left out) spent waiting
     rate: float
+    cpu: dict | None = None  # CpuWindow.cores() over the run: cores used here, cores left idle
 
 
 def steady_share(waits: list, steps: list) -> float:
@@ -269,7 +277,7 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
     wait_ms = 1e3 * sum(steady_waits) / (len(steady_waits) or 1)
     if workers < min(needed, m.cores):
         n = min(needed, m.cores)
-        rate = min(n / m.cost, 1 / m.target if m.target else math.inf) * m.batch
+        rate = predicted_rate(m, n)
         made_by = "the main process makes each batch between steps" if workers == 0 else f"{workers} workers"
         step = f"a {m.target * 1e3:.1f} ms step" if m.target else "no step timed"
         return [Finding(
@@ -288,6 +296,44 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
     if m.target:
         return cost_findings(m, wait_ms)
     return []
+
+
+def predicted_rate(m: Measured, n: int) -> float:
+    """Samples/s the same run would give with n workers: its batches at the pace n workers
+    keep, scaled from the pace measured (which holds what the probe's cost leaves out: the
+    per-worker overhead, the hand-over, the cores other work took), its epochs' starts as
+    measured, and no faster than the step.
+
+    The pace scales with the cores the batch makers get: k workers get at most k, and no
+    more than the cores they used in this run plus those that stayed idle (the main process
+    keeps its share, other work keeps the rest; without workers the main process makes the
+    batches, and what it used is theirs to take)."""
+    workers = m.settings["workers"]
+    had = (m.cpu["workers"] if workers else m.cpu["main"]) if m.cpu else None
+    free = m.cores if had is None else min(m.cores, had + (m.cpu["idle"] or 0.0))
+
+    def cores_for(k: int) -> float:
+        return max(min(k, free), 1e-3)
+
+    start = sum(e["waits"][0] + e["steps"][0] for e in m.run if e["waits"])
+    batches = [(w, t, n_) for e in m.run for w, t, n_ in zip(e["waits"][1:], e["steps"][1:], e["samples"][1:])]
+    if not batches:
+        return m.rate
+    period = sum(w + t for w, t, _ in batches) / len(batches)
+    # A worker's pace now: each of them made a batch per `workers` periods, which holds all a
+    # batch costs in this run, the probe's cost and the rest. The main process (no workers)
+    # runs torch's intra-op threads, which a worker does not: its own pace says little, so
+    # the probe's, timed on one thread with the hand-over, stands for a worker's, on a core.
+    if workers or not m.stages:
+        per_batch = (period * workers) if workers else sum(w for w, _, _ in batches) / len(batches)
+    else:
+        per_batch, had = m.batch * sum(worker_stages(m.stages).values()) / 1e3, 1.0
+    had = cores_for(max(workers, 1)) if had is None else min(max(workers, 1), had)
+    made = per_batch * max(had, 1e-3) / max(workers, 1) / cores_for(n)
+    step = m.target or 0.0
+    new_period = max(step, made)
+    samples = sum(n_ for _, _, n_ in batches) + sum(e["samples"][0] for e in m.run if e["samples"])
+    return samples / (start + len(batches) * new_period)
 
 
 def drain_finding(m: Measured, steady_waits: list, wait_ms: float) -> Finding:

@@ -23,7 +23,7 @@ import readers
 from packer import CorruptDataError, FormatError, PackError, pack
 from packer.cli import main
 from packer.errors import ReplacedError
-from packer.formats import _tar, wds
+from packer.formats import _shards, _tar, wds
 from packer.verify import verify
 from readers import WDSDataset
 
@@ -833,7 +833,7 @@ def test_balanced_shard_count_is_the_size_rule_rounded_up_for_common_rank_counts
 
 
 def test_default_split_is_balanced_so_ranks_pad_little(tmp_path, monkeypatch):
-    monkeypatch.setattr(wds, "MIN_BALANCED_SHARD_SIZE", 1)  # a tiny corpus rounded up as a large one is
+    monkeypatch.setattr(_shards, "MIN_BALANCED_SHARD_SIZE", 1)  # a tiny corpus rounded up as a large one is
     tree = tmp_path / "src"
     for i in range(60):  # sizes from one to ~20 pages: the shards must not follow bytes
         write(tree / f"c{i % 3}" / f"{i:02d}.jpg", jpeg_bytes(i, size=(16 + 4 * i, 16 + 4 * i)))

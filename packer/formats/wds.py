@@ -49,20 +49,9 @@ the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` beco
 the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
 
 A shard is started before one would exceed shard_size bytes or hold max_count samples.
-shard_size None (the default) is "auto", a balanced split: the shards hold the same number
-of samples to within one, so ranks that take whole shards get equal shares and pad
-little. Their number is the split's expected bytes (the mean sample so far, tar headers
-included, times the sample count pack() passes to begin_split) over the auto size
-(AUTO_SHARDS shards, each within [MIN_AUTO_SHARD_SIZE, MAX_AUTO_SHARD_SIZE]: enough
-for several ranks x DataLoader workers once a split is large enough, none tiny nor
-huge), rounded up to a multiple of one of SHARD_MULTIPLES, the first that keeps shards
-of MIN_BALANCED_SHARD_SIZE or more: of 12, so that 2, 3, 4, 6 or 12 ranks divide it,
-else of 6, else of 2; a split too small for any keeps the count the size gives; at most
-one shard per sample. The count is fixed after PLAN_SAMPLES samples or when the first
-shard closes; a split that comes out smaller than expected (skipped files) has a
-smaller last shard or fewer shards, and no shard grows past MAX_AUTO_SHARD_SIZE. A
-max_count, or a shard_size, set by the user cuts shards by it instead (auto bytes
-beside a max_count).
+shard_size None (the default) is "auto", a balanced split (packer.formats._shards): about
+AUTO_SHARDS shards of the same number of samples to within one, so ranks that take
+whole shards get equal shares and pad little.
 
 Shards are written in the order pack() hands samples over (a seeded permutation of
 ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
@@ -86,7 +75,6 @@ when first opened.
 from __future__ import annotations
 
 import json
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -105,6 +93,8 @@ from ._contract import Format, Option, parse_size, positive_int
 from ._files import ShardDigest, entry_problem, outside_problem, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
+from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
+                      BalancedCut, auto_shard_size, balanced_shard_count)
 from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_within, dataset_identity,
                       nul_separated_chunks)
 
@@ -114,31 +104,10 @@ INDEX = "index.json"
 # 2: members named by content (jpg, not the source's jpeg), and <split>/wids-index.json.
 LAYOUT_VERSION = 2
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
-AUTO_SHARDS = 64
-SHARD_MULTIPLES = (12, 6, 2)  # what auto shard counts are rounded up to: rank counts that divide them
-MIN_BALANCED_SHARD_SIZE = 1_000_000  # rounding up the count stops short of shards smaller than this
-PLAN_SAMPLES = 16  # a balanced split's shard count is fixed by then (or when its first shard closes)
-MIN_AUTO_SHARD_SIZE = 4_000_000
-MAX_AUTO_SHARD_SIZE = 1_000_000_000
 WIDS_INDEX = "wids-index.json"
 MAX_WIDS_INDEX_BYTES = 64 << 20
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
-
-
-def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
-    """The shard size that splits expected_count samples into AUTO_SHARDS shards, bounded."""
-    wanted = int(mean_sample_bytes * expected_count / AUTO_SHARDS)
-    return min(MAX_AUTO_SHARD_SIZE, max(MIN_AUTO_SHARD_SIZE, wanted))
-
-
-def balanced_shard_count(mean_sample_bytes: float, expected_count: int) -> int:
-    """How many shards a balanced split of expected_count samples makes (module docstring)."""
-    total = mean_sample_bytes * expected_count
-    count = max(1, math.ceil(total / auto_shard_size(mean_sample_bytes, expected_count)))
-    rounded = (-(-count // m) * m for m in SHARD_MULTIPLES)
-    count = next((r for r in rounded if total / r >= MIN_BALANCED_SHARD_SIZE), count)
-    return max(1, min(count, expected_count))
 
 
 PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
@@ -250,7 +219,9 @@ class Writer:
         check_split_name(split)
         self.split = split
         self.expected_count = expected_count
-        self.planned: int | None = None  # the balanced split's shard count, once fixed
+        # Cut by sample count (a balanced split) when no size is set and the count is known.
+        balanced = self.shard_size is None and self.max_count is None and bool(expected_count)
+        self.cut = BalancedCut(expected_count) if balanced else None
         self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
@@ -275,9 +246,10 @@ class Writer:
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
             or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob))
-            or (self.balanced() and self.count >= self.balanced_shard(len(blob))))
-        if self.balanced() and self.planned is None and (full or len(self.rows) + 1 >= PLAN_SAMPLES):
-            self.planned = self.planned_shards(len(blob))
+            or (self.cut is not None and self.cut.full(len(self.shards), len(self.rows), self.count,
+                                                       self.split_bytes + len(blob))))
+        if self.cut is not None:
+            self.cut.note(len(self.rows), self.split_bytes + len(blob), full)
         if self.file is None or full:
             self.next_shard()
         self.split_bytes += len(blob)
@@ -292,30 +264,10 @@ class Writer:
         mean sample so far (next one included) beside a max_count."""
         if self.shard_size is not None:
             return self.shard_size
-        if not self.expected_count or self.balanced():
+        if not self.expected_count or self.cut is not None:
             return MAX_AUTO_SHARD_SIZE
         added = len(self.rows) + 1
         return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
-
-    def balanced(self) -> bool:
-        """Whether shards are cut by sample count: no size set, the expected count known."""
-        return self.shard_size is None and self.max_count is None and bool(self.expected_count)
-
-    def planned_shards(self, next_blob: int) -> int:
-        """The split's shard count: fixed, or estimated from the mean sample so far (next one included)."""
-        if self.planned is not None:
-            return self.planned
-        mean = (self.split_bytes + next_blob) / (len(self.rows) + 1)
-        return balanced_shard_count(mean, self.expected_count)
-
-    def balanced_shard(self, next_blob: int) -> float:
-        """The samples the current shard holds in a balanced split: the samples not yet in
-        a closed shard over the shards left, rounded up, so shards differ by one at most."""
-        shards, k = self.planned_shards(next_blob), len(self.shards)
-        left = self.expected_count - (len(self.rows) - self.count)
-        if k >= shards or left <= 0:  # more samples than expected cannot come; never cut there
-            return math.inf
-        return -(-left // (shards - k))
 
     def next_shard(self) -> None:
         self.close_shard()
