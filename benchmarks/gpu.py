@@ -28,8 +28,8 @@ order (`--steps` picks some; `corpus` runs whenever a later step needs it):
 This module is the orchestration: each step is timed, logged and recorded whatever happens
 to it: a failed step records its error and the next one runs. `--time-budget` (seconds for
 the whole command) skips a step that cannot fit and bounds the ones that run, so a command
-ends inside a 10-minute limit; results are rewritten after every step, so a command killed
-early still leaves them.
+ends inside the time a machine is lent for; results are rewritten after every step, so a
+command killed early still leaves them.
 
 Files in --out (flat, at most 8): gpu-results.json (everything), gpu.log, summary.md (the
 tables), tests.xml, nvjpeg-profile.txt (torch.profiler's tables of the GPU decoder),
@@ -452,6 +452,19 @@ def run_steps(args, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+DESCRIPTION = """\
+Measure packer on the GPU machine it runs on and write every result into one folder
+(--out) as it is obtained: what the machine has, the CUDA tests, a ResNet-50 fed by
+make_loader against torch's DataLoader defaults, GPU JPEG decoding against the CPU
+workers, the pinned hand-over, the disk's random reads, packing, the benchmark suite and
+the read rate by worker count. --steps picks steps, --time-budget bounds the whole
+command (a step that cannot fit is skipped), and a failed step is recorded while the next
+one runs. `gpu prepare`, on a machine with network, gathers into this checkout the
+wheels, photos and corpus tool that a GPU machine without network needs.
+
+steps: """ + ", ".join(STEPS)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     def csv(text: str) -> list[str]:
         names = [x.strip() for x in text.split(",") if x.strip()]
@@ -461,13 +474,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         return names
 
     p.add_argument("action", nargs="?", choices=("run", "prepare"), default="run",
-                   help="run the steps (default), or prepare: fill .whl/ and .carry/ here for the GPU machine")
-    p.add_argument("--out", help="the results folder (on the device machine: $OUT)")
-    p.add_argument("--steps", type=csv, default=list(STEPS), help=f"comma-separated, from {','.join(STEPS)}")
+                   help="run the steps (default), or prepare: gather here, from a machine with network, the "
+                        "wheels, photos and corpus tool that a GPU machine without network needs")
+    p.add_argument("--out", help="the folder the results are written into, step by step (required to run)")
+    p.add_argument("--steps", type=csv, default=list(STEPS),
+                   help=f"the steps to run, comma-separated (default: all): {', '.join(STEPS)}")
     p.add_argument("--images", type=int, default=20000, help="corpus size (default: 20000)")
     p.add_argument("--quick", action="store_true", help="short runs everywhere: a check of the plumbing")
     p.add_argument("--time-budget", type=float, default=570.0,
-                   help="seconds for the whole command (default: 570, inside a 10-minute limit)")
+                   help="seconds for the whole command: steps that cannot fit are skipped (default: 570)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--workers", type=int, help="loader workers (default: the usable cores)")
     p.add_argument("--batch", type=int, default=256, help="feed and nvJPEG batch size (default: 256)")
@@ -487,12 +502,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the suite's size; auto: the largest that fits the time left")
     p.add_argument("--tests", nargs="+", default=cuda_tests.CUDA_TESTS,
                    help="pytest arguments for the tests step (default: suites/cuda_tests.py's list)")
-    p.add_argument("--tests-timeout", type=float, default=240.0)
+    p.add_argument("--tests-timeout", type=float, default=240.0,
+                   help="seconds the tests step may take (default: 240)")
     p.add_argument("--workdir", default="/var/tmp/packer-gpu", help="corpus, packs and suite data (kept)")
     p.add_argument("--corpus", help="an ImageFolder tree to use instead of making one")
-    p.add_argument("--corpus-tool", help="make_corpus.py (default: .carry/tools/make_corpus.py)")
+    p.add_argument("--corpus-tool", help="the make_corpus.py that makes the corpus from photos (default: the "
+                                         "one prepare gathered; without it, packer.synth's corpus)")
     p.add_argument("--synthetic", action="store_true", help="make the corpus with packer.synth, not from photos")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the corpus's and the runs' seed (default: 0)")
     p.add_argument("--shared", help="prepare: the shared data folder (default: $PACKER_SHARED_DATA, ../shared/data)")
     p.add_argument("--root", default=ROOT, help="prepare: the checkout to fill (default: this one)")
     p.add_argument("--no-download", action="store_true", help="prepare: skip the wheels (no network)")

@@ -15,9 +15,9 @@ import click
 
 from .api import pack
 from .check import CHECKS, MAX_PIXELS
-from .cli_options import (FormatName, JSONObject, LocalPath, PartOption, PathOrURL, checksum_option, deadline_option,
-                          reencode_args, reencode_options, remote_options, shard_options, with_deadline,
-                          writer_options)
+from .cli_options import (STORAGE_OPTIONS_HELP, FormatName, JSONObject, LocalPath, PartOption, PathOrURL,
+                          checksum_option, deadline_option, reencode_args, reencode_options, remote_options,
+                          shard_options, with_deadline, writer_options)
 from .command_stops import finished, hand_over
 from .errors import PackError, escaping, json_shown, redacted, shown
 from .formats import FORMATS, spellings
@@ -128,7 +128,7 @@ def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=Non
                         storage_options=with_deadline(storage_options, deadline))
 
 
-@main.command("pack")
+@main.command("pack", short_help="Pack an ImageFolder tree into LMDB, HDF5 or WebDataset shards.")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.option("--to", "fmt", type=FormatName(), required=True, help=f"Output format: {spellings()}.")
 @click.option("-o", "--out", type=click.Path(), help="Output path, or s3://bucket/key to upload [default: SRC + "
@@ -240,7 +240,7 @@ def pack_facts(result: PackResult) -> dict:
             "warnings": result.warnings, "removed_stale": result.removed_stale}
 
 
-@main.command("convert")
+@main.command("convert", short_help="Convert a packed dataset to another format.")
 @click.argument("packed", type=LocalPath(exists=True))
 @click.option("--to", "fmt", type=FormatName(), required=True, help=f"Output format: {spellings()}.")
 @click.option("-o", "--out", type=click.Path(),
@@ -270,7 +270,7 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, baselin
     report_pack(result, verb="converted")
 
 
-@main.command("merge")
+@main.command("merge", short_help="Merge the parts of a --part I/N pack into one dataset.")
 @click.argument("parts", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--out", type=click.Path(), required=True, help="Output path of the merged dataset.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -279,7 +279,7 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, baselin
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
 @library_errors
 def merge_command(parts, out, force, workers, as_json):
-    """Merge the parts of one source, packed with --part I/N, into the dataset a single pack gives.
+    """Merge PARTS, the parts of one source packed with --part I/N, into the dataset a single pack gives.
 
     Give every part (any order): each is refused by name if it is missing, given twice,
     half-written, or of another source, format or options.
@@ -293,11 +293,10 @@ def merge_command(parts, out, force, workers, as_json):
         echo_json(pack_facts(result))
 
 
-@main.command("info")
+@main.command("info", short_help="Show what a packed dataset (a path or a URL) holds.")
 @click.argument("packed", type=PathOrURL(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
-@click.option("--storage-options", type=JSONObject(),
-              help="For a URL: fsspec/s3fs options as a JSON object [default: from AWS_* variables].")
+@click.option("--storage-options", type=JSONObject(), help=f"For a URL: {STORAGE_OPTIONS_HELP}")
 @deadline_option
 @library_errors
 def info_command(packed, as_json, storage_options, deadline):
@@ -380,12 +379,13 @@ def parts_lines(parts: dict | None) -> list[str]:
             f"files {parts['start']}-{parts['stop']} of {parts['total']} ({ranges or 'none'})"]
 
 
-@main.command("verify")
+@main.command("verify", short_help="Re-read every record; exit 1 on damage or difference.")
 @click.argument("packed", type=LocalPath(exists=True))
 @click.option("--against", type=click.Path(exists=True, file_okay=False),
               help="Also check that every file of this source folder is packed, byte-identical.")
 @click.option("--check", type=click.Choice(CHECKS), default="full", show_default=True,
-              help="How each stored image is checked beyond its CRC.")
+              help="How each stored image is checked besides its record checksum (the pack's --checksum: "
+                   "xxh3 or crc32): header: format, header and end marker; full: decode every image; none.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes checking the records "
               "[default: the usable cores].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout (for scripts).")
@@ -425,7 +425,7 @@ def report_verify(report) -> None:
         say(f"to do: {line}")
 
 
-@main.command("doctor")
+@main.command("doctor", short_help="Measure a training read of PATH, stage by stage.")
 @click.argument("path", type=LocalPath(exists=True))
 @click.option("--split", help="The split to measure [default: train, or the only one].")
 @click.option("--workers", type=click.IntRange(min=1), help="Worker processes for the whole-read rate "
@@ -452,12 +452,13 @@ def doctor_command(path, split, workers, batch_size, target_rate, seconds, as_js
         echo_shown(line)
 
 
-@main.command("demo")
+@main.command("demo", short_help="Make, pack, verify and read back a synthetic dataset.")
 @click.option("--dir", "folder", type=click.Path(file_okay=False),
               help="Where to write the demo files [default: a temporary folder, removed after].")
 @click.option("--images", type=click.IntRange(min=10), default=1000, show_default=True,
               help="How many images to generate: 10 classes of N // 10 each.")
-@click.option("--to", "fmt", type=FormatName(), default="lmdb", show_default=True)
+@click.option("--to", "fmt", type=FormatName(), default="lmdb", show_default=True,
+              help=f"The format to pack the demo into: {spellings()}.")
 @library_errors
 def demo_command(folder, images, fmt):
     """Generate an ImageNet-style folder, pack it, verify it, read it back; print samples/s."""

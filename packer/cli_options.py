@@ -189,13 +189,16 @@ def with_deadline(storage_options: dict | None, deadline: float | None) -> dict 
     return storage_options if deadline is None else {**(storage_options or {}), "deadline": deadline}
 
 
+# One text for every command that takes --storage-options (each prefixes when it applies).
+STORAGE_OPTIONS_HELP = ("fsspec/s3fs options as a JSON object, e.g. '{\"client_kwargs\": {\"endpoint_url\": "
+                        "\"http://minio:9000\"}}' [default: from AWS_* and FSSPEC_S3_* variables].")
+
+
 def remote_options(command):
     """-o s3://bucket/key: where to pack before uploading, and how to reach the store."""
     command = deadline_option(command)
     command = click.option("--storage-options", type=JSONObject(),
-                           help="With -o URL: fsspec/s3fs options as a JSON object, e.g. '{\"client_kwargs\": "
-                                "{\"endpoint_url\": \"http://minio:9000\"}}' [default: from AWS_* and "
-                                "FSSPEC_S3_* variables].")(command)
+                           help=f"With -o URL: {STORAGE_OPTIONS_HELP}")(command)
     return click.option("--staging-dir", type=click.Path(file_okay=False),
                         help="With -o URL: the folder to pack in before uploading; it must hold the whole "
                              "dataset [default: $TMPDIR].")(command)

@@ -28,6 +28,7 @@ from .cores import available_cores
 from .errors import FormatError
 from .folder import FolderReader
 from .formats import CAN_ADVISE, detect_format, evict, open_reader, read_metadata
+from .load import busy_words, load_words, machine_load
 from .scan import scan_source
 
 SAMPLE = 4096  # records drawn at most: enough for steady rates, few enough to list fast
@@ -49,6 +50,7 @@ def examine(path: str, *, split: str | None = None, workers: int | None = None, 
         raise FormatError(f"{path}: split {reader.split!r} holds no images; nothing to measure", path)
     cores = available_cores()
     workers = workers or cores
+    load_before = machine_load(cores)
     indexes = random.Random(0).sample(range(len(reader)), min(len(reader), SAMPLE))
     stages: dict = {}
     if CAN_ADVISE:
@@ -73,8 +75,25 @@ def examine(path: str, *, split: str | None = None, workers: int | None = None, 
         "ceiling_samples_per_s": at_workers,
         "image": image_facts(images), "machine": machine_facts(cores),
     }
+    # The 1-minute average after the run holds the run's own workers too.
+    report["load"] = {"before": load_before, "after": machine_load(cores, own=min(workers, cores))}
+    report["untrusted"] = untrusted(report, read_stage)
     report["findings"] = findings(report, target_rate)
     return report
+
+
+def untrusted(report: dict, read_stage: str) -> list:
+    """Why the figures are not to be trusted: other work held the cores, or the whole read
+    over every worker came out below what one core gave alone."""
+    busy = busy_words({f"{when} the run": load for when, load in report["load"].items()})
+    why = [busy] if busy else []
+    stages = report["stages"]
+    one_core = 1 / (1 / stages[read_stage]["samples_per_s"] + 1 / stages["decode_crop"]["samples_per_s"])
+    if report["ceiling_samples_per_s"] < 0.9 * one_core:
+        why.append(f"{report['workers']} workers read, decoded and cropped {report['ceiling_samples_per_s']:.0f} "
+                   f"samples/s, below the {one_core:.0f} one core gave alone stage by stage: other work took the "
+                   "cores meanwhile")
+    return why
 
 
 def open_source(path: str, split: str | None):
@@ -354,7 +373,10 @@ def render(report: dict) -> list:
              + f", GPU: {m['gpu'] or 'none'}"
              + (f" ({m['jpeg_engines']} JPEG engines)" if m["jpeg_engines"] is not None else "")
              + f", pinned memory: {PIN_WORDS[m['can_pin']]}",
-             "stage (one core)       samples/s   ms/sample"]
+             load_words(report["load"]["before"])]
+    for why in report["untrusted"]:
+        lines.append(f"figures not to be trusted: {why}")
+    lines.append("stage (one core)       samples/s   ms/sample")
     for name, s in report["stages"].items():
         extra = f"  {s['mb_per_s']:.1f} MB/s" if "mb_per_s" in s else (f"  ({s['via']})" if "via" in s else "")
         mark = "  <- limit" if name == report["limit"] else ""
@@ -365,7 +387,9 @@ def render(report: dict) -> list:
                  f"batches of {report['batch_size']} a second")
     for k, f in enumerate(report["findings"], 1):
         lines += [f"{k}. {f['setting']}: {f['evidence']}", f"   fix: {f['fix']}"]
-    if not report["findings"]:
+    if not report["findings"] and report["untrusted"]:
+        lines.append("no finding: none can be drawn from figures measured while other work held the cores")
+    elif not report["findings"]:
         lines.append("no finding: every core decodes, and no change measured here would raise the ceiling")
     return lines
 

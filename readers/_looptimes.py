@@ -39,7 +39,16 @@ def loader_settings(loader) -> dict:
         "batch_size": getattr(inner, "batch_size", None),
         "dataset": getattr(inner, "dataset", None),
         "collate_fn": getattr(inner, "collate_fn", None),
+        "epoch_batches": epoch_batches(loader),
     }
+
+
+def epoch_batches(loader) -> int | None:
+    """Batches in one whole epoch of loader, where it knows (None for an unsized iterable)."""
+    try:
+        return int(len(loader))
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def probe_samples(loader, settings: dict, stall: float = STALL_SECONDS) -> dict:
@@ -153,15 +162,17 @@ def run_loop(loader, step, steps: int, epochs: int, stall: float = STALL_SECONDS
     for epoch in range(epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        waits, step_times, samples = [], [], []
+        waits, step_times, samples, whole = [], [], [], False
         watch = ThreadWatch()
         asked = synced_clock()
         iterator = iter(loader)
         for k in range(steps):
-            batch = waiter.call(lambda: next(iterator, _END), stall,
-                                lambda: f"batch {k} of epoch {epoch} from the loader")
-            if batch is _END:
+            item = waiter.call(lambda: next(iterator, _END), stall,
+                               lambda: f"batch {k} of epoch {epoch} from the loader")
+            if item is _END:
+                whole = True
                 break
+            batch = item
             got = time.perf_counter()
             waits.append(got - asked)
             if k == 1:  # the workers are up and working
@@ -174,8 +185,9 @@ def run_loop(loader, step, steps: int, epochs: int, stall: float = STALL_SECONDS
         busy = watch.busy_threads()  # while this epoch's workers are still alive
         first = first if epoch else batch if waits else None
         del iterator  # workers that do not persist shut down here, outside the timed loop
+        # whole: the epoch ran to its end, not cut at `steps` batches
         measured.append({"waits": waits, "steps": step_times, "samples": samples, "busy_threads": busy,
-                         "first_batch": first})
+                         "first_batch": first, "whole": whole})
     if not any(e["waits"] for e in measured):
         raise ValueError("diagnose: the loader gave no batches")
     return measured

@@ -19,6 +19,7 @@ import time
 import torch
 
 from packer.cores import available_cores
+from packer.load import CpuWindow
 from packer.advice import GPU_DECODE_RATE, MAX_SIDE, max_side_gain
 
 from ._dataset import ReaderDataset
@@ -29,6 +30,7 @@ from .folder import FolderDataset
 WAIT_LIMIT = 0.1  # the loop waits for data more than this fraction of its time: data is the limit
 START_SHARE = 0.05  # worker start-up costing more than this share of the time is worth naming
 HEADROOM = 1.15  # workers asked for: the mean need plus this margin for uneven samples
+HANDOVER_SHARE = 0.02  # a typical wait under this share of the step is not worth a name
 
 
 @dataclasses.dataclass
@@ -67,6 +69,10 @@ class Diagnosis:
                  f"batch_size={f['batch_size']}; {f['cores']} usable cores",
                  f"per batch: step {f['step_ms']:.1f} ms, wait {f['wait_ms']:.1f} ms (steady), "
                  f"epoch start {f['start_ms']:.0f} ms"]
+        if f.get("cores_used") is not None:
+            idle = f"{f['cores_idle']:.1f}" if f["cores_idle"] is not None else "unknown"
+            lines.append(f"cores over the run: {f['cores_used']:.1f} used here, {idle} idle (other work "
+                         f"held the rest of {f['cores']})")
         if f["stages_ms"]:
             stages = ", ".join(f"{name} {ms:.2f}" for name, ms in worker_stages(f["stages_ms"]).items())
             lines.append(f"inside a worker, ms a sample: {stages}; a batch: {f['batch_cost_ms']:.1f} ms; "
@@ -99,11 +105,12 @@ def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2, timeout: fl
         raise ValueError(f"diagnose: timeout must be a number of seconds > 0, got {timeout!r}")
     settings = loader_settings(loader)
     stages = probe_samples(loader, settings, timeout)
+    window = CpuWindow()
     run = run_loop(loader, step, steps, epochs, timeout)
-    return judge(settings, stages, run, timed_step=step is not None)
+    return judge(settings, stages, run, timed_step=step is not None, cpu=window.cores())
 
 
-def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagnosis:
+def judge(settings: dict, stages: dict, run: list, *, timed_step: bool, cpu: dict | None = None) -> Diagnosis:
     """The findings the measurements support, most important first."""
     waits = [w for e in run for w in e["waits"]]
     step_times = [s for e in run for s in e["steps"]]
@@ -125,9 +132,12 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
     limit = "data" if wait_fraction > WAIT_LIMIT else "step"
     cost = batch_cost(workers, stages, batch, steady_waits, steady_steps)
     m = Measured(settings, stages, run, wall, batch, step_s if timed_step else None, cost, cores,
-                 steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0)
+                 steady_share(steady_waits, steady_steps), sum(samples) / wall if wall > 0 else 0.0, cpu)
     findings = pin_findings(settings, run[0]["first_batch"], m)
-    if limit == "data":
+    if limit == "data" and timed_step and handing_over(m, steady_waits) and not restart_findings(m):
+        limit = "hand-over"
+        findings.append(handover_finding(m, steady_waits))
+    elif limit == "data":
         findings += restart_findings(m) + steady_findings(m, steady_waits) + thread_findings(m)
     findings.sort(key=lambda f: -f.share)
     figures = {
@@ -138,6 +148,7 @@ def judge(settings: dict, stages: dict, run: list, *, timed_step: bool) -> Diagn
         # What every usable core making batches could deliver at the cost measured.
         "ceiling_samples_per_s": cores * batch / cost if cost else None,
         "busy_threads_per_worker": max_busy(run),
+        "cores_used": cpu["ours"] if cpu else None, "cores_idle": cpu["idle"] if cpu else None,
         **{k: v for k, v in settings.items() if k not in ("dataset", "collate_fn")},
     }
     return Diagnosis(limit, wait_fraction, findings, figures)
@@ -155,6 +166,7 @@ class Measured:
     cores: int
     steady_share: float  # the part of the steady state (epochs' starts left out) spent waiting
     rate: float
+    cpu: dict | None = None  # CpuWindow.cores() over the run: cores used here, cores left idle
 
 
 def steady_share(waits: list, steps: list) -> float:
@@ -185,23 +197,77 @@ def batch_cost(workers: int, stages: dict, batch: int, steady_waits: list, stead
 
 
 def restart_findings(m: Measured) -> list:
+    """Workers started again every epoch, where that costs a share of a whole epoch worth
+    naming. An epoch cut short at `steps` batches would overstate the share: it is then
+    weighed against the loader's whole epoch (its len()), or, unsized, not named."""
     s = m.settings
     if not s["workers"] or s["persistent_workers"] or len(m.run) < 2:
         return []
     firsts = [e["waits"][0] for e in m.run if e["waits"]]
     restart = sum(firsts) / len(firsts) - (m.cost or 0.0)
-    saved = restart * (len(firsts) - 1)
-    if restart < 0.05 or saved / m.wall < START_SHARE:
+    epoch = whole_epoch_seconds(m)
+    if epoch is None or restart < 0.05 or restart / epoch < START_SHARE:
         return []
-    samples = sum(n for e in m.run for n in e["samples"])
+    per_batch = sum(n for e in m.run for n in e["samples"]) / sum(len(e["samples"]) for e in m.run)
+    batches = epoch_length(m)
+    now, then = batches * per_batch / epoch, batches * per_batch / (epoch - restart)
     return [Finding(
         "persistent_workers",
         f"each epoch's first batch waited {sum(firsts) / len(firsts):.2f} s, while a worker makes a batch in "
-        f"{(m.cost or 0) * 1e3:.0f} ms: starting {s['workers']} workers again costs {restart:.2f} s an epoch, "
-        f"{saved / m.wall:.0%} of the time measured",
-        f"persistent_workers=True (workers start once, not every epoch): about "
-        f"{samples / (m.wall - saved):.0f} samples/s over these epochs, now {m.rate:.0f}",
-        saved / m.wall)]
+        f"{(m.cost or 0) * 1e3:.0f} ms: starting {s['workers']} workers again costs {restart:.2f} s an epoch "
+        f"of {batches} batches, {restart / epoch:.0%} of its time",
+        f"persistent_workers=True (workers start once, not every epoch): about {then:.0f} samples/s over "
+        f"whole epochs, now {now:.0f}",
+        restart / epoch)]
+
+
+def epoch_length(m: Measured) -> int | None:
+    """Batches in a whole epoch: as run, where every epoch ran to its end; else the loader's len()."""
+    if all(e["whole"] for e in m.run):
+        return round(sum(len(e["waits"]) for e in m.run) / len(m.run))
+    return m.settings.get("epoch_batches")
+
+
+def whole_epoch_seconds(m: Measured) -> float | None:
+    """A whole epoch's time with workers started again: its start (measured) plus its other
+    batches at the steady pace of these runs. None where the epoch's length is unknown."""
+    batches = epoch_length(m)
+    steady = [w + t for e in m.run for w, t in zip(e["waits"][1:], e["steps"][1:])]
+    if not batches or not steady:
+        return None
+    firsts = [e["waits"][0] + e["steps"][0] for e in m.run[1:] if e["waits"]]
+    return sum(firsts) / len(firsts) + (batches - 1) * sum(steady) / len(steady)
+
+
+def handing_over(m: Measured, steady_waits: list) -> bool:
+    """Whether the workers idle and the wait is the hand-over: they make batches well faster
+    than the step takes them, yet every batch waits about as long (the main process taking
+    it from a worker's queue)."""
+    workers = m.settings["workers"]
+    if not workers or not m.cost or not m.target or not steady_waits:
+        return False
+    keeps_up = workers * m.target >= HEADROOM * m.cost
+    # Every batch waits about as long: the typical wait is a real share of the step and near
+    # the mean (rare slow batches that drain the queue have a short typical wait, a long mean).
+    typical, mean = median(steady_waits), sum(steady_waits) / len(steady_waits)
+    drained = sum(1 for w in steady_waits if w > m.target) >= 2 and typical < m.target
+    return keeps_up and not drained and typical >= HANDOVER_SHARE * m.target and typical >= 0.5 * mean
+
+
+def handover_finding(m: Measured, steady_waits: list) -> Finding:
+    wait_ms = 1e3 * sum(steady_waits) / len(steady_waits)
+    workers = m.settings["workers"]
+    measured = m.stages.get("hand_over")
+    inside = f" (timed here: {measured * m.batch:.1f} ms a batch)" if measured else ""
+    return Finding(
+        "hand-over",
+        f"{workers} workers make a batch every {m.cost / workers * 1e3:.1f} ms, faster than the "
+        f"{m.target * 1e3:.1f} ms step, so they idle; yet the loop waited {wait_ms:.1f} ms a batch: that is the "
+        f"hand-over, the main process taking each finished batch from a worker's queue{inside}, not the data",
+        "hand over less a batch: uint8 batches rather than float ones (decode='raw' with readers' uint8 "
+        "transforms, normalised on the GPU), collated by readers.collate into one shared buffer (make_loader's "
+        f"default): up to {m.batch / m.target:.0f} samples/s, now {m.rate:.0f}",
+        m.steady_share)
 
 
 def steady_findings(m: Measured, steady_waits: list) -> list:
@@ -215,7 +281,7 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
     wait_ms = 1e3 * sum(steady_waits) / (len(steady_waits) or 1)
     if workers < min(needed, m.cores):
         n = min(needed, m.cores)
-        rate = min(n / m.cost, 1 / m.target if m.target else math.inf) * m.batch
+        rate = predicted_rate(m, n)
         made_by = "the main process makes each batch between steps" if workers == 0 else f"{workers} workers"
         step = f"a {m.target * 1e3:.1f} ms step" if m.target else "no step timed"
         return [Finding(
@@ -234,6 +300,44 @@ def steady_findings(m: Measured, steady_waits: list) -> list:
     if m.target:
         return cost_findings(m, wait_ms)
     return []
+
+
+def predicted_rate(m: Measured, n: int) -> float:
+    """Samples/s the same run would give with n workers: its batches at the pace n workers
+    keep, scaled from the pace measured (which holds what the probe's cost leaves out: the
+    per-worker overhead, the hand-over, the cores other work took), its epochs' starts as
+    measured, and no faster than the step.
+
+    The pace scales with the cores the batch makers get: k workers get at most k, and no
+    more than the cores they used in this run plus those that stayed idle (the main process
+    keeps its share, other work keeps the rest; without workers the main process makes the
+    batches, and what it used is theirs to take)."""
+    workers = m.settings["workers"]
+    had = (m.cpu["workers"] if workers else m.cpu["main"]) if m.cpu else None
+    free = m.cores if had is None else min(m.cores, had + (m.cpu["idle"] or 0.0))
+
+    def cores_for(k: int) -> float:
+        return max(min(k, free), 1e-3)
+
+    start = sum(e["waits"][0] + e["steps"][0] for e in m.run if e["waits"])
+    batches = [(w, t, n_) for e in m.run for w, t, n_ in zip(e["waits"][1:], e["steps"][1:], e["samples"][1:])]
+    if not batches:
+        return m.rate
+    period = sum(w + t for w, t, _ in batches) / len(batches)
+    # A worker's pace now: each of them made a batch per `workers` periods, which holds all a
+    # batch costs in this run, the probe's cost and the rest. The main process (no workers)
+    # runs torch's intra-op threads, which a worker does not: its own pace says little, so
+    # the probe's, timed on one thread with the hand-over, stands for a worker's, on a core.
+    if workers or not m.stages:
+        per_batch = (period * workers) if workers else sum(w for w, _, _ in batches) / len(batches)
+    else:
+        per_batch, had = m.batch * sum(worker_stages(m.stages).values()) / 1e3, 1.0
+    had = cores_for(max(workers, 1)) if had is None else min(max(workers, 1), had)
+    made = per_batch * max(had, 1e-3) / max(workers, 1) / cores_for(n)
+    step = m.target or 0.0
+    new_period = max(step, made)
+    samples = sum(n_ for _, _, n_ in batches) + sum(e["samples"][0] for e in m.run if e["samples"])
+    return samples / (start + len(batches) * new_period)
 
 
 def drain_finding(m: Measured, steady_waits: list, wait_ms: float) -> Finding:

@@ -1,6 +1,7 @@
 """The benchmark suite must keep running: a tiny smoke run, the cache control, and compare's gate."""
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import os
@@ -14,6 +15,7 @@ import pytest
 
 from benchmarks import cache, machine
 from benchmarks.__main__ import main as bench_main
+from benchmarks.__main__ import parser as bench_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,6 +241,22 @@ def test_every_option_is_documented_in_the_manual(command, capsys):
         section = f.read()
     assert f"python -m benchmarks {command}" in section
     assert flags and all(f"`{flag}" in section for flag in flags), flags
+
+
+def test_every_option_and_argument_has_a_help_text():
+    def parsers(parser, name):
+        yield name, parser
+        for action in parser._actions:  # argparse offers no public walk over its subcommands
+            for sub, child in getattr(action, "choices", None).items() if isinstance(action, argparse._SubParsersAction) else ():
+                yield from parsers(child, f"{name} {sub}")
+
+    for name, parser in parsers(bench_parser(), "python -m benchmarks"):
+        for action in parser._actions:
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.dest} has no help text"
+    gpu_help = bench_parser()._subparsers._group_actions[0].choices["gpu"].format_help()
+    assert "the CUDA tests" in gpu_help
+    for word in ("$OUT", ".carry", "10-minute", "han dover"):
+        assert word not in gpu_help
 
 
 def results_with(rate: float, pack_s: float, status: str = "ok") -> dict:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -236,6 +237,24 @@ def test_every_command_and_option_is_documented_in_the_manual():
                     assert opt in readme, f"docs/cli.md lacks {opt} of packer {name}"
     for fmt in FORMATS:
         assert f"--to {fmt}" in readme or f"`{fmt}`" in readme
+
+
+def test_every_option_and_argument_has_a_help_text():
+    for name, command in main.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"packer {name} {param.opts[0]} has no help text"
+            else:  # click arguments take no help: the command's text names each
+                assert param.human_readable_name in command.help, \
+                    f"packer {name}'s help does not say what {param.human_readable_name} is"
+
+
+def test_the_command_list_shows_each_description_whole():
+    listing = CliRunner().invoke(main, ["--help"], terminal_width=80).output
+    lines = listing.split("Commands:\n")[1].splitlines()
+    assert len(lines) == len(main.commands) and not any("..." in line for line in lines)  # one line each, none cut
+    for name, command in main.commands.items():
+        assert any(line.split() == [name, *command.short_help.split()] for line in lines), name
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -15,6 +15,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import readers
+from readers._looptimes import loader_settings
+from readers.diagnose import judge
 from conftest import write
 from packer import pack
 from packer.cores import available_cores
@@ -97,11 +99,43 @@ def test_workers_restarted_every_epoch_are_named():
     assert d.figures["start_ms"] >= 500
 
 
+def test_restarts_are_weighed_against_a_whole_epoch_not_the_steps_run():
+    # 8 steps of a 1,024-batch epoch: the restart is most of the time measured, and 1% of an epoch
+    loader = DataLoader(Costly(0.0002, n=4096), batch_size=4, num_workers=2, worker_init_fn=slow_start,
+                        persistent_workers=False)
+    d = readers.diagnose(loader, sleep_step(0.04), steps=8, epochs=2)
+    assert "persistent_workers" not in settings_named(d), str(d)
+    assert d.figures["epoch_batches"] == 1024
+
+
+def loop_of(waits_ms: list, step_ms: float, batch: int = 64) -> list:
+    """One epoch of run_loop's record: each batch's wait, then the step."""
+    return [{"waits": [w / 1e3 for w in waits_ms], "steps": [step_ms / 1e3] * len(waits_ms),
+             "samples": [batch] * len(waits_ms), "busy_threads": {}, "first_batch": None, "whole": False}]
+
+
+def test_idle_workers_and_a_wait_every_batch_name_the_hand_over():
+    # A 30 ms step, batches that cost a worker 2 ms, and a 2.4 ms wait every batch after each
+    # epoch's start, as measured on a busy 2-core machine: the workers idle, the loop waits over
+    # 10% of its time, and the steady wait is the hand-over.
+    settings = loader_settings(DataLoader(Costly(0), batch_size=64, num_workers=2, persistent_workers=True))
+    stages = {"getitem": 0.025, "collate": 0.006}  # ms a sample: 2 ms a batch of 64
+    steady = [2.2, 2.6, 2.4, 2.5, 2.3] * 8
+    run = loop_of([400, 300] + steady, 30) + loop_of([300, 2.4] + steady, 30)  # and the next epoch's start
+    d = judge(settings, stages, run, timed_step=True)
+    assert d.limit == "hand-over" and settings_named(d) == ["hand-over"], str(d)
+    assert "not the data" in d.findings[0].evidence
+    # The same typical wait, but batches that drain the queue now and then: prefetch_factor
+    drains = loop_of([400, 300] + [0.1, 0.1, 0.2, 0.1, 90] * 8, 30)  # typical 0.1 ms, mean 18 ms
+    d = judge(settings, stages, drains, timed_step=True)
+    assert d.limit == "data" and settings_named(d) == ["prefetch_factor"], str(d)
+
+
 def test_persistent_workers_are_not_blamed_for_the_first_start():
     loader = DataLoader(Costly(0.0002), batch_size=4, num_workers=2, worker_init_fn=slow_start,
                         persistent_workers=True)
     d = readers.diagnose(loader, sleep_step(0.02), steps=8, epochs=3)
-    assert settings_named(d) == []
+    assert "persistent_workers" not in settings_named(d)
 
 
 def test_a_queue_that_drains_on_slow_batches_is_named():

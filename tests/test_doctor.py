@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from conftest import jpeg_bytes, write
 from packer import pack
 from packer.cli import main
+from packer.doctor import untrusted
+from packer.load import BUSY_SHARE
 
 ROOT = Path(__file__).resolve().parents[1]
 BLKIO = Path("/sys/fs/cgroup/blkio")
@@ -43,7 +45,24 @@ def test_real_images_as_a_folder(imagenet_sample):
     assert all(s["samples_per_s"] > 0 for s in report["stages"].values())
     assert report["ceiling_samples_per_s"] > 0
     assert report["machine"]["usable_cores"] >= 1
+    assert set(report["load"]) == {"before", "after"} and isinstance(report["untrusted"], list)
+    assert report["load"]["before"]["cores"] == report["machine"]["usable_cores"]
     assert all(set(f) == {"setting", "evidence", "fix"} for f in report["findings"])
+
+
+def load_of(one: float, cores: int = 2) -> dict:
+    return {"load_1min": one, "load_5min": one, "cores": cores, "other_load": one,
+            "trusted": one <= BUSY_SHARE * cores}
+
+
+def test_figures_from_a_busy_machine_are_not_trusted():
+    # What doctor measured at a load of 3.4 on 2 cores: a whole read over both below one core's
+    report = {"load": {"before": load_of(3.4), "after": load_of(3.1)}, "ceiling_samples_per_s": 201,
+              "workers": 2, "stages": {"checked_read": {"samples_per_s": 2000}, "decode_crop": {"samples_per_s": 290}}}
+    why = untrusted(report, "checked_read")
+    assert len(why) == 2 and "a load of 3.4 before the run, 3.1 after the run" in why[0] and "below the 253" in why[1]
+    report.update(load={"before": load_of(0.2), "after": load_of(0.8)}, ceiling_samples_per_s=480)
+    assert untrusted(report, "checked_read") == []
 
 
 def test_real_images_packed(sample_lmdb):

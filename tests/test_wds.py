@@ -23,7 +23,7 @@ import readers
 from packer import CorruptDataError, FormatError, PackError, pack
 from packer.cli import main
 from packer.errors import ReplacedError
-from packer.formats import _tar, wds
+from packer.formats import _shards, _tar, wds
 from packer.verify import verify
 from readers import WDSDataset
 
@@ -846,6 +846,32 @@ def test_auto_shard_size_targets_64_shards_between_4mb_and_1gb():
     assert wds.auto_shard_size(110_000, 125) == wds.MIN_AUTO_SHARD_SIZE
     assert wds.auto_shard_size(110_000, 50_000) == 110_000 * 50_000 // 64
     assert wds.auto_shard_size(110_000, 1_281_167) == wds.MAX_AUTO_SHARD_SIZE
+
+
+def test_balanced_shard_count_is_the_size_rule_rounded_up_for_common_rank_counts():
+    assert wds.balanced_shard_count(110_000, 125) == 12  # the size rule alone: 4 shards of 4 MB
+    assert wds.balanced_shard_count(110_000, 50_000) == 72  # 64
+    assert wds.balanced_shard_count(110_000, 1_281_167) == 144  # 141 of 1 GB
+    assert wds.balanced_shard_count(100_000, 115) == 6  # 12 would make shards under 1 MB
+    assert wds.balanced_shard_count(100_000, 30) == 2
+    assert wds.balanced_shard_count(5_000, 5) == 1  # shards of 1 MB at least, where rounding up
+    assert wds.balanced_shard_count(500_000, 40) == 12
+    assert wds.balanced_shard_count(5_000_000, 5) == 5  # never an empty shard
+
+
+def test_default_split_is_balanced_so_ranks_pad_little(tmp_path, monkeypatch):
+    monkeypatch.setattr(_shards, "MIN_BALANCED_SHARD_SIZE", 1)  # a tiny corpus rounded up as a large one is
+    tree = tmp_path / "src"
+    for i in range(60):  # sizes from one to ~20 pages: the shards must not follow bytes
+        write(tree / f"c{i % 3}" / f"{i:02d}.jpg", jpeg_bytes(i, size=(16 + 4 * i, 16 + 4 * i)))
+    out = pack_wds(tree, tmp_path / "b.wds")
+    counts = [s["count"] for s in json.loads((out / "index.json").read_text())["wds"]["splits"]["all"]["shards"]]
+    assert counts == [5] * 12
+    for world in (2, 3, 4):
+        assert len(WDSDataset(str(out), rank=0, world_size=world)) * world == 60  # no sample repeated
+    capped = pack_wds(tree, tmp_path / "u.wds", max_count=7)  # a count set: the user's cut
+    counts = [s["count"] for s in json.loads((capped / "index.json").read_text())["wds"]["splits"]["all"]["shards"]]
+    assert counts == [7] * 8 + [4]
 
 
 def test_default_shard_size_gives_several_shards_none_over_the_auto_size(imagenet_sample, tmp_path):

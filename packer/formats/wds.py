@@ -49,10 +49,9 @@ the stem (and also "_" in the ext) percent-escaped: `v1.2/img.v2.final.jpg` beco
 the key is unique even for `x.jpg` beside `x.png`, with no state kept while writing.
 
 A shard is started before one would exceed shard_size bytes or hold max_count samples.
-shard_size None (the default) is "auto": the split's expected bytes (the mean sample so far,
-tar headers included, times the sample count pack() passes to begin_split) over
-AUTO_SHARDS, bounded to [MIN_AUTO_SHARD_SIZE, MAX_AUTO_SHARD_SIZE]: enough shards for
-several ranks x DataLoader workers once a split is large enough, none tiny nor huge.
+shard_size None (the default) is "auto", a balanced split (packer.formats._shards): about
+AUTO_SHARDS shards of the same number of samples to within one, so ranks that take
+whole shards get equal shares and pad little.
 
 Shards are written in the order pack() hands samples over (a seeded permutation of
 ImageFolder order unless --no-shuffle), so sequential readers see mixed classes. The
@@ -94,6 +93,8 @@ from ._contract import Format, Option, parse_size, positive_int
 from ._files import ShardDigest, entry_problem, outside_problem, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
+from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
+                      BalancedCut, auto_shard_size, balanced_shard_count)
 from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_within, dataset_identity,
                       nul_separated_chunks)
 
@@ -103,19 +104,10 @@ INDEX = "index.json"
 # 2: members named by content (jpg, not the source's jpeg), and <split>/wids-index.json.
 LAYOUT_VERSION = 2
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
-AUTO_SHARDS = 64
-MIN_AUTO_SHARD_SIZE = 4_000_000
-MAX_AUTO_SHARD_SIZE = 1_000_000_000
 WIDS_INDEX = "wids-index.json"
 MAX_WIDS_INDEX_BYTES = 64 << 20
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
-
-
-def auto_shard_size(mean_sample_bytes: float, expected_count: int) -> int:
-    """The shard size that splits expected_count samples into AUTO_SHARDS shards, bounded."""
-    wanted = int(mean_sample_bytes * expected_count / AUTO_SHARDS)
-    return min(MAX_AUTO_SHARD_SIZE, max(MIN_AUTO_SHARD_SIZE, wanted))
 
 
 PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
@@ -227,6 +219,9 @@ class Writer:
         check_split_name(split)
         self.split = split
         self.expected_count = expected_count
+        # Cut by sample count (a balanced split) when no size is set and the count is known.
+        balanced = self.shard_size is None and self.max_count is None and bool(expected_count)
+        self.cut = BalancedCut(expected_count) if balanced else None
         self.split_bytes = 0
         os.makedirs(os.path.join(self.stage, split))
         self.shards: list[dict] = []
@@ -250,7 +245,11 @@ class Writer:
         blob = b"".join(parts)
         full = self.file is not None and self.count > 0 and (
             (self.max_count is not None and self.count >= self.max_count)
-            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob)))
+            or self.bytes + len(blob) + len(_tar.END_OF_ARCHIVE) > self.split_shard_size(len(blob))
+            or (self.cut is not None and self.cut.full(len(self.shards), len(self.rows), self.count,
+                                                       self.split_bytes + len(blob))))
+        if self.cut is not None:
+            self.cut.note(len(self.rows), self.split_bytes + len(blob), full)
         if self.file is None or full:
             self.next_shard()
         self.split_bytes += len(blob)
@@ -261,10 +260,11 @@ class Writer:
         self.count += 1
 
     def split_shard_size(self, next_blob: int) -> int:
-        """The shard size in force: the option's, or auto from the mean sample so far (next one included)."""
+        """The byte bound in force: the option's, a balanced split's ceiling, or auto from the
+        mean sample so far (next one included) beside a max_count."""
         if self.shard_size is not None:
             return self.shard_size
-        if not self.expected_count:
+        if not self.expected_count or self.cut is not None:
             return MAX_AUTO_SHARD_SIZE
         added = len(self.rows) + 1
         return auto_shard_size((self.split_bytes + next_blob) / added, self.expected_count)
@@ -642,7 +642,8 @@ FORMAT = Format(
     options=(
         Option("shard_size", parse_size, DEFAULT_SHARD_SIZE,
                "start a new shard before one would exceed this: 1GB, 256MB, 512KB (powers of 1000), 1GiB, "
-               "or a byte count [default: auto, 64 shards per split, each 4MB to 1GB]"),
+               "or a byte count [default: auto, about 64 shards per split of 4MB to 1GB each, with equal sample "
+               "counts so that ranks get equal shares]"),
         Option("max_count", positive_int, None, "at most this many samples per shard"),
     ))
 
