@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from .check import MAX_PIXELS
+from .check import MAX_PIXELS, packed_max_pixels
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
-from .engine import load_in_processes
+from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
 from . import checksum as record_checksums
@@ -27,12 +27,8 @@ from .writing import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_fo
                       write_order)
 from .records import Metadata
 from .reencode import Reencode, combinable, combined, reencode_spec
-from .verify import packed_max_pixels
 from .scan import SplitListing
 from .version import __version__
-
-# Records per task sent to a worker: reading a record is cheap, so amortise the IPC more.
-RECORD_CHUNK = 64
 
 
 class RecordLoader:
@@ -167,7 +163,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
-            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta), checksum)
+            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta.params), checksum)
             try:
                 loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
                 written = write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, orders,

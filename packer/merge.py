@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .convert import RECORD_CHUNK
 from .cores import available_cores
 from .errors import FormatError, PackError, shown
 from .formats import FORMATS, ReaderCache, open_reader, read_metadata
-from .engine import load_in_processes
+from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
 from . import checksum as record_checksums
