@@ -10,6 +10,7 @@ atomically exactly as `pack` does, and stopped by Ctrl-C as `pack` is.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
@@ -18,6 +19,7 @@ import numpy as np
 from .check import MAX_PIXELS, packed_max_pixels
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
+from .destination import destination_for
 from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
@@ -120,7 +122,17 @@ def chain_length(origin) -> int:
     return length
 
 
-def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
+def convert(packed: str, fmt: str, out: str | None = None, *, force: bool = False, staging_dir: str | None = None,
+            storage_options: dict | None = None, **kwargs) -> PackResult:
+    """Write the packed dataset at `packed` as `fmt` at out, a path or a URL (s3://bucket/key:
+    packed in a folder under staging_dir, then uploaded with storage_options; packer.destination).
+    The other keyword arguments are convert_here's."""
+    inspect.signature(convert_here).bind(packed, fmt, out, **kwargs)  # a misspelt keyword fails before any write
+    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
+    return destination.write(fmt, lambda local, force: convert_here(packed, fmt, local, force=force, **kwargs))
+
+
+def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
             quality: int | None = None, baseline_420: bool = False,

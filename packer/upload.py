@@ -16,7 +16,7 @@ server) has none and is known by its entry object, which this writer never leave
 without the rest. An object whose name holds `.partial-` is a write in progress: never
 read it.
 
-How a write goes (write_to_url, upload_dataset):
+How a write goes (packer.destination.StoreDestination, upload_dataset):
 1. Check OUT before packing: a writable URL naming a key, the bucket there and the
    credentials accepted (a probe object written into the staging prefix), OUT absent, or
    with --force a dataset packer wrote (packer.replaceable; here: its metadata checked and
@@ -43,17 +43,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import posixpath
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from . import replaceable
 from .errors import OutputExistsError, PackError
@@ -67,9 +64,6 @@ from .remote.retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, 
 from .remote.schemes import Scheme, scheme_for
 from .remote.source import one_attempt
 from .staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
-
-if TYPE_CHECKING:
-    from .writing import PackResult
 
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
@@ -504,7 +498,7 @@ def upload_dataset(local: str, url: str, fmt: str, *, force: bool = False, stora
                    retries: int = RETRIES, target: Target | None = None, checked: bool = False) -> list[str]:
     """Publish the local dataset at local (format fmt) at url with the guarantee of the module
     docstring; the notes for the user (leftovers settled). checked: the caller has just
-    checked the bucket and OUT and settled the leftovers (write_to_url)."""
+    checked the bucket and OUT and settled the leftovers (packer.destination.StoreDestination)."""
     target = target or open_target(url, storage_options, retries)
     owner = new_owner()
     stage = owner.path(target.path, PARTIAL)
@@ -557,52 +551,3 @@ class SwapInterrupted(Interrupted):
 
 def owner_note(owner: Owner) -> bytes:
     return json.dumps({"host": owner.host, "pid": owner.pid, "token": owner.token}).encode()
-
-
-def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"], *, force: bool = False,
-                 staging_dir: str | None = None, storage_options: dict | None = None,
-                 retries: int = RETRIES):
-    """Pack with write_local(local_out) into a folder under staging_dir, then upload_dataset
-    it to url; the local result with out=url. Fails before packing if url cannot take it."""
-    target = open_target(url, storage_options, retries)
-    check_bucket(target)
-    removed, notes = tidy(target)
-    refuse_existing(target, force, notes)
-    check_writable(target)
-    folder = make_staging_dir(staging_dir, target)
-    try:
-        local = os.path.join(folder, posixpath.basename(target.path))
-        try:
-            result = write_local(local)
-        except Interrupted:
-            raise Interrupted(url) from None
-        except PackError as exc:
-            if folder not in str(exc):
-                raise
-            raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
-                            "(or TMPDIR) chooses where]", exc.path) from exc
-        notes += upload_dataset(local, url, fmt, force=force, target=target, checked=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return dataclasses.replace(result, out=target.url, warnings=notes + result.warnings,
-                               removed_stale=removed + result.removed_stale)
-
-
-def check_writable(target: Target) -> None:
-    """Write and delete a probe object beside OUT: refused credentials fail now, not after the pack."""
-    probe = new_owner().path(target.path, PARTIAL)
-    put_bytes(target, f"{probe}/{PROBE}", b"")
-    remove(target, probe)
-
-
-def make_staging_dir(staging_dir: str | None, target: Target) -> str:
-    parent = staging_dir or tempfile.gettempdir()
-    if not os.path.isdir(parent):
-        raise PackError(f"{parent}: the staging folder to pack {target.url} in before uploading does not exist; "
-                        "create it or pass --staging-dir (or TMPDIR) elsewhere", parent)
-    try:
-        return tempfile.mkdtemp(prefix="packer-upload-", dir=parent)
-    except OSError as exc:
-        raise PackError(f"{parent}: cannot make a staging folder there ({exc.strerror}); pass --staging-dir "
-                        "with a writable folder that can hold the whole dataset", parent) from exc
-
