@@ -37,30 +37,13 @@ import lmdb
 from . import interrupts, replaceable
 from .errors import FormatError, OutputExistsError, PackError
 from .formats import detect_format
-from .staging import COMPLETE, HOST, LEGACY, OLD, OWNED, PARTIAL, Owner, new_owner, pid_alive
+from .staging import COMPLETE, LEGACY, OLD, OWNED, PARTIAL, Leftover, Owner, new_owner
 
 # Errors of a failed write. py-lmdb reports a failed system call as lmdb.Error("<path>:
 # <strerror>"), without an errno.
 IO_ERRORS = (OSError, lmdb.Error)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """A staging, complete or old path found beside OUT."""
-
-    path: str
-    stage: str
-    host: str | None  # None: a name from an older version, which had no host in it
-    pid: int
-
-    @property
-    def here(self) -> bool:
-        return self.host in (None, HOST)
-
-    def owner_gone(self) -> bool:
-        return self.here and not pid_alive(self.pid)
 
 
 @dataclass

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import replaceable
-from .errors import OutputExistsError, PackError
-from .formats import FORMATS, folder_formats
+from .errors import FormatError, OutputExistsError, PackError
+from .formats import FORMATS, detect_remote, folder_formats
 from .interrupts import Interrupted
 from .remote import is_url, manifest, parse_url
 from .remote import source as remote_source
@@ -63,7 +63,7 @@ from .remote.manifest import MANIFEST, MANIFEST_LIMIT, manifest_bytes, safe_key
 from .remote.retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
 from .remote.schemes import Scheme, scheme_for
 from .remote.source import one_attempt
-from .staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
+from .staging import OWNED, PARTIAL, Leftover, Owner, new_owner
 
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
@@ -184,26 +184,14 @@ def is_file(target: Target, path: str) -> bool:
 
 
 def remote_dataset(target: Target, path: str | None = None) -> str | None:
-    """The format of the complete dataset at path (default OUT), or None if there is none:
-    its packer.json, else its entry object (a dataset copied by hand), else a one-file format's
-    object, by its signature."""
-    path = path or target.path
-    found = read_manifest(target, path)
-    if found is not None:
-        return found["format"]
-    for fmt in FORMATS.values():
-        if fmt.entry is not None and is_file(target, f"{path}/{fmt.entry}"):
-            return fmt.name
-    return object_format(target, path)
-
-
-def object_format(target: Target, path: str) -> str | None:
-    """The one-file format whose signature the object at path starts with, or None."""
-    signed = [fmt for fmt in FORMATS.values() if fmt.signature is not None]
-    if not signed or not is_file(target, path):
+    """The format of the complete dataset at path (default OUT), or None if there is none, as
+    readers detect it (packer.formats.detect_remote): its packer.json, else its entry object (a
+    dataset copied by hand), else a one-file format's object, by its signature."""
+    url = target.url_of(path or target.path)
+    try:
+        return detect_remote(url, remote_source.remote_for(url, storage_options=target.storage_options))
+    except FormatError:
         return None
-    head = target.run(path, "cat_file", path, start=0, end=max(len(fmt.signature) for fmt in signed))
-    return next((fmt.name for fmt in signed if head.startswith(fmt.signature)), None)
 
 
 def as_object(fmt) -> str:
@@ -273,23 +261,7 @@ def replace_problem(target: Target) -> str | None:
 # --- leftovers of dead writers ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Staging:
-    """A staging prefix beside OUT: OUT.partial-<host>-<pid>-<token>."""
-
-    path: str
-    host: str
-    pid: int
-
-    @property
-    def here(self) -> bool:
-        return self.host == HOST
-
-    def owner_gone(self) -> bool:
-        return self.here and not pid_alive(self.pid)
-
-
-def stagings(target: Target) -> list[Staging]:
+def stagings(target: Target) -> list[Leftover]:
     """The staging prefixes beside OUT, whoever left them."""
     parent, name = posixpath.split(target.path)
     if target.scheme.listing == "delimiter":
@@ -307,7 +279,7 @@ def stagings(target: Target) -> list[Staging]:
         rest = posixpath.basename(path)[len(name):]
         match = OWNED.fullmatch(rest)
         if match and match["stage"] == PARTIAL and posixpath.dirname(path) == parent:
-            result.append(Staging(path, match["host"], int(match["pid"])))
+            result.append(Leftover(path, PARTIAL, match["host"], int(match["pid"])))
     return result
 
 
@@ -331,8 +303,9 @@ def staged_dataset(target: Target, stage: str) -> tuple[str, dict] | None:
     found = read_manifest(target, stage)
     if found is not None:
         return found["format"], found["objects"]
-    fmt = object_format(target, f"{stage}/{posixpath.basename(target.path)}")  # one object appears whole, or not at all
-    return None if fmt is None else (fmt, {})
+    single = f"{stage}/{posixpath.basename(target.path)}"  # a one-file format's object appears whole, or not at all
+    fmt = remote_dataset(target, single)
+    return (fmt, {}) if fmt is not None and not FORMATS[fmt].directory else None
 
 
 def tidy(target: Target) -> tuple[list[str], list[str]]:

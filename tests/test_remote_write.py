@@ -682,6 +682,7 @@ def test_ctrl_c_or_sigterm_during_upload_deletes_the_staging(tmp_path, s3_bucket
 
 def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tmp_path, s3_bucket, flat_tree):
     from packer import upload
+    from packer.staging import HOST, Owner
 
     src = many_records(tmp_path)
     url = f"{s3_bucket.url}/ds.wds"
@@ -689,7 +690,7 @@ def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tm
     # The state a writer killed between deleting the old dataset and publishing the new
     # one leaves: its complete upload beside OUT, OUT no dataset. A dead pid owns it.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    owner = upload.Owner(upload.HOST, int(dead.stdout), "0123456789abcdef")
+    owner = Owner(HOST, int(dead.stdout), "0123456789abcdef")
     target = upload.open_target(url, s3_bucket.storage_options)
     local = tmp_path / "new.wds"
     assert cli("pack", src, "--to", "wds", "-o", local).exit_code == 0
