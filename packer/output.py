@@ -35,7 +35,7 @@ from typing import Iterator
 import lmdb
 
 from . import interrupts, replaceable
-from .errors import FormatError, OutputExistsError, PackError
+from .errors import FormatError, PackError
 from .formats import detect_format
 from .staging import COMPLETE, LEGACY, OLD, OWNED, PARTIAL, Leftover, Owner, new_owner
 
@@ -238,17 +238,8 @@ def refuse_missing_folder(out: str) -> None:
 
 def refuse_existing(out: str, force: bool, notes: list[str] = ()) -> None:
     """Refuse an existing OUT without force, and with force anything but a dataset packer wrote."""
-    if not os.path.lexists(out):
-        return
-    if not force:
-        settled = "".join(f"; {note}" for note in notes)
-        raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)"
-                                f"{settled}", out)
-    found = replaceable.problem(out)
-    if found:
-        raise OutputExistsError(f"{out} exists and is not a packer dataset: it {found}; --force replaces only a "
-                                "dataset packer wrote, never other files or folders; remove it yourself if it is "
-                                "not needed, or choose -o elsewhere", out)
+    replaceable.refuse_existing(out, os.path.lexists(out), force, lambda: replaceable.problem(out),
+                                "files or folders", notes)
 
 
 def check_target(out: str, sources: list[str], force: bool) -> Tidied:

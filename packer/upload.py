@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import replaceable
-from .errors import FormatError, OutputExistsError, PackError
+from .errors import FormatError, PackError
 from .formats import FORMATS, detect_remote, folder_formats
 from .interrupts import Interrupted
 from .remote import is_url, manifest, parse_url
@@ -215,17 +215,8 @@ def read_manifest(target: Target, path: str) -> dict | None:
 
 def refuse_existing(target: Target, force: bool, notes: list[str] = ()) -> None:
     """As packer.output.refuse_existing: no OUT without force, and force replaces only a dataset."""
-    if not exists(target, target.path):
-        return
-    if not force:
-        settled = "".join(f"; {note}" for note in notes)
-        raise OutputExistsError(f"{target.url} already exists (pass --force to replace it, or -o to write "
-                                f"elsewhere){settled}", target.url)
-    found = replace_problem(target)
-    if found:
-        raise OutputExistsError(f"{target.url} exists and is not a packer dataset: it {found}; --force replaces "
-                                "only a dataset packer wrote, never other objects; remove it yourself if it is not "
-                                "needed, or choose -o elsewhere", target.url)
+    replaceable.refuse_existing(target.url, exists(target, target.path), force, lambda: replace_problem(target),
+                                "objects", notes)
 
 
 def replace_problem(target: Target) -> str | None:
