@@ -21,17 +21,15 @@ import os
 import posixpath
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from .errors import PackError
 from .interrupts import Interrupted
 from .remote import is_url
 from .remote.retry import RETRIES
 
-if TYPE_CHECKING:
-    from .writing import PackResult
-
-    WriteLocal = Callable[[str | None, bool], PackResult]
+# A pipeline's write to a local path: into(local out, force) -> its PackResult (packer.writing).
+WriteLocal = Callable[[Any, bool], Any]
 
 
 class Destination(Protocol):
@@ -39,7 +37,7 @@ class Destination(Protocol):
 
     out: str | None
 
-    def write(self, fmt: str, into: "WriteLocal") -> "PackResult":
+    def write(self, fmt: str, into: WriteLocal) -> Any:
         """into(local path, force): the pipeline writing fmt; its result, naming OUT."""
 
 
@@ -50,7 +48,7 @@ class FolderDestination:
         self.out = None if out is None else os.fspath(out)
         self.force = force
 
-    def write(self, fmt: str, into: "WriteLocal") -> "PackResult":
+    def write(self, fmt: str, into: WriteLocal) -> Any:
         return into(self.out, self.force)
 
 
@@ -63,7 +61,7 @@ class StoreDestination:
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self.storage_options, self.retries = storage_options, retries
 
-    def write(self, fmt: str, into: "WriteLocal") -> "PackResult":
+    def write(self, fmt: str, into: WriteLocal) -> Any:
         """Fail before packing if OUT cannot take the dataset; else pack it locally, then
         upload and publish it (packer.upload's module docstring says how)."""
         from . import upload
@@ -84,7 +82,7 @@ class StoreDestination:
                                    removed_stale=removed + result.removed_stale)
 
     @staticmethod
-    def write_local(into: "WriteLocal", local: str, folder: str, url: str) -> "PackResult":
+    def write_local(into: WriteLocal, local: str, folder: str, url: str) -> Any:
         """into(local), its errors naming the URL: a stop is the URL's, a problem in the folder says where it is."""
         try:
             return into(local, False)
