@@ -1,4 +1,8 @@
 """packer: pack ImageFolder trees of JPEGs into LMDB, HDF5 or WebDataset shards."""
+from .command_stops import take_early
+
+take_early()  # first, before the imports below take their few tenths of a second
+
 from .api import pack
 from .errors import BadImageError, CorruptDataError, FormatError, OutputExistsError, PackError, SourceError
 from .formats import FORMATS, detect_format, open_reader

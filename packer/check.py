@@ -136,6 +136,8 @@ def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
                 if start + 5 > len(data):
                     break
                 height, width = struct.unpack_from(">HH", data, start + 1)
+                if data[start] != 8:
+                    return precision_problem(data[start])
                 if width == 0:
                     return "corrupt JPEG (zero width in frame header)"
                 if (reason := size_problem(width, height, max_pixels)) is not None:
@@ -154,6 +156,29 @@ def jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     return "truncated JPEG (ends inside the header)"
 
 
+def unusual_precision(data: bytes) -> str | None:
+    """precision_problem() for a JPEG whose frame header gives other than 8-bit samples,
+    else None: what a decoder's failure on it means, in packer's words."""
+    if not data.startswith(JPEG_MAGIC):
+        return None
+    try:
+        for marker, start, _ in jpeg_segments(data):
+            if marker in SOF_MARKERS:
+                return precision_problem(data[start]) if start < len(data) and data[start] != 8 else None
+    except ValueError:
+        return None
+    return None
+
+
+def precision_problem(bits: int) -> str:
+    """Why a JPEG of other than 8-bit samples is refused: neither libjpeg-turbo's 8-bit
+    decoder (simplejpeg, Pillow, torchvision, DALI) nor packer can decode it, so it can be
+    neither stored for the readers nor re-encoded."""
+    return (f"{bits}-bit JPEG (sample precision {bits}): packer and its readers decode 8-bit JPEGs only; "
+            "convert it to an 8-bit JPEG or PNG (for example with ImageMagick: `magick IN -depth 8 OUT.jpg`), "
+            "or leave it out of SRC")
+
+
 def png_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     if len(data) < 33 or data[12:16] != b"IHDR":
         return "truncated PNG (no IHDR header)"
@@ -167,9 +192,11 @@ def png_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
     return None
 
 
-def strict_jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
+def strict_jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS, scaled: bool = False) -> str | None:
     """Decode with libjpeg-turbo in strict mode: unlike Pillow, it reports corrupt scan
-    data (which libjpeg otherwise papers over with grey) instead of warning.
+    data (which libjpeg otherwise papers over with grey) instead of warning. scaled: decode
+    at 1/8 of the size (DCT scaling), which reads every bit of the scan data all the same,
+    for a caller that only needs the verdict.
 
     The caller has checked the size in the frame header (jpeg_problem).
     """
@@ -179,7 +206,8 @@ def strict_jpeg_problem(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None
         colorspace = simplejpeg.decode_jpeg_header(data)[2]
         if colorspace not in TURBO_COLORSPACES:
             return pillow_problem(data, True, max_pixels)
-        simplejpeg.decode_jpeg(data, strict=True)
+        smallest = {"min_width": 1, "min_height": 1} if scaled else {}
+        simplejpeg.decode_jpeg(data, strict=True, **smallest)
     except ValueError as exc:
         return f"corrupt JPEG ({exc})"
     return None

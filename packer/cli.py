@@ -18,6 +18,7 @@ from .check import CHECKS, MAX_PIXELS
 from .cli_options import (FormatName, JSONObject, LocalPath, PartOption, PathOrURL, checksum_option, deadline_option,
                           reencode_args, reencode_options, remote_options, shard_options, with_deadline,
                           writer_options)
+from .command_stops import finished, hand_over
 from .errors import PackError, escaping, json_shown, redacted, shown
 from .formats import FORMATS, spellings
 from .interrupts import Interrupted, how_stopped, late_stops, stop_signals_as_interrupts
@@ -87,17 +88,21 @@ class PackerGroup(click.Group):
 
     def invoke(self, ctx):
         late_stops()  # forget any a previous command in this process noted
-        with stop_signals_as_interrupts(), escaped_warnings():
-            try:
-                done = super().invoke(ctx)
-            except KeyboardInterrupt as exc:
-                signum = getattr(exc, "signum", signal.SIGINT)
-                say(str(exc) if isinstance(exc, Interrupted) else how_stopped(signum))
-                ctx.exit(128 + signum)
-            for signum in dict.fromkeys(late_stops()):
-                say(f"{how_stopped(signum)} after the dataset was published: it is complete, and its tidying "
-                    "was finished, not cut short")
-            return done
+        try:
+            with stop_signals_as_interrupts(), escaped_warnings():
+                try:
+                    hand_over()
+                    done = super().invoke(ctx)
+                except KeyboardInterrupt as exc:
+                    signum = getattr(exc, "signum", signal.SIGINT)
+                    say(str(exc) if isinstance(exc, Interrupted) else how_stopped(signum))
+                    ctx.exit(128 + signum)
+                for signum in dict.fromkeys(late_stops()):
+                    say(f"{how_stopped(signum)} after the dataset was published: it is complete, and its tidying "
+                        "was finished, not cut short")
+                return done
+        finally:
+            finished()
 
 
 @click.group(cls=PackerGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -175,6 +180,7 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
             result = pack(src, fmt, out, executor=client.get_executor(pure=False), **kwargs)
     else:
         result = pack(src, fmt, out, **kwargs)
+    finished()
     report_pack(result)
     if as_json:
         echo_json(pack_facts(result))
@@ -253,6 +259,7 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, baselin
     result = convert(packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality, baseline_420),
                      checksum=checksum, **writer_options(fmt, **shards), staging_dir=staging_dir,
                      storage_options=with_deadline(storage_options, deadline))
+    finished()
     report_pack(result, verb="converted")
 
 
@@ -273,6 +280,7 @@ def merge_command(parts, out, force, workers, as_json):
     from .merge import merge
 
     result = merge(list(parts), out, force=force, workers=workers)
+    finished()
     report_pack(result, verb="merged")
     if as_json:
         echo_json(pack_facts(result))
@@ -295,7 +303,14 @@ def info_command(packed, as_json, storage_options, deadline):
     if given and not is_url(packed):
         raise click.UsageError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a PACKED "
                                "given as a URL (s3://bucket/key) only")
-    facts = info(packed, with_deadline(storage_options, deadline))
+    options = with_deadline(storage_options, deadline)
+    if is_url(packed):
+        from .remote.retry import split_deadline, within
+
+        with within(split_deadline(options)[0]):  # the whole command, not each of its requests
+            facts = info(packed, options)
+    else:
+        facts = info(packed, options)
     if as_json:
         echo_json(facts)
         return
@@ -370,7 +385,7 @@ def parts_lines(parts: dict | None) -> list[str]:
 @library_errors
 def verify_command(packed, against, check, workers, as_json):
     """Re-read every record of PACKED; exit 1 on any damage or difference."""
-    from .verify import verify
+    from .verify import COMPARISONS, verify
 
     report = verify(packed, against, check=check, workers=workers)
     report_verify(report)
@@ -380,7 +395,7 @@ def verify_command(packed, against, check, workers, as_json):
         raise click.ClickException(f"{packed}: {len(report.problems)} problem(s) in {report.checked} records")
     versus = f", identical to {against}" if against else ""
     if against and report.reencoded:
-        versus += " (the re-encoded ones in size)"
+        versus += " (" + "; ".join(f"{report.compared[how]} {how}" for how in COMPARISONS if report.compared[how]) + ")"
     say(f"ok: {report.checked} records intact{versus}")
 
 

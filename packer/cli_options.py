@@ -179,8 +179,9 @@ class LocalPath(click.Path):
 def deadline_option(command):
     """--deadline: how long one remote request may take, its retries included (packer.remote.retry)."""
     return click.option("--deadline", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-                        help="With a URL: seconds one remote request may take, retries included, before the "
-                             "command fails naming it [default: 90; or storage options' \"deadline\"].")(command)
+                        help="With a URL: seconds one remote request may take, retries included (`packer info`: "
+                             "the whole command), before the command fails naming it [default: 90; or storage "
+                             "options' \"deadline\"].")(command)
 
 
 def with_deadline(storage_options: dict | None, deadline: float | None) -> dict | None:

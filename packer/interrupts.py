@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Iterator
 
+from .command_stops import exit_early
+
 CLEANUP_GRACE_S = 5.0  # after a Ctrl-C, further ones are ignored this long (InterruptGuard)
 STOP_REQUEST_EVERY = 64  # InterruptGuard.check() calls between looks at a stop request (stop_when)
 OWNER_WATCH_S = 0.5  # how often a worker looks whether the process that owns it is still there (stop_when)
@@ -100,7 +102,7 @@ def stop_signals_as_interrupts() -> Iterator[None]:
     previous = None
     _open_scope()
     try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, exit_early):
             previous = signal.signal(signal.SIGTERM, raise_stopped)
         yield
     finally:

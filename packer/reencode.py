@@ -20,7 +20,8 @@ other image is stored byte for byte, exactly as without the options. A re-encode
     pixels), so the stored pixels are upright and carry no orientation tag;
   - encoded as baseline JPEG at `quality` with 4:2:0 chroma subsampling (libjpeg-turbo,
     through simplejpeg), whatever the source format (a PNG over the limit becomes a JPEG;
-    the record keeps its source path, which is its identity).
+    the record keeps its source path, which is its identity), carrying the digest of its
+    source's bytes in a comment (packer.source_digest) for verify --against.
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .check import MAX_PIXELS, open_lazily, size_problem
+from .check import MAX_PIXELS, jpeg_problem, open_lazily, size_problem, sniff, strict_jpeg_problem
 from .errors import BadImageError, PackError
 from .jpeg_form import BASELINE_420, in_baseline_420
+from .source_digest import stamped
 
 DEFAULT_QUALITY = 90  # FFCV's default JPEG quality for its ImageNet datasets
 MAX_SIDE_LIMIT = 65535  # JPEG's largest dimension
@@ -138,6 +140,7 @@ def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) ->
         if spec.keeps(data, image.size):  # the long side is the same upright or not
             return None
         size = target_size(*image.size, spec.max_side) or image.size
+        refuse_damaged(data, max_pixels)
         try:
             pixels = _resized(image, size)
         except Exception as exc:  # Pillow raises many types for damaged data
@@ -147,7 +150,19 @@ def reencode_image(data: bytes, spec: Reencode, max_pixels: int = MAX_PIXELS) ->
         from PIL import Image
 
         pixels = pixels.transpose(getattr(Image.Transpose, _UPRIGHT[orientation]))
-    return _encode(pixels, spec.quality)
+    return stamped(_encode(pixels, spec.quality), data)
+
+
+def refuse_damaged(data: bytes, max_pixels: int) -> None:
+    """BadImageError when a strict decode rejects the JPEG about to be re-encoded: Pillow's
+    decode greys over a cut or corrupt scan, and the re-encoded copy would be a valid JPEG
+    that no later check could tell from the photo (a source kept as it is stays as
+    damaged as it came, for --check full and the readers to find)."""
+    if sniff(data) != "jpeg":
+        return
+    reason = jpeg_problem(data, max_pixels) or strict_jpeg_problem(data, max_pixels, scaled=True)
+    if reason is not None:
+        raise BadImageError(None, f"{reason}; not re-encoded, which would hide the damage")
 
 
 def _opened(data: bytes, max_pixels: int):
@@ -155,7 +170,8 @@ def _opened(data: bytes, max_pixels: int):
     try:
         image = open_lazily(data, max_pixels)
     except Exception as exc:
-        raise BadImageError(None, f"cannot read the image header ({type(exc).__name__}: {exc})") from exc
+        known = jpeg_problem(data, max_pixels) if sniff(data) == "jpeg" else None  # a 12-bit JPEG, say
+        raise BadImageError(None, known or f"cannot read the image header ({type(exc).__name__}: {exc})") from exc
     reason = size_problem(*image.size, max_pixels)
     if reason is not None:
         image.close()

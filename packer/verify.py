@@ -27,6 +27,7 @@ from .jpeg_form import jpeg_form
 from .reencode import MAX_SIDE_LIMIT, Reencode, expected_size, stored_size
 from .remote.source import remote_for
 from .scan import DEFAULT_SPLIT, Source, scan_source
+from .source_digest import carried, digest
 from .source_io import read_regular_file
 
 BLOCK = 256  # records per verification task
@@ -72,6 +73,12 @@ CLASS_CHANGED = "class changed in SRC"
 SRC_UNREADABLE = "SRC file unreadable"
 SPLITS_DIFFER = "splits differ"
 CLASSES_DIFFER = "classes differ"
+# With --against: how each record found the same as its source was compared (not a problem).
+HOW = "compared"
+BY_BYTES = "byte for byte"
+BY_DIGEST = "re-encoded, by their source's digest and their size"
+BY_SIZE = "re-encoded, by size alone (they carry no source digest: packed by an earlier version)"
+COMPARISONS = (BY_BYTES, BY_DIGEST, BY_SIZE)
 
 
 @dataclass
@@ -82,6 +89,7 @@ class VerifyReport:
     kinds: Counter = field(default_factory=Counter)  # kind -> how many of problems are of it
     advice: list[str] = field(default_factory=list)  # what to do about the problems found
     reencoded: bool = False  # packed with --max-side or --baseline-420: some records are compared by size
+    compared: Counter = field(default_factory=Counter)  # with --against: how (BY_*) -> records found the same
 
     @property
     def ok(self) -> bool:
@@ -96,7 +104,7 @@ class VerifyReport:
         """The report as one JSON-able object: counts, the first problems, notes and advice."""
         return {"ok": self.ok, "checked": self.checked, "problem_count": len(self.problems),
                 "problems_by_kind": dict(self.kinds), "first_problems": self.problems[:first],
-                "notes": self.notes, "advice": self.advice}
+                "notes": self.notes, "advice": self.advice, "compared": dict(self.compared)}
 
 
 class BlockVerifier:
@@ -178,7 +186,7 @@ def compare_with_source(root: str, relpath: str, data: bytes, where: str, reenco
     if original != data:
         return [(DIFFERS, f"{where} ({relpath}): differs from the source file ({len(data)} stored bytes, "
                           f"{len(original)} in SRC)")]
-    return []
+    return [(HOW, BY_BYTES)]
 
 
 def compare_reencoded(original: bytes, data: bytes, where: str, spec: Reencode, decoded: bool,
@@ -193,7 +201,7 @@ def compare_reencoded(original: bytes, data: bytes, where: str, spec: Reencode, 
         if original != data:
             return [(DIFFERS, f"{where}: differs from the source file ({len(data)} stored bytes, {len(original)} "
                               f"in SRC; {rule_text(spec, kept=True)}, so it is stored as it is)")]
-        return []
+        return [(HOW, BY_BYTES)]
     if original == data:
         return [(DIFFERS, f"{where}: stored as it is, but the source is {rule_text(spec, kept=False)} "
                           "and must be stored re-encoded")]
@@ -207,7 +215,15 @@ def compare_reencoded(original: bytes, data: bytes, where: str, spec: Reencode, 
     reason = None if decoded else problem(data, "full", max_pixels)
     if reason is None and sniff(data) != "jpeg":
         reason = "a re-encoded record that is not a JPEG"
-    return [] if reason is None else [(DAMAGED, f"{where}: {reason}")]
+    if reason is not None:
+        return [(DAMAGED, f"{where}: {reason}")]
+    recorded = carried(data)
+    if recorded is None:
+        return [(HOW, BY_SIZE)]
+    if recorded != digest(original):
+        return [(DIFFERS, f"{where}: re-encoded from another file: the source digest it carries ({recorded}) is not "
+                          f"that of the file in SRC ({digest(original)}), though the sizes agree")]
+    return [(HOW, BY_DIGEST)]
 
 
 def re_encoded_size_fits(size: tuple[int, int], expected: tuple[int, int]) -> bool:
@@ -245,7 +261,10 @@ def verify(path: str, against: str | None = None, check: str = "full",
     try:
         for (_, start, stop), found in zip(blocks, load_in_processes(blocks, verifier, workers, chunk=1)):
             for kind, message in found:
-                report.add(kind, [message])
+                if kind == HOW:
+                    report.compared[message] += 1
+                else:
+                    report.add(kind, [message])
             bar.update(stop - start)
     finally:
         bar.close()
@@ -275,7 +294,9 @@ def reencode_note(reencode: dict, against: str | None) -> str:
         checked.append("no larger than that")
     if spec.baseline_420:
         checked.append("baseline 4:2:0 or grayscale JPEGs")
-    how = ("compared with SRC by decoded size, the others byte for byte" if against is not None
+    how = ("compared with SRC by the digest of their source each carries and by decoded size (by size alone where "
+           "one carries no digest: re-encoded before records carried one), the others byte for byte"
+           if against is not None
            else "checked to be " + " and ".join(checked))
     return f"{count} records were re-encoded when packed (images {which}, JPEG quality {spec.quality}): {how}"
 

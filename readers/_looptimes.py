@@ -4,7 +4,9 @@ threads each worker keeps busy (from /proc)."""
 from __future__ import annotations
 
 import os
+import queue
 import random
+import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 
@@ -20,6 +22,7 @@ BUSY_THREAD = 0.5  # a worker's thread running this share of its busiest thread'
 BUSY_WORKER = 0.05  # a worker whose busiest thread ran less than this share of the time sat idle
 PROBE_SECONDS = 0.5  # time spent timing samples in this process, at most
 PROBE_SAMPLES = 64  # samples timed at least (time allowing): a rare slow one counts in the mean
+STALL_SECONDS = 300.0  # diagnose's default bound on any one wait: a sample probed here, a batch
 
 
 def loader_settings(loader) -> dict:
@@ -39,9 +42,10 @@ def loader_settings(loader) -> dict:
     }
 
 
-def probe_samples(loader, settings: dict) -> dict:
+def probe_samples(loader, settings: dict, stall: float = STALL_SECONDS) -> dict:
     """ms a sample of each stage a worker runs, timed here with one torch thread (as DataLoader
-    workers run), for a map-style Dataset; {} for an iterable one."""
+    workers run), for a map-style Dataset; {} for an iterable one. TimeoutError naming the
+    sample (or collate) it was at when the probe takes over `stall` seconds."""
     dataset = settings["dataset"]
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         return {}
@@ -50,19 +54,29 @@ def probe_samples(loader, settings: dict) -> dict:
         return {}
     count = min(n, max(settings["batch_size"] or 1, PROBE_SAMPLES))
     indexes = random.Random(0).sample(range(n), count)
+    doing = ["the probe"]  # what the probe is at: named when it stalls
+    stages = Waiter().call(lambda: one_thread(timed_stages, dataset, indexes, settings["collate_fn"], doing), stall,
+                           lambda: f"{doing[-1]} (timed in this process, before the loop)")
+    return stages
+
+
+def one_thread(fn, *args):
+    """fn(*args) with one torch thread, as a DataLoader worker runs (set in the calling
+    thread: OpenMP keeps the setting per thread)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return timed_stages(dataset, indexes, settings["collate_fn"])
+        return fn(*args)
     finally:
         torch.set_num_threads(threads)
 
 
-def timed_stages(dataset, indexes: list, collate_fn) -> dict:
+def timed_stages(dataset, indexes: list, collate_fn, doing: list) -> dict:
     totals: dict = {}
     samples = []
     deadline = time.perf_counter() + PROBE_SECONDS
     for i in indexes:
+        doing.append(f"dataset[{i}]")
         times, sample = sample_stages(dataset, i)
         for name, seconds in times:
             totals[name] = totals.get(name, 0.0) + seconds
@@ -71,6 +85,7 @@ def timed_stages(dataset, indexes: list, collate_fn) -> dict:
             break
     stages = {name: 1e3 * s / len(samples) for name, s in totals.items()}
     if collate_fn is not None:
+        doing.append(f"collate_fn over {len(samples)} samples")
         t = time.perf_counter()
         batch = collate_fn(samples)
         stages["collate"] = 1e3 * (time.perf_counter() - t) / len(samples)
@@ -130,10 +145,11 @@ def hand_over_seconds(batch) -> float:
     return time.perf_counter() - t
 
 
-def run_loop(loader, step, steps: int, epochs: int) -> list:
+def run_loop(loader, step, steps: int, epochs: int, stall: float = STALL_SECONDS) -> list:
     """Per epoch: each batch's wait, each step's time, samples per batch, and the threads
-    its workers kept busy."""
+    its workers kept busy. TimeoutError naming the batch when one takes over `stall` seconds."""
     measured, first = [], None
+    waiter = Waiter()
     for epoch in range(epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
@@ -142,9 +158,9 @@ def run_loop(loader, step, steps: int, epochs: int) -> list:
         asked = synced_clock()
         iterator = iter(loader)
         for k in range(steps):
-            try:
-                batch = next(iterator)
-            except StopIteration:
+            batch = waiter.call(lambda: next(iterator, _END), stall,
+                                lambda: f"batch {k} of epoch {epoch} from the loader")
+            if batch is _END:
                 break
             got = time.perf_counter()
             waits.append(got - asked)
@@ -163,6 +179,47 @@ def run_loop(loader, step, steps: int, epochs: int) -> list:
     if not any(e["waits"] for e in measured):
         raise ValueError("diagnose: the loader gave no batches")
     return measured
+
+
+_END = object()
+
+
+class Waiter:
+    """Runs calls in a thread of its own so that each wait is bounded: a __getitem__ or a
+    loader that never returns becomes a TimeoutError naming it, not a hang. A stalled call's
+    thread is left behind (Python cannot stop a thread); it is a daemon, so it does not hold
+    the process at exit. One thread serves every call: a hand-over costs microseconds."""
+
+    def __init__(self):
+        self.asks: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def call(self, fn, seconds: float, what):
+        """fn()'s result or exception; TimeoutError naming what() past `seconds`."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.serve, name="diagnose-wait", daemon=True)
+            self.thread.start()
+        self.asks.put(fn)
+        try:
+            ok, value = self.answers.get(timeout=seconds)
+        except queue.Empty:
+            self.thread = None  # stuck in fn: a later call starts a fresh thread
+            raise TimeoutError(f"diagnose: {what()} did not return within {seconds:g} s; it stalls there (a "
+                               "worker or __getitem__ waiting on something that never comes): fix that, or "
+                               "pass a larger timeout") from None
+        if not ok:
+            raise value
+        return value
+
+    def serve(self) -> None:
+        asks, answers = self.asks, self.answers  # a stalled thread keeps its own queues
+        while True:
+            fn = asks.get()
+            try:
+                answers.put((True, fn()))
+            except BaseException as exc:  # handed to the caller, raised there
+                answers.put((False, exc))
 
 
 def synced_clock() -> float:

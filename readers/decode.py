@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from packer.check import (JPEG_MAGIC, MAX_PIXELS, PNG_MAGIC, TURBO_COLORSPACES, open_lazily, pillow_refusal,
-                          size_problem)
+                          size_problem, unusual_precision)
 from packer.errors import CorruptDataError
 
 DECODE_MODES = ("pil", "tensor", "numpy", "raw")
@@ -46,7 +46,8 @@ def decode_pil(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
     except CorruptDataError:
         raise
     except Exception as exc:  # Pillow raises many types for bad data
-        raise image_error(where, f"cannot decode image ({type(exc).__name__}: {exc})") from exc
+        raise image_error(where, unusual_precision(data) or f"cannot decode image ({type(exc).__name__}: {exc})") \
+            from exc
 
 
 def open_pil(data: bytes, where: str | None, max_pixels: int) -> Image.Image:
@@ -148,7 +149,8 @@ def image_size(data: bytes, where: str | None = None, max_pixels: int = MAX_PIXE
     except CorruptDataError:
         raise
     except Exception as exc:
-        raise image_error(where, f"cannot read image header ({type(exc).__name__}: {exc})") from exc
+        raise image_error(where, unusual_precision(data) or f"cannot read image header ({type(exc).__name__}: {exc})") \
+            from exc
 
 
 def dct_factor(height: int, width: int, min_size: tuple[int, int] | None) -> int:
@@ -185,7 +187,7 @@ def decode_array(data: bytes, where: str | None = None, min_size: tuple[int, int
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-header[0] // k),
                                           min_width=-(-header[1] // k))
         except ValueError as exc:
-            raise image_error(where, f"cannot decode JPEG ({exc})") from exc
+            raise image_error(where, unusual_precision(data) or f"cannot decode JPEG ({exc})") from exc
     # np.array, not asarray: Pillow's buffer is read-only and torch warns on such arrays.
     if min_size:
         return np.array(_decode_pil_draft(data, where, min_size, max_pixels))
@@ -204,7 +206,8 @@ def _decode_pil_draft(data: bytes, where: str, min_size: tuple[int, int], max_pi
     except CorruptDataError:
         raise
     except Exception as exc:
-        raise image_error(where, f"cannot decode image ({type(exc).__name__}: {exc})") from exc
+        raise image_error(where, unusual_precision(data) or f"cannot decode image ({type(exc).__name__}: {exc})") \
+            from exc
 
 
 def decode_tensor(data: bytes, where: str | None = None, min_size: tuple[int, int] | None = None,

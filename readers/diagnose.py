@@ -22,7 +22,7 @@ from packer.cores import available_cores
 from packer.advice import GPU_DECODE_RATE, MAX_SIDE, max_side_gain
 
 from ._dataset import ReaderDataset
-from ._looptimes import RAW_CROP_STAGE, loader_settings, probe_samples, run_loop, worker_stages
+from ._looptimes import RAW_CROP_STAGE, STALL_SECONDS, loader_settings, probe_samples, run_loop, worker_stages
 from .decode import image_size
 from .folder import FolderDataset
 
@@ -82,7 +82,7 @@ class Diagnosis:
         return "\n".join(lines)
 
 
-def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2) -> Diagnosis:
+def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2, timeout: float = STALL_SECONDS) -> Diagnosis:
     """Run up to `steps` batches of `loader` for `epochs` epochs, calling step(batch) on each,
     and say what holds the loop back.
 
@@ -90,12 +90,16 @@ def diagnose(loader, step=None, *, steps: int = 50, epochs: int = 2) -> Diagnosi
         loader: any iterable of batches (a torch DataLoader, make_loader's, a WebLoader).
         step: the training step, timed with CUDA synchronised where CUDA is in use; None
             measures the data alone (then the data is always the limit).
+        timeout: seconds any one wait may take (the samples timed in this process, one
+            batch); past it, TimeoutError names the sample or batch that stalled.
     """
     if steps < 2 or epochs < 1:
         raise ValueError(f"diagnose: steps must be >= 2 and epochs >= 1, got {steps} and {epochs}")
+    if not timeout > 0:
+        raise ValueError(f"diagnose: timeout must be a number of seconds > 0, got {timeout!r}")
     settings = loader_settings(loader)
-    stages = probe_samples(loader, settings)
-    run = run_loop(loader, step, steps, epochs)
+    stages = probe_samples(loader, settings, timeout)
+    run = run_loop(loader, step, steps, epochs, timeout)
     return judge(settings, stages, run, timed_step=step is not None)
 
 

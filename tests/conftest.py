@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,37 @@ def jpeg_bytes(seed: int, size=(64, 48), mode: str = "RGB", fmt: str = "JPEG", q
     buf = io.BytesIO()
     im.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
     return buf.getvalue()
+
+
+def cut_with_end_marker(data: bytes) -> bytes:
+    """A JPEG cut in half with its end-of-image marker put back: the header check passes it,
+    Pillow's decode greys its lower half over, a strict decode refuses it."""
+    return data[: len(data) // 2] + b"\xff\xd9"
+
+
+def noisy_jpeg_444(side: int = 128, seed: int = 0) -> bytes:
+    """A 4:4:4 JPEG of noise (no form --baseline-420 keeps, every byte of scan data counts)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=90, subsampling=0)
+    return buf.getvalue()
+
+
+def jpeg_12bit(width: int = 16, height: int = 16) -> bytes:
+    """A valid 12-bit greyscale JPEG (SOF1, sample precision 12), flat grey, written segment by
+    segment (Pillow cannot write one): one-code Huffman tables, each 8x8 block a zero DC
+    difference and an end-of-block."""
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+    quant = segment(0xDB, b"\x00" + bytes([1] * 64))
+    frame = segment(0xC1, bytes([12]) + struct.pack(">HH", height, width) + b"\x01" + b"\x01\x11\x00")
+    dc = segment(0xC4, b"\x00" + bytes([1] + [0] * 15) + b"\x00")  # code "0": category 0
+    ac = segment(0xC4, b"\x10" + bytes([1] + [0] * 15) + b"\x00")  # code "0": end of block
+    scan_header = segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    bits = "00" * (-(-width // 8) * -(-height // 8))
+    bits += "1" * (-len(bits) % 8)
+    scan = bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8))
+    return b"\xff\xd8" + quant + frame + dc + ac + scan_header + scan + b"\xff\xd9"
 
 
 def write(path: Path, data: bytes) -> Path:

@@ -2,7 +2,8 @@ import pytest
 
 from packer.check import problem, sniff
 
-from conftest import jpeg_bytes
+from conftest import jpeg_12bit, jpeg_bytes, write
+from packer import pack
 
 
 @pytest.mark.parametrize("level", ["header", "full"])
@@ -93,3 +94,19 @@ def test_full_check_refuses_an_oversized_image_before_decoding_it(monkeypatch, f
     monkeypatch.setattr(packer.check, "pillow_problem", fail)
     monkeypatch.setattr(packer.check, "strict_jpeg_problem", fail)
     assert "image too large" in problem(jpeg_bytes(10, size=(64, 48), fmt=fmt), "full", max_pixels=100)
+
+
+@pytest.mark.parametrize("level", ["header", "full"])
+def test_a_12_bit_jpeg_is_refused_saying_what_to_do(level):
+    reason = problem(jpeg_12bit(), level)
+    assert reason.startswith("12-bit JPEG (sample precision 12)") and "convert it to an 8-bit" in reason
+
+
+@pytest.mark.parametrize("options", [{}, {"check": "full"}, {"baseline_420": True}, {"baseline_420": True, "check": "none"}])
+def test_every_pack_leaves_a_12_bit_jpeg_out_by_name(tmp_path, options):
+    """Nothing decodes it (libjpeg-turbo and Pillow are 8-bit), so no path stores or re-encodes it."""
+    src = tmp_path / "src"
+    write(src / "a" / "deep.jpg", jpeg_12bit())
+    write(src / "a" / "plain.jpg", jpeg_bytes(0))
+    result = pack(str(src), "lmdb", str(tmp_path / "o.lmdb"), progress=False, workers=1, on_error="skip", **options)
+    assert [(e["path"], e["reason"][:33]) for e in result.metadata.skipped] == [("a/deep.jpg", "12-bit JPEG (sample precision 12)")]

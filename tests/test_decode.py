@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, jpeg_12bit
 from packer.errors import CorruptDataError
 from readers.decode import (DECODE_MODES, dct_factor, decode, decode_array, decode_pil, decode_tensor,
                             image_size, turbo_decodable)
@@ -147,3 +147,13 @@ def test_a_max_pixels_above_pillows_limit_raises_pillows(monkeypatch):
     assert Image.MAX_IMAGE_PIXELS == 250_000_000
     with pytest.raises(CorruptDataError, match="over the limit of 199,999,999"):
         image_size(claims, max_pixels=199_999_999)
+
+
+@pytest.mark.parametrize("mode", [m for m in DECODE_MODES if m != "raw"])
+def test_a_12_bit_jpeg_is_named_by_its_precision(mode):
+    """No decoder here reads one (a pack refuses it): the error says why, not Pillow's
+    "cannot identify image file"."""
+    with pytest.raises(CorruptDataError, match=r"x\.jpg: 12-bit JPEG \(sample precision 12\)"):
+        decode(jpeg_12bit(), mode, "x.jpg")
+    with pytest.raises(CorruptDataError, match="12-bit JPEG"):
+        decode_array(jpeg_12bit(64, 64), "x.jpg", min_size=(8, 8))

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import threading
 import json
 import time
 
@@ -200,3 +203,51 @@ def test_large_stored_images_on_busy_cores_name_max_side(large_images):
     d = readers.diagnose(loader, sleep_step(0.001), steps=10, epochs=1)
     assert settings_named(d) == ["max_side"], str(d)
     assert "--max-side 512" in d.findings[0].fix and "1280 px" in d.findings[0].fix
+
+
+class FromFifo(Dataset):
+    """Every sample reads a FIFO that no one writes: a __getitem__ that never returns."""
+
+    def __init__(self, fifo):
+        self.fifo = fifo
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        with open(self.fifo, "rb") as f:
+            return torch.tensor(len(f.read()))
+
+
+class StreamFromFifo(torch.utils.data.IterableDataset):
+    """A stream whose first sample waits on a FIFO that no one writes: a loader that never yields."""
+
+    def __init__(self, fifo):
+        self.fifo = fifo
+
+    def __iter__(self):
+        with open(self.fifo, "rb") as f:
+            yield torch.tensor(len(f.read()))
+
+
+@pytest.mark.parametrize("kind, stalled", [(FromFifo, r"dataset\[\d+\] \(timed in this process"),
+                                           (StreamFromFifo, "batch 0 of epoch 0 from the loader")])
+def test_a_wait_that_never_ends_is_named_within_the_timeout(tmp_path, kind, stalled):
+    fifo = tmp_path / "never"
+    os.mkfifo(fifo)
+    outcome: list = []
+
+    def run():
+        try:
+            readers.diagnose(DataLoader(kind(fifo), batch_size=2), steps=2, epochs=1, timeout=1.0)
+        except TimeoutError as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)  # a regression fails here, not hangs the suite
+    runner.start()
+    runner.join(30)
+    try:
+        assert not runner.is_alive(), "diagnose still waiting after 30 s"
+        assert len(outcome) == 1 and re.search(stalled, str(outcome[0])) and "1 s" in str(outcome[0])
+    finally:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the stalled read ends

@@ -180,3 +180,48 @@ def test_pack_to_a_url_reports_it_without_credentials(tmp_path, s3_bucket):
                                        "--storage-options", json.dumps(s3_bucket.storage_options)])
     assert result.exit_code == 1 and "X-Amz-Security-Token=***" in result.output
     assert_hidden(result.output)
+
+
+LOGGED = """
+import logging, sys
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s %(message)s")
+from packer.cli import main
+sys.argv = ["packer", *sys.argv[1:]]
+main()
+"""
+
+
+def debug_logged(*args: str) -> subprocess.CompletedProcess:
+    """`packer ARGS` in a process whose Python logging prints every DEBUG line of every library."""
+    return subprocess.run([sys.executable, "-c", LOGGED, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_no_credential_reaches_a_debug_log_over_http(served):
+    """fsspec's HTTP filesystem logs each URL it requests: the user, password and query go
+    to it as request options, so its lines name the object without them."""
+    _, base = served
+    bare = base.replace("alice:" + SECRET + "@", "")
+    found = debug_logged("info", f"{base}/data.lmdb")
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert f"{bare}/data.lmdb" in found.stderr  # the lines are there, naming the object
+    assert_hidden(found.stdout, found.stderr)
+    absent = debug_logged("info", f"{bare}/absent.lmdb?{QUERY}")
+    assert absent.returncode == 1 and f"{bare}/absent.lmdb" in absent.stderr
+    assert_hidden(absent.stdout, absent.stderr)
+
+
+def test_no_credential_reaches_a_debug_log_over_s3(tmp_path, s3_auth_server):
+    from servers import new_bucket, storage_options
+
+    bucket = new_bucket(s3_auth_server.endpoint_url, s3_auth_server.credentials)
+    src = tmp_path / "src"
+    for i in range(2):
+        write(src / "a" / f"{i}.jpg", jpeg_bytes(i))
+    options = storage_options(s3_auth_server.endpoint_url, s3_auth_server.credentials)
+    done = debug_logged("pack", str(src), "--to", "lmdb", "-o", f"{bucket.url}/x.lmdb", "--storage-options",
+                        json.dumps(options))
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = debug_logged("info", f"{bucket.url}/x.lmdb", "--storage-options", json.dumps(options))
+    assert found.returncode == 0 and "botocore" in found.stderr, found.stderr[-2000:]
+    for text in (done.stderr, found.stderr):
+        assert s3_auth_server.credentials[1] not in text

@@ -20,7 +20,7 @@ from packer.records import Metadata, metadata_crc
 from packer.reencode import Reencode, expected_size, reencode_image, reencode_spec, target_size
 from packer.verify import DAMAGED, DIFFERS, verify
 
-from conftest import write
+from conftest import cut_with_end_marker, noisy_jpeg_444, write
 
 ORIENTATION = 0x0112
 
@@ -279,7 +279,7 @@ def test_cli_options_info_and_help(mixed_tree, tmp_path):
     assert result.exit_code == 0, result.output
     assert "re-encoded: 5 images over 256 px (JPEG quality 90)" in runner.invoke(main, ["info", str(out)]).output
     result = runner.invoke(main, ["verify", str(out), "--against", str(mixed_tree), "--workers", "1"])
-    assert result.exit_code == 0 and "(the re-encoded ones in size)" in result.output
+    assert result.exit_code == 0 and "(3 byte for byte; 5 re-encoded, by their source's digest and their size)" in result.output
     for command in ("pack", "convert"):
         text = " ".join(runner.invoke(main, [command, "--help"]).output.split())
         assert "--max-side" in text and "byte for byte" in text and "--quality" in text
@@ -443,3 +443,36 @@ def test_the_resolution_benchmark_measures_the_baseline_420_variants(forms_tree,
     reads = json.loads(result.read_text())["reads"]
     assert set(reads) == {"full", "baseline-420", "max-side-250+baseline-420", "every-q90"}
     assert all(rate["rrc224_per_s"] > 0 and rate["sample_bytes"] > 0 for rate in reads.values())
+
+
+@pytest.mark.parametrize("options", [{"baseline_420": True}, {"max_side": 64}])
+def test_a_cut_jpeg_with_its_end_marker_put_back_is_refused_not_laundered(tmp_path, options):
+    """Pillow's decode greys the missing half over; re-encoded, it would be a valid JPEG that
+    verify could not tell from the photo. A strict decode refuses it first: --on-error says."""
+    src = tmp_path / "src"
+    write(src / "a" / "cut.jpg", cut_with_end_marker(noisy_jpeg_444(128)))
+    write(src / "a" / "whole.jpg", noisy_jpeg_444(128, seed=1))
+    with pytest.raises(PackError, match=r"a/cut.jpg: corrupt JPEG \(.*premature end.*not re-encoded"):
+        pack(str(src), "lmdb", str(tmp_path / "failed.lmdb"), progress=False, workers=1, **options)
+    result = pack(str(src), "lmdb", str(tmp_path / "o.lmdb"), progress=False, workers=1, on_error="skip", **options)
+    assert [entry["path"] for entry in result.metadata.skipped] == ["a/cut.jpg"] and result.metadata.count == 1
+    assert verify(str(tmp_path / "o.lmdb"), str(src)).ok
+
+
+def test_verify_against_catches_a_re_encoded_source_replaced_by_another_of_the_same_size(mixed_tree, tmp_path):
+    out = tmp_path / "out.lmdb"
+    pack(str(mixed_tree), "lmdb", str(out), workers=1, progress=False, max_side=256)
+    assert verify(str(out), str(mixed_tree), workers=1).compared == {
+        "byte for byte": 3, "re-encoded, by their source's digest and their size": 5}
+    write(mixed_tree / "a" / "big.jpg", encoded(photo(800, 600, seed=8)))  # another photo, the same size
+    report = verify(str(out), str(mixed_tree), workers=1)
+    assert report.kinds[DIFFERS] == 1, report.problems
+    assert "a/big.jpg): re-encoded from another file: the source digest it carries" in report.problems[0]
+
+
+def test_a_record_re_encoded_again_keeps_its_original_sources_digest(mixed_tree, tmp_path):
+    first, second = tmp_path / "first.lmdb", tmp_path / "second.wds"
+    pack(str(mixed_tree), "lmdb", str(first), workers=1, progress=False, max_side=512)
+    convert(str(first), "wds", str(second), workers=1, progress=False, max_side=256)
+    report = verify(str(second), str(mixed_tree), workers=1)
+    assert report.ok and report.compared["re-encoded, by their source's digest and their size"] == 5, report.problems

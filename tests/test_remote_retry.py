@@ -17,7 +17,8 @@ from packer.errors import PackError
 from packer.remote import retry
 from packer.remote.errors import RemoteError
 from packer.remote.source import Remote
-from servers import free_port
+from packer import pack
+from servers import free_port, new_bucket
 
 DEADLINE = 2.0
 SLACK = 6.0  # seconds past the deadline a test allows: fsspec checks its timeout once a second
@@ -103,3 +104,29 @@ def test_the_cli_refuses_a_deadline_without_a_url(tmp_path):
     assert result.exit_code == 2 and "--deadline applies to a PACKED given as a URL" in result.output
     result = CliRunner().invoke(main, ["info", "http://h/x.lmdb", "--deadline", "0"])
     assert result.exit_code == 2 and "--deadline" in result.output
+
+
+WHOLE = 4.0  # packer info's deadline in the test below: each of its requests alone takes less
+
+
+def test_packer_info_is_bounded_as_a_whole_not_request_by_request(s3_endpoint, link, tmp_path):
+    """Over a slow link every request of `packer info` ends well within the deadline, and all
+    of them together would take several times it: the command ends at the deadline all the same."""
+    import s3fs
+
+    src = tmp_path / "src"
+    for i in range(4):
+        write(src / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(i))
+    pack(str(src), "lmdb", str(tmp_path / "x.lmdb"), progress=False, workers=1)
+    bucket = new_bucket(s3_endpoint)
+    s3fs.S3FileSystem(**bucket.storage_options).put(str(tmp_path / "x.lmdb"), f"{bucket.name}/x.lmdb", recursive=True)
+    slow = link(int(s3_endpoint.rsplit(":", 1)[1]), delay=0.25, rate=4000)
+    options = {**bucket.storage_options, "client_kwargs": {**bucket.storage_options["client_kwargs"],
+                                                          "endpoint_url": slow.base_url}}
+    url = f"{bucket.url}/x.lmdb"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "packer", "info", url, "--deadline", str(WHOLE), "--storage-options",
+                           json.dumps(options)], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 1 and took < WHOLE + SLACK + 5, (took, proc.stderr)  # + the interpreter's start
+    assert f"did not finish within the {WHOLE:g} s deadline of the whole operation" in proc.stderr, proc.stderr

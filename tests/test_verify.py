@@ -193,7 +193,7 @@ def test_verify_json_is_one_object_on_stdout(image_tree, tmp_path, wrong_folder)
     assert good.exit_code == 0
     assert json.loads(good.stdout) == {"path": str(out), "against": str(image_tree), "ok": True, "checked": 19,
                                        "problem_count": 0, "problems_by_kind": {}, "first_problems": [],
-                                       "notes": [], "advice": []}
+                                       "notes": [], "advice": [], "compared": {"byte for byte": 19}}
 
 
 def test_verify_shows_progress_when_asked(image_tree, tmp_path, capsys):

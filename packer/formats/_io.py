@@ -21,9 +21,13 @@ noticed only when os.pread refuses it (a try costs nothing in Python 3.11).
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import stat
 import sys
+
+from ..source_io import not_regular_reason
 
 ACCESS_PATTERNS = ("random", "sequential")
 CAN_ADVISE = hasattr(os, "posix_fadvise")
@@ -71,8 +75,18 @@ def check_access(access: str) -> str:
 
 
 def open_for_reading(path: str, access: str) -> int:
-    """A read-only descriptor for path, advised for the access pattern."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    """A read-only descriptor for path, advised for the access pattern.
+
+    Raises:
+        OSError: it cannot be opened, or it is not a regular file (a FIFO in a dataset
+            file's place would block open() and read() forever; O_NONBLOCK opens it).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_BINARY", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, not_regular_reason(mode), path)
+    os.set_blocking(fd, True)
     if CAN_ADVISE:
         os.posix_fadvise(fd, 0, 0, getattr(os, _ADVICE[access]))
     return fd
@@ -142,10 +156,14 @@ def evict(paths) -> None:
     """Drop each file's pages from the page cache (posix_fadvise DONTNEED; no root needed),
     after syncing it: dirty pages cannot be dropped."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever. Only a regular
+        # file has pages to drop; a FIFO, socket or device (or a symlink to one) is left for
+        # the read that follows to refuse by name.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 

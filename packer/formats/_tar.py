@@ -46,7 +46,8 @@ import zlib
 from typing import IO, Iterator, NamedTuple
 
 from ..check import IMAGE_SUFFIXES, sniff
-from ..errors import CorruptDataError
+from ..errors import BadImageError, CorruptDataError
+from ..source_io import open_regular_file
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
@@ -176,10 +177,14 @@ def open_shard(path: str, opener=None) -> tuple[IO[bytes], bool]:
             return gzip.GzipFile(fileobj=Counted(raw), mode="rb"), True
         return raw, False
     try:
-        raw = open(path, "rb")
+        fd, _ = open_regular_file(path)  # a FIFO in a shard's place would block open() forever
     except OSError as exc:
         raise CorruptDataError(f"{path}: cannot open the shard ({exc.strerror}); check that it exists and is "
                                "readable, or read with on_error='skip'", path) from exc
+    except BadImageError as exc:
+        raise CorruptDataError(f"{path}: the shard is {exc.reason}; put the shard's file back, or read with "
+                               "on_error='skip'", path) from exc
+    raw = open(fd, "rb")
     if raw.read(2) == GZIP_MAGIC:
         raw.seek(0)
         return gzip.GzipFile(fileobj=Counted(raw), mode="rb"), True

@@ -20,6 +20,7 @@ is not cut off while it moves.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import random
 import time
@@ -40,6 +41,34 @@ DEADLINE = 90.0
 MIN_RATE = 1 << 20  # bytes/s an upload or a server-side copy is allowed at the least
 
 T = TypeVar("T")
+# The end (time.monotonic()) and length of the whole operation under way in this process
+# (within()), or None: each request's deadline is cut to what is left of it.
+_whole: tuple[float, float] | None = None
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Every remote request made inside, its retries included, ends by `seconds` from now
+    in all: a command of many requests (packer info) is bounded as a whole, not each of its
+    requests by the deadline. An inner within() never extends an outer one."""
+    global _whole
+    outer = _whole
+    end = time.monotonic() + seconds
+    if outer is None or end < outer[0]:
+        _whole = (end, seconds)
+    try:
+        yield
+    finally:
+        _whole = outer
+
+
+def time_left(deadline: float) -> tuple[float, bool]:
+    """(seconds this request may take: its deadline or what the whole operation has left,
+    whichever is less; whether the whole operation's end is the one that binds)."""
+    if _whole is None:
+        return deadline, False
+    left = _whole[0] - time.monotonic()
+    return (left, True) if left < deadline else (deadline, False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +117,9 @@ def with_retries(url: str, call: Callable[[float], T], retries: int = RETRIES, d
     backoff = backoff or Backoff(attempts=max(1, int(retries)))
     waits = backoff.waits()
     start = time.monotonic()
+    deadline, whole = time_left(deadline)
+    if deadline <= 0:
+        raise past_whole(url, doing, what)
     attempts = 0
     while True:
         attempts += 1
@@ -104,10 +136,22 @@ def with_retries(url: str, call: Callable[[float], T], retries: int = RETRIES, d
         wait = next(waits, None)
         spent = time.monotonic() - start
         if spent >= deadline or (wait is not None and spent + wait >= deadline):
+            if whole and (last.kind if isinstance(last, RemoteError) else classify(last)) == TIMEOUT:
+                raise past_whole(url, doing, what) from cause(last)
             raise past_deadline(url, last, doing, what, deadline, spent, attempts, storage_options) from cause(last)
         if wait is None:
             raise failure(url, last, doing, storage_options, retried=backoff.attempts > 1) from cause(last)
         sleep(wait)
+
+
+def past_whole(url: str, doing: str, what: str) -> RemoteError:
+    """The error of a request cut short because the whole operation (within()) ran out."""
+    seconds = _whole[1] if _whole is not None else DEADLINE
+    return RemoteError(
+        f"{url}: {f'{doing} {what}'.strip()} did not finish within the {seconds:g} s deadline of the whole "
+        "operation (all of its requests together): the server answers too slowly, or not at all; check the link "
+        "and the server, or, on a slow link, allow more with --deadline SECONDS (storage_options "
+        "{\"deadline\": SECONDS})", url, TIMEOUT)
 
 
 def past_deadline(url: str, last: BaseException, doing: str, what: str, deadline: float, spent: float,

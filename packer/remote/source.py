@@ -30,9 +30,12 @@ import collections
 import concurrent.futures
 import hashlib
 import io
+import logging
 import os
 import posixpath
 import threading
+import traceback
+import urllib.parse
 
 from ..errors import CorruptDataError, FormatError, redact
 from . import is_url as _is_url, scheme_of
@@ -85,13 +88,67 @@ def filesystem(url: str, storage_options: dict):
     except ImportError as exc:
         raise ImportError(f"reading {redact(url)} needs fsspec: pip install '{EXTRA}'") from exc
     try:
-        fs, path = fsspec.core.url_to_fs(url, **with_http_timeouts(url, one_attempt(url, storage_options)))
+        redact_backend_logs()
+        url, hidden = secrets_as_options(url)
+        fs, path = fsspec.core.url_to_fs(url, **with_http_timeouts(url, one_attempt(url, storage_options)), **hidden)
     except ImportError as exc:
         raise ImportError(f"reading {redact(url)} needs a package packer's remote extra installs ({exc}): "
                           f"pip install '{EXTRA}'") from exc
     if hasattr(fs, "retries") and isinstance(fs.retries, int):
         fs.retries = 1  # s3fs retries some errors itself: leave retrying to packer.remote.retry
     return fs, path
+
+
+# The loggers of the backends that may log a request's URL, or an error whose text holds it.
+BACKEND_LOGGERS = ("fsspec", "fsspec.http", "s3fs", "gcsfs", "aiohttp.client")
+
+
+class Redacting(logging.Filter):
+    """Redacts the credentials of every URL in a backend's log line and in the traceback it
+    carries: a request's query (a presigned URL's signature) is part of the URL requested,
+    so the backend's own errors hold it, whatever options carry it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.exc_info:
+            record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        record.msg, record.args = redact(message), ()
+        return True
+
+
+_REDACTING = Redacting()
+
+
+def redact_backend_logs() -> None:
+    """Put the Redacting filter on each backend logger (once: a filter is added once)."""
+    for name in BACKEND_LOGGERS:
+        logging.getLogger(name).addFilter(_REDACTING)
+
+
+def secrets_as_options(url: str) -> tuple[str, dict]:
+    """(url without its user, password and query, the request options that carry them) for
+    an http(s) URL, whose backend (fsspec's HTTP filesystem) logs every URL it requests at
+    DEBUG: given as options (aiohttp's auth= and params=), the credentials never reach a log
+    line, whatever the user's logging. Any other URL as it is, with no options."""
+    if scheme_for(scheme_of(url)).client != "aiohttp":
+        return url, {}
+    parts = urllib.parse.urlsplit(url)
+    options = {}
+    if parts.username is not None or parts.password is not None:
+        import aiohttp
+
+        options["auth"] = aiohttp.BasicAuth(urllib.parse.unquote(parts.username or ""),
+                                            urllib.parse.unquote(parts.password or ""))
+    if parts.query:
+        options["params"] = parts.query  # as written: a signature covers its exact encoding
+    if not options:
+        return url, {}
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port is not None else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", parts.fragment)), options
 
 
 # An s3:// request's botocore client: one attempt, bounded. packer.remote.retry is the one
