@@ -262,3 +262,9 @@ def pillow_refusal(exc: Exception, max_pixels: int) -> str:
     since open_lazily keeps Pillow's limit at or above it.
     """
     return f"image too large: Pillow refuses it ({exc}); packer's limit is {max_pixels:,} pixels"
+
+
+def packed_max_pixels(params: dict) -> int:
+    """The pixel limit a dataset was packed with (its metadata params), else MAX_PIXELS."""
+    value = params.get("max_pixels")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else MAX_PIXELS

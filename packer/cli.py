@@ -111,21 +111,16 @@ def main():
     """Pack folders of JPEGs into LMDB, HDF5 or WebDataset shards, and check them."""
 
 
-def write_out(out, fmt, force, staging_dir, storage_options, write, deadline=None) -> PackResult:
-    """write(out, force) where out is local; to a URL, packed in a staging folder and uploaded
-    (packer.upload)."""
+def refuse_remote_options(out, staging_dir, storage_options, deadline=None) -> None:
+    """The options that apply to an OUT given as a URL only, refused for a local one."""
     from .remote import is_url
 
-    if out is None or not is_url(out):
-        given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options),
-                                          ("--deadline", deadline)) if value is not None]
-        if given:
-            raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
-        return write(out, force)
-    from .upload import write_to_url
-
-    return write_to_url(out, fmt, lambda local: write(local, False), force=force, staging_dir=staging_dir,
-                        storage_options=with_deadline(storage_options, deadline))
+    if out is not None and is_url(out):
+        return
+    given = [name for name, value in (("--staging-dir", staging_dir), ("--storage-options", storage_options),
+                                      ("--deadline", deadline)) if value is not None]
+    if given:
+        raise click.UsageError(f"{' and '.join(given)} apply to -o with a URL (s3://bucket/key) only")
 
 
 @main.command("pack", short_help="Pack an ImageFolder tree into LMDB, HDF5 or WebDataset shards.")
@@ -178,16 +173,13 @@ def pack_command(src, fmt, out, workers, on_error, check, max_pixels, force, lab
                   labels=labels, labels_index_base=None if labels_index_base is None else int(labels_index_base),
                   part=part, parts=parts, **reencode_args(max_side, quality, baseline_420), checksum=checksum,
                   **writer_options(fmt, **shards))
-    kwargs.pop("force")
+    refuse_remote_options(out, staging_dir, storage_options, deadline)
+    kwargs.update(staging_dir=staging_dir, storage_options=with_deadline(storage_options, deadline))
     if dask is not None:
         with dask_client(dask) as client:
-            executor = client.get_executor(pure=False)
-            result = write_out(out, fmt, force, staging_dir, storage_options,
-                               lambda out, force: pack(src, fmt, out, executor=executor, force=force, **kwargs),
-                               deadline)
+            result = pack(src, fmt, out, executor=client.get_executor(pure=False), **kwargs)
     else:
-        result = write_out(out, fmt, force, staging_dir, storage_options,
-                           lambda out, force: pack(src, fmt, out, force=force, **kwargs), deadline)
+        result = pack(src, fmt, out, **kwargs)
     finished()
     report_pack(result)
     if as_json:
@@ -263,9 +255,10 @@ def convert_command(packed, fmt, out, force, workers, max_side, quality, baselin
     """
     from .convert import convert
 
-    result = write_out(out, fmt, force, staging_dir, storage_options, lambda out, force: convert(
-        packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality, baseline_420),
-        checksum=checksum, **writer_options(fmt, **shards)), deadline)
+    refuse_remote_options(out, staging_dir, storage_options, deadline)
+    result = convert(packed, fmt, out, workers=workers, force=force, **reencode_args(max_side, quality, baseline_420),
+                     checksum=checksum, **writer_options(fmt, **shards), staging_dir=staging_dir,
+                     storage_options=with_deadline(storage_options, deadline))
     finished()
     report_pack(result, verb="converted")
 

@@ -10,15 +10,17 @@ atomically exactly as `pack` does, and stopped by Ctrl-C as `pack` is.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
 import numpy as np
 
-from .check import MAX_PIXELS
+from .check import MAX_PIXELS, packed_max_pixels
 from .formats import FORMATS, ReaderCache, detect_format, format_named, open_reader, read_metadata
 from .cores import available_cores
-from .engine import load_in_processes
+from .destination import destination_for
+from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
 from . import checksum as record_checksums
@@ -27,12 +29,8 @@ from .writing import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_fo
                       write_order)
 from .records import Metadata
 from .reencode import Reencode, combinable, combined, reencode_spec
-from .verify import packed_max_pixels
 from .scan import SplitListing
 from .version import __version__
-
-# Records per task sent to a worker: reading a record is cheap, so amortise the IPC more.
-RECORD_CHUNK = 64
 
 
 class RecordLoader:
@@ -124,7 +122,17 @@ def chain_length(origin) -> int:
     return length
 
 
-def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
+def convert(packed: str, fmt: str, out: str | None = None, *, force: bool = False, staging_dir: str | None = None,
+            storage_options: dict | None = None, **kwargs) -> PackResult:
+    """Write the packed dataset at `packed` as `fmt` at out, a path or a URL (s3://bucket/key:
+    packed in a folder under staging_dir, then uploaded with storage_options; packer.destination).
+    The other keyword arguments are convert_here's."""
+    inspect.signature(convert_here).bind(packed, fmt, out, **kwargs)  # a misspelt keyword fails before any write
+    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
+    return destination.write(fmt, lambda local, force: convert_here(packed, fmt, local, force=force, **kwargs))
+
+
+def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
             force: bool = False, progress: bool | None = None, options: dict | None = None,
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
             quality: int | None = None, baseline_420: bool = False,
@@ -167,7 +175,7 @@ def convert(packed: str, fmt: str, out: str | None = None, *, workers: int | Non
     advice: list[str] = []  # the writer's (wds: too few shards for this machine)
     with InterruptGuard(out) as guard:
         def fill(writer) -> Metadata:
-            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta), checksum)
+            load = RecordLoader(packed, reencode, packed_max_pixels(src_meta.params), checksum)
             try:
                 loaded = load_in_processes(jobs, load, workers, chunk=RECORD_CHUNK)
                 written = write_listings(writer, listings, len(src_meta.classes), loaded, "fail", progress, orders,

@@ -22,6 +22,8 @@ from .errors import escaping
 from .interrupts import STOP_SIGNALS, ignore_stop_signals
 
 CHUNK = 16  # files per task sent to a worker: amortises IPC without hurting order latency
+# Records of a packed dataset per task (convert, merge): reading a record is cheap, so amortise the IPC more.
+RECORD_CHUNK = 64
 # Reader threads run at most this many files, and about this many bytes, ahead of the writer:
 # enough to keep the disk busy through a commit, bounded so memory stays flat.
 WINDOW_FILES = 4096

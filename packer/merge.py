@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .convert import RECORD_CHUNK
 from .cores import available_cores
+from .destination import destination_for
 from .errors import FormatError, PackError, shown
 from .formats import FORMATS, ReaderCache, open_reader, read_metadata
-from .engine import load_in_processes
+from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
 from .output import check_target
 from . import checksum as record_checksums
@@ -370,10 +370,21 @@ def provenance(parts: list[Part]) -> dict:
 
 
 def merge(paths: list[str], out: str, *, force: bool = False, workers: int | None = None,
-          progress: bool | None = None) -> PackResult:
-    """Merge the parts at paths (any order) into out: the dataset a single pack of their source gives."""
+          progress: bool | None = None, staging_dir: str | None = None,
+          storage_options: dict | None = None) -> PackResult:
+    """Merge the parts at paths (any order) into out, a path or a URL (s3://bucket/key: merged in
+    a folder under staging_dir, then uploaded with storage_options; packer.destination): the
+    dataset a single pack of their source gives."""
+    parts = checked_parts(paths)  # refused before anything is written, wherever out is
+    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
+    return destination.write(parts[0].meta.format, lambda local, force: merge_here(
+        parts, local, force=force, workers=workers, progress=progress))
+
+
+def merge_here(parts: list[Part], out: str, *, force: bool = False, workers: int | None = None,
+               progress: bool | None = None) -> PackResult:
+    """merge() of checked parts to a local out."""
     start = time.perf_counter()
-    parts = checked_parts(paths)
     first = parts[0]
     fmt = first.meta.format
     out = os.path.abspath(os.fspath(out))

@@ -35,32 +35,15 @@ from typing import Iterator
 import lmdb
 
 from . import interrupts, replaceable
-from .errors import FormatError, OutputExistsError, PackError
+from .errors import FormatError, PackError
 from .formats import detect_format
-from .staging import COMPLETE, HOST, LEGACY, OLD, OWNED, PARTIAL, Owner, new_owner, pid_alive
+from .staging import COMPLETE, LEGACY, OLD, OWNED, PARTIAL, Leftover, Owner, new_owner
 
 # Errors of a failed write. py-lmdb reports a failed system call as lmdb.Error("<path>:
 # <strerror>"), without an errno.
 IO_ERRORS = (OSError, lmdb.Error)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """A staging, complete or old path found beside OUT."""
-
-    path: str
-    stage: str
-    host: str | None  # None: a name from an older version, which had no host in it
-    pid: int
-
-    @property
-    def here(self) -> bool:
-        return self.host in (None, HOST)
-
-    def owner_gone(self) -> bool:
-        return self.here and not pid_alive(self.pid)
 
 
 @dataclass
@@ -255,17 +238,8 @@ def refuse_missing_folder(out: str) -> None:
 
 def refuse_existing(out: str, force: bool, notes: list[str] = ()) -> None:
     """Refuse an existing OUT without force, and with force anything but a dataset packer wrote."""
-    if not os.path.lexists(out):
-        return
-    if not force:
-        settled = "".join(f"; {note}" for note in notes)
-        raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)"
-                                f"{settled}", out)
-    found = replaceable.problem(out)
-    if found:
-        raise OutputExistsError(f"{out} exists and is not a packer dataset: it {found}; --force replaces only a "
-                                "dataset packer wrote, never other files or folders; remove it yourself if it is "
-                                "not needed, or choose -o elsewhere", out)
+    replaceable.refuse_existing(out, os.path.lexists(out), force, lambda: replaceable.problem(out),
+                                "files or folders", notes)
 
 
 def check_target(out: str, sources: list[str], force: bool) -> Tidied:

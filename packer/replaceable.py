@@ -18,13 +18,32 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Callable
 
 import lmdb
 
-from .errors import PackError
+from .errors import OutputExistsError, PackError
 from .formats import FORMATS, Format
 from .formats._foreign import listing, unexpected  # noqa: F401 (packer.upload words its refusals with them)
 from .records import Metadata
+
+
+def refuse_existing(out: str, exists: bool, force: bool, problem_of: Callable[[], str | None], others: str,
+                    notes: list[str] = ()) -> None:
+    """Refuse an existing OUT without force, and with force anything but a dataset packer wrote:
+    problem_of() says what keeps it from being one (problem, or a store's own), others names
+    what else an OUT of that kind could be ("files or folders", "objects")."""
+    if not exists:
+        return
+    if not force:
+        settled = "".join(f"; {note}" for note in notes)
+        raise OutputExistsError(f"{out} already exists (pass --force to replace it, or -o to write elsewhere)"
+                                f"{settled}", out)
+    found = problem_of()
+    if found:
+        raise OutputExistsError(f"{out} exists and is not a packer dataset: it {found}; --force replaces only a "
+                                f"dataset packer wrote, never other {others}; remove it yourself if it is not "
+                                "needed, or choose -o elsewhere", out)
 
 
 def problem(path: str) -> str | None:

@@ -47,6 +47,25 @@ class Owner:
         return f"{out}.{stage}-{self.host}-{self.pid}-{self.token}"
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """A staging, complete or old path found beside OUT (a folder's sibling, or a store's
+    prefix), and whether its owner is provably gone."""
+
+    path: str
+    stage: str
+    host: str | None  # None: a local name from an older version, which had no host in it
+    pid: int
+
+    @property
+    def here(self) -> bool:
+        """Whether this host may judge the owner: its own, or an older version's local name."""
+        return self.host in (None, HOST)
+
+    def owner_gone(self) -> bool:
+        return self.here and not pid_alive(self.pid)
+
+
 def new_owner() -> Owner:
     return Owner(HOST, os.getpid(), secrets.token_hex(8))
 

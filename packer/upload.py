@@ -16,7 +16,7 @@ server) has none and is known by its entry object, which this writer never leave
 without the rest. An object whose name holds `.partial-` is a write in progress: never
 read it.
 
-How a write goes (write_to_url, upload_dataset):
+How a write goes (packer.destination.StoreDestination, upload_dataset):
 1. Check OUT before packing: a writable URL naming a key, the bucket there and the
    credentials accepted (a probe object written into the staging prefix), OUT absent, or
    with --force a dataset packer wrote (packer.replaceable; here: its metadata checked and
@@ -43,21 +43,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import posixpath
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from . import replaceable
-from .errors import OutputExistsError, PackError
-from .formats import FORMATS, folder_formats
+from .errors import FormatError, PackError
+from .formats import FORMATS, detect_remote, folder_formats
 from .interrupts import Interrupted
 from .remote import is_url, manifest, parse_url
 from .remote import source as remote_source
@@ -66,10 +63,7 @@ from .remote.manifest import MANIFEST, MANIFEST_LIMIT, manifest_bytes, safe_key
 from .remote.retry import DEADLINE, MIN_RATE, RETRIES, bounded, split_deadline, with_retries
 from .remote.schemes import Scheme, scheme_for
 from .remote.source import one_attempt
-from .staging import HOST, OWNED, PARTIAL, Owner, new_owner, pid_alive
-
-if TYPE_CHECKING:
-    from .writing import PackResult
+from .staging import OWNED, PARTIAL, Leftover, Owner, new_owner
 
 PROBE = ".writing"  # the first object of a staging prefix: proves the bucket takes writes
 THREADS = 8  # objects uploaded or copied at once
@@ -190,26 +184,14 @@ def is_file(target: Target, path: str) -> bool:
 
 
 def remote_dataset(target: Target, path: str | None = None) -> str | None:
-    """The format of the complete dataset at path (default OUT), or None if there is none:
-    its packer.json, else its entry object (a dataset copied by hand), else a one-file format's
-    object, by its signature."""
-    path = path or target.path
-    found = read_manifest(target, path)
-    if found is not None:
-        return found["format"]
-    for fmt in FORMATS.values():
-        if fmt.entry is not None and is_file(target, f"{path}/{fmt.entry}"):
-            return fmt.name
-    return object_format(target, path)
-
-
-def object_format(target: Target, path: str) -> str | None:
-    """The one-file format whose signature the object at path starts with, or None."""
-    signed = [fmt for fmt in FORMATS.values() if fmt.signature is not None]
-    if not signed or not is_file(target, path):
+    """The format of the complete dataset at path (default OUT), or None if there is none, as
+    readers detect it (packer.formats.detect_remote): its packer.json, else its entry object (a
+    dataset copied by hand), else a one-file format's object, by its signature."""
+    url = target.url_of(path or target.path)
+    try:
+        return detect_remote(url, remote_source.remote_for(url, storage_options=target.storage_options))
+    except FormatError:
         return None
-    head = target.run(path, "cat_file", path, start=0, end=max(len(fmt.signature) for fmt in signed))
-    return next((fmt.name for fmt in signed if head.startswith(fmt.signature)), None)
 
 
 def as_object(fmt) -> str:
@@ -233,17 +215,8 @@ def read_manifest(target: Target, path: str) -> dict | None:
 
 def refuse_existing(target: Target, force: bool, notes: list[str] = ()) -> None:
     """As packer.output.refuse_existing: no OUT without force, and force replaces only a dataset."""
-    if not exists(target, target.path):
-        return
-    if not force:
-        settled = "".join(f"; {note}" for note in notes)
-        raise OutputExistsError(f"{target.url} already exists (pass --force to replace it, or -o to write "
-                                f"elsewhere){settled}", target.url)
-    found = replace_problem(target)
-    if found:
-        raise OutputExistsError(f"{target.url} exists and is not a packer dataset: it {found}; --force replaces "
-                                "only a dataset packer wrote, never other objects; remove it yourself if it is not "
-                                "needed, or choose -o elsewhere", target.url)
+    replaceable.refuse_existing(target.url, exists(target, target.path), force, lambda: replace_problem(target),
+                                "objects", notes)
 
 
 def replace_problem(target: Target) -> str | None:
@@ -279,23 +252,7 @@ def replace_problem(target: Target) -> str | None:
 # --- leftovers of dead writers ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Staging:
-    """A staging prefix beside OUT: OUT.partial-<host>-<pid>-<token>."""
-
-    path: str
-    host: str
-    pid: int
-
-    @property
-    def here(self) -> bool:
-        return self.host == HOST
-
-    def owner_gone(self) -> bool:
-        return self.here and not pid_alive(self.pid)
-
-
-def stagings(target: Target) -> list[Staging]:
+def stagings(target: Target) -> list[Leftover]:
     """The staging prefixes beside OUT, whoever left them."""
     parent, name = posixpath.split(target.path)
     if target.scheme.listing == "delimiter":
@@ -313,7 +270,7 @@ def stagings(target: Target) -> list[Staging]:
         rest = posixpath.basename(path)[len(name):]
         match = OWNED.fullmatch(rest)
         if match and match["stage"] == PARTIAL and posixpath.dirname(path) == parent:
-            result.append(Staging(path, match["host"], int(match["pid"])))
+            result.append(Leftover(path, PARTIAL, match["host"], int(match["pid"])))
     return result
 
 
@@ -337,8 +294,9 @@ def staged_dataset(target: Target, stage: str) -> tuple[str, dict] | None:
     found = read_manifest(target, stage)
     if found is not None:
         return found["format"], found["objects"]
-    fmt = object_format(target, f"{stage}/{posixpath.basename(target.path)}")  # one object appears whole, or not at all
-    return None if fmt is None else (fmt, {})
+    single = f"{stage}/{posixpath.basename(target.path)}"  # a one-file format's object appears whole, or not at all
+    fmt = remote_dataset(target, single)
+    return (fmt, {}) if fmt is not None and not FORMATS[fmt].directory else None
 
 
 def tidy(target: Target) -> tuple[list[str], list[str]]:
@@ -504,7 +462,7 @@ def upload_dataset(local: str, url: str, fmt: str, *, force: bool = False, stora
                    retries: int = RETRIES, target: Target | None = None, checked: bool = False) -> list[str]:
     """Publish the local dataset at local (format fmt) at url with the guarantee of the module
     docstring; the notes for the user (leftovers settled). checked: the caller has just
-    checked the bucket and OUT and settled the leftovers (write_to_url)."""
+    checked the bucket and OUT and settled the leftovers (packer.destination.StoreDestination)."""
     target = target or open_target(url, storage_options, retries)
     owner = new_owner()
     stage = owner.path(target.path, PARTIAL)
@@ -557,52 +515,3 @@ class SwapInterrupted(Interrupted):
 
 def owner_note(owner: Owner) -> bytes:
     return json.dumps({"host": owner.host, "pid": owner.pid, "token": owner.token}).encode()
-
-
-def write_to_url(url: str, fmt: str, write_local: Callable[[str], "PackResult"], *, force: bool = False,
-                 staging_dir: str | None = None, storage_options: dict | None = None,
-                 retries: int = RETRIES):
-    """Pack with write_local(local_out) into a folder under staging_dir, then upload_dataset
-    it to url; the local result with out=url. Fails before packing if url cannot take it."""
-    target = open_target(url, storage_options, retries)
-    check_bucket(target)
-    removed, notes = tidy(target)
-    refuse_existing(target, force, notes)
-    check_writable(target)
-    folder = make_staging_dir(staging_dir, target)
-    try:
-        local = os.path.join(folder, posixpath.basename(target.path))
-        try:
-            result = write_local(local)
-        except Interrupted:
-            raise Interrupted(url) from None
-        except PackError as exc:
-            if folder not in str(exc):
-                raise
-            raise PackError(f"{exc} [{target.url} is packed in {folder} before it is uploaded; --staging-dir "
-                            "(or TMPDIR) chooses where]", exc.path) from exc
-        notes += upload_dataset(local, url, fmt, force=force, target=target, checked=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return dataclasses.replace(result, out=target.url, warnings=notes + result.warnings,
-                               removed_stale=removed + result.removed_stale)
-
-
-def check_writable(target: Target) -> None:
-    """Write and delete a probe object beside OUT: refused credentials fail now, not after the pack."""
-    probe = new_owner().path(target.path, PARTIAL)
-    put_bytes(target, f"{probe}/{PROBE}", b"")
-    remove(target, probe)
-
-
-def make_staging_dir(staging_dir: str | None, target: Target) -> str:
-    parent = staging_dir or tempfile.gettempdir()
-    if not os.path.isdir(parent):
-        raise PackError(f"{parent}: the staging folder to pack {target.url} in before uploading does not exist; "
-                        "create it or pass --staging-dir (or TMPDIR) elsewhere", parent)
-    try:
-        return tempfile.mkdtemp(prefix="packer-upload-", dir=parent)
-    except OSError as exc:
-        raise PackError(f"{parent}: cannot make a staging folder there ({exc.strerror}); pass --staging-dir "
-                        "with a writable folder that can hold the whole dataset", parent) from exc
-

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .check import MAX_PIXELS, problem, sniff
+from .check import MAX_PIXELS, packed_max_pixels, problem, sniff
 from .errors import BadImageError, PackError
 from .formats import FORMATS, ReaderCache, detect_format, open_reader, read_metadata
 from .cores import available_cores
@@ -248,7 +248,7 @@ def verify(path: str, against: str | None = None, check: str = "full",
         source = scan_source(against, on_error="skip")  # an unreadable folder is reported, not fatal
         root = source.root
         compare_listings(meta, tables, source, report)
-    max_pixels = packed_max_pixels(meta)
+    max_pixels = packed_max_pixels(meta.params)
     reencode = None if meta.reencode is None else Reencode.from_record(meta.reencode)
     if reencode is not None:
         report.reencoded = True
@@ -324,12 +324,6 @@ def advice(report: VerifyReport, meta: Metadata, against: str | None) -> list[st
     if kinds[DAMAGED]:
         found.append("the dataset is damaged: restore it from a copy, or re-pack it from its source")
     return found
-
-
-def packed_max_pixels(meta: Metadata) -> int:
-    """The pixel limit the dataset was packed with (its params), else the default."""
-    value = meta.params.get("max_pixels")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else MAX_PIXELS
 
 
 def split_tables(path: str, meta: Metadata, report: VerifyReport) -> dict[str, tuple[PathTable, np.ndarray]]:

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 from packer import FORMATS, pack
 from packer.cli import main
 from packer.errors import OutputExistsError, PackError
-from packer.output import HOST, check_target, staged
+from packer.output import check_target, staged
+from packer.staging import HOST
 from packer.pack import write_dataset
 
 from conftest import jpeg_bytes, snapshot, tree, write
@@ -309,7 +310,7 @@ def test_a_live_staging_from_another_pid_namespace_is_left_alone(tmp_path):
         print(f"skipped: {reason}")
         pytest.skip(reason)
     out = tmp_path / "out.lmdb"
-    holder = ("import sys, time; from packer.output import HOST, PARTIAL, new_owner; "
+    holder = ("import sys, time; from packer.staging import HOST, PARTIAL, new_owner; "
               "stage = new_owner().path(sys.argv[1], PARTIAL); open(stage, 'wb').close(); "
               "print(HOST, stage, flush=True); time.sleep(60)")
     proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",

@@ -235,6 +235,62 @@ def test_convert_uploads_a_local_pack(split_tree, s3_bucket, tmp_path):
     assert_verifies(s3_bucket, "conv.wds", split_tree, tmp_path)
 
 
+# --- the library takes a URL as the command line does (packer.destination) ---------------
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_the_library_packs_to_a_url(fmt, split_tree, s3_bucket, tmp_path):
+    import packer
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    url = f"{s3_bucket.url}/lib{EXTENSION[fmt]}"
+    result = packer.pack(str(split_tree), fmt, url, storage_options=s3_bucket.storage_options,
+                         staging_dir=str(staging), workers=1)
+    assert result.out == url and result.metadata.count == len(list(split_tree.rglob("*.jpg")))
+    assert list(staging.iterdir()) == [] and not [k for k in s3_bucket.keys() if ".partial-" in k]
+    assert_verifies(s3_bucket, f"lib{EXTENSION[fmt]}", split_tree, tmp_path)
+    with pytest.raises(packer.OutputExistsError, match="already exists"):
+        packer.pack(str(split_tree), fmt, url, storage_options=s3_bucket.storage_options)
+
+
+def test_the_library_converts_and_merges_to_urls(split_tree, s3_bucket, tmp_path):
+    from packer import pack
+    from packer.convert import convert
+    from packer.formats import read_metadata
+    from packer.merge import merge
+
+    options = s3_bucket.storage_options
+    parts = [pack(str(split_tree), "lmdb", str(tmp_path / f"p{i}.lmdb"), part=f"{i}/2", workers=1).out
+             for i in range(2)]
+    merged = merge(parts, f"{s3_bucket.url}/merged.lmdb", workers=1, storage_options=options)
+    assert merged.out == f"{s3_bucket.url}/merged.lmdb"
+    assert_verifies(s3_bucket, "merged.lmdb", split_tree, tmp_path)
+    converted = convert(parts[0], "wds", f"{s3_bucket.url}/p0.wds", workers=1, storage_options=options)
+    assert converted.out == f"{s3_bucket.url}/p0.wds"
+    assert read_metadata(converted.out, storage_options=options).count == read_metadata(parts[0]).count > 0
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("https://example.com/x.lmdb", "read-only"),
+    ("s3://bucket-only", "name the dataset inside the bucket"),
+])
+def test_the_library_refuses_unwritable_urls_before_packing(url, expected, flat_tree, tmp_path):
+    import packer
+
+    with pytest.raises(PackError, match=expected):
+        packer.pack(str(flat_tree), "lmdb", url, staging_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == [flat_tree]  # nothing packed
+
+
+def test_the_library_refuses_store_options_for_a_local_out(flat_tree, tmp_path):
+    import packer
+
+    with pytest.raises(PackError, match="storage_options apply to an out given as a URL"):
+        packer.pack(str(flat_tree), "lmdb", str(tmp_path / "x.lmdb"), storage_options={"anon": True})
+    assert not (tmp_path / "x.lmdb").exists()
+
+
 def test_an_existing_dataset_is_refused_without_force_and_replaced_with_it(flat_tree, image_tree, s3_bucket, tmp_path):
     url, options = f"{s3_bucket.url}/ds", options_json(s3_bucket)
     assert cli("pack", image_tree, "--to", "wds", "-o", url, "--storage-options", options).exit_code == 0
@@ -378,17 +434,18 @@ def test_force_refuses_a_damaged_manifest_at_out(flat_tree, s3_bucket):
 
 
 def write(url, src, storage_options, retries=1, packed=None, **kwargs):
-    """packer.upload.write_to_url around a local pack, as the CLI calls it; packed
-    (a list) gets each local path packed."""
+    """A local pack written to url through packer.destination.StoreDestination, as pack() writes it;
+    packed (a list) gets each local path packed."""
+    from packer.destination import StoreDestination
     from packer.pack import pack
-    from packer.upload import write_to_url
 
-    def pack_locally(local):
+    def pack_locally(local, force):
         if packed is not None:
             packed.append(local)
-        return pack(str(src), "lmdb", local)
+        return pack(str(src), "lmdb", local, force=force)
 
-    return write_to_url(url, "lmdb", pack_locally, storage_options=storage_options, retries=retries, **kwargs)
+    destination = StoreDestination(url, storage_options=storage_options, retries=retries, **kwargs)
+    return destination.write("lmdb", pack_locally)
 
 
 def test_a_missing_bucket_is_named(flat_tree, s3_bucket):
@@ -625,6 +682,7 @@ def test_ctrl_c_or_sigterm_during_upload_deletes_the_staging(tmp_path, s3_bucket
 
 def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tmp_path, s3_bucket, flat_tree):
     from packer import upload
+    from packer.staging import HOST, Owner
 
     src = many_records(tmp_path)
     url = f"{s3_bucket.url}/ds.wds"
@@ -632,7 +690,7 @@ def test_a_finished_upload_killed_while_replacing_is_finished_by_the_next_run(tm
     # The state a writer killed between deleting the old dataset and publishing the new
     # one leaves: its complete upload beside OUT, OUT no dataset. A dead pid owns it.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    owner = upload.Owner(upload.HOST, int(dead.stdout), "0123456789abcdef")
+    owner = Owner(HOST, int(dead.stdout), "0123456789abcdef")
     target = upload.open_target(url, s3_bucket.storage_options)
     local = tmp_path / "new.wds"
     assert cli("pack", src, "--to", "wds", "-o", local).exit_code == 0
