@@ -536,10 +536,9 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             conversion done in the DataLoader workers as each batch is collated (float
             batches are 4x the uint8 ones: None is for a consumer that converts itself).
         train: shuffle and drop the last partial batch (each can be overridden).
-        workers: DataLoader processes (threads, with a threads worker_kind); default: the cores available (affinity-aware),
-            divided by the local ranks (readers.ranks.local_world_size).
-        seed: the run's seed (the same on every rank): of the shuffle and, keyed, of the
-            augmentation.
+        workers: DataLoader processes (or threads); default: the cores available (affinity-
+            aware), divided by the local ranks (readers.ranks.local_world_size).
+        seed: the run's seed, the same on every rank: of the shuffle and (keyed) augmentation.
         mean, std, channels_last, dtype: passed to CUDAPrefetcher.
         gpu_decode: decode JPEGs on the GPU with nvJPEG (needs torchvision): True for
             RandomResizedCrop(224, flip=0.5) / ResizeCenterCrop(224) by `train`, or a
@@ -547,21 +546,14 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
             and nvJPEG, tuned online (readers.hybrid), or a readers.hybrid.HybridDecoder.
             The dataset must yield raw bytes (decode="raw", no transform).
         stats: True, or a dict of LoaderStats options, to wrap the result in LoaderStats.
-        order: how a map-style dataset is walked. "random": a permutation per epoch (the
-            default when shuffling; over packed data readers.ShuffleSampler, which reads
-            ahead); "block": readers.BlockShuffleSampler(block_size, window),
-            near-sequential reads with mixed batches, for cold or remote storage;
-            "sequential": storage order. Default: "random" if shuffling, else index order.
-        keyed: packer's transforms (and readers.KeyedTransform) draw from a generator
-            keyed to (seed, epoch, sample index), so the batches are the same on any
-            number of ranks and workers and across resumes (docs/reproducibility.md).
-            False: from each worker's own generator, as torch's DataLoader seeds it.
-            Applies where make_loader walks the dataset with packer's samplers (map-style
-            readers datasets); gpu_decode's transform is keyed the same way.
-        worker_kind: what the `workers` are (docs/readers.md): "processes" (DataLoader
-            worker processes), "threads" (threads in one background process per rank,
-            batches handed over in shared memory) or "threads-inline" (threads in this
-            process). The state is the same whichever kind saved it (map-style datasets).
+        order: how a map-style dataset is walked: "random", a permutation per epoch (readers.
+            ShuffleSampler, reading ahead); "block", readers.BlockShuffleSampler(block_size,
+            window), near-sequential reads with mixed batches for cold or remote storage;
+            "sequential", storage order. Default: "random" if shuffling, else index order.
+        keyed: packer's transforms draw from a generator keyed to (seed, epoch, sample), the
+            same on any ranks, workers or resume (docs/reproducibility.md); False: each worker's own.
+        worker_kind: "processes" (DataLoader workers), "threads" (in one background process per
+            rank) or "threads-inline" (in this one); the same state either way (docs/readers.md).
 
     Returns an EpochLoader; wrapped in a CUDAPrefetcher when device is given, and in
     LoaderStats when stats is; all three iterate the same batches.
@@ -577,26 +569,38 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     decoder = gpu_decoder(gpu_decode, dataset, target, cuda, train)
     pin = pin_policy(pin_memory, cuda)
     drop_last = train if drop_last is None else drop_last
-    rank, world_size = world()
-    walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window,
-                        keyed)
-    if walk.access is not None:  # random: read exactly each record; sequential: let the kernel read ahead
-        for reader in readers_to_advise(dataset):
-            reader.advise(walk.access)
-
-    # A CPU target's batches are normalised as they are made, in the workers (see batch_collate).
-    cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None
+    walk = advised_order(dataset, order, shuffle, train, drop_last, seed, block_size, window, keyed)
+    cpu_normalise = Normalise(mean, std, dtype, channels_last) if target is not None and not cuda else None  # workers'
     collate = hybrid_collate(decoder, policy.workers, pin, collate_fn) or batch_collate(
         collate_fn, pin and policy.workers == 0 and worker_kind != "threads", cpu_normalise, decoder is not None,
         give_back=pin and policy.workers > 0)
     loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn,
                           ThreadLoader if threads else EpochLoader)
-    if threads:  # the same DataLoader; its batches made by thread workers
-        loader.threads, loader.kind, loader.pin = threads, worker_kind, pin and worker_kind == "threads"
-        loader.prefetch = max(1, prefetch_factor * threads if prefetch_factor else max(BATCHES_IN_FLIGHT, threads))
-        loader.context = multiprocessing_context
+    set_threads(loader, threads, worker_kind, pin, prefetch_factor, multiprocessing_context)
     warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
+
+
+def advised_order(dataset, order, shuffle, train: bool, drop_last: bool, seed: int, block_size: int, window: int,
+                  keyed: bool) -> Order:
+    """choose_order on this rank, with the readers told how it reads: random, exactly each
+    record; sequential, letting the kernel read ahead."""
+    rank, world_size = world()
+    walk = choose_order(dataset, order, shuffle, train, drop_last, seed, rank, world_size, block_size, window,
+                        keyed)
+    if walk.access is not None:
+        for reader in readers_to_advise(dataset):
+            reader.advise(walk.access)
+    return walk
+
+
+def set_threads(loader, threads: int, worker_kind: str, pin: bool, prefetch_factor, context) -> None:
+    """Make a ThreadLoader's batches with `threads` threads (readers.threads); 0: processes'."""
+    if not threads:
+        return
+    loader.threads, loader.kind, loader.pin = threads, worker_kind, pin and worker_kind == "threads"
+    loader.prefetch = max(1, prefetch_factor * threads if prefetch_factor else max(BATCHES_IN_FLIGHT, threads))
+    loader.context = context
 
 
 def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_workers, worker_init_fn) -> int:

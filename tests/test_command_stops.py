@@ -57,8 +57,12 @@ def test_a_stop_while_packer_imports_exits_as_the_command_would(tmp_path, signam
                                     ["pack", small_tree(tmp_path / "src"), "--to", "lmdb", "-o", tmp_path / "o.lmdb"],
                                     importtime=True)
     signum = getattr(signal, signame)
-    assert status == 128 + signum, lines
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines
+    if status == 0:  # a quiet machine can finish the whole pack first: its result then stands, whole
+        assert delay > 0 and any(line.startswith("packed 6 images") for line in lines), lines
+        assert (tmp_path / "o.lmdb" / "data.mdb").is_file()
+        return
+    assert status == 128 + signum, lines
     assert not (tmp_path / "o.lmdb").exists()
 
 

@@ -16,21 +16,12 @@ import torch.utils.data as tud
 from benchmarks.processes import memory
 from readers import BlockShuffleSampler, ShuffleSampler, class_entropy
 
+from test_sampler import Sized
+
 ALPHA = 0.001  # significance of every chi-square test below (fixed seeds: deterministic)
 BINS = 64
 
 
-class Sized:
-    """A plain map-style dataset of n items (no reader: storage order is index order)."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
 
 
 def epoch_order(sampler, epoch: int) -> np.ndarray:
