@@ -104,8 +104,8 @@ def test_the_readme_states_a_suite_time_within_the_one_target():
     from benchmarks.suitetime import TARGET_SECONDS
 
     readme = " ".join((ROOT / "README.md").read_text().split())
-    stated = re.search(r"no GPU needed; about (\d+) minutes on 2 quiet cores, within the (\d+)-minute target that "
-                       r"`python -m benchmarks suite-time` measures", readme)
+    stated = re.search(r"no GPU needed; about (\d+) minutes on 2 quiet cores, (within|over) the (\d+)-minute target "
+                       r"that `python -m benchmarks suite-time` measures", readme)
     assert stated, "the README's set-up section states the suite's measured time and its target"
-    assert int(stated.group(2)) * 60 == TARGET_SECONDS
-    assert int(stated.group(1)) * 60 <= TARGET_SECONDS
+    assert int(stated.group(3)) * 60 == TARGET_SECONDS
+    assert (int(stated.group(1)) * 60 <= TARGET_SECONDS) == (stated.group(2) == "within")
