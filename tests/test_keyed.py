@@ -135,6 +135,13 @@ def test_workers_and_loaders_give_the_same_stream(pack, reference):
     assert [flat(p) for p in passes(plain, 2, sampler)] == reference
 
 
+@pytest.mark.parametrize("kind", ["threads", "threads-inline"])
+def test_thread_workers_give_the_same_stream(pack, reference, kind):
+    loader = make_loader(LMDBDataset(pack, decode="raw", transform=pipeline()), BATCH, workers=2, seed=SEED,
+                         shuffle=True, drop_last=False, worker_kind=kind)
+    assert [flat(p) for p in passes(loader, 2)] == reference
+
+
 def test_a_stateful_dataloader_resumed_mid_epoch_continues_the_stream(pack, reference):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
