@@ -654,7 +654,7 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
 
 
 def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, flat_tree):
-    src = many_records(tmp_path, per_class=8)
+    src = many_records(tmp_path, per_class=24)  # an upload long enough for the watch to list it under way
     url = f"{s3_bucket.url}/ds.wds"
     assert cli("pack", flat_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
     proc = start_upload(src, url, s3_bucket, "--force")
