@@ -515,6 +515,7 @@ def test_subprocess_cli_packs_wds(image_tree, tmp_path):
 def as_worker(monkeypatch, worker_id: int, workers: int) -> None:
     info = type("WorkerInfo", (), {"id": worker_id, "num_workers": workers})()
     monkeypatch.setattr("torch.utils.data.get_worker_info", lambda: info)
+    monkeypatch.setattr("readers.wds.keep_heap_in_worker", lambda: False)  # no worker: leave this process's malloc
 
 
 @pytest.mark.parametrize("parsed", [False, True], ids=["by index", "parsed"])
