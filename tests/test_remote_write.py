@@ -619,7 +619,9 @@ def watch(bucket, out_key: str, proc: subprocess.Popen, until) -> list[list[str]
                 manifest = json.loads(fs.cat_file(f"{bucket.name}/{out_key}/packer.json"))
             except FileNotFoundError:  # deleted since the listing: a replace began
                 manifest = None
-            if manifest is not None:
+            # Only a listing the manifest was read within is one state: a publish between the
+            # listing and the read pairs the new manifest with the old objects.
+            if manifest is not None and bucket.keys() == keys:
                 assert set(manifest["objects"]) | {"packer.json"} == at_out
         if until(keys) or proc.poll() is not None:
             return seen
