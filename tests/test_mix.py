@@ -20,6 +20,8 @@ import readers
 from readers import Mix, MixSampler, make_loader
 from readers.mix import WINDOW_POSITIONS, split_counts
 
+from benchmarks.mix import Synthetic
+
 from conftest import class_sorted_tree, jpeg_bytes, packed_three_ways, sample_ids, write
 
 BATCH, SEED = 5, 3
@@ -60,19 +62,6 @@ def interleaved(ranks: list[list[int]]) -> list[int]:
     return [s for step in zip(*ranks) for s in step]
 
 
-class Numbers(tud.Dataset):
-    """n samples (index as bytes, label 0) of one class: a synthetic source of any size."""
-
-    def __init__(self, n: int):
-        self.n, self.classes = n, ["thing"]
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        return i.to_bytes(8, "little"), 0
-
-
 @pytest.mark.parametrize("order", ["random", "block"])
 def test_every_sample_of_each_source_per_epoch_and_across_epochs(packs, order):
     """0.7/0.3 of 100 per epoch: lmdb's pass of 100 spans two epochs, hdf5's four; every sample of a
@@ -99,7 +88,7 @@ def test_each_batch_holds_its_weights_share(packs):
 
 def test_batches_of_256_hold_179_plus_or_minus_3_of_the_first_source():
     """Weights 0.7/0.3, 150,000 samples an epoch: every full batch of 256, on 1 and 2 ranks."""
-    mix = Mix({"a": Numbers(100_000), "b": Numbers(50_000)}, weights={"a": 0.7, "b": 0.3})
+    mix = Mix({"a": Synthetic(100_000), "b": Synthetic(50_000)}, weights={"a": 0.7, "b": 0.3})
     for world_size in (1, 2):
         for rank in range(world_size):
             first = mix.source_of(list(MixSampler(mix, rank=rank, world_size=world_size))) == 0
@@ -249,7 +238,7 @@ def test_bad_weights_are_refused_naming_the_source(packs, weights, message):
 
 def test_bad_sources_are_refused_before_any_batch(packs):
     with pytest.raises(ValueError, match="source 'none' is empty"):
-        Mix({**sources(packs), "none": Numbers(0)})
+        Mix({**sources(packs), "none": Synthetic(0)})
     with pytest.raises(ValueError, match=r"samples differ in kind \('lmdb' gives raw bytes, 'pil' gives PIL image"):
         Mix({"lmdb": sources(packs)["lmdb"], "pil": readers.HDF5Dataset(packs / "d.h5")})
     with pytest.raises(ValueError, match="source 'web' .*WDSDataset.* is not a map-style dataset.*WDSMapDataset"):
@@ -332,7 +321,7 @@ def test_torchdata_resumes_a_mixture_on_another_world_size_and_with_new_weights(
 def test_a_state_is_small_and_the_same_size_at_20k_and_1_28m_samples():
     sizes = []
     for n in (20_000, 1_281_167):
-        mix = Mix({"imagenet": Numbers(n), "web": Numbers(n // 3)}, weights={"imagenet": 0.7, "web": 0.3})
+        mix = Mix({"imagenet": Synthetic(n), "web": Synthetic(n // 3)}, weights={"imagenet": 0.7, "web": 0.3})
         sampler = MixSampler(mix, rank=3, world_size=8)
         batches = iter(sampler)
         for _ in range(1000):
