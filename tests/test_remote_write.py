@@ -536,7 +536,7 @@ def test_a_restarted_server_is_retried_until_it_answers(flat_tree, s3_server, tm
 # PAUSE_AFTER objects are up, after printing "paused" once: the upload is then under way
 # and stays so until the test kills it or sends SIGINT or SIGTERM (the threads go on, as
 # they would have, and the main thread gets the command's own handling of the signal),
-# however fast the machine is.
+# however fast the machine is. SIGUSR1 resumes the upload alone, to finish as it would have.
 PAUSED_CLI = """
 import signal, sys, threading
 from packer import upload
@@ -572,6 +572,7 @@ def upload_resuming_on_a_signal(*args, **kwargs):
             signal.signal(signum, handler)
 
 upload.put, upload.upload = put_then_pause, upload_resuming_on_a_signal
+signal.signal(signal.SIGUSR1, lambda signum, frame: resume.set())
 main(sys.argv[1:], prog_name="packer")
 """
 
@@ -580,8 +581,8 @@ def start_upload(src: Path, url: str, bucket, *extra: str, options_from_env: boo
                  pause_after: int | None = None) -> subprocess.Popen:
     """packer pack SRC --to wds -o URL in a child process, one shard per record (many objects
     to upload); the store's options on the command line, or in fsspec's FSSPEC_S3_* variables.
-    pause_after: the upload stops once that many objects are up (until SIGINT or SIGTERM), and the
-    child prints "paused" on its stdout."""
+    pause_after: the upload stops once that many objects are up (until SIGUSR1, SIGINT or SIGTERM),
+    and the child prints "paused" on its stdout."""
     runner = [sys.executable, "-m", "packer.cli"] if pause_after is None else \
         [sys.executable, "-c", PAUSED_CLI, str(pause_after)]
     command = [*runner, "pack", str(src), "--to", "wds", "-o", url, "--max-count", "1", *extra]
@@ -656,14 +657,22 @@ def test_a_killed_upload_leaves_no_dataset_and_the_rerun_cleans_up(tmp_path, s3_
 
 
 def test_a_replace_never_shows_a_mixed_or_partial_dataset(tmp_path, s3_bucket, flat_tree):
-    src = many_records(tmp_path, per_class=24)  # an upload long enough for the watch to list it under way
+    src = many_records(tmp_path)
     url = f"{s3_bucket.url}/ds.wds"
     assert cli("pack", flat_tree, "--to", "wds", "-o", url, "--storage-options", options_json(s3_bucket)).exit_code == 0
-    proc = start_upload(src, url, s3_bucket, "--force")
-    seen = watch(s3_bucket, "ds.wds", proc, lambda keys: False)  # every listing checked, until it exits
-    _, err = proc.communicate(timeout=60)
+    proc = start_upload(src, url, s3_bucket, "--force", pause_after=10)
+    try:
+        wait_until_paused(proc)  # the replacement half up, beside the old dataset
+        under_way = watch(s3_bucket, "ds.wds", proc, lambda keys: sum(".partial-" in k for k in keys) >= 10)
+        assert proc.poll() is None, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGUSR1)  # the upload goes on, and publishes
+        watch(s3_bucket, "ds.wds", proc, lambda keys: False)  # every listing checked, until it exits
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err
-    assert any(".partial-" in k for keys in seen for k in keys)  # the watch saw the upload under way
+    assert any("ds.wds/packer.json" in keys for keys in under_way)  # the old dataset stood while it ran
     assert not [k for k in s3_bucket.keys() if ".partial-" in k]
     assert_verifies(s3_bucket, "ds.wds", src, tmp_path)
 
