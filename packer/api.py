@@ -8,7 +8,7 @@ import inspect
 from .destination import destination_for
 from .errors import PackError
 from .pack import pack as pack_source
-from .pack import pack_settings
+from .pack import pack_output, pack_settings
 from .parts import pack_in_parts
 from .writing import PackResult
 
@@ -30,16 +30,19 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, parts: int | No
     (packer.destination, docs/remote.md).
     """
     inspect.signature(pack_source).bind(src, fmt, out, **kwargs)  # a misspelt keyword fails here, not later
-    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
-    return destination.write(fmt, lambda local, force: pack_here(src, fmt, local, parts, executor, force=force,
-                                                                 **kwargs))
+    writer = pack_settings(fmt, **kwargs)[2]  # the writer's options; refused before OUT is looked at or any part starts
+    in_parts = executor is not None or parts is not None
+    if in_parts and kwargs.get("part") is not None:
+        raise PackError("part= packs one part, parts= and executor= pack them all: pass one or the other")
+    destination = destination_for(out, lambda: pack_output(src, fmt, kwargs.get("part")), force=force,
+                                  staging_dir=staging_dir, storage_options=storage_options)
+    return destination.write(fmt, [src], lambda local, force: pack_here(src, fmt, local, parts, executor, writer,
+                                                                        force=force, **kwargs))
 
 
-def pack_here(src: str, fmt: str, out: str | None, parts: int | None, executor, **kwargs) -> PackResult:
-    """pack() to a local out."""
+def pack_here(src: str, fmt: str, out: str, parts: int | None, executor, writer: dict, **kwargs) -> PackResult:
+    """pack() to a local out, its settings checked (writer: the writer's options, checked)."""
     if executor is None and parts is None:
         return pack_source(src, fmt, out, **kwargs)
-    kwargs["options"] = pack_settings(fmt, **kwargs)[2]  # refused before any part starts
-    if kwargs.pop("part", None) is not None:
-        raise PackError("part= packs one part, parts= and executor= pack them all: pass one or the other")
-    return pack_in_parts(src, fmt, out, parts=parts, executor=executor, **kwargs)
+    kwargs.pop("part", None)
+    return pack_in_parts(src, fmt, out, parts=parts, executor=executor, **{**kwargs, "options": writer})

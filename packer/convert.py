@@ -22,7 +22,6 @@ from .cores import available_cores
 from .destination import destination_for
 from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
-from .output import check_target
 from . import checksum as record_checksums
 from .formats._tables import spilled_array
 from .writing import (Loaded, PackResult, loaded_under, now_utc, shuffle_seed_for, write_dataset, write_listings,
@@ -82,7 +81,7 @@ def converted_output(packed: str, src_fmt: str, fmt: str) -> str:
     ext = FORMATS[src_fmt].extension
     if base.endswith(ext) and len(base) > len(ext):
         base = base[:-len(ext)]
-    return base + FORMATS[fmt].extension
+    return base + format_named(fmt).extension
 
 
 # Conversions recorded in full under params.converted_from, newest first, each holding the
@@ -128,8 +127,10 @@ def convert(packed: str, fmt: str, out: str | None = None, *, force: bool = Fals
     packed in a folder under staging_dir, then uploaded with storage_options; packer.destination).
     The other keyword arguments are convert_here's."""
     inspect.signature(convert_here).bind(packed, fmt, out, **kwargs)  # a misspelt keyword fails before any write
-    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
-    return destination.write(fmt, lambda local, force: convert_here(packed, fmt, local, force=force, **kwargs))
+    destination = destination_for(out, lambda: converted_output(packed, detect_format(packed), fmt), force=force,
+                                  staging_dir=staging_dir, storage_options=storage_options)
+    return destination.write(fmt, [packed], lambda local, force: convert_here(packed, fmt, local, force=force,
+                                                                              **kwargs))
 
 
 def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int | None = None,
@@ -137,7 +138,8 @@ def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int 
             shuffle: bool | None = None, shuffle_seed: int = 0, max_side: int | None = None,
             quality: int | None = None, baseline_420: bool = False,
             checksum: str = record_checksums.DEFAULT) -> PackResult:
-    """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes.
+    """Write the packed dataset at `packed` as `fmt` at out, keeping every record's bytes (out
+    as given: convert() checks it first through its destination, packer.destination).
 
     shuffle and shuffle_seed as for pack(): wds output is shuffled by default. max_side and
     quality as for pack(): the records over max_side are re-encoded, the others kept;
@@ -155,7 +157,6 @@ def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int 
     src_meta = read_metadata(packed)
     combinable(src_meta.reencode, reencode, packed)
     out = os.path.abspath(out or converted_output(packed, src_fmt, fmt))
-    tidied = check_target(out, sources=[packed], force=force)
     workers = workers or available_cores()
     listings = {}
     for split, info in src_meta.splits.items():
@@ -190,4 +191,4 @@ def convert_here(packed: str, fmt: str, out: str | None = None, *, workers: int 
                             checksum=checksum)
 
         meta = write_dataset(fmt, out, force, options, fill, checksum)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)
+    return PackResult(out, meta, time.perf_counter() - start, advice)

@@ -6,13 +6,18 @@ whole life of its OUT: the checks before anything is written (a source never ove
 --force replacing only a dataset packer wrote), settling what dead writers left beside OUT,
 staging, and publishing the complete dataset.
 
-- FolderDestination: written in place through packer.output (its staging sibling and swap).
+- FolderDestination: checked and settled in place (packer.output.check_target: OUT not a
+  source, its folder there, leftovers settled, an existing OUT refused unless --force and
+  a dataset packer wrote), then written through packer.output's staging sibling and swap.
 - StoreDestination: checked and settled at the store first (bucket, credentials, OUT,
-  leftovers: packer.upload), written into a local staging folder as a folder OUT is, then
-  uploaded and published (packer.upload.upload_dataset); the folder is removed either way.
+  leftovers: packer.upload), written into a local staging folder through a
+  FolderDestination there, then uploaded and published (packer.upload.upload_dataset); the
+  folder is removed either way.
 
-write(fmt, into) runs into(local, force), the pipeline's own write to a local path, and
-returns its PackResult naming OUT as the user gave it.
+write(fmt, sources, into) refuses what OUT may not be before anything is written, then runs
+into(local, force), the pipeline's own write to a local path, and returns its PackResult
+naming OUT as the user gave it, with the notes of the settling. The pipelines check nothing
+about OUT themselves: a folder and a store refuse the same things, each its own way.
 """
 from __future__ import annotations
 
@@ -25,31 +30,37 @@ from typing import Any, Callable, Protocol
 
 from .errors import PackError
 from .interrupts import Interrupted
+from .output import check_target
 from .remote import is_url
 from .remote.retry import RETRIES
 
 # A pipeline's write to a local path: into(local out, force) -> its PackResult (packer.writing).
-WriteLocal = Callable[[Any, bool], Any]
+WriteLocal = Callable[[str, bool], Any]
 
 
 class Destination(Protocol):
     """An OUT that a pipeline writes a dataset to."""
 
-    out: str | None
+    out: str
 
-    def write(self, fmt: str, into: WriteLocal) -> Any:
-        """into(local path, force): the pipeline writing fmt; its result, naming OUT."""
+    def write(self, fmt: str, sources: list[str], into: WriteLocal) -> Any:
+        """Refuse an OUT that may not be written from sources (the paths the pipeline reads),
+        then into(local path, force): the pipeline writing fmt; its result, naming OUT."""
 
 
 class FolderDestination:
-    """OUT on a file system: the pipeline writes it in place (packer.output stages and swaps it)."""
+    """OUT on a file system: checked and settled there, then written in place (packer.output
+    stages and swaps it)."""
 
-    def __init__(self, out: str | os.PathLike | None, force: bool = False):
-        self.out = None if out is None else os.fspath(out)
+    def __init__(self, out: str | os.PathLike, force: bool = False):
+        self.out = os.path.abspath(os.fspath(out))
         self.force = force
 
-    def write(self, fmt: str, into: WriteLocal) -> Any:
-        return into(self.out, self.force)
+    def write(self, fmt: str, sources: list[str], into: WriteLocal) -> Any:
+        tidied = check_target(self.out, [os.fspath(source) for source in sources], self.force)
+        result = into(self.out, self.force)
+        return dataclasses.replace(result, warnings=tidied.notes + result.warnings,
+                                   removed_stale=tidied.removed + result.removed_stale)
 
 
 class StoreDestination:
@@ -61,7 +72,7 @@ class StoreDestination:
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self.storage_options, self.retries = storage_options, retries
 
-    def write(self, fmt: str, into: WriteLocal) -> Any:
+    def write(self, fmt: str, sources: list[str], into: WriteLocal) -> Any:
         """Fail before packing if OUT cannot take the dataset; else pack it locally, then
         upload and publish it (packer.upload's module docstring says how)."""
         from . import upload
@@ -74,7 +85,7 @@ class StoreDestination:
         folder = make_staging_dir(self.staging_dir, target)
         try:
             local = os.path.join(folder, posixpath.basename(target.path))
-            result = self.write_local(into, local, folder, target.url)
+            result = self.write_local(FolderDestination(local), fmt, sources, into, folder, target.url)
             notes += upload.upload_dataset(local, self.out, fmt, force=self.force, target=target, checked=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -82,10 +93,12 @@ class StoreDestination:
                                    removed_stale=removed + result.removed_stale)
 
     @staticmethod
-    def write_local(into: WriteLocal, local: str, folder: str, url: str) -> Any:
-        """into(local), its errors naming the URL: a stop is the URL's, a problem in the folder says where it is."""
+    def write_local(local: FolderDestination, fmt: str, sources: list[str], into: WriteLocal, folder: str,
+                    url: str) -> Any:
+        """The write to the local staging folder, its errors naming the URL: a stop is the URL's, a
+        problem in the folder says where it is (--staging-dir inside a source is refused there)."""
         try:
-            return into(local, False)
+            return local.write(fmt, sources, into)
         except Interrupted:
             raise Interrupted(url) from None
         except PackError as exc:
@@ -95,10 +108,12 @@ class StoreDestination:
                             "(or TMPDIR) chooses where]", exc.path) from exc
 
 
-def destination_for(out: str | os.PathLike | None, *, force: bool = False, staging_dir: str | os.PathLike | None = None,
-                    storage_options: dict | None = None, retries: int = RETRIES) -> Destination:
+def destination_for(out: str | os.PathLike | None, default: Callable[[], str], *, force: bool = False,
+                    staging_dir: str | os.PathLike | None = None, storage_options: dict | None = None,
+                    retries: int = RETRIES) -> Destination:
     """The Destination that OUT names: a URL (s3://bucket/key) is a store, anything else a folder
-    path (None: the pipeline's default OUT). staging_dir and storage_options apply to a URL only."""
+    path (None: default(), the pipeline's default OUT beside its source). staging_dir and
+    storage_options apply to a URL only."""
     if out is not None and is_url(os.fspath(out)):
         return StoreDestination(os.fspath(out), force, staging_dir, storage_options, retries)
     given = [name for name, value in (("staging_dir", staging_dir), ("storage_options", storage_options))
@@ -106,7 +121,7 @@ def destination_for(out: str | os.PathLike | None, *, force: bool = False, stagi
     if given:
         raise PackError(f"{' and '.join(given)} apply to an out given as a URL (s3://bucket/key) only, not to "
                         f"{out if out is not None else 'the default out, a local path'}")
-    return FolderDestination(out, force)
+    return FolderDestination(default() if out is None else out, force)
 
 
 def check_writable(target) -> None:

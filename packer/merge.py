@@ -29,7 +29,6 @@ from .errors import FormatError, PackError, shown
 from .formats import FORMATS, ReaderCache, open_reader, read_metadata
 from .engine import RECORD_CHUNK, load_in_processes
 from .interrupts import InterruptGuard
-from .output import check_target
 from . import checksum as record_checksums
 from .records import UNLABELED, Metadata, PathTable, path_offsets
 from .scan import SplitListing
@@ -376,19 +375,20 @@ def merge(paths: list[str], out: str, *, force: bool = False, workers: int | Non
     a folder under staging_dir, then uploaded with storage_options; packer.destination): the
     dataset a single pack of their source gives."""
     parts = checked_parts(paths)  # refused before anything is written, wherever out is
-    destination = destination_for(out, force=force, staging_dir=staging_dir, storage_options=storage_options)
-    return destination.write(parts[0].meta.format, lambda local, force: merge_here(
+    destination = destination_for(out, lambda: out, force=force, staging_dir=staging_dir,
+                                  storage_options=storage_options)
+    sources = [part.path for part in parts]
+    return destination.write(parts[0].meta.format, sources, lambda local, force: merge_here(
         parts, local, force=force, workers=workers, progress=progress))
 
 
 def merge_here(parts: list[Part], out: str, *, force: bool = False, workers: int | None = None,
                progress: bool | None = None) -> PackResult:
-    """merge() of checked parts to a local out."""
+    """merge() of checked parts to a local out, which merge()'s destination checked."""
     start = time.perf_counter()
     first = parts[0]
     fmt = first.meta.format
     out = os.path.abspath(os.fspath(out))
-    tidied = check_target(out, sources=[part.path for part in parts], force=force)
     workers = workers or available_cores()
     tables = [split_tables(part) for part in parts]
     names = sorted(first.meta.splits)
@@ -416,4 +416,4 @@ def merge_here(parts: list[Part], out: str, *, force: bool = False, workers: int
                             reencode=merged_reencode(parts), checksum=first.meta.checksum)
 
         meta = write_dataset(fmt, out, force, options, fill, first.meta.checksum)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + advice, tidied.removed)
+    return PackResult(out, meta, time.perf_counter() - start, advice)

@@ -28,7 +28,6 @@ from .errors import BadImageError, PackError
 from .formats import default_output, format_named
 from .formats._tables import spilled_array
 from .interrupts import InterruptGuard
-from .output import check_target
 from . import checksum as record_checksums
 from .records import Metadata
 from .reencode import Reencode, reencode_spec
@@ -70,7 +69,8 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
          labels: str | os.PathLike | None = None, labels_index_base: int | None = None,
          max_side: int | None = None, quality: int | None = None, baseline_420: bool = False,
          part=None, checksum: str = record_checksums.DEFAULT) -> PackResult:
-    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension).
+    """Pack the ImageFolder tree at src into `fmt` at out (default: src + the format's extension),
+    as given: packer.pack (packer.api) checks out first, through packer.destination.
 
     shuffle writes each split in a seeded permutation of ImageFolder order (shuffle_seed);
     None means the format's default (on for wds, off for lmdb and hdf5). The header and
@@ -96,10 +96,9 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                                             quality=quality, baseline_420=baseline_420, checksum=checksum)
     spec = None if part is None else part_spec(part)
     start = time.perf_counter()
-    out = os.path.abspath(out or (spec.output(src, fmt) if spec else default_output(src, fmt)))
+    out = os.path.abspath(out or pack_output(src, fmt, spec))
     workers = workers or available_cores()
     with InterruptGuard(out) as guard:
-        tidied = check_target(out, sources=[src], force=force)
         # The source's paths wait in an unlinked file beside OUT, mapped, not in memory.
         source = scan_source(src, on_error, labels, labels_index_base, spill_dir=os.path.dirname(out))
         cut = None
@@ -122,7 +121,12 @@ def pack(src: str, fmt: str = "lmdb", out: str | None = None, *, workers: int | 
                             checksum=checksum)
 
         meta = write_dataset(fmt, out, force, options, fill, checksum)
-    return PackResult(out, meta, time.perf_counter() - start, tidied.notes + source.warnings + advice, tidied.removed)
+    return PackResult(out, meta, time.perf_counter() - start, source.warnings + advice)
+
+
+def pack_output(src: str, fmt: str, part=None) -> str:
+    """pack()'s default OUT: src + the format's extension, or for a part its own name beside src."""
+    return part_spec(part).output(src, fmt) if part is not None else default_output(src, fmt)
 
 
 def pack_settings(fmt: str, *, on_error: str = "fail", check: str = "header", options: dict | None = None,

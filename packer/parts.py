@@ -25,7 +25,6 @@ from .errors import PackError
 from .formats import default_output
 from .interrupts import InterruptGuard, stop_when
 from .merge import merge
-from .output import check_target
 from .pack import decodes_images, pack
 from .staging import HOST, PARTIAL, new_owner
 
@@ -234,7 +233,6 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
     # signal waits (interrupts.hold_stops) until the folder is gone and the pool is down.
     with InterruptGuard(out) as guard:
         try:
-            tidied = check_target(out, sources=[src], force=force)
             folder = new_owner().path(out, PARTIAL)
             os.mkdir(folder)
             try:
@@ -258,7 +256,6 @@ def pack_in_parts(src: str, fmt: str, out: str | None, *, parts: int | None, exe
             if own is not None:
                 own.shutdown(wait=True, cancel_futures=True)
     part_warnings = unique([warning for report in reports for warning in report["warnings"]])
-    result.warnings = tidied.notes + part_warnings + result.warnings
-    result.removed_stale = tidied.removed + result.removed_stale
+    result.warnings = part_warnings + result.warnings
     result.seconds = time.perf_counter() - start
     return result

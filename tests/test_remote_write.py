@@ -271,6 +271,83 @@ def test_the_library_converts_and_merges_to_urls(split_tree, s3_bucket, tmp_path
     assert read_metadata(converted.out, storage_options=options).count == read_metadata(parts[0]).count > 0
 
 
+# --- a folder and a store refuse the same OUTs (packer.destination's two kinds) ----------
+
+
+def out_of_kind(kind: str, bucket, tmp_path: Path, name: str) -> tuple[str, dict]:
+    """OUT named name in a folder or in the bucket, and the keywords the library needs for it."""
+    if kind == "folder":
+        (tmp_path / "outs").mkdir(exist_ok=True)
+        return str(tmp_path / "outs" / name), {}
+    return f"{bucket.url}/{name}", {"storage_options": bucket.storage_options}
+
+
+def place_users_file(kind: str, bucket, out: str) -> None:
+    """A user's own file at OUT/readme.txt: OUT exists and is no dataset."""
+    if kind == "folder":
+        Path(out).mkdir(parents=True)
+        (Path(out) / "readme.txt").write_bytes(b"mine")
+    else:
+        s3fs_of(bucket).pipe_file(f"{out[len('s3://'):]}/readme.txt", b"mine")
+
+
+def refusal(how: str, pipeline: str, src: str, out: str, force: bool, remote: dict) -> str:
+    """The refusal, by the library or the command line, of pipeline (pack or convert) writing src to OUT."""
+    if how == "library":
+        import packer
+        from packer.convert import convert
+
+        write = packer.pack if pipeline == "pack" else convert
+        with pytest.raises(packer.OutputExistsError) as caught:
+            write(src, "lmdb" if pipeline == "pack" else "wds", out, force=force, workers=1, **remote)
+        return str(caught.value)
+    args = [pipeline, src, "--to", "lmdb" if pipeline == "pack" else "wds", "-o", out]
+    args += ["--force"] if force else []
+    args += ["--storage-options", json.dumps(remote["storage_options"])] if remote else []
+    result = cli(*args)
+    assert result.exit_code == 1, result.output
+    return result.output.strip().removeprefix("Error: ")
+
+
+def said(text: str, out: str) -> str:
+    """The refusal's own words: OUT's name taken out, and up to what each kind found there."""
+    return text.replace(out, "OUT").split(": it ")[0]
+
+
+@pytest.mark.parametrize("pipeline", ["pack", "convert"])
+@pytest.mark.parametrize("how", ["library", "cli"])
+def test_a_folder_and_a_store_refuse_the_same_outs(how, pipeline, flat_tree, image_tree, s3_bucket, tmp_path):
+    import packer
+
+    src = str(flat_tree) if pipeline == "pack" else packer.pack(str(flat_tree), "lmdb", str(tmp_path / "src.lmdb"),
+                                                                workers=1).out
+    words = {}
+    for kind in ("folder", "s3"):
+        existing, remote = out_of_kind(kind, s3_bucket, tmp_path, "existing")
+        packer.pack(str(image_tree), "hdf5", existing, workers=1, **remote)
+        users, _ = out_of_kind(kind, s3_bucket, tmp_path, "users")
+        place_users_file(kind, s3_bucket, users)
+        words[kind] = [said(refusal(how, pipeline, src, existing, False, remote), existing),
+                       said(refusal(how, pipeline, src, users, True, remote), users)]
+    assert words["folder"] == words["s3"], words
+    assert words["s3"][0].startswith("OUT already exists (pass --force") and \
+        words["s3"][1] == "OUT exists and is not a packer dataset"
+    assert sorted(os.listdir(tmp_path / "outs")) == ["existing", "users"]  # nothing else written, nor staged
+
+
+def test_a_staging_dir_inside_the_source_is_refused_as_an_out_inside_it_is(flat_tree, s3_bucket, tmp_path):
+    import packer
+
+    inside = flat_tree / "scratch"
+    inside.mkdir()
+    with pytest.raises(PackError, match=f"OUT lies inside {flat_tree}, which it is made from"):
+        packer.pack(str(flat_tree), "lmdb", str(inside / "x.lmdb"), workers=1)
+    with pytest.raises(PackError, match=f"OUT lies inside {flat_tree}, which it is made from.*--staging-dir"):
+        packer.pack(str(flat_tree), "lmdb", f"{s3_bucket.url}/x.lmdb", staging_dir=str(inside),
+                    storage_options=s3_bucket.storage_options, workers=1)
+    assert list(inside.iterdir()) == [] and s3_bucket.keys() == []
+
+
 @pytest.mark.parametrize("url, expected", [
     ("https://example.com/x.lmdb", "read-only"),
     ("s3://bucket-only", "name the dataset inside the bucket"),
@@ -445,7 +522,7 @@ def write(url, src, storage_options, retries=1, packed=None, **kwargs):
         return pack(str(src), "lmdb", local, force=force)
 
     destination = StoreDestination(url, storage_options=storage_options, retries=retries, **kwargs)
-    return destination.write("lmdb", pack_locally)
+    return destination.write("lmdb", [str(src)], pack_locally)
 
 
 def test_a_missing_bucket_is_named(flat_tree, s3_bucket):
