@@ -206,6 +206,32 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+SOURCE_ROWS = {"local": "local files (page cache warm)", "loopback": "loopback HTTP (nginx)"}
+
+
+def markdown(results: dict) -> str:
+    """The results page's table of a run: random order's records/s, block and stream order's
+    records/s and MB/s with start (worker start-up and read-ahead counted), per source."""
+    link = results["link"]
+    rows = dict(SOURCE_ROWS, link=f"link, {link['rate_bytes_per_s'] * 8 / 1e9:g} Gbit/s, "
+                                  f"{link['delay_s'] * 2e3:g} ms")
+    lines = ["| source | random, records/s | block, records/s with start (MB/s) | "
+             "stream, records/s with start (MB/s) |", "| --- | --- | --- | --- |"]
+    for source, orders in results["reads"].items():
+        cells = [f"{orders['random']['epoch_records_per_s']:,.0f}"]
+        cells += [f"{orders[order]['epoch_records_per_s']:,.0f} ({orders[order]['mb_per_s']:,.0f})"
+                  for order in ("block", "stream")]
+        lines.append(f"| {rows[source]} | " + " | ".join(cells) + " |")
+    facts = results["dataset"]
+    lines += ["", f"{facts['records']:,} records of {facts['mean_record'] / 1e3:.0f} KB ({facts['bytes'] / 1e6:.0f} MB), "
+              f"{results['workers']} workers, `decode=\"raw\"`; the median of each read's runs."]
+    for name, limit in results["limits"].items():
+        lines.append(f"The {name}'s limit (plain HTTP): {limit['bulk_mb_per_s']:.0f} MB/s in 32 MiB ranges on 4 "
+                     f"connections; {limit['record_gets_per_s']:.0f} record-sized GET/s on {limit['connections']} "
+                     "connections.")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)

@@ -382,6 +382,11 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(results: dict) -> str:
+    """The results page's table of a committed scale.json (docs/sync.py)."""
+    return table(results)
+
+
 # ------------------------------------------------------------------ command line
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,6 +252,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(results: dict) -> str:
+    """The results page's table of a committed tiny.json (docs/sync.py)."""
+    return table(results["rows"])
+
+
 def run(workdir: str, counts: list[int], fmt: str, keep: bool) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     rows = [measure(workdir, records, fmt, keep) for records in counts]

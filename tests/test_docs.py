@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import importlib.util
 import inspect
 import re
@@ -109,3 +110,86 @@ def test_the_readme_states_a_suite_time_within_the_one_target():
     assert stated, "the README's set-up section states the suite's measured time and its target"
     assert int(stated.group(3)) * 60 == TARGET_SECONDS
     assert (int(stated.group(1)) * 60 <= TARGET_SECONDS) == (stated.group(2) == "within")
+
+
+# --- docs by kind: guides and references hold no measurements; the results pages do ------
+
+# A dated run's marks: its date, or the load or quiet of the machine it ran on.
+RUN_MARKS = re.compile(r"\b20\d\d-\d\d-\d\d\b|load average (about|of) \d|\bload (about )?\d|quiet machine|quiet \d-core|"
+                       r"shared with other jobs|shared \d-core machine|\bone run on\b", re.I)
+FIGURE = re.compile(r"[~≈]?\d[\d,.]*( ?[-–] ?[\d,.]+)?( ?[a-zA-Z/%µ]+)?( \(.*\))?( ±\d+%)?")
+# The benchmark manual's tables are generated from the committed results, each under its run's date.
+NOT_GUIDES = {"benchmarks.md"}
+STUDIES = ROOT / "benchmarks" / "results" / "STUDIES.md"
+
+
+def prose(text: str) -> list[tuple[int, str]]:
+    """The numbered lines of a page outside code fences and generated blocks."""
+    found, fenced, generated = [], False, False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif line.startswith("<!-- generated:") or line.startswith("<!-- /generated"):
+            generated = line.startswith("<!-- generated:")
+        elif not fenced and not generated:
+            found.append((number, line))
+    return found
+
+
+def measured_row(line: str) -> bool:
+    """A table row whose cells past the first are mostly figures, two at least: a table of measurements."""
+    if not line.startswith("|") or set(line) <= set("|-: "):
+        return False
+    cells = [cell.strip() for cell in line.strip().strip("|").split("|")][1:]
+    figures = [cell for cell in cells if FIGURE.fullmatch(cell)]
+    return len(figures) >= 2 and 2 * len(figures) >= len(cells)
+
+
+def measurements(text: str) -> list[str]:
+    return [f"{number}: {line}" for number, line in prose(text) if RUN_MARKS.search(line) or measured_row(line)]
+
+
+def test_guides_hold_no_dated_runs_and_no_tables_of_measured_figures():
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name not in NOT_GUIDES:
+            found = measurements(page.read_text())
+            assert not found, (f"docs/{page.name} holds measurements: put them in a study file "
+                               "(benchmarks/studies.py) rendered in benchmarks/results/STUDIES.md, and link there:\n"
+                               + "\n".join(found))
+
+
+def test_a_dated_run_and_a_table_of_figures_are_found():
+    page = ("Two runs on a shared 2-core machine (load average about 15: rough figures):\n\n"
+            "| source | random | block |\n| --- | --- | --- |\n| local files | 3,800-4,100 | 920-3,500 (77-295) |\n\n"
+            "| limit | value |\n|---|---|\n| ranks | 65,536 |\n```\nload 9 in a fence\n```\n")
+    assert [line.split(":")[0] for line in measurements(page)] == ["1", "5"]
+
+
+def test_every_study_is_rendered_on_the_results_page_and_names_its_guide():
+    from benchmarks import studies
+
+    page = STUDIES.read_text()
+    files = sorted((ROOT / "benchmarks" / "results").glob("study-*.json"))
+    assert files
+    for path in files:
+        study = json.loads(path.read_text())
+        assert path.name == f"study-{study['study']}.json"
+        assert f"<!-- generated: benchmarks/results/{path.name} -->" in page, f"STUDIES.md lacks {path.name}"
+        assert (ROOT / "docs" / study["guide"]).exists() and "](../benchmarks/results/STUDIES.md#" in \
+            (ROOT / "docs" / study["guide"]).read_text(), f"docs/{study['guide']} does not link to its results"
+        assert study["date"] in studies.markdown(study)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: s.pop("machine"), "needs machine"),
+    (lambda s: s.update(date="last week"), "not YYYY-MM-DD"),
+    (lambda s: s["blocks"].append({"chart": "x"}), "one of text, table or command"),
+    (lambda s: s["blocks"].append({"table": {"head": ["a", "b"], "rows": [["1"]]}}), "its head's 2 cells"),
+])
+def test_a_study_that_does_not_say_what_produced_it_is_refused(change, says):
+    from benchmarks import studies
+
+    study = json.loads((ROOT / "benchmarks" / "results" / "study-parts-figures.json").read_text())
+    change(study)
+    with pytest.raises(ValueError, match=says):
+        studies.markdown(study)
