@@ -335,6 +335,22 @@ def test_a_folder_and_a_store_refuse_the_same_outs(how, pipeline, flat_tree, ima
     assert sorted(os.listdir(tmp_path / "outs")) == ["existing", "users"]  # nothing else written, nor staged
 
 
+def test_merge_refuses_an_existing_folder_and_url_alike(flat_tree, s3_bucket, tmp_path):
+    import packer
+    from packer.merge import merge
+
+    parts = [packer.pack(str(flat_tree), "lmdb", str(tmp_path / f"p{i}.lmdb"), part=f"{i}/2", workers=1).out
+             for i in range(2)]
+    words = []
+    for kind in ("folder", "s3"):
+        out, remote = out_of_kind(kind, s3_bucket, tmp_path, "merged")
+        merge(parts, out, workers=1, **remote)
+        with pytest.raises(packer.OutputExistsError) as caught:
+            merge(parts, out, workers=1, **remote)
+        words.append(said(str(caught.value), out))
+    assert words[0] == words[1] and words[0].startswith("OUT already exists (pass --force"), words
+
+
 def test_a_staging_dir_inside_the_source_is_refused_as_an_out_inside_it_is(flat_tree, s3_bucket, tmp_path):
     import packer
 
