@@ -15,6 +15,7 @@ soon as it is pinned (give_back), so that freeing it does not hold the GIL.
 from __future__ import annotations
 
 import collections.abc
+import threading
 
 import numpy as np
 import torch
@@ -25,6 +26,13 @@ from packer.formats._io import MADV_REMOVE, advise_pages
 
 
 _shared_here = False  # set by share_batches(): this process hands its batches to another
+_arena = threading.local()  # .take: where this thread's batch goes (readers.ring), or None
+
+
+def set_arena(take) -> None:
+    """Allocate this thread's batches with take(shape, dtype) from now on (None: stop); a
+    None from it falls back to allocate's own memory (readers.ring: a slot that is full)."""
+    _arena.take = take
 
 
 def share_batches() -> None:
@@ -36,7 +44,13 @@ def share_batches() -> None:
 
 def allocate(shape, dtype, pin_memory: bool = False) -> torch.Tensor:
     """A new uninitialised tensor: shared in a DataLoader worker (or after share_batches());
-    pinned in the main process when pin_memory is set and CUDA is available."""
+    pinned in the main process when pin_memory is set and CUDA is available; in this
+    thread's arena where one is set (set_arena)."""
+    take = getattr(_arena, "take", None)
+    if take is not None:
+        out = take(shape, dtype)
+        if out is not None:
+            return out
     if _shared_here or torch.utils.data.get_worker_info() is not None:
         # Sending a tensor to the main process moves it to shared memory (a copy), so
         # allocate it there. torch's default_collate does the same through this private

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 import queue
 import signal
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -36,6 +38,7 @@ import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from .buffers import share_batches
+from .ring import Ring, Slots, Taken, collate_into, pack
 
 WORKER_KINDS = ("processes", "threads", "threads-inline")
 # Seconds between checks that the other side is alive: the bound on noticing a death.
@@ -43,6 +46,9 @@ POLL = 1.0
 # Seconds a background process may take to start and hand back its first batch
 # (importing torch under load) before the trainer gives up on it.
 START_LIMIT = 120.0
+# Ring slots beyond those in flight: the batch in the trainer's hands and the one before it,
+# still bound to the loop's variables while the next is taken.
+HELD = 2
 
 
 class SampleError(RuntimeError):
@@ -138,13 +144,32 @@ class ThreadBatches(tud.DataLoader):
     prefetch: int = 2
     pin: bool = False
     context = None  # the background process's multiprocessing context (None: fork, or spawn after CUDA)
+    _background = None  # "threads": the Background, kept across passes
+    _closer = None  # its weakref.finalize: ends it when the loader goes
 
     def __iter__(self):
         batches = self._index_sampler  # the batch sampler, resumed by load_state_dict
         if self.kind == "threads-inline":
             return inline_batches(self.dataset, batches, self.collate_fn, self.threads, self.prefetch)
-        return background_batches(self.dataset, batches, self.collate_fn, self.threads, self.prefetch,
-                                  self.pin, self.context)
+        # EpochLoader's pass has set its epoch on the trainer's dataset: the process's copy follows.
+        progress = getattr(self, "_progress", None)
+        return self.background().batches(batches, self.prefetch, progress and progress[0], self.pin)
+
+    def background(self) -> Background:
+        """The background process, started at the first pass and kept for the next ones
+        (a new one after one has died); ended with the loader, or by close_workers()."""
+        if self._background is None or not self._background.process.is_alive():
+            self.close_workers()
+            self._background = Background(self.dataset, self.collate_fn, self.threads, self.prefetch + HELD,
+                                          self.context)
+            self._closer = weakref.finalize(self, self._background.close)
+        return self._background
+
+    def close_workers(self) -> None:
+        """End the background process now (the next pass starts a new one)."""
+        if self._closer is not None:
+            self._closer()
+        self._background = self._closer = None
 
 
 def one_intra_op_thread() -> None:
@@ -162,40 +187,66 @@ def inline_batches(dataset, batches, collate_fn, threads: int, prefetch: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def background_batches(dataset, batches, collate_fn, threads: int, prefetch: int, pin: bool, context):
-    """Batches made in one background process: the trainer sends each batch's indexes
-    (numbered), the process's threads collate them, the trainer hands them out in order."""
-    if context is None:  # fork starts soonest, but is unsafe once CUDA is initialised here
-        context = "spawn" if torch.cuda.is_initialized() else "fork"
-    ctx = tmp.get_context(context) if isinstance(context, str) else context
-    requests, results = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=serve, args=(dataset, collate_fn, threads, requests, results, os.getpid()),
-                          daemon=True, name="packer-thread-loader")
-    process.start()
-    try:
-        batches = iter(batches)
-        sent = taken = 0
-        done: dict[int, object] = {}
-        for indexes in batches:
-            requests.put((sent, list(indexes)))
-            sent += 1
-            if sent >= prefetch:
-                break
-        while taken < sent:
-            while taken not in done:
-                number, ok, payload = receive(results, process, first=taken == 0)
-                done[number] = (ok, payload)
-            ok, payload = done.pop(taken)
-            taken += 1
-            if not ok:
-                raise SampleError(payload)
-            for indexes in batches:
-                requests.put((sent, list(indexes)))
+class Background:
+    """One rank's background process of thread workers, kept from pass to pass, and the
+    ring of batch slots it fills (readers.ring). Each pass is numbered: batches of a pass
+    broken off that arrive later are dropped and their slots given back."""
+
+    def __init__(self, dataset, collate_fn, threads: int, slots: int, context):
+        if context is None:  # fork starts soonest, but is unsafe once CUDA is initialised here
+            context = "spawn" if torch.cuda.is_initialized() else "fork"
+        ctx = tmp.get_context(context) if isinstance(context, str) else context
+        self.ring = Ring(slots)
+        self.taken = Taken(self.ring)
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=serve, args=(dataset, collate_fn, threads, self.ring, self.requests,
+                                                       self.results, os.getpid()),
+                                   daemon=True, name="packer-thread-loader")
+        self.process.start()
+        self.passes, self.answered = 0, False
+
+    def batches(self, batches, prefetch: int, epoch, pin: bool):
+        """One pass: the trainer sends each batch's indexes (numbered), the process's
+        threads collate them into slots, the trainer hands them out in order."""
+        self.passes += 1
+        run = self.passes
+        self.requests.put(("pass", run, epoch))
+        batches, sent, taken, done = iter(batches), 0, 0, {}
+        try:
+            for indexes in itertools.islice(batches, prefetch):
+                self.requests.put(("batch", run, sent, list(indexes), []))
                 sent += 1
-                break
-            yield pin_batch(payload) if pin else payload
-    finally:
-        stop(process, requests, results)
+            while taken < sent:
+                while taken not in done:
+                    self.arrived(run, done)
+                ok, slot, payload = done.pop(taken)
+                taken += 1
+                if not ok:
+                    raise SampleError(payload)
+                batch = self.taken.unpack(payload, slot)
+                if pin:  # copied into pinned memory (readers.ring): the slot is free once the view goes
+                    batch = pin_batch(batch)
+                for indexes in itertools.islice(batches, 1):
+                    self.requests.put(("batch", run, sent, list(indexes), self.taken.dropped()))
+                    sent += 1
+                yield batch
+        finally:  # batches received but not handed out give their slots back
+            left = [slot for _, slot, _ in done.values() if slot >= 0]
+            if left and self.process.is_alive():
+                self.requests.put(("free", left))
+
+    def arrived(self, run: int, done: dict) -> None:
+        """Receive one batch; one of an earlier pass gives its slot back at once."""
+        run_of, number, ok, slot, payload = receive(self.results, self.process, first=not self.answered)
+        self.answered = True
+        if run_of == run:
+            done[number] = (ok, slot, payload)
+        elif slot >= 0:
+            self.requests.put(("free", [slot]))
+
+    def close(self) -> None:
+        stop(self.process, self.requests, self.results)
+        self.ring.close()
 
 
 def receive(results, process, first: bool):
@@ -240,19 +291,27 @@ def stop(process, requests, results) -> None:
         q.close()
 
 
-def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) -> None:
-    """The background process: collate each requested batch on the thread pool and send
-    it back (tensors through shared memory). Ctrl-C is the trainer's to handle (it stops
+def serve(dataset, collate_fn, threads: int, ring: Ring, requests, results, trainer: int) -> None:
+    """The background process: collate each requested batch on the thread pool into a
+    free slot of the ring and send it back. Ctrl-C is the trainer's to handle (it stops
     this process); a trainer that vanishes ends it within POLL seconds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the pool is the parallelism
-    share_batches()  # collate straight into shared memory: the queue then moves no bytes
+    share_batches()  # a batch with no free slot: collated straight into shared memory
+    slots = Slots(ring.slots)
+    into = functools.partial(collate_into, ring, slots, collate_fn)
+    pending: dict[tuple, Future] = {}  # (pass, number): batches not yet sent
 
-    def send(number: int, batch: Future) -> None:
+    def send(key: tuple, batch: Future) -> None:
+        pending.pop(key, None)
+        slot = -1
         try:
-            message = (number, True, batch.result())
+            slot, made = batch.result()
+            message = (*key, True, slot, pack(made, ring, slot))
         except BaseException as error:
-            message = (number, False, str(error))
+            if slot >= 0:
+                slots.give(slot)
+            message = (*key, False, -1, str(error))
         results.put(message)  # thread-safe: the queue's feeder thread sends it
 
     with ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread) as pool:
@@ -265,9 +324,26 @@ def serve(dataset, collate_fn, threads: int, requests, results, trainer: int) ->
                 continue
             if request is None:
                 break
-            number, indexes = request
-            batch = submit_batch(pool, dataset, indexes, collate_fn, threads if number == 0 else 1)
-            batch.add_done_callback(functools.partial(send, number))
+            if request[0] == "pass":
+                new_pass(dataset, pending, *request[1:])
+                continue
+            for slot in request[-1]:
+                slots.give(slot)
+            if request[0] == "batch":
+                _, run, number, indexes, _ = request
+                pending[(run, number)] = batch = submit_batch(pool, dataset, indexes, into,
+                                                              threads if number == 0 else 1)
+                batch.add_done_callback(functools.partial(send, (run, number)))
     # The trainer has taken every batch it asked for before it says stop; one that broke
     # off early wants none of the rest, so do not wait to flush them.
     results.cancel_join_thread()
+
+
+def new_pass(dataset, pending: dict, run: int, epoch) -> None:
+    """A pass begins: what earlier ones asked for and no thread has begun is dropped, and
+    the dataset learns the epoch the trainer set on its own copy."""
+    for (run_of, _), batch in list(pending.items()):
+        if run_of != run:
+            batch.cancel()
+    if epoch is not None and hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)

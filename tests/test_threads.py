@@ -154,7 +154,7 @@ def test_a_failing_sample_surfaces_in_the_trainer_with_its_index(kind, bad):
 class Slow(Failing):
     def __getitem__(self, index: int):
         time.sleep(0.05)
-        return super().__getitem__(index)
+        return super().__getitem__(index), index  # an (image, label) pair: packer's collate
 
 
 def test_a_killed_background_process_is_reported_within_the_bound():
@@ -233,11 +233,12 @@ def hold(pids: str, kind: str = "threads") -> None:
     from a background process), iterating on until a signal."""
     import multiprocessing
 
-    batches = iter(make_loader(Slow(4000, bad=-1), 8, workers=THREADS, train=False, worker_kind=kind))
-    batch = next(batches)
+    made = make_loader(Slow(4000, bad=-1), 8, workers=THREADS, train=False, worker_kind=kind)
+    batches = iter(made)
+    batch, _ = next(batches)
     children = [child.pid for child in multiprocessing.active_children()]
     if kind == "threads":
-        assert batch.is_shared() and len(children) == 1  # handed over in its shared memory, not copied
+        assert made.background().ring.holds(batch) and len(children) == 1  # a view of its slot, not a copy
     Path(pids + ".tmp").write_text(" ".join(map(str, [os.getpid(), *children])))
     os.replace(pids + ".tmp", pids)
     for batch in batches:  # the threads busy when the signal comes
