@@ -210,7 +210,7 @@ class Background:
         threads collate them into slots, the trainer hands them out in order."""
         self.passes += 1
         run = self.passes
-        self.requests.put(("pass", run, epoch))
+        self.requests.put(("pass", run, epoch, self.taken.dropped()))
         batches, sent, taken, done = iter(batches), 0, 0, {}
         try:
             for indexes in itertools.islice(batches, prefetch):
@@ -324,12 +324,11 @@ def serve(dataset, collate_fn, threads: int, ring: Ring, requests, results, trai
                 continue
             if request is None:
                 break
-            if request[0] == "pass":
-                new_pass(dataset, pending, *request[1:])
-                continue
-            for slot in request[-1]:
+            for slot in request[-1]:  # slots the trainer is done with
                 slots.give(slot)
-            if request[0] == "batch":
+            if request[0] == "pass":
+                new_pass(dataset, pending, *request[1:3])
+            elif request[0] == "batch":
                 _, run, number, indexes, _ = request
                 pending[(run, number)] = batch = submit_batch(pool, dataset, indexes, into,
                                                               threads if number == 0 else 1)
