@@ -599,6 +599,8 @@ def set_threads(loader, threads: int, worker_kind: str, pin: bool, prefetch_fact
     if not threads:
         return
     loader.threads, loader.kind, loader.pin = threads, worker_kind, pin and worker_kind == "threads"
+    if isinstance(loader.dataset, tud.IterableDataset):
+        loader.num_workers = threads  # each thread reads the stream as a worker: the state counts them
     loader.prefetch = max(1, prefetch_factor * threads if prefetch_factor else max(BATCHES_IN_FLIGHT, threads))
     loader.context = context
 
@@ -609,10 +611,10 @@ def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_wo
         raise ValueError(f"make_loader: worker_kind must be one of {', '.join(WORKER_KINDS)}, not {worker_kind!r}")
     if worker_kind == "processes":
         return 0
-    if isinstance(dataset, tud.IterableDataset):
-        raise ValueError(f"make_loader: worker_kind={worker_kind!r} reads map-style datasets by index; "
-                         f"{type(dataset).__name__} is an IterableDataset, so use worker_kind='processes' (or "
-                         f"readers.WDSMapDataset over the same shards)")
+    if isinstance(dataset, tud.IterableDataset) and worker_kind == "threads-inline":
+        raise ValueError(f"make_loader: worker_kind='threads-inline' reads map-style datasets by index; "
+                         f"{type(dataset).__name__} is an IterableDataset, so use worker_kind='threads' or "
+                         f"'processes' (or readers.WDSMapDataset over the same shards)")
     threads = default_workers() if workers is None else workers
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"make_loader: with worker_kind={worker_kind!r}, workers is the number of threads and "

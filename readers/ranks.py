@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch.distributed as dist
 import torch.utils.data
@@ -111,8 +112,21 @@ def positive_env(name: str) -> int | None:
     return value if value > 0 else None
 
 
+_thread_worker = threading.local()  # .of: (worker id, count) of a thread worker (as_worker)
+
+
+def as_worker(worker_id: int, workers: int) -> None:
+    """Make worker() answer (worker_id, workers) on this thread: a thread that reads a
+    stream as one of `workers` DataLoader workers would (readers.thread_streams)."""
+    _thread_worker.of = (worker_id, workers)
+
+
 def worker() -> tuple[int, int]:
-    """(worker id, worker count) of the DataLoader worker this runs in; (0, 1) outside one."""
+    """(worker id, worker count) of the DataLoader worker this runs in (or the thread worker,
+    as_worker); (0, 1) outside one."""
+    own = getattr(_thread_worker, "of", None)
+    if own is not None:
+        return own
     info = torch.utils.data.get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
 

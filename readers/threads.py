@@ -26,6 +26,7 @@ import collections
 import functools
 import itertools
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -39,6 +40,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from .buffers import share_batches
 from .ring import Ring, Slots, Taken, collate_into, pack
+from .thread_streams import StreamPass, round_robin
 
 WORKER_KINDS = ("processes", "threads", "threads-inline")
 # Seconds between checks that the other side is alive: the bound on noticing a death.
@@ -151,6 +153,11 @@ class ThreadBatches(tud.DataLoader):
         batches = self._index_sampler  # the batch sampler, resumed by load_state_dict
         if self.kind == "threads-inline":
             return inline_batches(self.dataset, batches, self.collate_fn, self.threads, self.prefetch)
+        if isinstance(self.dataset, tud.IterableDataset):
+            # Pickled now, as DataLoader's workers take their copies when a pass begins: with
+            # the position a loaded state left on it, which EpochLoader then clears.
+            return self.background().stream(pickle.dumps(self.dataset), self.threads, self.batch_size,
+                                            self.drop_last, self.prefetch, self.pin)
         # EpochLoader's pass has set its epoch on the trainer's dataset: the process's copy follows.
         progress = getattr(self, "_progress", None)
         return self.background().batches(batches, self.prefetch, progress and progress[0], self.pin)
@@ -218,7 +225,7 @@ class Background:
                 sent += 1
             while taken < sent:
                 while taken not in done:
-                    self.arrived(run, done)
+                    self.arrived(run, done.__setitem__)
                 ok, slot, payload = done.pop(taken)
                 taken += 1
                 if not ok:
@@ -235,12 +242,38 @@ class Background:
             if left and self.process.is_alive():
                 self.requests.put(("free", left))
 
-    def arrived(self, run: int, done: dict) -> None:
-        """Receive one batch; one of an earlier pass gives its slot back at once."""
-        run_of, number, ok, slot, payload = receive(self.results, self.process, first=not self.answered)
+    def stream(self, blob: bytes, workers: int, batch_size: int, drop_last: bool, prefetch: int, pin: bool):
+        """One pass over a stream (readers.thread_streams): `workers` threads read the
+        dataset pickled as `blob`, each as one DataLoader worker; taken round-robin."""
+        self.passes += 1
+        run, done = self.passes, {w: collections.deque() for w in range(workers)}
+        credit = max(1, prefetch // workers)
+        self.requests.put(("stream", run, blob, workers, batch_size, drop_last, credit, self.taken.dropped()))
+
+        def next_of(worker_id: int):
+            while not done[worker_id]:
+                self.arrived(run, lambda key, answer: done[key].append(answer))
+            return done[worker_id].popleft()
+
+        try:
+            for worker_id, (ok, slot, payload) in round_robin(workers, next_of):
+                if not ok:
+                    raise SampleError(payload)
+                batch = self.taken.unpack(payload, slot)
+                self.requests.put(("credit", run, worker_id, self.taken.dropped()))
+                yield pin_batch(batch) if pin else batch
+        finally:
+            left = [slot for arrived in done.values() for _, slot, _ in arrived if slot >= 0]
+            if self.process.is_alive():
+                self.requests.put(("free", left))
+
+    def arrived(self, run: int, keep) -> None:
+        """Receive one answer and keep(number or stream worker, (ok, slot, batch)) it; one
+        of an earlier pass gives its slot back at once."""
+        run_of, key, ok, slot, payload = receive(self.results, self.process, first=not self.answered)
         self.answered = True
         if run_of == run:
-            done[number] = (ok, slot, payload)
+            keep(key, (ok, slot, payload))
         elif slot >= 0:
             self.requests.put(("free", [slot]))
 
@@ -292,29 +325,15 @@ def stop(process, requests, results) -> None:
 
 
 def serve(dataset, collate_fn, threads: int, ring: Ring, requests, results, trainer: int) -> None:
-    """The background process: collate each requested batch on the thread pool into a
-    free slot of the ring and send it back. Ctrl-C is the trainer's to handle (it stops
-    this process); a trainer that vanishes ends it within POLL seconds."""
+    """The background process: collate each requested batch on the thread pool (or each
+    stream's, on its own threads) into a free slot of the ring and send it back. Ctrl-C
+    is the trainer's to handle (it stops this process); a trainer that vanishes ends it
+    within POLL seconds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the pool is the parallelism
     share_batches()  # a batch with no free slot: collated straight into shared memory
-    slots = Slots(ring.slots)
-    into = functools.partial(collate_into, ring, slots, collate_fn)
-    pending: dict[tuple, Future] = {}  # (pass, number): batches not yet sent
-
-    def send(key: tuple, batch: Future) -> None:
-        pending.pop(key, None)
-        slot = -1
-        try:
-            slot, made = batch.result()
-            message = (*key, True, slot, pack(made, ring, slot))
-        except BaseException as error:
-            if slot >= 0:
-                slots.give(slot)
-            message = (*key, False, -1, str(error))
-        results.put(message)  # thread-safe: the queue's feeder thread sends it
-
     with ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread) as pool:
+        server = Server(dataset, collate_fn, threads, ring, results, pool)
         while True:
             try:
                 request = requests.get(timeout=POLL)
@@ -324,25 +343,73 @@ def serve(dataset, collate_fn, threads: int, ring: Ring, requests, results, trai
                 continue
             if request is None:
                 break
-            for slot in request[-1]:  # slots the trainer is done with
-                slots.give(slot)
-            if request[0] == "pass":
-                new_pass(dataset, pending, *request[1:3])
-            elif request[0] == "batch":
-                _, run, number, indexes, _ = request
-                pending[(run, number)] = batch = submit_batch(pool, dataset, indexes, into,
-                                                              threads if number == 0 else 1)
-                batch.add_done_callback(functools.partial(send, (run, number)))
+            server.handle(request)
+        server.end_stream()
     # The trainer has taken every batch it asked for before it says stop; one that broke
     # off early wants none of the rest, so do not wait to flush them.
     results.cancel_join_thread()
 
 
-def new_pass(dataset, pending: dict, run: int, epoch) -> None:
-    """A pass begins: what earlier ones asked for and no thread has begun is dropped, and
-    the dataset learns the epoch the trainer set on its own copy."""
-    for (run_of, _), batch in list(pending.items()):
-        if run_of != run:
-            batch.cancel()
-    if epoch is not None and hasattr(dataset, "set_epoch"):
-        dataset.set_epoch(epoch)
+class Server:
+    """The background process's requests, answered: ("pass", run, epoch, freed) begins a
+    pass by index, ("batch", run, number, indexes, freed) asks for one of its batches;
+    ("stream", run, dataset pickled, workers, batch_size, drop_last, credit, freed) begins
+    a pass over a stream, ("credit", run, worker, freed) lets one of its threads run one
+    batch further; ("free", freed) gives slots back. `freed`: slots the trainer is done with.
+    Each answer is (run, number or worker, ok, slot, batch): ok False with a message for
+    an error, None at a stream's end."""
+
+    def __init__(self, dataset, collate_fn, threads: int, ring: Ring, results, pool: ThreadPoolExecutor):
+        self.dataset, self.threads, self.ring, self.results, self.pool = dataset, threads, ring, results, pool
+        self.slots = Slots(ring.slots)
+        self.into = functools.partial(collate_into, ring, self.slots, collate_fn)
+        self.pending: dict[tuple, Future] = {}  # (pass, number): batches not yet sent
+        self.stream: StreamPass | None = None
+
+    def handle(self, request: tuple) -> None:
+        for slot in request[-1]:
+            self.slots.give(slot)
+        kind, args = request[0], request[1:-1]
+        if kind in ("pass", "stream"):
+            self.end_stream()
+            for (run_of, _), batch in list(self.pending.items()):
+                if run_of != args[0]:
+                    batch.cancel()  # what earlier passes asked for and no thread has begun
+        if kind == "pass" and args[1] is not None and hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(args[1])  # the epoch the trainer set on its own copy
+        elif kind == "batch":
+            run, number, indexes = args
+            self.pending[(run, number)] = batch = submit_batch(self.pool, self.dataset, indexes, self.into,
+                                                               self.threads if number == 0 else 1)
+            batch.add_done_callback(functools.partial(self.sent, run, number))
+        elif kind == "stream":
+            run, blob, workers, batch_size, drop_last, credit = args
+            self.stream = StreamPass(run, blob, workers, batch_size, drop_last, credit, self.into,
+                                     functools.partial(self.send, run))
+        elif kind == "credit" and self.stream is not None and self.stream.run == args[0]:
+            self.stream.grant(args[1])
+
+    def end_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.stop()
+            self.stream = None
+
+    def sent(self, run: int, number: int, batch: Future) -> None:
+        self.pending.pop((run, number), None)
+        try:
+            slot, made = batch.result()
+        except BaseException as error:
+            self.send(run, number, False, -1, str(error))
+        else:
+            self.send(run, number, True, slot, made)
+
+    def send(self, run: int, key: int, ok, slot: int, made) -> None:
+        """Answer (thread-safe: the queue's feeder thread sends it); a batch goes packed (readers.ring)."""
+        if ok:
+            try:
+                made = pack(made, self.ring, slot)
+            except BaseException as error:
+                if slot >= 0:
+                    self.slots.give(slot)
+                ok, slot, made = False, -1, f"thread worker: sending batch {key} failed: {type(error).__name__}: {error}"
+        self.results.put((run, key, ok, slot, made))

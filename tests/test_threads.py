@@ -253,7 +253,7 @@ def test_worker_kind_refuses_what_threads_cannot_do(packs):
         make_loader(data, BATCH, workers=0, worker_kind="threads")
     with pytest.raises(ValueError, match="worker_init_fn applies to worker processes; with worker_kind='threads'"):
         make_loader(data, BATCH, workers=2, worker_kind="threads", worker_init_fn=print)
-    with pytest.raises(ValueError, match="WDSDataset is an IterableDataset, so use worker_kind='processes'"):
+    with pytest.raises(ValueError, match="WDSDataset is an IterableDataset, so use worker_kind='threads' or 'processes'"):
         make_loader(readers.WDSDataset(Path(packs) / "d.wds"), BATCH, workers=2, worker_kind="threads-inline")
 
 

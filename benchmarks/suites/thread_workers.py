@@ -11,6 +11,13 @@ round (medians):
 - samples/s: the --batches batches after the first;
 - CPU s/sample: user + system CPU of the trainer and every loader process over them;
 - USS MB: private memory of the trainer and every loader process, summed, at the end;
+- loader MB: the memory the loader added: the PSS (each page split among the processes
+  mapping it) of the trainer and every loader process, summed, less the trainer's before
+  make_loader. USS alone misleads here: a forked process's pages shared copy-on-write
+  with the trainer leave both USS, so the sum of USS can fall as processes start;
+  every process's USS is kept in the runs too;
+- batch shm MB: resident shared memory holding batches (torch's segments, the thread ring),
+  which no process's USS counts (part of loader MB);
 - step slowdown: a fixed CPU-side step (Python arithmetic, as a training loop's host
   side is) timed with a batch taken after each, over the same step alone: the noisy
   neighbour, in-process threads against an isolated process.
@@ -59,13 +66,26 @@ def cpu_seconds(procs) -> float:
     return total
 
 
-def uss_mb(procs) -> float:
+def uss_mb(procs, field: str = "uss") -> float:
     total = 0
     for p in procs:
         try:
-            total += p.memory_full_info().uss
+            total += getattr(p.memory_full_info(), field)
         except Exception:
             pass
+    return total / 1e6
+
+
+def batch_shm_mb(pid: int) -> float:
+    """Resident memory of `pid`'s mappings of batch shared memory (torch's, the thread ring)."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                counting = "torch_" in line or "packer-batches" in line
+            elif counting and first == "Rss:":
+                total += int(line.split()[1]) * 1024
     return total / 1e6
 
 
@@ -77,9 +97,10 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
 
     me = psutil.Process()
     alone = statistics.median(fixed_step() for _ in range(15))
+    data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
+    trainer_before = uss_mb([me], "pss")
     start = time.perf_counter()
-    loader = make_loader(LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5)), batch,
-                         workers=workers, worker_kind=kind)
+    loader = make_loader(data, batch, workers=workers, worker_kind=kind)
     it = iter(loader)
     next(it)
     first = time.perf_counter() - start
@@ -92,13 +113,16 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
     wall = time.perf_counter() - t0
     procs = loader_processes(me)
     cpu, uss = cpu_seconds(procs) - cpu0, uss_mb(procs)
+    each = [uss_mb([p]) for p in procs]
+    shm = batch_shm_mb(me.pid)
     steps = []
     for _ in range(15):
         steps.append(fixed_step())
         next(it)
     del it
     return {"kind": kind, "first_batch_s": first, "samples_per_s": samples / wall, "cpu_s_per_sample": cpu / samples,
-            "uss_mb": uss, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
+            "uss_mb": uss, "loader_mb": uss_mb(procs, "pss") - trainer_before, "uss_mb_each": each,
+            "batch_shm_mb": shm, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
 
 
 def profile(packed: str, batch: int, batches: int, path: str) -> None:
@@ -134,6 +158,16 @@ def run(packed: str, kind: str, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def paired_ratios(rounds: dict, keys) -> dict:
+    """Each kind's figures over processes' of the same round, median over the rounds: the
+    machine's load drifts between rounds, less within one."""
+    base = rounds.get("processes")
+    if not base:
+        return {}
+    return {kind: {k: statistics.median(run[k] / ref[k] if ref[k] else float("nan") for run, ref in zip(runs, base))
+                   for k in keys} for kind, runs in rounds.items() if kind != "processes"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("packed", help="an LMDB pack (the standard corpus: benchmarks/suites/corpus.py)")
@@ -156,7 +190,8 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             rounds[kind].append(run(args.packed, kind, args))
-    keys = ("samples_per_s", "first_batch_s", "cpu_s_per_sample", "uss_mb", "step_slowdown")
+    keys = ("samples_per_s", "first_batch_s", "cpu_s_per_sample", "uss_mb", "loader_mb", "batch_shm_mb",
+            "step_slowdown")
     print(f"{args.workers} workers, batches of {args.batch}, decode + RandomResizedCrop(224), warm, "
           f"{args.batches} batches a run, {args.repeats} rounds (medians); load average {os.getloadavg()[0]:.1f}")
     print(f"| kind | {' | '.join(keys)} |\n|---|{'---|' * len(keys)}")
@@ -164,8 +199,15 @@ def main(argv=None) -> int:
     for kind, runs in rounds.items():
         summary[kind] = {k: statistics.median(run[k] for run in runs) for k in keys}
         print(f"| {kind} | " + " | ".join(f"{summary[kind][k]:.4g}" for k in keys) + " |")
+    ratios = paired_ratios(rounds, keys)
+    for kind, ratio in ratios.items():
+        print(f"| {kind} / processes (paired) | " + " | ".join(f"{ratio[k]:.3g}" for k in keys) + " |")
+    load = os.getloadavg()[0]
+    print(f"load average at the end {load:.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "summary": summary, "runs": rounds}, indent=1))
+        Path(args.json).write_text(json.dumps({"config": vars(args), "command": " ".join(sys.argv), "summary": summary,
+                                               "ratios_to_processes": ratios, "load_average_end": load,
+                                               "runs": rounds}, indent=1))
     return 0
 
 
