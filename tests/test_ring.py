@@ -84,3 +84,13 @@ def test_a_pass_broken_off_leaves_the_next_one_whole(taken):
     made.set_epoch(1)
     check(list(made), 1)
     check(list(made), 2)
+
+
+def test_a_spawned_process_maps_the_same_ring():
+    """Spawn (the context once CUDA is initialised) passes the ring's memfd to the child."""
+    made = threads_loader(multiprocessing_context="spawn")
+    batches = []
+    for images, labels in made:
+        assert made.background().ring.holds(images)
+        batches.append((images.clone(), labels))
+    check(batches, 0)
