@@ -9,16 +9,18 @@ What moves is where a batch of indexes becomes a collated batch:
 - "threads-inline": a thread pool in the trainer process. No process to start or
   import torch in, one copy of the dataset's handles; the threads share the trainer's
   GIL, so a GIL-holding step (a Python transform) slows the training loop beside it.
-- "threads": one background process per rank runs the thread pool and hands batches
-  back through torch's shared memory (torch.multiprocessing): the trainer maps each
-  batch's storage, no copy. The process only reads, decodes and collates; the
-  trainer's GIL is left to training.
+- "threads": one background process per rank (Background), started at the first pass
+  and kept for the next ones, runs the thread pool and collates each batch into a slot
+  of a ring of shared memory whose views are the trainer's batch tensors (readers.ring):
+  no copy. The process only reads, decodes and collates; the trainer's GIL is left to
+  training. An IterableDataset is read there too, each thread as one DataLoader worker
+  (readers.thread_streams).
 
 Batches come out in the sampler's order, at most `prefetch` batches ahead of the
 consumer. Every wait is bounded: a background process that dies is reported within
 POLL seconds; one whose trainer dies (SIGKILL included) exits within POLL seconds, and
-torch's file-descriptor sharing leaves no name in /dev/shm to clean up. A sample that
-raises surfaces in the trainer as a RuntimeError naming its index.
+the ring (a memfd) and torch's file-descriptor sharing leave no name in /dev/shm to
+clean up. A sample that raises surfaces in the trainer as a RuntimeError naming its index.
 """
 from __future__ import annotations
 
@@ -94,6 +96,7 @@ def submit_batch(pool: ThreadPoolExecutor, dataset, indexes: list, collate_fn, p
     size = -(-len(indexes) // parts)
     reads = [pool.submit(read_samples, dataset, indexes[i:i + size]) for i in range(0, len(indexes), size)]
     batch, left, lock = Future(), [len(reads)], threading.Lock()
+    batch.set_running_or_notify_cancel()  # begun: not to be cancelled once a part may hold a ring slot
 
     def part_done(_) -> None:
         with lock:
@@ -161,6 +164,11 @@ class ThreadBatches(tud.DataLoader):
         # EpochLoader's pass has set its epoch on the trainer's dataset: the process's copy follows.
         progress = getattr(self, "_progress", None)
         return self.background().batches(batches, self.prefetch, progress and progress[0], self.pin)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_background"] = state["_closer"] = None  # a copy (a pickled loader) starts its own
+        return state
 
     def background(self) -> Background:
         """The background process, started at the first pass and kept for the next ones
