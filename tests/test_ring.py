@@ -1,7 +1,8 @@
 """The ring of batch slots of worker_kind="threads" (readers.ring): batches are views of the
 ring, its slots are reused pass after pass by one background process, a batch kept by the
-trainer is never overwritten, a pass broken off leaves the next one whole, and the epoch
-set on the trainer's dataset reaches the process's copy."""
+trainer is never overwritten, a pass broken off leaves the next one whole, the epoch
+set on the trainer's dataset reaches the process's copy, a spawned process maps the same
+ring, and the process ends with its loader (one that died is replaced at the next pass)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -94,3 +95,25 @@ def test_a_spawned_process_maps_the_same_ring():
         assert made.background().ring.holds(images)
         batches.append((images.clone(), labels))
     check(batches, 0)
+
+
+def test_the_process_ends_with_its_loader_and_a_dead_one_is_replaced_at_the_next_pass():
+    import gc
+    import os
+    import signal
+    import time
+
+    made = threads_loader()
+    check(list(made), 0)
+    first = made.background().process
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(timeout=30)
+    check(list(made), 1)  # between passes: a new process serves the next one
+    second = made.background().process
+    assert second.pid != first.pid and second.is_alive()
+    del made
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while second.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not second.is_alive()
