@@ -341,7 +341,7 @@ def split_tables(path: str, meta: Metadata, report: VerifyReport) -> dict[str, t
                                        f"{info.count} records the metadata lists (its records were not read); "
                                        "the dataset is damaged, re-pack it"])
                 continue
-            reader.open()  # every other table loads, and is checked, here
+            reader.check_tables()  # every other table loads, and is checked whole (CRC-32s), here
             if not reader.tables_checked:
                 report.notes.append(f"split {split}: tables not covered by checksums (packed by an older packer); "
                                     "`packer convert` or re-pack to add them")

@@ -44,6 +44,32 @@ def blocks(count: int, size: int = CHECK_BLOCK):
     return ((start, min(count, start + size)) for start in range(0, count, size))
 
 
+class BlockChecks:
+    """Which blocks of a mapped table have passed their range check, each checked on its
+    first use (check(start, stop) raises if entries [start, stop) are out of range): opening
+    a table of 10^8 entries then reads none of it, and a read checks the CHECK_BLOCK entries
+    around its own. One byte per block (a 10^8-entry table: 6 KB), not one per entry."""
+
+    __slots__ = ("checked", "check", "count")
+
+    def __init__(self, count: int, check):
+        self.checked = bytearray(-(-count // CHECK_BLOCK))
+        self.check = check
+        self.count = count
+
+    def ensure(self, i: int) -> None:
+        """Check the block of entry i unless it has been (a damaged block raises at every use)."""
+        block = i // CHECK_BLOCK
+        if not self.checked[block]:
+            self.check(block * CHECK_BLOCK, min(self.count, (block + 1) * CHECK_BLOCK))
+            self.checked[block] = 1
+
+    def ensure_all(self, entries: np.ndarray) -> None:
+        """Check the blocks of every entry in entries (vectorised ensure)."""
+        for block in np.unique(np.asarray(entries, np.int64) // CHECK_BLOCK).tolist():
+            self.ensure(block * CHECK_BLOCK)
+
+
 def is_permutation(order: np.ndarray) -> bool:
     """Whether order holds each of 0..len(order)-1 exactly once: all in range and none missing
     (then none repeats). One byte of scratch per entry."""

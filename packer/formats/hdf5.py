@@ -82,7 +82,7 @@ from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
 from ._reader import SplitReader, remote_variant
-from ._tables import (DAMAGED, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
+from ._tables import (CHECK_BLOCK, DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
                       nul_separated_chunks, replaced_error)
 
@@ -303,7 +303,7 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote); its tables are then read into memory.
     """
 
-    TABLES = {"_offsets": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
+    TABLES = {"_offsets": None, "_offset_blocks": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
     MAPS_DATA_FILE = True
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -319,6 +319,7 @@ class Reader(SplitReader):
             super().__init__(path, split, check_crc, metadata, path, identity)
             self.read_remotely(remote)
         self._offsets: np.ndarray | None = None
+        self._offset_blocks: BlockChecks | None = None  # offsets' range checks, a block at a time
         self._crcs: memoryview | None = None
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
@@ -375,10 +376,12 @@ class Reader(SplitReader):
     def table_where(self, name: str) -> str:
         return f"{self.path} dataset {self.split}/{name}"
 
-    def _array(self, name: str, length: int, dtype: str, required: bool = True) -> np.ndarray | None:
-        """Table split/name as dtype, checked: its CRC-32 where the pack has checksums, and
-        length entries (length < 0: any number). Mapped where it is stored contiguous in
-        dtype's byte order (stored_table), else read."""
+    def _array(self, name: str, length: int, dtype: str, required: bool = True,
+               crc: bool = True) -> np.ndarray | None:
+        """Table split/name as dtype, checked: its CRC-32 where the pack has checksums (with
+        crc; a table read rather than mapped always), and length entries (length < 0: any
+        number). Mapped where it is stored contiguous in dtype's byte order (stored_table),
+        else read."""
         f, crcs, where = self.handle()[0], self.table_checksums(), self.table_where(name)
         try:
             if not required and name not in f[self.split] and (crcs is None or name not in crcs):
@@ -388,10 +391,12 @@ class Reader(SplitReader):
                 raise KeyError("not a one-dimensional dataset")
             values = self.stored_table(dataset, np.dtype(dtype), where)
             if values is None:
-                values = np.ascontiguousarray(dataset[()], dtype=dtype)
+                values, crc = np.ascontiguousarray(dataset[()], dtype=dtype), True
         except (KeyError, OSError, ValueError, TypeError) as exc:
             raise CorruptDataError(f"{where}: cannot read it ({exc}); {DAMAGED}", self.path) from exc
-        check_crc(values, expected_crc(crcs, name, where), where)
+        expected = expected_crc(crcs, name, where)
+        if crc:
+            check_crc(values, expected, where)
         if length >= 0:
             check_count(values.size, length, where)
         return values
@@ -413,20 +418,39 @@ class Reader(SplitReader):
         return mapped_array(self.handle()[2], offset, count, dtype, where)
 
     def index(self) -> tuple[np.ndarray, memoryview]:
-        """(offsets, crcs (an int_view)) of this split by position, read once."""
+        """(offsets, crcs (an int_view)) of this split by position, mapped once. Callers
+        check the offsets they use first (self._offset_blocks.ensure)."""
         if self._offsets is None:
-            self._crcs, self._offsets = self.loaded("index", self.load_index)
+            self._crcs, self._offsets, self._offset_blocks = self.loaded("index", self.load_index)
         return self._offsets, self._crcs
 
-    def load_index(self) -> tuple[memoryview, np.ndarray]:
-        """(crcs, offsets), checked: offsets rise from 0 to the size of images, whose bytes
-        are all stored, in the file."""
-        offsets = self._array("offsets", self.count + 1, "<i8")
+    def load_index(self) -> tuple[memoryview, np.ndarray, BlockChecks]:
+        """(crcs, offsets, their BlockChecks), mapped and checked at their ends: offsets run
+        from 0 to the size of images, whose bytes are all stored, in the file; each block
+        rises within [0, size], checked on its first use. The tables' CRC-32s are left to
+        check_layout_tables: a damaged crc32 entry fails its record's read, never passes it."""
+        offsets = self._array("offsets", self.count + 1, "<i8", crc=False)
         size = self.check_images()
-        if offsets[0] != 0 or offsets[-1] != size or not rising(offsets):
-            raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the {size}-byte images "
-                                   f"dataset; {DAMAGED}", self.path)
-        return int_view(self._array("crc32", self.count, "<u4")), offsets
+        where = self.table_where("offsets")
+        if offsets[0] != 0 or offsets[-1] != size:
+            raise CorruptDataError(f"{where}: does not describe the {size}-byte images dataset; {DAMAGED}", self.path)
+
+        def check(start: int, stop: int) -> None:  # not a method: the reader holds it, so no cycle
+            part = offsets[start:stop + 1]
+            if int(part.min()) < 0 or int(part.max()) > size or np.any(np.diff(part) < 0):
+                raise CorruptDataError(f"{where}: entries {start}..{stop} do not describe the {size}-byte images "
+                                       f"dataset; {DAMAGED}", self.path)
+        crcs = int_view(self._array("crc32", self.count, "<u4", crc=False))
+        return crcs, offsets, BlockChecks(self.count, check)
+
+    def check_layout_tables(self) -> None:
+        """The offsets and crc32 tables' CRC-32s, and every offset in order."""
+        self._array("offsets", self.count + 1, "<i8")
+        self._array("crc32", self.count, "<u4")
+        offsets, _ = self.index()
+        if not rising(offsets):
+            raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the images dataset; {DAMAGED}",
+                                   self.path)
 
     def check_images(self) -> int:
         """The size of images, checked to be stored whole in the file: HDF5 makes up zeros
@@ -474,6 +498,7 @@ class Reader(SplitReader):
         if chunks is None:
             return None
         offsets, _ = self.index()
+        self._offset_blocks.ensure_all(np.arange(0, self.count, CHECK_BLOCK) if positions is None else positions)
         if positions is None:
             starts, stops = offsets[:-1], offsets[1:]
         else:
@@ -487,6 +512,7 @@ class Reader(SplitReader):
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
+        self._offset_blocks.ensure(position)
         start, stop = offsets.item(position), offsets.item(position + 1)
         chunks = self.chunks()
         if chunks is None:
@@ -506,7 +532,7 @@ class Reader(SplitReader):
         # cache miss. check_data, inlined: a Python call less per read.
         if self.check_crc and self.record_digest(data) & MASK != crcs[position]:
             self.checksum_mismatch(index)
-        return data, self.labels.item(index)
+        return data, self.label(index)
 
     def load_tables(self) -> None:
         self.index()
@@ -521,6 +547,8 @@ class Reader(SplitReader):
         if chunks is None or start >= stop:
             return
         offsets, _ = self.index()
+        self._offset_blocks.ensure(start)
+        self._offset_blocks.ensure(stop - 1)
         first, last = int(offsets[start]) // CHUNK_BYTES, (int(offsets[stop]) - 1) // CHUNK_BYTES
         if last >= first:
             lo, hi = int(chunks[first:last + 1].min()), int(chunks[first:last + 1].max()) + CHUNK_BYTES
@@ -531,6 +559,7 @@ class Reader(SplitReader):
             return ()
         offsets, _ = self.index()
         positions = self.positions_of(indexes)
+        self._offset_blocks.ensure_all(positions)
         at, size = self.file_offsets(positions), offsets[positions + 1] - offsets[positions]
         keep = at >= 0
         fd = self.handle()[2]
@@ -539,6 +568,9 @@ class Reader(SplitReader):
     def load_labels(self) -> np.ndarray:
         labels = np.asarray(self._array("labels", self.count, "<i4"), np.int32)  # no copy: it stays mapped
         return self.checked_labels(labels, self.table_where("labels"))
+
+    def map_labels(self) -> tuple[np.ndarray, str]:
+        return self._array("labels", self.count, "<i4", crc=False), self.table_where("labels")
 
     def load_paths(self) -> PathTable:
         values = self._array("paths", -1, np.uint8)
