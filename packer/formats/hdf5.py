@@ -437,7 +437,7 @@ class Reader(SplitReader):
 
         def check(start: int, stop: int) -> None:  # not a method: the reader holds it, so no cycle
             part = offsets[start:stop + 1]
-            if int(part.min()) < 0 or int(part.max()) > size or np.any(np.diff(part) < 0):
+            if int(part.min()) < 0 or int(part.max()) > size or bool((part[1:] < part[:-1]).any()):
                 raise CorruptDataError(f"{where}: entries {start}..{stop} do not describe the {size}-byte images "
                                        f"dataset; {DAMAGED}", self.path)
         crcs = int_view(self._array("crc32", self.count, "<u4", crc=False))
