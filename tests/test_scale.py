@@ -174,11 +174,50 @@ def flip_a_table_byte(fmt: str, out: str) -> None:
             f.write(bytes([value[0] ^ 1]))
 
 
-def test_a_damaged_mapped_table_is_refused_when_it_loads(fmt, tmp_path):
+def test_a_damaged_mapped_table_is_refused_when_it_is_checked(fmt, tmp_path):
     out = build(fmt, tmp_path, 3000)
     flip_a_table_byte(fmt, out)
     with pytest.raises(CorruptDataError, match="checksum mismatch"):
-        open_reader(out).open()
+        open_reader(out).check_tables()
+
+
+def mapped_rss(path: str) -> int:
+    """Bytes of this process's maps of the file at path that are resident (pages it touched)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line: its range, ..., its file
+                mine = fields[-1] == path
+            elif mine and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_opening_a_large_hdf5_pack_reads_no_table_whole(tmp_path):
+    # Open maps the tables and checks their sizes and ends: no array per record is made
+    # (the path table's offsets were 4 bytes a record) and only a few pages of the tables
+    # are touched; a read checks the blocks it uses, check_tables every table whole.
+    import tracemalloc
+    from benchmarks import tiny
+
+    records = 100_000
+    out = str(tmp_path / "tiny.h5")
+    tiny.write_tiny_pack(out, records)
+    reader = open_reader(out)
+    tracemalloc.start()
+    reader.open()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < records, f"open allocated {peak} bytes for {records} records"
+    offsets, _ = reader.index()
+    # Pages of the 3.3 MB of tables mapped in (a fault maps its neighbours too, up to 64 KB)
+    assert offsets.nbytes == 8 * (records + 1) and mapped_rss(out) < 512 << 10
+    assert reader.read_image(records - 1) == ((records - 1).to_bytes(5, "little"), tiny.CLASSES - 1)
+    assert mapped_rss(out) < 1 << 20  # the read's blocks, not the tables
+    reader.check_tables()
+    assert mapped_rss(out) > 16 * records  # every table read whole
+    reader.close()
 
 
 def test_a_table_past_the_end_of_its_file_is_refused_not_mapped(tmp_path):
