@@ -115,10 +115,11 @@ def test_open_prepares_reads_ahead_of_the_first_and_is_dropped_by_pickling(image
     cls = dataset_class(fmt)
     ds = cls(packed(image_tree, fmt, tmp_path), decode="raw")
     assert ds.open() is ds and ds.reader.is_open
+    expected = [(image_tree / p).read_bytes() for p in ds.paths]  # the path table: loaded on first use
     loaded = vars(ds.reader).copy()
     # Nothing left to open or load: the reads that follow find everything in place.
     monkeypatch.setattr(type(ds.reader), "_open", lambda self: pytest.fail("opened again after open()"))
-    assert [ds[i][0] for i in range(len(ds))] == [(image_tree / p).read_bytes() for p in ds.paths]
+    assert [ds[i][0] for i in range(len(ds))] == expected
     assert {k: v is None for k, v in vars(ds.reader).items()} == {k: v is None for k, v in loaded.items()}
     monkeypatch.undo()
     clone = pickle.loads(pickle.dumps(ds))

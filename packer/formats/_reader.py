@@ -169,11 +169,13 @@ class SplitReader(LazyHandle):
             raise
         return fd
 
-    def table_file(self, table: str, name: str, size: int | None = None, entry_size: int = 1) -> tuple:
+    def table_file(self, table: str, name: str, size: int | None = None, entry_size: int = 1,
+                   crc: bool = True) -> tuple:
         """A table in a file of its own (name, relative to the dataset) as (map, start, length):
         mapped (at a URL, read whole), checked to be of the dataset this reader read, against the
-        table's CRC-32 where table_checksums() has one, and to be size bytes where size is given
-        (entry_size: the bytes of one record's entry, for the message)."""
+        table's CRC-32 where table_checksums() has one (with crc; a table read whole always), and
+        to be size bytes where size is given (entry_size: the bytes of one record's entry, for
+        the message)."""
         where = os.path.join(self.path, name)
         if self.remote is not None:
             self.check_identity()
@@ -192,7 +194,9 @@ class SplitReader(LazyHandle):
             region, start = map_region(fd, 0, found, where)  # the map outlives the descriptor
         finally:
             os.close(fd)
-        check_crc(region_view(region, start, found), expected_crc(self.table_checksums(), table, where), where)
+        expected = expected_crc(self.table_checksums(), table, where)
+        if crc:
+            check_crc(region_view(region, start, found), expected, where)
         return region, start, found
 
     def check_table_size(self, where: str, found: int, size: int | None, entry_size: int) -> None:
@@ -298,6 +302,8 @@ class SplitReader(LazyHandle):
         if self.reads_by_position:
             self.position_table()
         self.load_tables()
+        if self._label_blocks is None:
+            self._label_blocks = self.loaded("label blocks", self.label_blocks)
         return self
 
     def check_tables(self) -> None:

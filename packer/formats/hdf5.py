@@ -431,7 +431,7 @@ class Reader(SplitReader):
         check_layout_tables: a damaged crc32 entry fails its record's read, never passes it."""
         offsets = self._array("offsets", self.count + 1, "<i8", crc=False)
         size = self.check_images()
-        where = self.table_where("offsets")
+        where, path = self.table_where("offsets"), self.path
         if offsets[0] != 0 or offsets[-1] != size:
             raise CorruptDataError(f"{where}: does not describe the {size}-byte images dataset; {DAMAGED}", self.path)
 
@@ -439,7 +439,7 @@ class Reader(SplitReader):
             part = offsets[start:stop + 1]
             if int(part.min()) < 0 or int(part.max()) > size or bool((part[1:] < part[:-1]).any()):
                 raise CorruptDataError(f"{where}: entries {start}..{stop} do not describe the {size}-byte images "
-                                       f"dataset; {DAMAGED}", self.path)
+                                       f"dataset; {DAMAGED}", path)
         crcs = int_view(self._array("crc32", self.count, "<u4", crc=False))
         return crcs, offsets, BlockChecks(self.count, check)
 

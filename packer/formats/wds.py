@@ -95,8 +95,8 @@ from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
 from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
                       BalancedCut, auto_shard_size, balanced_shard_count)
-from ._tables import (DAMAGED, SpillTable, array_chunks, check_count, check_within, dataset_identity,
-                      nul_separated_chunks)
+from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, check_count, check_labels, check_within,
+                      dataset_identity, nul_separated_chunks)
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -377,7 +377,7 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote).
     """
 
-    TABLES = {"_records": None, "_labels": None, "_paths": None, "_shard_starts": None}
+    TABLES = {"_records": None, "_record_blocks": None, "_labels": None, "_paths": None, "_shard_starts": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -393,6 +393,7 @@ class Reader(SplitReader):
         self.shard_bytes = [s["bytes"] for s in entry["shards"]]
         self.tables = (entry["records"], entry["paths"])
         self._records: np.ndarray | None = None
+        self._record_blocks: tuple | None = None  # (records.bin mapped, its BlockChecks): record_blocks()
         self._labels: np.ndarray | None = None
         self._paths: PathTable | None = None
         self._shard_starts: np.ndarray | None = None  # stored_in()'s bounds
@@ -413,9 +414,9 @@ class Reader(SplitReader):
                                    f"unreadable; {DAMAGED}", self.path)
         return crcs
 
-    def read_table(self, name: str, size: int | None = None) -> tuple:
+    def read_table(self, name: str, size: int | None = None, crc: bool = True) -> tuple:
         """Table name (records or paths) as (map, start, length), checked (SplitReader.table_file)."""
-        return self.table_file(name, self.tables[0 if name == "records" else 1], size, RECORD.itemsize)
+        return self.table_file(name, self.tables[0 if name == "records" else 1], size, RECORD.itemsize, crc)
 
     def load_records(self) -> np.ndarray:
         """records.bin, checked: one record per sample, each in one of the split's shards and
@@ -435,6 +436,36 @@ class Reader(SplitReader):
                                    self.path)
         self.checked_labels(records["label"], where)
         return records
+
+    def record_blocks(self) -> tuple:
+        """(records.bin, mapped, and its BlockChecks): read_image checks the block of 16,384
+        records around its own on first use (shards, extents, labels: as load_records does
+        for the whole table, whose sum of sizes and CRC-32 are left to check_tables)."""
+        if self._record_blocks is None:
+            self._record_blocks = self.loaded("record blocks", self.map_records)
+        return self._record_blocks
+
+    def map_records(self) -> tuple:
+        region, start, size = self.read_table("records", self.count * RECORD.itemsize, crc=False)
+        records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
+        where, shards = os.path.join(self.path, self.tables[0]), len(self.shards)
+        sizes = np.array([self.shard_size(k) for k in range(shards)], np.uint64)  # one stat a shard
+        classes, labeled, path = len(self.classes), self.metadata.splits[self.split].labeled, self.path
+
+        def check(begin: int, end: int) -> None:  # not a method: the reader holds it, so no cycle
+            part = records[begin:end]
+            if int(part["shard"].max()) >= shards:
+                raise CorruptDataError(f"{where}: a record names shard {int(part['shard'].max())}, the split has "
+                                       f"{shards}; {DAMAGED}", path)
+            check_within(part["offset"], part["size"], sizes, where, "record", size_of=part["shard"])
+            check_labels(part["label"], classes, labeled, where)
+        return records, BlockChecks(self.count, check)
+
+    def check_layout_tables(self) -> None:
+        self.records  # loaded whole: its CRC-32 and every check
+
+    def map_labels(self) -> tuple[np.ndarray, str]:
+        return self.record_blocks()[0]["label"], os.path.join(self.path, self.tables[0])
 
     def shard_size(self, shard: int) -> int:
         """The size of a shard's file; for a missing one, no bound (reading it says it is missing).
@@ -486,7 +517,7 @@ class Reader(SplitReader):
         return fds[shard]
 
     def load_tables(self) -> None:
-        self.records  # a property: read and cached on first access
+        self.record_blocks()
 
     def read_order(self) -> np.ndarray:
         """Samples by (shard, offset): the order the shards hold them in (int32, as stored orders are)."""
@@ -546,7 +577,9 @@ class Reader(SplitReader):
 
     def read_image(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
-        shard, crc, offset, size, label = self.records[index].tolist()
+        records, checks = self._record_blocks or self.record_blocks()
+        checks.ensure(index)
+        shard, crc, offset, size, label = records[index].tolist()
         data = _io.pread(self.shard_fd(shard), size, offset)
         if len(data) != size:
             raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): shard truncated, {size} bytes "
