@@ -8,8 +8,8 @@ machine's inodes, and what is measured here is what the pack's tables and the sa
 cost per record, which the records' size does not change). For each size it measures, in
 fresh processes:
 - the pack: wall time, records/s, the packer's peak RSS (the kernel's high-water mark);
-- open: a fresh process's open_reader(...).open(), which loads and checks every table
-  (imports left out; a DataLoader worker loads only what its reads need);
+- open: a fresh process's open_reader(...).open(), which maps the tables reads use
+  (imports left out; reads check the blocks they use, check_tables every table whole);
 - first batch: a shuffled make_loader (ShuffleSampler, 2 workers, batch 256) from the
   dataset's construction to its first batch;
 - memory after 10,000 random reads: the main process's and each worker's USS
