@@ -283,3 +283,22 @@ def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_the_two_
     far = tiny.extrapolated(rows, 1_000)
     assert far["open_s"] == pytest.approx(11.0) and far["main"]["uss_mb"] == 10.0
     assert "1,000 (extrapolated)" not in tiny.table(rows) and "400,000,000 (extrapolated)" in tiny.table(rows)
+
+
+def test_opening_a_webdataset_pack_checks_no_table_whole(tmp_path):
+    # records.bin is mapped and its size checked; a read checks the block of records it lands in.
+    import tracemalloc
+    from benchmarks import tiny
+
+    records = 40_000
+    out = str(tmp_path / "tiny.wds")
+    tiny.write_tiny_pack(out, records, fmt="wds")
+    reader = open_reader(out)
+    tracemalloc.start()
+    reader.open()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < records, f"open allocated {peak} bytes for {records} records"
+    assert reader.read_image(records - 1) == ((records - 1).to_bytes(5, "little"), tiny.CLASSES - 1)
+    reader.check_tables()
+    reader.close()
