@@ -194,21 +194,28 @@ def mapped_rss(path: str) -> int:
     return total
 
 
+def open_peak(reader) -> int:
+    """The most bytes Python and numpy held at once during reader.open()."""
+    import tracemalloc
+
+    tracemalloc.start()
+    reader.open()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
 def test_opening_a_large_hdf5_pack_reads_no_table_whole(tmp_path):
     # Open maps the tables and checks their sizes and ends: no array per record is made
     # (the path table's offsets were 4 bytes a record) and only a few pages of the tables
     # are touched; a read checks the blocks it uses, check_tables every table whole.
-    import tracemalloc
     from benchmarks import tiny
 
     records = 100_000
     out = str(tmp_path / "tiny.h5")
     tiny.write_tiny_pack(out, records)
     reader = open_reader(out)
-    tracemalloc.start()
-    reader.open()
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    peak = open_peak(reader)
     assert peak < records, f"open allocated {peak} bytes for {records} records"
     offsets, _ = reader.index()
     # Pages of the 3.3 MB of tables mapped in (a fault maps its neighbours too, up to 64 KB)
@@ -287,17 +294,13 @@ def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_the_two_
 
 def test_opening_a_webdataset_pack_checks_no_table_whole(tmp_path):
     # records.bin is mapped and its size checked; a read checks the block of records it lands in.
-    import tracemalloc
     from benchmarks import tiny
 
     records = 40_000
     out = str(tmp_path / "tiny.wds")
     tiny.write_tiny_pack(out, records, fmt="wds")
     reader = open_reader(out)
-    tracemalloc.start()
-    reader.open()
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    peak = open_peak(reader)
     assert peak < records, f"open allocated {peak} bytes for {records} records"
     assert reader.read_image(records - 1) == ((records - 1).to_bytes(5, "little"), tiny.CLASSES - 1)
     reader.check_tables()
