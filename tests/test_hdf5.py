@@ -16,6 +16,7 @@ import xxhash
 from click.testing import CliRunner
 
 import readers
+from packer.formats import _tables
 from packer import CorruptDataError, FormatError, open_reader, pack
 from packer.cli import main
 from packer.formats import hdf5 as hdf5_format
@@ -107,17 +108,25 @@ def test_forked_child_opens_its_own_file_and_parent_keeps_reading(image_tree, tm
 
 
 @pytest.mark.parametrize("checksums", [True, False])
-def test_damaged_offsets_are_reported_not_misread(image_tree, tmp_path, checksums):
-    # A read range-checks its block of the table on first use; the table's CRC-32 is checked
-    # whole by check_tables (packer verify), and by opening: an older pack has none.
+@pytest.mark.parametrize("large", [False, True])
+def test_damaged_offsets_are_reported_not_misread(image_tree, tmp_path, checksums, large, monkeypatch):
+    # A table up to CRC_AT_OPEN is CRC-checked whole when a reader opens it; a larger one (large:
+    # a limit of 0 stands in for it) is range-checked a block at a time as reads use it, and
+    # CRC-checked whole by check_tables (packer verify). An older pack has no CRC: the range check.
+    if large:
+        monkeypatch.setattr(_tables, "CRC_AT_OPEN", 0)
     out = packed(image_tree, tmp_path)
     with h5py.File(out, "r+", locking=False) as f:
         f["all/offsets"][5] = 10 ** 9
         if not checksums:
             del f["all"].attrs["checksums"]
-    reader = open_reader(out).open()  # nothing is read whole at open: no error yet
-    with pytest.raises(CorruptDataError, match=r"all/offsets: entries 0\.\.\d+ do not describe"):
-        reader.read(0)
+    if checksums and not large:
+        with pytest.raises(CorruptDataError, match="all/offsets: checksum mismatch"):
+            open_reader(out).read(0)
+    else:
+        reader = open_reader(out).open()  # nothing is read whole at open: no error yet
+        with pytest.raises(CorruptDataError, match=r"all/offsets: entries 0\.\.\d+ do not describe"):
+            reader.read(0)
     message = "all/offsets: checksum mismatch" if checksums else "all/offsets: does not describe"
     with pytest.raises(CorruptDataError, match=message):
         open_reader(out).check_tables()

@@ -21,7 +21,7 @@ from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
-from ._tables import (DAMAGED, BlockChecks, check_count, check_crc, check_labels, expected_crc, fd_identity, file_identity, is_permutation,
+from ._tables import (DAMAGED, BlockChecks, check_count, check_crc, check_labels, crc_now, expected_crc, fd_identity, file_identity, is_permutation,
                       map_region, region_view, replaced_error)
 
 
@@ -195,7 +195,7 @@ class SplitReader(LazyHandle):
         finally:
             os.close(fd)
         expected = expected_crc(self.table_checksums(), table, where)
-        if crc:
+        if crc or crc_now(found):
             check_crc(region_view(region, start, found), expected, where)
         return region, start, found
 

@@ -106,6 +106,18 @@ def decode_checksums(raw: bytes | str | None, where: str) -> dict[str, int] | No
     raise CorruptDataError(f"{where}: the table checksums are unreadable; {DAMAGED}", where)
 
 
+# A mapped table up to this size is still CRC-checked whole when a reader opens it (tens of ms,
+# ImageNet-21k's tables and below), so no flipped byte of it is ever read back; a larger one is
+# range-checked a block at a time as reads use it, and CRC-checked whole by check_tables (packer
+# verify): opening 10^8 records must not read gigabytes first (docs/safety.md).
+CRC_AT_OPEN = 64 << 20
+
+
+def crc_now(nbytes: int) -> bool:
+    """Whether a mapped table of nbytes is CRC-checked when it is opened (CRC_AT_OPEN)."""
+    return nbytes <= CRC_AT_OPEN
+
+
 def check_crc(raw, expected: int | None, where: str) -> None:
     """Raise unless raw's CRC-32 is expected (None: no checksum stored, nothing to check)."""
     if expected is not None and table_crc(raw) != expected:

@@ -82,7 +82,7 @@ from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
 from ._reader import SplitReader, remote_variant
-from ._tables import (CHECK_BLOCK, DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc,
+from ._tables import (CHECK_BLOCK, DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc, crc_now,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
                       nul_separated_chunks, replaced_error)
 
@@ -395,7 +395,7 @@ class Reader(SplitReader):
         except (KeyError, OSError, ValueError, TypeError) as exc:
             raise CorruptDataError(f"{where}: cannot read it ({exc}); {DAMAGED}", self.path) from exc
         expected = expected_crc(crcs, name, where)
-        if crc:
+        if crc or crc_now(values.nbytes):
             check_crc(values, expected, where)
         if length >= 0:
             check_count(values.size, length, where)
