@@ -21,8 +21,8 @@ from ..records import Metadata, choose_split
 from . import _handle
 from ._handle import LazyHandle
 from ._io import cached, check_access, open_for_reading, will_need
-from ._tables import (DAMAGED, BlockChecks, check_count, check_crc, check_labels, crc_now, expected_crc, fd_identity, file_identity, is_permutation,
-                      map_region, region_view, replaced_error)
+from ._tables import (DAMAGED, BlockChecks, check_count, check_crc, check_labels, checked_whole, crc_now, expected_crc,
+                      fd_identity, file_identity, is_permutation, map_region, region_view, replaced_error)
 
 
 _UNREAD = object()
@@ -62,6 +62,8 @@ class SplitReader(LazyHandle):
 
     _order = _UNREAD  # storage_order(), read once
     _label_blocks = None  # (mapped labels, BlockChecks) for label()
+    _labels = None  # the labels property: the label table, checked whole
+    _paths = None  # the paths property: the path table (PathTable), checked whole
     remote = None  # packer.remote.source.Remote where the dataset is a URL
     # index -> stored position, built from storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
@@ -95,9 +97,8 @@ class SplitReader(LazyHandle):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update(self.TABLES, _loaded={})
-        state.pop("_order", None)
-        state.pop("_position", None)
-        state.pop("_label_blocks", None)
+        for name in ("_order", "_position", "_label_blocks", "_labels", "_paths"):
+            state.pop(name, None)  # this process's maps: each process loads its own
         return state
 
     def check_identity(self, identity: tuple | None = None) -> None:
@@ -304,6 +305,11 @@ class SplitReader(LazyHandle):
         self.load_tables()
         if self._label_blocks is None:
             self._label_blocks = self.loaded("label blocks", self.label_blocks)
+        if self.remote is not None:
+            # At a URL every table is read whole into this process (no map to share), the path
+            # table too, now: loaded later, a damaged record's report would fetch it inside
+            # read_image_refetched's retry, which drops and fetches again all that read fetched.
+            self.paths
         return self
 
     def check_tables(self) -> None:
@@ -312,6 +318,31 @@ class SplitReader(LazyHandle):
         self.open()
         self.labels, self.paths  # properties: read, checked whole and cached on first access
         self.check_layout_tables()
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every record's label (int32, mapped where the layout allows), the whole table
+        checked once, on first access (load_labels): what check_tables, verify and class
+        statistics use. A read takes its label through label(), which checks a block."""
+        if self._labels is None:
+            self._labels = self.loaded("labels", self.load_labels)
+        return self._labels
+
+    @property
+    def paths(self):
+        """Every record's relative path (a packer.records.PathTable over the mapped table),
+        the whole table checked once, on first access (load_paths)."""
+        if self._paths is None:
+            self._paths = self.loaded("paths", self.load_paths)
+        return self._paths
+
+    def load_labels(self) -> np.ndarray:
+        """The label table, checked whole: its CRC-32 and every label's range."""
+        raise NotImplementedError
+
+    def load_paths(self):
+        """The path table, checked whole: its CRC-32, its count and every path."""
+        raise NotImplementedError
 
     def load_tables(self) -> None:
         """Map the layout's own per-record tables (extents, offsets, chunk map); none here."""
@@ -329,7 +360,10 @@ class SplitReader(LazyHandle):
         return labels.item(index)
 
     def label_blocks(self) -> tuple:
-        """(the label table, mapped, and its BlockChecks)."""
+        """(the label table, mapped, and its BlockChecks); at a URL, the table read whole
+        (labels), once, checked whole."""
+        if self.remote is not None:
+            return self.labels, BlockChecks(self.count, checked_whole)
         labels, where = self.map_labels()
         check_count(len(labels), self.count, where)
         classes, labeled = len(self.classes), self.metadata.splits[self.split].labeled

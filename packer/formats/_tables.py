@@ -64,10 +64,30 @@ class BlockChecks:
             self.check(block * CHECK_BLOCK, min(self.count, (block + 1) * CHECK_BLOCK))
             self.checked[block] = 1
 
+    def ensure_every(self) -> None:
+        """Check every block not checked yet: the whole table (check_tables)."""
+        for block in range(len(self.checked)):
+            self.ensure(block * CHECK_BLOCK)
+
     def ensure_all(self, entries: np.ndarray) -> None:
         """Check the blocks of every entry in entries (vectorised ensure)."""
         for block in np.unique(np.asarray(entries, np.int64) // CHECK_BLOCK).tolist():
             self.ensure(block * CHECK_BLOCK)
+
+
+def offsets_check(offsets: np.ndarray, size: int, where: str, path: str):
+    """check(start, stop) for BlockChecks: raise unless offsets[start..stop] rise within [0,
+    size] (each block takes the next one's first entry, so every pair is compared once)."""
+    def check(start: int, stop: int) -> None:  # a closure, not a method: no reference cycle
+        part = offsets[start:stop + 1]
+        if int(part.min()) < 0 or int(part.max()) > size or bool((part[1:] < part[:-1]).any()):
+            raise CorruptDataError(f"{where}: entries {start}..{stop} do not describe the {size} bytes they index "
+                                   f"(each within them, none below the one before); {DAMAGED}", path)
+    return check
+
+
+def checked_whole(start: int, stop: int) -> None:
+    """BlockChecks' check for a table already checked whole (read whole at a URL): none left."""
 
 
 def is_permutation(order: np.ndarray) -> bool:

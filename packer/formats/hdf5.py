@@ -50,13 +50,13 @@ The per-record tables are written whole when a split ends, so HDF5 stores each c
 stored otherwise (chunked, as packs before this were written for offsets and crc32, or in
 another byte order) is read into memory as before.
 
-Every table is checked once, when it loads: its CRC-32, its length against the metadata's
-count, offsets rising from 0 to the size of images, labels against the class list; and
-images must have storage for all its bytes (a sparse dataset, whose unwritten bytes HDF5
-would make up as zeros, is damage) within the file. Readers are tied to the file they
-read the metadata of (inode, size, mtime: _tables.file_identity): a file replaced
-at its path while in use (pack --force) is refused by a reader created before, in any
-process that opens it afresh, rather than mixed with the old one.
+Opening checks each table's length and ends, and that images is stored whole in the
+file (HDF5 makes up zeros for a sparse dataset's unwritten bytes); a read range-checks the
+block of offsets and labels it uses on first use, and check_tables (verify) checks every
+table whole with its CRC-32 (docs/safety.md). Readers are tied to the file they read the
+metadata of (inode, size, mtime: _tables.file_identity): a file replaced at its path while
+in use (pack --force) is refused by a reader created before, in any process that opens it
+afresh, rather than mixed with the old one.
 
 A file named by URL (`https://host/imagenet.h5`) is opened by h5py as a Python file
 object over a packer.remote byte source (its metadata reads come from cached blocks),
@@ -82,9 +82,9 @@ from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
 from ._reader import SplitReader, remote_variant
-from ._tables import (CHECK_BLOCK, DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, buffer_of, check_count, check_crc, crc_now,
+from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
-                      nul_separated_chunks, replaced_error)
+                      nul_separated_chunks, offsets_check, replaced_error)
 
 EXTENSION = ".h5"
 DIRECTORY = False
@@ -303,7 +303,7 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote); its tables are then read into memory.
     """
 
-    TABLES = {"_offsets": None, "_offset_blocks": None, "_crcs": None, "_labels": None, "_paths": None, "_chunks": None, "_breaks": None}
+    TABLES = {"_offsets": None, "_offset_blocks": None, "_crcs": None, "_chunks": None, "_breaks": None}
     MAPS_DATA_FILE = True
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -321,8 +321,6 @@ class Reader(SplitReader):
         self._offsets: np.ndarray | None = None
         self._offset_blocks: BlockChecks | None = None  # offsets' range checks, a block at a time
         self._crcs: memoryview | None = None
-        self._labels: np.ndarray | None = None
-        self._paths: PathTable | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
 
     def _open(self):
@@ -429,28 +427,19 @@ class Reader(SplitReader):
         from 0 to the size of images, whose bytes are all stored, in the file; each block
         rises within [0, size], checked on its first use. The tables' CRC-32s are left to
         check_layout_tables: a damaged crc32 entry fails its record's read, never passes it."""
-        offsets = self._array("offsets", self.count + 1, "<i8", crc=False)
+        offsets, where = self._array("offsets", self.count + 1, "<i8", crc=False), self.table_where("offsets")
         size = self.check_images()
-        where, path = self.table_where("offsets"), self.path
         if offsets[0] != 0 or offsets[-1] != size:
             raise CorruptDataError(f"{where}: does not describe the {size}-byte images dataset; {DAMAGED}", self.path)
-
-        def check(start: int, stop: int) -> None:  # not a method: the reader holds it, so no cycle
-            part = offsets[start:stop + 1]
-            if int(part.min()) < 0 or int(part.max()) > size or bool((part[1:] < part[:-1]).any()):
-                raise CorruptDataError(f"{where}: entries {start}..{stop} do not describe the {size}-byte images "
-                                       f"dataset; {DAMAGED}", path)
         crcs = int_view(self._array("crc32", self.count, "<u4", crc=False))
-        return crcs, offsets, BlockChecks(self.count, check)
+        return crcs, offsets, BlockChecks(self.count, offsets_check(offsets, size, where, self.path))
 
     def check_layout_tables(self) -> None:
-        """The offsets and crc32 tables' CRC-32s, and every offset in order."""
+        """The offsets and crc32 tables' CRC-32s, and every block of offsets (load_index)."""
         self._array("offsets", self.count + 1, "<i8")
         self._array("crc32", self.count, "<u4")
-        offsets, _ = self.index()
-        if not rising(offsets):
-            raise CorruptDataError(f"{self.table_where('offsets')}: does not describe the images dataset; {DAMAGED}",
-                                   self.path)
+        self.index()
+        self._offset_blocks.ensure_every()
 
     def check_images(self) -> int:
         """The size of images, checked to be stored whole in the file: HDF5 makes up zeros
@@ -498,10 +487,11 @@ class Reader(SplitReader):
         if chunks is None:
             return None
         offsets, _ = self.index()
-        self._offset_blocks.ensure_all(np.arange(0, self.count, CHECK_BLOCK) if positions is None else positions)
         if positions is None:
+            self._offset_blocks.ensure_every()
             starts, stops = offsets[:-1], offsets[1:]
         else:
+            self._offset_blocks.ensure_all(positions)
             starts, stops = offsets[positions], offsets[positions + 1]
         first, last = starts // CHUNK_BYTES, np.maximum(stops - 1, starts) // CHUNK_BYTES
         first, last = np.minimum(first, len(chunks) - 1), np.minimum(last, len(chunks) - 1)
@@ -547,8 +537,7 @@ class Reader(SplitReader):
         if chunks is None or start >= stop:
             return
         offsets, _ = self.index()
-        self._offset_blocks.ensure(start)
-        self._offset_blocks.ensure(stop - 1)
+        self._offset_blocks.ensure_all((start, stop - 1))  # the blocks of offsets[start] and offsets[stop]
         first, last = int(offsets[start]) // CHUNK_BYTES, (int(offsets[stop]) - 1) // CHUNK_BYTES
         if last >= first:
             lo, hi = int(chunks[first:last + 1].min()), int(chunks[first:last + 1].max()) + CHUNK_BYTES
@@ -578,23 +567,6 @@ class Reader(SplitReader):
         table = PathTable.from_nul_separated(buffer, self.table_where("paths"), start, values.size)
         check_count(len(table), self.count, self.table_where("paths"), "paths")
         return table
-
-    @property
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            self._labels = self.loaded("labels", self.load_labels)
-        return self._labels
-
-    @property
-    def paths(self) -> PathTable:
-        if self._paths is None:
-            self._paths = self.loaded("paths", self.load_paths)
-        return self._paths
-
-
-def rising(offsets: np.ndarray) -> bool:
-    """Whether offsets never decrease, checked a block at a time (small temporaries)."""
-    return not any(np.any(np.diff(offsets[start:stop + 1]) < 0) for start, stop in blocks(len(offsets)))
 
 
 def chunk_map(images: h5py.Dataset) -> np.ndarray | None:

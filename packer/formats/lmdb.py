@@ -323,7 +323,7 @@ class Reader(SplitReader):
     path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
     how to read it (packer.remote.source.Remote)."""
 
-    TABLES = {"_labels": None, "_paths": None, "_extents": None, "_extent_at": None, "_extent_length": None,
+    TABLES = {"_extents": None, "_extent_at": None, "_extent_length": None,
               "_sums": None}
     MAPS_DATA_FILE = True
 
@@ -335,8 +335,6 @@ class Reader(SplitReader):
             where, identity, metadata = remote_metadata(path, remote)
             super().__init__(path, split, check_crc, metadata, where, identity)
             self.read_remotely(remote)
-        self._labels: np.ndarray | None = None
-        self._paths: PathTable | None = None
         self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
         self._sums: memoryview | None | bool = None  # False: none stored
 
@@ -607,18 +605,6 @@ class Reader(SplitReader):
         paths = PathTable.from_nul_separated(buffer, self.table_where(b"paths"), start, length)
         check_count(len(paths), self.count, self.table_where(b"paths"), "paths")
         return paths
-
-    @property
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            self._labels = self.loaded("labels", self.load_labels)
-        return self._labels
-
-    @property
-    def paths(self) -> PathTable:
-        if self._paths is None:
-            self._paths = self.loaded("paths", self.load_paths)
-        return self._paths
 
 
 RemoteReader = remote_variant(Reader)

@@ -60,9 +60,10 @@ and convert see the same order as every other format; read(i) is one pread.
 
 The Reader maps records.bin and paths.bin rather than reading them into each process
 (_tables: their pages are the page cache's, shared by every process that reads the
-dataset), and checks each table once, when it loads: its CRC-32, its length against the
-metadata's count, every record's shard among the split's shards and its bytes within that
-shard's file, labels against the class list. A Reader is tied to the index.json it read
+dataset). Opening checks records.bin's length against the metadata's count; a read checks
+the block of records around its own on first use (each record's shard among the split's
+shards, its bytes within that shard's file, its label against the class list), and
+check_tables (verify) each table whole with its CRC-32 (docs/safety.md). A Reader is tied to the index.json it read
 (inode, size, mtime: _tables.file_identity): each table and shard it opens later,
 in any process, is checked to belong to it, so a dataset replaced at its path while in
 use (pack --force) is refused rather than mixed with the old one.
@@ -95,8 +96,9 @@ from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
 from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
                       BalancedCut, auto_shard_size, balanced_shard_count)
-from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, check_count, check_labels, check_within,
-                      dataset_identity, nul_separated_chunks)
+from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, check_count, check_labels, check_within,
+                      checked_whole, dataset_identity, nul_separated_chunks)
+from ._wids import WIDS_INDEX, wids_index_bytes, wids_index_problems
 
 EXTENSION = ".wds"
 DIRECTORY = True
@@ -104,8 +106,6 @@ INDEX = "index.json"
 # 2: members named by content (jpg, not the source's jpeg), and <split>/wids-index.json.
 LAYOUT_VERSION = 2
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
-WIDS_INDEX = "wids-index.json"
-MAX_WIDS_INDEX_BYTES = 64 << 20
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
@@ -356,18 +356,6 @@ class Writer:
             self.hasher = None
 
 
-def wids_index(split: str, entry: dict, classes: list[str]) -> dict:
-    """The split's shard list in the shape wids.ShardListDataset loads, urls relative to the file."""
-    return {"wids_version": 1, "name": split, "classes": list(classes),
-            "shardlist": [{"url": shard["name"].partition("/")[2], "nsamples": shard["count"]}
-                          for shard in entry["shards"]]}
-
-
-def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
-    return json.dumps(wids_index(split, entry, classes), ensure_ascii=False, indent=1).encode(
-        "utf-8", PATH_ENCODING_ERRORS)
-
-
 class Reader(SplitReader):
     """Random access to one split's samples in ImageFolder order: one pread per sample.
 
@@ -377,7 +365,7 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote).
     """
 
-    TABLES = {"_records": None, "_record_blocks": None, "_labels": None, "_paths": None, "_shard_starts": None}
+    TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -394,8 +382,6 @@ class Reader(SplitReader):
         self.tables = (entry["records"], entry["paths"])
         self._records: np.ndarray | None = None
         self._record_blocks: tuple | None = None  # (records.bin mapped, its BlockChecks): record_blocks()
-        self._labels: np.ndarray | None = None
-        self._paths: PathTable | None = None
         self._shard_starts: np.ndarray | None = None  # stored_in()'s bounds
         self.bind(entry)
 
@@ -419,35 +405,37 @@ class Reader(SplitReader):
         return self.table_file(name, self.tables[0 if name == "records" else 1], size, RECORD.itemsize, crc)
 
     def load_records(self) -> np.ndarray:
-        """records.bin, checked: one record per sample, each in one of the split's shards and
-        within that shard's file, labels in range."""
+        """records.bin, checked whole: its CRC-32, every record as record_check checks a
+        block, and the records' sizes adding up to the split's bytes."""
         region, start, size = self.read_table("records", self.count * RECORD.itemsize)
         records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
-        where = os.path.join(self.path, self.tables[0])
-        if len(records) and int(records["shard"].max()) >= len(self.shards):
-            raise CorruptDataError(f"{where}: a record names shard {int(records['shard'].max())}, the split has "
-                                   f"{len(self.shards)}; {DAMAGED}", self.path)
-        sizes = np.array([self.shard_size(k) for k in range(len(self.shards))], np.uint64)
-        if len(records):
-            check_within(records["offset"], records["size"], sizes, where, "record", size_of=records["shard"])
-        if int(records["size"].sum(dtype=np.uint64)) != self.metadata.splits[self.split].bytes:
-            raise CorruptDataError(f"{where}: the records' sizes add up to {int(records['size'].sum())} bytes, "
-                                   f"the metadata says {self.metadata.splits[self.split].bytes}; {DAMAGED}",
-                                   self.path)
-        self.checked_labels(records["label"], where)
+        check, where = self.record_check(records), os.path.join(self.path, self.tables[0])
+        for begin, end in blocks(len(records)):
+            check(begin, end)
+        total = int(records["size"].sum(dtype=np.uint64))
+        if total != self.metadata.splits[self.split].bytes:
+            raise CorruptDataError(f"{where}: the records' sizes add up to {total} bytes, the metadata says "
+                                   f"{self.metadata.splits[self.split].bytes}; {DAMAGED}", self.path)
         return records
 
     def record_blocks(self) -> tuple:
-        """(records.bin, mapped, and its BlockChecks): read_image checks the block of 16,384
-        records around its own on first use (shards, extents, labels: as load_records does
-        for the whole table, whose sum of sizes and CRC-32 are left to check_tables)."""
+        """(records.bin, mapped, and its BlockChecks): read_image checks the block of records
+        around its own on first use (record_check); the table's CRC-32 and the sum of its
+        sizes are left to check_tables (load_records)."""
         if self._record_blocks is None:
             self._record_blocks = self.loaded("record blocks", self.map_records)
         return self._record_blocks
 
     def map_records(self) -> tuple:
+        if self.remote is not None:  # read whole at a URL in any case: once, checked whole
+            return self.records, BlockChecks(self.count, checked_whole)
         region, start, size = self.read_table("records", self.count * RECORD.itemsize, crc=False)
         records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
+        return records, BlockChecks(self.count, self.record_check(records))
+
+    def record_check(self, records: np.ndarray):
+        """check(begin, end): raise unless records [begin, end) each name one of the split's
+        shards, lie within that shard's file and hold a label in range."""
         where, shards = os.path.join(self.path, self.tables[0]), len(self.shards)
         sizes = np.array([self.shard_size(k) for k in range(shards)], np.uint64)  # one stat a shard
         classes, labeled, path = len(self.classes), self.metadata.splits[self.split].labeled, self.path
@@ -459,7 +447,7 @@ class Reader(SplitReader):
                                        f"{shards}; {DAMAGED}", path)
             check_within(part["offset"], part["size"], sizes, where, "record", size_of=part["shard"])
             check_labels(part["label"], classes, labeled, where)
-        return records, BlockChecks(self.count, check)
+        return check
 
     def check_layout_tables(self) -> None:
         self.records  # loaded whole: its CRC-32 and every check
@@ -477,6 +465,9 @@ class Reader(SplitReader):
         except OSError:
             return np.iinfo(np.uint64).max
 
+    def load_labels(self) -> np.ndarray:
+        return np.asarray(self.records["label"], np.int32)  # a view of the mapped table, checked whole
+
     def load_paths(self) -> PathTable:
         where = os.path.join(self.path, self.tables[1])
         region, start, size = self.read_table("paths")
@@ -489,18 +480,6 @@ class Reader(SplitReader):
         if self._records is None:
             self._records = self.loaded("records", self.load_records)
         return self._records
-
-    @property
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            self._labels = np.asarray(self.records["label"], np.int32)  # a view of the mapped table
-        return self._labels
-
-    @property
-    def paths(self) -> PathTable:
-        if self._paths is None:
-            self._paths = self.loaded("paths", self.load_paths)
-        return self._paths
 
     def _open(self) -> dict:
         self.check_identity()  # a worker opening afresh fails here, before any read
@@ -604,7 +583,7 @@ def check_files(path: str) -> list[str]:
     problems, checks = [], []
     for split, entry in index["wds"]["splits"].items():
         if "wids_index" in entry:
-            problems += wids_index_problems(path, split, entry, index["classes"])
+            problems += wids_index_problems(path, split, entry, index["classes"], INDEX)
         counts = table_shard_counts(path, split, len(entry["shards"]))
         checks += [(shard, None if counts is None else int(counts[k])) for k, shard in enumerate(entry["shards"])]
     return problems + shards_problems(path, checks, _tar.count_samples)
@@ -622,24 +601,6 @@ def table_shard_counts(path: str, split: str, shards: int) -> np.ndarray | None:
         counts += np.bincount(block, minlength=shards)[:shards]
     reader.close()
     return counts
-
-
-def wids_index_problems(path: str, split: str, entry: dict, classes: list[str]) -> list[str]:
-    """The split's wids index must list exactly its shards, counts and classes (what the writer wrote)."""
-    name = entry["wids_index"]
-    try:
-        with open(os.path.join(path, name), "rb") as f:
-            raw = f.read(MAX_WIDS_INDEX_BYTES + 1)
-    except OSError as exc:
-        return [f"{name}: cannot read the wids index ({exc.strerror or exc}); re-pack the dataset"]
-    try:
-        found = json.loads(raw.decode("utf-8", PATH_ENCODING_ERRORS))
-    except (ValueError, RecursionError) as exc:
-        return [f"{name}: the wids index is not JSON ({str(exc)[:80]}); re-pack the dataset"]
-    if found != wids_index(split, entry, classes):
-        return [f"{name}: the wids index does not list the split's shards, sample counts and classes as "
-                f"{INDEX} does (changed or damaged); re-pack the dataset"]
-    return []
 
 
 def info_facts(path: str, remote=None) -> dict:
