@@ -345,6 +345,9 @@ def strip_table_checksums(out: Path, fmt: str) -> None:
         index = json.loads((out / "index.json").read_text())
         for entry in index["wds"]["splits"].values():
             del entry["records_crc32"], entry["paths_crc32"]
+            if entry.pop("order", None):  # order.bin came after table checksums
+                del entry["order_crc32"]
+                (out / "all" / "order.bin").unlink()
         (out / "index.json").write_text(json.dumps(index))
 
 

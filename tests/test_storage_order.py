@@ -11,6 +11,8 @@ from click.testing import CliRunner
 
 from packer import pack
 from packer.cli import main
+from packer.errors import CorruptDataError
+from packer.formats import _tables
 from packer.formats import open_reader
 from packer.pack import write_order
 from packer.verify import verify
@@ -117,3 +119,47 @@ def test_convert_can_shuffle_into_a_map_format(sorted_tree, tmp_path):
         data, _, relpath = reader.read(i)
         assert relpath == reader.paths[i] and data == (sorted_tree / relpath).read_bytes()
     reader.close()
+
+
+def test_shuffled_wds_stores_its_order_and_reads_each_shard_from_it(sorted_tree, tmp_path):
+    out = tmp_path / "s.wds"
+    pack(str(sorted_tree), "wds", str(out), shuffle=True, shuffle_seed=5, progress=False, workers=1,
+         options={"max_count": 8})
+    entry = json.loads((out / "index.json").read_text())["wds"]["splits"]["all"]
+    stored = np.fromfile(out / "all" / "order.bin", "<i4")
+    np.testing.assert_array_equal(stored, write_order(21, "all", 5))
+    reader = open_reader(str(out))
+    assert reader.order_table == entry["order"] == "all/order.bin"
+    runs = [reader.stored_in(shard).tolist() for shard in range(len(reader.shards))]
+    assert sum(runs, []) == stored.tolist()
+    assert all(reader.records["shard"][run].tolist() == [shard] * len(run) for shard, run in enumerate(runs))
+    reader.close()
+    # A pack written before the table (no "order") sorts records.bin into the same order.
+    index = json.loads((out / "index.json").read_text())
+    del index["wds"]["splits"]["all"]["order"], index["wds"]["splits"]["all"]["order_crc32"]
+    (out / "index.json").write_text(json.dumps(index))
+    (out / "all" / "order.bin").unlink()
+    older = open_reader(str(out))
+    assert older.order_table is None
+    np.testing.assert_array_equal(older.storage_order(), stored)
+    assert [older.stored_in(shard).tolist() for shard in range(len(older.shards))] == runs
+    older.close()
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_damaged_wds_order_fails_the_shard_that_uses_it_and_verify(sorted_tree, tmp_path, large, monkeypatch):
+    # Up to CRC_AT_OPEN the table is CRC-checked when mapped; a larger one (a limit of 0 stands
+    # in for it) is checked a shard's run at a time as streams use it, and whole by verify.
+    if large:
+        monkeypatch.setattr(_tables, "CRC_AT_OPEN", 0)
+    out = tmp_path / "s.wds"
+    pack(str(sorted_tree), "wds", str(out), shuffle=True, shuffle_seed=5, progress=False, workers=1,
+         options={"max_count": 8})
+    order = np.fromfile(out / "all" / "order.bin", "<i4")
+    order[[0, -1]] = order[[-1, 0]]  # two samples of different shards trade places
+    order.tofile(out / "all" / "order.bin")
+    reader = open_reader(str(out))
+    message = r"order\.bin: shard 0's 8 samples are not the ones records\.bin" if large else r"order\.bin: checksum"
+    with pytest.raises(CorruptDataError, match=message):
+        reader.stored_in(0)
+    assert any("order.bin: checksum mismatch" in problem for problem in verify(str(out)).problems)

@@ -885,7 +885,7 @@ def test_default_shard_size_gives_several_shards_none_over_the_auto_size(imagene
 
 
 def test_too_few_shards_for_the_cores_is_a_warning_saying_how_to_get_more(image_tree, tmp_path, monkeypatch):
-    monkeypatch.setattr(wds, "available_cores", lambda: 8)
+    monkeypatch.setattr(_shards, "available_cores", lambda: 8)
     result = pack(str(image_tree), "wds", str(tmp_path / "few.wds"), workers=1, progress=False)
     assert any("split all: 1 shard(s) for 19 samples, fewer than this machine's 8 cores" in w
                and "--max-count 2" in w for w in result.warnings), result.warnings

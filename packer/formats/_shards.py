@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from ..cores import available_cores
+
 AUTO_SHARDS = 64
 SHARD_MULTIPLES = (12, 6, 2)  # what auto shard counts are rounded up to: rank counts that divide them
 MIN_BALANCED_SHARD_SIZE = 1_000_000  # rounding up the count stops short of shards smaller than this
@@ -69,3 +71,17 @@ class BalancedCut:
         """Fix the count once PLAN_SAMPLES samples came, or at the first cut."""
         if self.planned is None and (cutting or added + 1 >= PLAN_SAMPLES):
             self.planned = self.shards(added, split_bytes)
+
+
+def few_shards_warning(split: str, shards: int, count: int) -> str | None:
+    """The warning for a split of count samples in fewer shards than this machine's cores,
+    though it could have more: streaming readers then share shards between DataLoader
+    workers, and a worker whose run starts inside a shard streams past the samples before
+    it (remote, or parsed)."""
+    cores = available_cores()
+    if shards >= cores or count <= shards:
+        return None
+    return (f"split {split}: {shards} shard(s) for {count} samples, fewer than this machine's {cores} cores; "
+            "streaming readers then share shards between DataLoader workers, which from object storage read past "
+            f"each other's samples: re-pack with a smaller --shard-size or --max-count {max(1, count // cores)} "
+            f"for {cores} or more shards")

@@ -26,6 +26,18 @@ def wids_index_bytes(split: str, entry: dict, classes: list[str]) -> bytes:
         "utf-8", PATH_ENCODING_ERRORS)
 
 
+def long_names_warning(split: str, count: int, first: str | None) -> str | None:
+    """The warning for a split whose member names need PAX records (count of them, the first
+    one's path): webdataset (tarfile), tar and packer's readers read them; wids 0.1's reader
+    takes the ustar field alone, cut or mangled, and then misgroups the split."""
+    if not count:
+        return None
+    return (f"split {split}: {count} sample(s) have names that are not ASCII or are over 100 bytes as tar members "
+            f"(first: {first!r}); webdataset.WebDataset, tar and packer's readers read them, but "
+            "wids.ShardListDataset (which reads only the ustar name field) misreads this split: rename those "
+            "files to short ASCII names before packing if you read it with wids")
+
+
 def wids_index_problems(path: str, split: str, entry: dict, classes: list[str], index_name: str) -> list[str]:
     """The split's wids index must list exactly its shards, counts and classes (what the
     writer wrote from the split's entry in index_name)."""

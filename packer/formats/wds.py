@@ -11,6 +11,11 @@
                                      where absent), uint64 data offset,
                                      uint64 data size, int32 label
   OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
+  OUT.wds/<split>/order.bin          int32 per sample, little-endian: the index of the sample at
+                                     each position of the split's shards, shard by shard ("order"
+                                     and "order_crc32" in the split's entry; absent when the pack
+                                     is not shuffled and in packs written before it, whose readers
+                                     sort records.bin by shard and offset instead)
   OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
                                      reader loads them, wids.ShardListDataset(<this file>):
                                      {"wids_version": 1, "name": "<split>", "classes": [...],
@@ -21,9 +26,9 @@
                                      ASCII or over 100 bytes: pack warns of those)
 
 The index names only files of its own dataset: load_index refuses any name but
-<split>/<name>.tar, <split>/records.bin, <split>/paths.bin and <split>/wids-index.json
-(the split's "wids_index", absent before layout 2), and any that resolves (through a
-symlink) outside OUT.wds. Its metadata checksum ("crc32", see packer.records) leaves out
+<split>/<name>.tar, <split>/records.bin, <split>/paths.bin, <split>/wids-index.json
+(the split's "wids_index", absent before layout 2) and <split>/order.bin (its "order"), and
+any that resolves (through a symlink) outside OUT.wds (_wds_index). Its metadata checksum ("crc32", see packer.records) leaves out
 "wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
 that each wids index lists exactly the split's shards, sample counts and classes.
 
@@ -83,118 +88,31 @@ from typing import Iterator
 import numpy as np
 
 from ..checksum import LEGACY, MASK
-from ..cores import available_cores
 from ..errors import CorruptDataError, FormatError, PackError
-from ..records import (MAX_METADATA_BYTES, PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name,
-                       parse_json, split_name_problem)
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name
 from ..remote import source as remote_source
 from . import _io, _tar
 from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
 from ._contract import Format, Option, parse_size, positive_int
-from ._files import ShardDigest, entry_problem, outside_problem, shards_problems, write_synced, write_synced_chunks
+from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
 from ._reader import SplitReader, remote_variant
 from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
-                      BalancedCut, auto_shard_size, balanced_shard_count)
+                      BalancedCut, auto_shard_size, balanced_shard_count, few_shards_warning)
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, check_count, check_labels, check_within,
                       checked_whole, dataset_identity, nul_separated_chunks)
-from ._wids import WIDS_INDEX, wids_index_bytes, wids_index_problems
+from ._wds_index import INDEX, LAYOUT_VERSION, foreign_index, load_index, named_files, open_index
+from ._wids import WIDS_INDEX, long_names_warning, wids_index_bytes, wids_index_problems
 
 EXTENSION = ".wds"
 DIRECTORY = True
-INDEX = "index.json"
-# 2: members named by content (jpg, not the source's jpeg), and <split>/wids-index.json.
-LAYOUT_VERSION = 2
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 SHARD_NAME = "shard-{:06d}.tar"
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
 
-PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
-
-
 def detect(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX)) and not foreign_index(path)
-
-
-def foreign_index(path: str) -> bool:
-    """Whether path's index.json is another tool's (a wids shard list beside the shards): a
-    JSON object with keys, none of them packer's. One that does not parse, or is empty,
-    counts as packer's, so that its damage is reported."""
-    try:
-        with open(os.path.join(path, INDEX), "rb") as f:
-            index = json.loads(f.read(MAX_METADATA_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(index, dict) and bool(index) and not PACKER_INDEX_KEYS & set(index)
-
-
-def load_index(path: str) -> dict:
-    """The parsed index.json of the dataset at path, checked (see open_index)."""
-    return open_index(path)[0]
-
-
-def open_index(path: str, remote=None) -> tuple[dict, Metadata]:
-    """The parsed index.json and its Metadata, checked: the metadata field by field, and
-    every file the "wds" section names is where the writer puts it, inside path.
-    remote: the packer.remote Remote to read a URL with."""
-    where = os.path.join(path, INDEX)
-    try:
-        if remote is not None:
-            raw = remote.read_object(where, MAX_METADATA_BYTES)
-        else:
-            with open(where, "rb") as f:
-                raw = f.read(MAX_METADATA_BYTES + 1)
-    except remote_source.RemoteError as exc:
-        if not remote_source.missing(exc):
-            raise
-        raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX} at {where})", path) from exc
-    except FileNotFoundError as exc:
-        raise FormatError(f"{path}: not a packer WebDataset folder (no {INDEX}); for shards written by "
-                          "other tools use readers.WDSDataset, which counts samples by scanning", path) from exc
-    except OSError as exc:
-        raise FormatError(f"{where}: cannot read the index ({exc.strerror or exc})", path) from exc
-    index = parse_json(raw, where, INDEX)
-    meta = Metadata.from_dict(index, where, container_keys=("wds",))
-    problem = shard_index_problem(index["wds"] if "wds" in index else None, meta, None if remote else path)
-    if problem:
-        raise FormatError(f"{where}: {problem}; the index is damaged or was crafted, re-pack the dataset", path)
-    return index, meta
-
-
-def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
-    """What is wrong with the index's "wds" section, or None."""
-    if not isinstance(section, dict) or not isinstance(section.get("splits"), dict):
-        return 'no "wds" object with the splits\' shards'
-    version = section.get("layout_version")
-    if type(version) is not int or not 1 <= version <= LAYOUT_VERSION:
-        return f"layout_version {version!r} is not one this packer reads (1 to {LAYOUT_VERSION}; upgrade packer?)"
-    splits = section["splits"]
-    if sorted(splits) != sorted(meta.splits):
-        return f"the shard index lists splits {sorted(splits)}, the metadata {sorted(meta.splits)}"
-    for split, entry in splits.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
-            return f"split {split!r} has no list of shards"
-        if entry.get("records") != f"{split}/records.bin" or entry.get("paths") != f"{split}/paths.bin":
-            return (f"split {split!r} names its tables {entry.get('records')!r} and {entry.get('paths')!r}, "
-                    f"not {split}/records.bin and {split}/paths.bin")
-        wids = entry.get("wids_index")
-        if (version >= 2 or wids is not None) and wids != f"{split}/{WIDS_INDEX}":
-            return f"split {split!r} names its wids index {wids!r:.80}, not {split}/{WIDS_INDEX}"
-        for shard in entry["shards"]:
-            problem = entry_problem(shard, split, ".tar", split_name_problem)
-            if problem:
-                return problem
-    return None if path is None else outside_problem(path, named_files(section))  # None: remote: just names
-
-
-def named_files(section: dict) -> list[str]:
-    """Every file a checked "wds" section names, relative to the dataset folder."""
-    files = []
-    for entry in section["splits"].values():
-        files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
-        files += [entry["wids_index"]] if entry.get("wids_index") is not None else []
-    return files
 
 
 def read_metadata(path: str) -> Metadata:
@@ -304,35 +222,17 @@ class Writer:
                                           (rows.view(np.uint8) for rows in chunks))
         self.rows.close()
         paths_crc = write_synced_chunks(os.path.join(folder, "paths.bin"), nul_separated_chunks(paths))
-        self.splits[self.split] = {"count": count, "shards": self.shards,
-                                   "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
-                                   "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                   "records_crc32": records_crc, "paths_crc32": paths_crc}
-        self.note_few_shards(count)
-        self.note_long_names()
-
-    def note_long_names(self) -> None:
-        """Warn when a split's member names need PAX records: webdataset (tarfile), tar and
-        packer's readers read them; wids 0.1's reader takes the ustar field alone, cut or
-        mangled, and then misgroups the split."""
-        if self.long_names:
-            self.warnings.append(
-                f"split {self.split}: {self.long_names} sample(s) have names that are not ASCII or are over 100 "
-                f"bytes as tar members (first: {self.long_name!r}); webdataset.WebDataset, tar and packer's "
-                "readers read them, but wids.ShardListDataset (which reads only the ustar name field) misreads "
-                "this split: rename those files to short ASCII names before packing if you read it with wids")
-
-    def note_few_shards(self, count: int) -> None:
-        """Warn when a split has fewer shards than this machine's cores though it could have more:
-        streaming readers then share shards between DataLoader workers, and a worker whose run
-        starts inside a shard streams past the samples before it (remote, or parsed)."""
-        cores = available_cores()
-        if len(self.shards) < cores and count > len(self.shards):
-            self.warnings.append(
-                f"split {self.split}: {len(self.shards)} shard(s) for {count} samples, fewer than this machine's "
-                f"{cores} cores; streaming readers then share shards between DataLoader workers, which from "
-                f"object storage read past each other's samples: re-pack with a smaller --shard-size or --max-count "
-                f"{max(1, count // cores)} for {cores} or more shards")
+        entry = self.splits[self.split] = {"count": count, "shards": self.shards,
+                                           "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
+                                           "wids_index": f"{self.split}/{WIDS_INDEX}",
+                                           "records_crc32": records_crc, "paths_crc32": paths_crc}
+        if order is not None:  # the storage order: a reader streams a shard without sorting records.bin
+            entry.update(order=f"{self.split}/order.bin", order_crc32=write_synced_chunks(
+                os.path.join(folder, "order.bin"), (np.ascontiguousarray(c, "<i4").view(np.uint8)
+                                                    for c in array_chunks(order))))
+        self.warnings += [warning for warning in (few_shards_warning(self.split, len(self.shards), count),
+                                                  long_names_warning(self.split, self.long_names, self.long_name))
+                          if warning]
 
     def finish(self, meta: Metadata) -> None:
         self.stop_hasher()
@@ -365,7 +265,9 @@ class Reader(SplitReader):
     how to read it (packer.remote.source.Remote).
     """
 
-    TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None}
+    # records.bin whole and checked whole (records); mapped with its BlockChecks (record_blocks);
+    # stored_in's bounds in the order, and which shards' runs of it it checked.
+    TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None, "_runs_checked": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -377,12 +279,11 @@ class Reader(SplitReader):
         if remote is not None:
             self.read_remotely(remote)
         entry = index["wds"]["splits"][self.split]
-        self.shards = [s["name"] for s in entry["shards"]]
-        self.shard_bytes = [s["bytes"] for s in entry["shards"]]
+        self.shards, self.shard_bytes, self.shard_counts = ([shard[key] for shard in entry["shards"]]
+                                                            for key in ("name", "bytes", "count"))
         self.tables = (entry["records"], entry["paths"])
-        self._records: np.ndarray | None = None
-        self._record_blocks: tuple | None = None  # (records.bin mapped, its BlockChecks): record_blocks()
-        self._shard_starts: np.ndarray | None = None  # stored_in()'s bounds
+        self.order_table = entry.get("order")  # None: sort records.bin (read_order)
+        self.__dict__.update(self.TABLES)
         self.bind(entry)
 
     def bind(self, entry: dict) -> None:
@@ -390,7 +291,8 @@ class Reader(SplitReader):
         self.identity_file = os.path.join(self.path, INDEX)
         self.identity = (dataset_identity(self.identity_file) if self.remote is None
                          else self.remote.identity(self.identity_file))
-        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths")}
+        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths", "order")
+                if name != "order" or self.order_table is not None}
         self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
 
     def table_checksums(self) -> dict | None:
@@ -451,6 +353,9 @@ class Reader(SplitReader):
 
     def check_layout_tables(self) -> None:
         self.records  # loaded whole: its CRC-32 and every check
+        if self.order_table is not None:
+            region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4)
+            self.checked_order(np.frombuffer(region, "<i4", self.count, start))
 
     def map_labels(self) -> tuple[np.ndarray, str]:
         return self.record_blocks()[0]["label"], os.path.join(self.path, self.tables[0])
@@ -499,16 +404,37 @@ class Reader(SplitReader):
         self.record_blocks()
 
     def read_order(self) -> np.ndarray:
-        """Samples by (shard, offset): the order the shards hold them in (int32, as stored orders are)."""
-        return np.lexsort((self.records["offset"], self.records["shard"])).astype(np.int32)
+        """The sample at each position of the shards, shard by shard (int32, as stored orders
+        are): order.bin, mapped, where the pack has one (stored_in checks each shard's run on
+        first use, check_tables the whole table); else sorted out of records.bin."""
+        if self.order_table is None:
+            return np.lexsort((self.records["offset"], self.records["shard"])).astype(np.int32)
+        region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4, crc=False)
+        return np.frombuffer(region, "<i4", self.count, start)
 
     def stored_in(self, shard: int) -> np.ndarray:
-        """The indexes of the samples shard holds, in the order it holds them (a view of
-        storage_order(); the bounds of every shard's run are worked out once)."""
+        """The indexes of the samples shard holds, in the order it holds them: a view of
+        storage_order() between the index's sample counts, checked on first use to be the
+        shard's own samples in the order of their offsets."""
         if self._shard_starts is None:
-            shard_of = self.records["shard"][self.storage_order()]
-            self._shard_starts = np.searchsorted(shard_of, np.arange(len(self.shards) + 1))
-        return self.storage_order()[self._shard_starts[shard]:self._shard_starts[shard + 1]]
+            self._shard_starts = np.concatenate([[0], np.cumsum(self.shard_counts, dtype=np.int64)])
+            self._runs_checked = bytearray(len(self.shards))
+        run = self.storage_order()[self._shard_starts[shard]:self._shard_starts[shard + 1]]
+        if not self._runs_checked[shard]:
+            self.check_run(shard, run)
+            self._runs_checked[shard] = 1
+        return run
+
+    def check_run(self, shard: int, run: np.ndarray) -> None:
+        """Raise unless run, the order's stretch for shard, holds shard's samples by offset,
+        each within the shard's file, its label in range (as record_check checks a block)."""
+        records, where = self.record_blocks()[0], os.path.join(self.path, self.order_table or self.tables[0])
+        mine = records[run] if not len(run) or (0 <= run.min() and run.max() < self.count) else None
+        if mine is None or (mine["shard"] != shard).any() or (mine["offset"][1:] <= mine["offset"][:-1]).any():
+            raise CorruptDataError(f"{where}: shard {shard}'s {len(run)} samples are not the ones records.bin puts "
+                                   f"in it, in order; {DAMAGED}", self.path)
+        check_within(mine["offset"], mine["size"], self.shard_size(shard), where, "record")
+        check_labels(mine["label"], len(self.classes), self.metadata.splits[self.split].labeled, where)
 
     def as_indexed(self, shard: int) -> bool:
         """Whether shard's file opens and is the size the index gives: what read_stored needs."""
@@ -522,7 +448,7 @@ class Reader(SplitReader):
         pread each and no tar header parsed (advise("sequential") first, for the kernel to
         read ahead). A sample failing its checksum comes as (index, the error) and the
         stream goes on; a shard cut short raises at the first sample past its end."""
-        fd, records = self.shard_fd(shard), self.records
+        fd, records = self.shard_fd(shard), self.record_blocks()[0]  # stored_in checks the shard's records
         for index in self.stored_in(shard)[start:].tolist():
             _, crc, offset, size, _ = records[index].tolist()
             data = _io.pread(fd, size, offset)
@@ -540,7 +466,10 @@ class Reader(SplitReader):
             yield index, data
 
     def will_need(self, start: int, stop: int) -> None:
-        chosen = self.records[self.storage_order()[start:stop]]
+        records, checks = self.record_blocks()
+        indexes = self.storage_order()[start:stop]
+        checks.ensure_all(indexes)
+        chosen = records[indexes]
         for shard in np.unique(chosen["shard"]).tolist():
             mine = chosen[chosen["shard"] == shard]
             first = int(mine["offset"].min())
@@ -549,7 +478,9 @@ class Reader(SplitReader):
     def record_extents(self, indexes: np.ndarray):
         if not len(indexes):
             return ()
-        chosen = self.records[indexes]
+        records, checks = self.record_blocks()
+        checks.ensure_all(indexes)
+        chosen = records[indexes]
         return ((self.shard_fd(shard), offset, size)
                 for shard, offset, size in zip(chosen["shard"].tolist(), chosen["offset"].tolist(),
                                                chosen["size"].tolist()))
@@ -568,7 +499,8 @@ class Reader(SplitReader):
         return data, label
 
     def where(self, index: int) -> str:
-        return f"{self.path}/{self.shards[self.records['shard'].item(index)]} sample {self.split}/{index}"
+        shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
+        return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
 
 
 def check_files(path: str) -> list[str]:
