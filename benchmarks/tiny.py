@@ -17,7 +17,7 @@ fresh processes:
 - resume: the loader's state after those reads, loaded into a loader on 2 ranks (rank
   1's), to its first batch, against the same loader started afresh on 2 ranks.
 WORKDIR/tiny.json holds every figure, WORKDIR/tiny.md the table, with the 400M and 1B
-rows extrapolated from the slopes between the two largest sizes measured.
+rows extrapolated from each figure's least-squares slope over the sizes measured.
 
 `python -m benchmarks.scale tiny-sampler` times each sampler alone over a plain dataset
 of 10^9 items: its first indexes on rank 3 of 8, and its first after resuming that
@@ -218,6 +218,7 @@ COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f
            ("first batch s", lambda r: f"{r['first_batch_s']:.2f}"),
            ("main USS MB", lambda r: f"{r['main']['uss_mb']:.1f}"),
            ("worker USS MB", lambda r: " / ".join(f"{w['uss_mb']:.1f}" for w in r["workers"])),
+           ("worker private dirty MB", lambda r: " / ".join(f"{w['private_dirty_mb']:.1f}" for w in r["workers"])),
            ("start on 2 ranks s", lambda r: f"{r['fresh_2_ranks_s']:.2f}"),
            ("resume on 2 ranks s", lambda r: f"{r['resume_2_ranks_s']:.2f}"),
            ("resume / start", lambda r: f"{r['resume_2_ranks_s'] / r['fresh_2_ranks_s']:.2f}"))
@@ -228,16 +229,21 @@ SCALARS = ("pack_s", "pack_peak_rss_mb", "pack_peak_anon_mb", "open_s", "first_b
 
 
 def extrapolated(rows: list[dict], records: int) -> dict:
-    """A row at `records` from the slope between the two largest rows measured."""
-    low, high = sorted(rows, key=lambda r: r["records"])[-2:]
+    """A row at `records` from each figure's least-squares slope over every size measured
+    (no one size's noise decides it). A slope below zero is noise about a figure that does
+    not grow: that figure is carried flat from the largest size, not extrapolated to shrink."""
+    ordered = sorted(rows, key=lambda r: r["records"])
+    high, sizes = ordered[-1], np.array([r["records"] for r in ordered], np.float64)
 
-    def at(before: float, last: float) -> float:
-        return last + (last - before) * (records - high["records"]) / (high["records"] - low["records"])
+    def at(values: list[float], last: float) -> float:
+        slope = max(0.0, float(np.polyfit(sizes, np.array(values, np.float64), 1)[0]))
+        return last + slope * (records - high["records"])
 
-    row = {key: at(low[key], high[key]) for key in SCALARS}
+    row = {key: at([r[key] for r in ordered], high[key]) for key in SCALARS}
     row.update(records=records, extrapolated=True, pack_rate=records / row["pack_s"],
-               main={"uss_mb": at(low["main"]["uss_mb"], high["main"]["uss_mb"])},
-               workers=[{"uss_mb": at(a["uss_mb"], b["uss_mb"])} for a, b in zip(low["workers"], high["workers"])])
+               main={"uss_mb": at([r["main"]["uss_mb"] for r in ordered], high["main"]["uss_mb"])},
+               workers=[{key: at([r["workers"][w][key] for r in ordered], worker[key])
+                         for key in ("uss_mb", "private_dirty_mb")} for w, worker in enumerate(high["workers"])])
     return row
 
 

@@ -276,7 +276,7 @@ def test_the_benchmark_corpus_has_imagenet_class_counts():
         assert scaled.sum() == records and len(scaled) == 1000
 
 
-def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_the_two_largest(tmp_path):
+def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_slopes_over_every_size(tmp_path):
     from benchmarks import tiny
 
     out = tmp_path / "t.hdf5"
@@ -286,10 +286,13 @@ def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_the_two_
     assert [reader.read(i)[0] for i in (0, 1_500, 3_000)] == [i.to_bytes(5, "little") for i in (0, 1_500, 3_000)]
     assert reader.paths[3_000] == "c0999/0000003000" and reader.labels[1_500] == 1_500 * 1000 // 3_001
     reader.close()
-    row = {key: 1.0 for key in (*tiny.SCALARS, "pack_rate")} | {"main": {"uss_mb": 10.0}, "workers": [{"uss_mb": 10.0}]}
-    rows = [row | {"records": 10}, row | {"records": 100, "open_s": 2.0}, row | {"records": 200, "open_s": 3.0}]
-    far = tiny.extrapolated(rows, 1_000)
-    assert far["open_s"] == pytest.approx(11.0) and far["main"]["uss_mb"] == 10.0
+    row = {key: 1.0 for key in (*tiny.SCALARS, "pack_rate")} | {
+        "main": {"uss_mb": 10.0}, "workers": [{"uss_mb": 10.0, "private_dirty_mb": 9.0}]}
+    rows = [row | {"records": 10, "first_batch_s": 2.0}, row | {"records": 110, "open_s": 2.0},
+            row | {"records": 210, "open_s": 3.0}]
+    far = tiny.extrapolated(rows, 1_010)  # open: 0.01 s a record from 210's 3.0; first batch falls: flat
+    assert far["open_s"] == pytest.approx(11.0) and far["first_batch_s"] == 1.0 and far["main"]["uss_mb"] == 10.0
+    assert far["workers"] == [{"uss_mb": 10.0, "private_dirty_mb": 9.0}]
     assert "1,000 (extrapolated)" not in tiny.table(rows) and "400,000,000 (extrapolated)" in tiny.table(rows)
 
 
