@@ -289,16 +289,23 @@ def test_a_reader_finalized_off_the_main_thread_leaves_its_close_to_the_next_ope
     import gc
     import threading
 
-    def open_fds():
-        return len(os.listdir("/proc/self/fd"))
-
     path = packed(split_tree, tmp_path)
+
+    def open_fds():  # descriptors on this pack's files: other tests' threads open and close their own
+        def target(fd):
+            try:
+                return os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed since the listing
+                return ""
+        return sum(target(fd).startswith(os.path.realpath(path)) for fd in os.listdir("/proc/self/fd"))
+
     gc.collect()  # earlier tests' garbage, some holding descriptors, goes now, not mid-count
     hdf5_format.close_orphans()
     before = open_fds()
     reader = open_reader(path, "train")
     reader.read_image(0)
     fd = reader.handle()[2]
+    assert open_fds() > before  # the count sees the reader's own descriptors
     holder = [reader]
     del reader
     finalizer = threading.Thread(target=lambda: (holder.clear(), gc.collect()))
@@ -312,4 +319,4 @@ def test_a_reader_finalized_off_the_main_thread_leaves_its_close_to_the_next_ope
     again.close()
     del again  # its mapped tables go with it
     gc.collect()
-    assert open_fds() == before  # the orphan's descriptor and h5py file were closed too
+    assert open_fds() == before # the orphan's descriptor and h5py file were closed too
