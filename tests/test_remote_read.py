@@ -449,7 +449,9 @@ def test_a_dead_s3_endpoint_is_tried_once_per_attempt_of_packers_own():
             LMDBDataset("s3://bucket/x.lmdb", storage_options=options)
     finally:
         server.close()
-    assert 1 <= len(accepted) <= 3 * RETRIES  # at most a few requests, each tried RETRIES times
+    # Each of packer's attempts makes a few connections (12-22 in all here, with the load);
+    # botocore's and s3fs's retries inside each attempt made 34.
+    assert 1 <= len(accepted) <= 4 * RETRIES
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
