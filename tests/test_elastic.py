@@ -29,11 +29,12 @@ import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
 
-from conftest import class_sorted_tree, packed_three_ways, sample_ids  # noqa: E402
+from conftest import class_sorted_tree, goes_on, packed_three_ways, sample_ids  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 BATCH, SEED = 5, 3
+NEW_WEIGHTS = {"lmdb": 0.2, "hdf5": 0.8}  # a mixture's weights on a resume that changes them
 # The orders of make_loader's table (readers.loader.SAMPLERS): over LMDB (shuffled storage), HDF5,
 # WDS shards, and a mixture of the LMDB and HDF5 packs, 0.7/0.3 (readers.mix)
 CASES = ("random", "block", "stream", "mix")
@@ -45,13 +46,14 @@ def packs(tmp_path_factory) -> str:
     return packed_three_ways(tmp_path_factory.mktemp("elastic"))
 
 
-def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None):
+def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None,
+          **weights):
     root = Path(root)
     if case == "stream":
         data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
         return make_loader(data, BATCH, workers=workers, collate_fn=sample_ids, drop_last=False)
     data = (readers.LMDBDataset(root / "d.lmdb", decode="raw") if case == "random"
-            else readers.HDF5Dataset(root / "d.h5", decode="raw") if case == "block" else mixture(root))
+            else readers.HDF5Dataset(root / "d.h5", decode="raw") if case == "block" else mixture(root, **weights))
     loader = make_loader(data, BATCH, workers=workers, seed=SEED, order="random" if case == "mix" else case,
                          block_size=4, window=3, collate_fn=sample_ids, drop_last=False)
     if rank is not None:  # in-process ranks: the sampler told its place
@@ -130,6 +132,12 @@ def resume_side(job: dict) -> dict:
             loader = build(job["root"], case, job["workers"])
             loader.load_state_dict(torch.load(Path(job["folder"]) / f"{case}-{k}.pt", weights_only=True))
             record[case][k] = [list(loader), list(loader)]
+    if job["gloo"]:  # the mixture's states again, over new weights (reweight=True)
+        record["mix-reweight"] = {}
+        for path in Path(job["folder"]).glob("mix-*.pt"):
+            loader = build(job["root"], "mix", 0, **NEW_WEIGHTS)  # 3 ranks x 1 worker -> 2 x 0
+            loader.load_state_dict(torch.load(path, weights_only=True))
+            record["mix-reweight"][int(path.stem.rpartition("-")[2])] = [list(loader), list(loader)]
     return record
 
 
@@ -233,6 +241,32 @@ def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
                 assert resumed[rank][case][str(k)][1] == resumed[rank][case]["fresh"][1], f"{where}: next epoch"
 
 
+def check_reweighted(saved: list, resumed: list, packs: Path) -> None:
+    """Every stop, resumed over NEW_WEIGHTS: the samples handed out stay consumed, the rest of
+    the epoch and the next follow the new weights, and each source's pass goes on where it was."""
+    mix = mixture(packs, **NEW_WEIGHTS)
+    source = {sample_ids([(sample[0], 0, s)])[0]: name for s, name in enumerate(mix.names)
+              for sample in mix.sources[s]}
+    passes = {}
+    for name in mix.names:  # a source's draws in order: a mixture of it alone draws them
+        alone = readers.Mix(dict(zip(mix.names, mix.sources)), seed=SEED, epoch_size=300,
+                            weights={n: float(n == name) for n in mix.names})
+        passes[name] = flat(make_loader(alone, BATCH, workers=0, collate_fn=sample_ids, drop_last=False))
+    for k in stops(len(saved[0]["mix"]["full"])):
+        where = f"new weights after {k} batches"
+        handed = sorted({s for r in saved for s in flat(r["mix"]["heads"][str(k)])})  # less the padding
+        left = 100 - len(handed) or 100  # a state saved at the end resumes at the next epoch
+        rest = interleaved([flat(r["mix-reweight"][str(k)][0]) for r in resumed])[:left]
+        after = [s for r in resumed for s in flat(r["mix-reweight"][str(k)][1])]
+        assert len({len(r["mix-reweight"][str(k)][0]) for r in resumed}) == 1, where
+        assert len(after) == 100 and (len(handed) == 100 or not set(handed) & set(rest)), where
+        assert abs(sum(source[s] == "hdf5" for s in rest) - 0.8 * left) <= 2, where
+        assert sum(source[s] == "hdf5" for s in after) == 80, where
+        for name in mix.names:
+            parts = [[s for s in part if source[s] == name] for part in (handed, rest, after)]
+            assert goes_on(parts, passes[name]), f"{where}: {name}'s pass does not go on where it was"
+
+
 def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, tmp_path):
     a, b = tmp_path / "from2", tmp_path / "from3"
     a.mkdir()
@@ -242,7 +276,9 @@ def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, 
     resumed3 = run_ranks("resume", a, packs, world_size=3, workers=1)
     check_resumes(saved2, resumed3, "2x2 -> 3x1")
     saved3 = run_ranks("save", b, packs, world_size=3, workers=1)
-    check_resumes(saved3, run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True), "3x1 -> 2x2 gloo")
+    resumed2 = run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True)
+    check_resumes(saved3, resumed2, "3x1 -> 2x2 gloo")
+    check_reweighted(saved3, resumed2, Path(packs))
     for case in SAMPLER_CASES:  # elastic determinism: one global order on 1, 2 and 3 ranks
         on_two = in_steps(interleaved([flat(r[case]["full"]) for r in saved2])[:100], case, 2, 3)
         assert in_steps(interleaved([flat(r[case]["fresh"][0]) for r in resumed3])[:100], case, 2, 3) == on_two

@@ -22,7 +22,7 @@ from readers.mix import split_counts
 
 from benchmarks.mix import Synthetic
 
-from conftest import class_sorted_tree, jpeg_bytes, packed_three_ways, sample_ids, write
+from conftest import class_sorted_tree, goes_on, jpeg_bytes, packed_three_ways, sample_ids, write
 
 BATCH, SEED = 5, 3
 WEIGHTS = {"lmdb": 0.7, "hdf5": 0.3}
@@ -66,13 +66,6 @@ def in_steps(order: list[int], size: int) -> list[list[int]]:
     """An order cut into runs of `size`, each sorted: the ranks of one step share a run of the
     one order, dealt by source, so two world sizes agree on the runs of a common multiple."""
     return [sorted(order[i:i + size]) for i in range(0, len(order), size)]
-
-
-def goes_on(parts: list[list[int]], along: list[int]) -> bool:
-    """Whether the parts, one after another, hold the successive draws of a source's passes:
-    the draws of a step go to its ranks by source, so each part in any order."""
-    cuts = np.cumsum([0] + [len(p) for p in parts])
-    return all(sorted(p) == sorted(along[a:b]) for p, a, b in zip(parts, cuts[:-1], cuts[1:]))
 
 
 @pytest.mark.parametrize("order", ["random", "block"])
