@@ -1,15 +1,16 @@
 """Mixtures (readers.mix): read rate against one source, memory and state against the record
 count, and how close each batch is to the weights.
 
-    python -m benchmarks.mix rate --what mix|mix1|single [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix rate --what mix|mix1|single|pair [--copies 16] [--repeats 3] [--workdir DIR]
     python -m benchmarks.mix memory --records 20000 1281167
     python -m benchmarks.mix spread [--records 1281167] [--weight 0.7] [--ranks 1 2 3 8]
 
 `rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
 LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
 a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
-("mix"), or over a Mix of the one pack ("mix1": the mixing code's own cost): the same
-bytes, every record once an epoch, random order. Prints the samples/s of
+("mix"), or over a Mix of the one pack ("mix1": the mixing code's own cost), or over the two
+packs the mixture reads, one loader each in turn ("pair": the same files without mixing): the
+same bytes, every record once an epoch, random order. Prints the samples/s of
 an epoch with 2 workers and the CPU microseconds per sample with none (medians of the
 repeats, after one warm epoch); whole-process pairs of the two commands are timed against
 each other from outside (docs/mixing.md).
@@ -89,24 +90,28 @@ def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
     root = packs(workdir, copies)
     if what == "single":
         data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+    elif what == "pair":  # the two packs the mixture reads, one loader each, in turn: the same files
+        data = [readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"]
     elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
         data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
     else:
         data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
     rates, cpu, total = [], [], 0
     for workers, figures in ((WORKERS, rates), (0, cpu)):
-        loader = readers.make_loader(data, BATCH, workers=workers, collate_fn=sizes)
+        loaders = [readers.make_loader(one, BATCH, workers=workers, collate_fn=sizes)
+                   for one in (data if isinstance(data, list) else [data])]
         for epoch in range(repeats + 1):
             wall, own = time.perf_counter(), time.process_time()
-            total = sum(loader)
+            total = sum(sum(loader) for loader in loaders)
             if epoch:  # the first warms the page cache and starts the workers
-                samples = len(loader) * BATCH
+                samples = sum(len(loader) for loader in loaders) * BATCH
                 figures.append(samples / (time.perf_counter() - wall) if workers else
                                1e6 * (time.process_time() - own) / samples)
     # With workers the rate (wall clock); in one process (workers=0) the CPU time per sample, which
     # a loaded machine disturbs far less: the cost the mixture adds, whatever else runs.
     return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)),
-            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total, "samples": len(loader) * BATCH,
+            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total,
+            "samples": sum(len(loader) for loader in loaders) * BATCH,
             "repeats": repeats}
 
 
@@ -148,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("rate")
-    r.add_argument("--what", choices=("mix", "mix1", "single"), required=True)
+    r.add_argument("--what", choices=("mix", "mix1", "single", "pair"), required=True)
     r.add_argument("--copies", type=int, default=16)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")

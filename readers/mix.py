@@ -224,6 +224,7 @@ class Mix(torch.utils.data.Dataset):
         self.kind = checked_kind(self.names, self.sources)
         self.classes, self.class_to_idx, self.label_maps = merged_labels(self.names, self.sources, class_to_idx,
                                                                          unlabeled)
+        self.kept = [m is not None and np.array_equal(m, np.arange(len(m))) for m in self.label_maps]
         self.fingerprints = [source_fingerprint(ds) for ds in self.sources]
         decodes = {getattr(ds, "decode", None) for ds in self.sources}
         self.decode = decodes.pop() if len(decodes) == 1 else None  # what make_loader's gpu_decode checks
@@ -249,20 +250,40 @@ class Mix(torch.utils.data.Dataset):
 
     def __getitems__(self, indexes) -> list:
         """[self[i] for i in indexes], each source asked for its part of the batch at once
-        (a packed source starts the batch's reads together: readers._dataset)."""
-        given = list(indexes)
-        indexes = np.asarray([int(i) for i in given], dtype=np.int64)
-        if len(indexes) and (indexes.min() < 0 or indexes.max() >= len(self)):
+        (a packed source starts the batch's reads together: readers._dataset); the batch's
+        sources and labels are worked out per part, not per sample."""
+        given = indexes if isinstance(indexes, list) else list(indexes)
+        if not given:
+            return []
+        indexes = np.array(given, dtype=np.int64)
+        if indexes.min() < 0 or indexes.max() >= len(self):
             raise IndexError(f"Mix: indexes out of range for {len(self)} samples")
-        sources, out = self.source_of(indexes), [None] * len(indexes)
-        for s in np.unique(sources).tolist():
-            mine = np.flatnonzero(sources == s)
-            local = [self.local(given[k], s, i) for k, i in zip(mine.tolist(), (indexes[mine] - self.offsets[s]).tolist())]
+        sources = self.source_of(indexes)
+        keyed = isinstance(given[0], KeyedIndex)
+        out = [None] * len(given)
+        for s in (np.unique(sources).tolist() if len(self.names) > 1 else [0]):
+            mine = np.flatnonzero(sources == s) if len(self.names) > 1 else np.arange(len(given))
+            local = (indexes[mine] - self.offsets[s]).tolist()
+            mine = mine.tolist()
+            if keyed:
+                name = self.names[s]
+                local = [given[k].within(name, i) for k, i in zip(mine, local)]
             source = self.sources[s]
             samples = source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
-            for k, (image, label) in zip(mine.tolist(), samples):
-                out[k] = (image, self.label(s, label), s)
+            labels = self.labels(s, [label for _, label in samples])
+            for k, (image, _), label in zip(mine, samples, labels):
+                out[k] = (image, label, s)
         return out
+
+    def labels(self, source: int, labels: list) -> list[int]:
+        """The merged labels of a source's labels (UNLABELED stays UNLABELED)."""
+        merged = self.label_maps[source]
+        if merged is None:
+            return [UNLABELED] * len(labels)
+        if self.kept[source]:  # the source's labels are the merged ones
+            return labels
+        got = np.asarray(labels, dtype=np.int64)
+        return np.where(got == UNLABELED, UNLABELED, merged[np.maximum(got, 0)]).tolist()
 
     def label(self, source: int, label) -> int:
         labels = self.label_maps[source]
