@@ -57,20 +57,23 @@ def split_counts(x, weights: tuple[float, ...]) -> np.ndarray:
     node's x split by its halves' weights, rounded; monotone in x."""
     x = np.asarray(x, dtype=np.int64)
     out = np.zeros(x.shape + (len(weights),), dtype=np.int64)
-
-    def split(lo: int, hi: int, x: np.ndarray) -> None:
-        if hi - lo == 1:
-            out[..., lo] = x
-            return
-        mid = (lo + hi) // 2
-        left, right = sum(weights[lo:mid]), sum(weights[mid:hi])
-        share = (np.zeros_like(x) if left == 0 else x if right == 0
-                 else np.floor(x * (left / (left + right)) + 0.5).astype(np.int64))
-        split(lo, mid, share)
-        split(mid, hi, x - share)
-
-    split(0, len(weights), x)
+    split_into(out, weights, 0, len(weights), x)
     return out
+
+
+def split_into(out: np.ndarray, weights: tuple[float, ...], lo: int, hi: int, x: np.ndarray) -> None:
+    """split_counts' node over sources [lo, hi) (a function of its own, not a closure: a
+    closure that calls itself is a reference cycle, which would hold each chunk's arrays
+    until the garbage collector ran)."""
+    if hi - lo == 1:
+        out[..., lo] = x
+        return
+    mid = (lo + hi) // 2
+    left, right = sum(weights[lo:mid]), sum(weights[mid:hi])
+    share = (np.zeros_like(x) if left == 0 else x if right == 0
+             else np.floor(x * (left / (left + right)) + 0.5).astype(np.int64))
+    split_into(out, weights, lo, mid, share)
+    split_into(out, weights, mid, hi, x - share)
 
 
 class Schedule:
