@@ -6,15 +6,13 @@ it: the epoch's global order is a sequence of (source, draw) computed per positi
 nothing of the epoch's size is held and the order depends on (seed, epoch) alone, and its
 elastic resume is readers.elastic's, as for the single-dataset samplers (docs/mixing.md).
 
-The schedule (which source each position belongs to): the epoch's positions are cut into
-windows of WINDOW_POSITIONS; a window's share per source is the difference of prefix counts
-that split every prefix of the epoch by the weights at each node of a binary tree of the
-sources (floor(x f + 1/2): each count within 1 of x times its weight at every node), and
-inside a window the positions are ranked by an irrational rotation (a Weyl sequence,
-offset per window by the key), the first shares of ranks going to each source in turn.
-Every run of consecutive positions, and every rank's stride through them, then holds its
-weight's share within a few samples (a plain interleave aliases with the stride: 0.5/0.5
-alternated would give rank 0 of 2 one source only).
+The schedule (which source each position belongs to): position x goes to the source whose
+prefix count grows at x, the counts splitting every prefix of the epoch by the weights at
+each node of a binary tree of the sources (floor(x f + 1/2): each within 1 of x times its
+weight at every node), so every run of positions holds its weight's share within 1 or 2.
+W ranks take the positions W at a time (readers.elastic), and Schedule.dealt lays each
+step's W draws on the ranks by source, so that every rank's own run of batches holds the
+shares as well (a rank's stride through a fixed interleave aliases with it).
 
 Draws: the k-th draw of source s, counted over the whole run (its passes carry on across
 the mixture's epochs), is pass k // len(s), element k mod len(s) of that pass's order, a
