@@ -26,6 +26,7 @@ there on. The state holds the segment, O(sources).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 import numpy as np
@@ -266,9 +267,9 @@ class Mix(torch.utils.data.Dataset):
             mine = np.flatnonzero(sources == s) if len(self.names) > 1 else np.arange(len(given))
             local = (indexes[mine] - self.offsets[s]).tolist()
             mine = mine.tolist()
-            if keyed:
+            if keyed:  # as given[k].within(name, i), a batch's part at once
                 name = self.names[s]
-                local = [given[k].within(name, i) for k, i in zip(mine, local)]
+                local = list(map(KeyedIndex, local, [(*given[k].prefix, name) for k in mine]))
             source = self.sources[s]
             samples = source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
             labels = self.labels(s, [label for _, label in samples])
@@ -346,21 +347,26 @@ class MixSampler(RankedSampler):
 
     def __iter__(self):
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.mixed(self.start()))
+        return self.counted(itertools.chain.from_iterable(self.mixed(self.start())))
 
     def mixed(self, start: int):
-        """This rank's indexes of the current epoch in a pass from `start`, CHUNK at a time."""
+        """This rank's indexes of the current epoch in a pass from `start`, a list or iterator
+        of CHUNK of them at a time (chained in C: no Python frame per index)."""
         rank, world_size = self.world()
         share = self.pass_length(world_size, start)
         for first in range(0, share, CHUNK):
             indexes, passes = self.indexes_of(*self.drawn(start, rank, world_size, first, min(share, first + CHUNK)))
             if not self.keyed:
-                yield from indexes.tolist()
+                yield indexes.tolist()
                 continue
             # The source's pass is in the key: a source drawn twice in an epoch (weighted above its
-            # size) augments each draw of a sample afresh.
+            # size) augments each draw of a sample afresh. One key tuple per pass of the chunk.
             epoch = self._progress[0] if self._progress is not None else self.epoch
-            yield from (KeyedIndex(i, (self.seed, epoch, p)) for i, p in zip(indexes.tolist(), passes.tolist()))
+            numbers, which = np.unique(passes, return_inverse=True)
+            keys = np.empty(len(numbers), dtype=object)
+            for k, number in enumerate(numbers.tolist()):
+                keys[k] = (self.seed, epoch, number)
+            yield map(KeyedIndex, indexes.tolist(), keys[which].tolist())
 
     def drawn(self, start: int, rank: int, world_size: int, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw over the run) of this rank's places [first, stop) in a pass from
