@@ -1,20 +1,21 @@
 """Mixtures (readers.mix): read rate against one source, memory and state against the record
 count, and how close each batch is to the weights.
 
-    python -m benchmarks.mix rate --what mix|halves|mix1|single|pair [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix rate --what mix|same|mix1|single|pair [--copies 16] [--repeats 3] [--workdir DIR]
     python -m benchmarks.mix memory --records 20000 1281167
     python -m benchmarks.mix spread [--records 1281167] [--weight 0.7 | --weights 0.5 0.3 0.2] [--ranks 1 2 3 8]
 
 `rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
-LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
-a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
-("mix"), or over a Mix of the one pack's two halves ("halves": two sources in the one file),
-or over a Mix of the one pack ("mix1": the mixing code's own cost), or over the two
-packs the mixture reads, one loader each in turn ("pair": the same files without mixing): the
-same bytes, every record once an epoch, random order. Prints the samples/s of
-an epoch with 2 workers and the CPU microseconds per sample with none, the heap kept as a
-worker keeps it (readers.heap) (medians of the repeats, after one warm epoch); whole-process pairs of the two commands are timed against
-each other from outside (docs/mixing.md).
+LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"); over a
+readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
+("mix"); over the same two packs, one loader each in turn ("pair": the mixture's files and
+bytes without mixing); over a Mix of two sources that are the one pack, half an epoch each
+("same": two sources in one file); or over a Mix of the one pack ("mix1": the mixing code's
+own cost). Every record once an epoch (once a source's pass for "same"), random order.
+Prints the samples/s of an epoch with 2 workers and the CPU microseconds per sample with
+none, the heap kept as a worker keeps it (readers.heap), medians of the repeats after one
+warm epoch; whole-process pairs of the commands are timed against each other from outside
+(docs/mixing.md).
 
 `memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
 the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
@@ -95,11 +96,10 @@ def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
         data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
     elif what == "pair":  # the two packs the mixture reads, one loader each, in turn: the same files
         data = [readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"]
-    elif what == "halves":  # a two-source mixture of the one pack cut in two: the same file and bytes
-        whole = readers.LMDBDataset(root / "single.lmdb", decode="raw")
-        cut = len(whole) // 2
-        data = readers.Mix({"first": torch.utils.data.Subset(whole, range(cut)),
-                            "second": torch.utils.data.Subset(whole, range(cut, len(whole)))})
+    elif what == "same":  # two sources over the one pack, half an epoch each: the same file, no Python between
+        one = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+        data = readers.Mix({"first": one, "second": readers.LMDBDataset(root / "single.lmdb", decode="raw")},
+                           epoch_size=len(one))
     elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
         data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
     else:
@@ -173,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("rate")
-    r.add_argument("--what", choices=("mix", "halves", "mix1", "single", "pair"), required=True)
+    r.add_argument("--what", choices=("mix", "same", "mix1", "single", "pair"), required=True)
     r.add_argument("--copies", type=int, default=16)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")
