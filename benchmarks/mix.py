@@ -1,24 +1,28 @@
 """Mixtures (readers.mix): read rate against one source, memory and state against the record
 count, and how close each batch is to the weights.
 
-    python -m benchmarks.mix rate --what mix|mix1|single [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix rate --what mix|same|mix1|single|pair [--copies 16] [--repeats 3] [--workdir DIR]
     python -m benchmarks.mix memory --records 20000 1281167
-    python -m benchmarks.mix spread [--records 1281167] [--weight 0.7] [--ranks 1 2 3 8]
+    python -m benchmarks.mix spread [--records 1281167] [--weight 0.7 | --weights 0.5 0.3 0.2] [--ranks 1 2 3 8]
 
 `rate`: make_loader (batches of 64, raw bytes, a collate that sums their sizes) over one
-LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"), or over
-a readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
-("mix"), or over a Mix of the one pack ("mix1": the mixing code's own cost): the same
-bytes, every record once an epoch, random order. Prints the samples/s of
-an epoch with 2 workers and the CPU microseconds per sample with none (medians of the
-repeats, after one warm epoch); whole-process pairs of the two commands are timed against
-each other from outside (docs/mixing.md).
+LMDB pack of the ImageNet sample in ../shared/data copied `copies` times ("single"); over a
+readers.Mix of two LMDB packs holding half of those classes each, weighted by their sizes
+("mix"); over the same two packs, one loader each in turn ("pair": the mixture's files and
+bytes without mixing); over a Mix of two sources that are the one pack, half an epoch each
+("same": two sources in one file); or over a Mix of the one pack ("mix1": the mixing code's
+own cost). Every record once an epoch (once a source's pass for "same"), random order.
+Prints the samples/s of an epoch with 2 workers and the CPU microseconds per sample with
+none, the heap kept as a worker keeps it (readers.heap), medians of the repeats after one
+warm epoch; whole-process pairs of the commands are timed against each other from outside
+(docs/mixing.md).
 
 `memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
 the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
 the JSON size of its state. `spread`: the count of the first source in every full batch
-of 256 of an epoch, weights 0.7/0.3 (or --weight), on 1, 2, 3 and 8 ranks (or --ranks),
-every rank's batches: min, max, mean and stdev.
+of 256 (or --batch) of an epoch, weights 0.7/0.3 (or --weight, or --weights for several
+sources), on 1, 2, 3 and 8 ranks (or --ranks), every rank's batches: min, max, mean and
+stdev, and each source's range.
 """
 from __future__ import annotations
 
@@ -85,28 +89,39 @@ def packs(workdir: Path, copies: int) -> Path:
 
 def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
     import readers
+    from readers.heap import keep_heap
 
     root = packs(workdir, copies)
     if what == "single":
         data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+    elif what == "pair":  # the two packs the mixture reads, one loader each, in turn: the same files
+        data = [readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"]
+    elif what == "same":  # two sources over the one pack, half an epoch each: the same file, no Python between
+        one = readers.LMDBDataset(root / "single.lmdb", decode="raw")
+        data = readers.Mix({"first": one, "second": readers.LMDBDataset(root / "single.lmdb", decode="raw")},
+                           epoch_size=len(one))
     elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
         data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
     else:
         data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
     rates, cpu, total = [], [], 0
     for workers, figures in ((WORKERS, rates), (0, cpu)):
-        loader = readers.make_loader(data, BATCH, workers=workers, collate_fn=sizes)
+        if not workers:  # the heap as a DataLoader worker keeps it: else page faults of freed records swamp the figure
+            keep_heap()
+        loaders = [readers.make_loader(one, BATCH, workers=workers, collate_fn=sizes)
+                   for one in (data if isinstance(data, list) else [data])]
         for epoch in range(repeats + 1):
             wall, own = time.perf_counter(), time.process_time()
-            total = sum(loader)
+            total = sum(sum(loader) for loader in loaders)
             if epoch:  # the first warms the page cache and starts the workers
-                samples = len(loader) * BATCH
+                samples = sum(len(loader) for loader in loaders) * BATCH
                 figures.append(samples / (time.perf_counter() - wall) if workers else
                                1e6 * (time.process_time() - own) / samples)
     # With workers the rate (wall clock); in one process (workers=0) the CPU time per sample, which
     # a loaded machine disturbs far less: the cost the mixture adds, whatever else runs.
     return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)),
-            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total, "samples": len(loader) * BATCH,
+            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total,
+            "samples": sum(len(loader) for loader in loaders) * BATCH,
             "repeats": repeats}
 
 
@@ -127,20 +142,30 @@ def memory(records: int) -> dict:
             "indexes_per_s": round(walked / seconds)}
 
 
-def spread(records: int, weight: float, ranks: list[int]) -> list[dict]:
+def spread(records: int, weight: float, ranks: list[int], batch: int = 256, weights: list[float] | None = None) -> list[dict]:
+    """The first source's count in every full batch of every rank (min, max, mean, stdev), and
+    each source's range: two sources of `records` and a third of it at `weight`, 1 - weight,
+    or as many sources as `weights` (sized by their weights, `records` in all)."""
     from readers import Mix, MixSampler
 
-    mix = Mix({"a": Synthetic(records), "b": Synthetic(records // 3)}, weights={"a": weight, "b": 1 - weight})
+    weights = weights or [weight, 1 - weight]
+    sizes = [records, records // 3] if len(weights) == 2 else [max(1, round(records * w)) for w in weights]
+    names = [chr(ord("a") + k) for k in range(len(weights))]
+    mix = Mix({n: Synthetic(k) for n, k in zip(names, sizes)}, weights=dict(zip(names, weights)))
     out = []
     for world_size in ranks:
         counts = []
         for rank in range(world_size):
-            first = mix.source_of(list(MixSampler(mix, rank=rank, world_size=world_size))) == 0
-            counts.append(first[:len(first) // 256 * 256].reshape(-1, 256).sum(1))
+            sources = mix.source_of(list(MixSampler(mix, rank=rank, world_size=world_size, keyed=False)))
+            full = sources[:len(sources) // batch * batch].reshape(-1, batch)
+            counts.append(np.stack([(full == s).sum(1) for s in range(len(weights))], axis=1))
         c = np.concatenate(counts)
-        out.append({"figure": "spread", "records": mix.epoch_size, "world_size": world_size, "batches": len(c),
-                    "weight": weight, "expected": round(weight * 256, 1), "min": int(c.min()), "max": int(c.max()), "mean": round(float(c.mean()), 2),
-                    "stdev": round(float(c.std()), 2)})
+        first = c[:, 0]
+        out.append({"figure": "spread", "records": mix.epoch_size, "world_size": world_size, "batch": batch,
+                    "batches": len(c), "weights": [round(w, 4) for w in mix.weights],
+                    "expected": round(mix.weights[0] * batch, 1), "min": int(first.min()), "max": int(first.max()),
+                    "mean": round(float(first.mean()), 2), "stdev": round(float(first.std()), 2),
+                    "per_source": [[int(c[:, s].min()), int(c[:, s].max())] for s in range(len(weights))]})
     return out
 
 
@@ -148,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("rate")
-    r.add_argument("--what", choices=("mix", "mix1", "single"), required=True)
+    r.add_argument("--what", choices=("mix", "same", "mix1", "single", "pair"), required=True)
     r.add_argument("--copies", type=int, default=16)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")
@@ -158,6 +183,8 @@ def main() -> None:
     s.add_argument("--records", type=int, default=1_281_167)
     s.add_argument("--weight", type=float, default=0.7, help="the first source's weight")
     s.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 8])
+    s.add_argument("--batch", type=int, default=256)
+    s.add_argument("--weights", type=float, nargs="+", help="several sources' weights, in place of --weight")
     args = parser.parse_args()
     if args.command == "rate":
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +193,7 @@ def main() -> None:
         for n in args.records:  # each in a fresh process would isolate peaks; growth is what is shown
             print(json.dumps(memory(n)), flush=True)
     else:
-        for row in spread(args.records, args.weight, args.ranks):
+        for row in spread(args.records, args.weight, args.ranks, args.batch, args.weights):
             print(json.dumps(row))
 
 

@@ -6,7 +6,8 @@ by position, as DistributedSampler deals a permutation: rank r takes rest[r::W].
 step s the ranks together consume the next W x batch_size samples of the global order
 whatever W is, and once every rank has consumed p indexes, the samples consumed are
 exactly the first C + p * W of it. That one count resumes the epoch on any number of
-ranks: the rest is the global order from there, dealt again.
+ranks: the rest is the global order from there, dealt again. It holds however a step's W
+positions are shared among the ranks: readers.mix deals them by source instead.
 
 Equal shares: without drop_last the rest is padded to a multiple of W with indexes from
 the start of the global order (at most W - 1 repeats, as DistributedSampler pads); with

@@ -6,15 +6,13 @@ it: the epoch's global order is a sequence of (source, draw) computed per positi
 nothing of the epoch's size is held and the order depends on (seed, epoch) alone, and its
 elastic resume is readers.elastic's, as for the single-dataset samplers (docs/mixing.md).
 
-The schedule (which source each position belongs to): the epoch's positions are cut into
-windows of WINDOW_POSITIONS; a window's share per source is the difference of prefix counts
-that split every prefix of the epoch by the weights at each node of a binary tree of the
-sources (floor(x f + 1/2): each count within 1 of x times its weight at every node), and
-inside a window the positions are ranked by an irrational rotation (a Weyl sequence,
-offset per window by the key), the first shares of ranks going to each source in turn.
-Every run of consecutive positions, and every rank's stride through them, then holds its
-weight's share within a few samples (a plain interleave aliases with the stride: 0.5/0.5
-alternated would give rank 0 of 2 one source only).
+The schedule (which source each position belongs to): position x goes to the source whose
+prefix count grows at x, the counts splitting every prefix of the epoch by the weights at
+each node of a binary tree of the sources (floor(x f + 1/2): each within 1 of x times its
+weight at every node), so every run of positions holds its weight's share within 1 or 2.
+W ranks take the positions W at a time (readers.elastic), and Schedule.dealt lays each
+step's W draws on the ranks by source, so that every rank's own run of batches holds the
+shares as well (a rank's stride through a fixed interleave aliases with it).
 
 Draws: the k-th draw of source s, counted over the whole run (its passes carry on across
 the mixture's epochs), is pass k // len(s), element k mod len(s) of that pass's order, a
@@ -28,6 +26,7 @@ there on. The state holds the segment, O(sources).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 import numpy as np
@@ -36,52 +35,63 @@ import torch.utils.data
 from ._mix_checks import UNLABELED, checked_kind, checked_sources, checked_weights, merged_labels
 from ._mix_checks import source_fingerprint
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
+from ._state_limits import shown
 from .keyed import KeyedIndex
-from .permutation import KeyedPermutation, round_keys
+from .permutation import KeyedPermutation
 from .sampler import BLOCK_SIZE, SAMPLER_STATE_VERSION, WINDOW, RankedSampler, check_state, checked_count, reader_of
 
-WINDOW_POSITIONS = 4096  # positions whose order is worked out together: fixed memory, any epoch size
 CHUNK = 4096  # positions a rank's pass maps at a time
-# The rotation: the golden ratio, whose runs of consecutive points are the most evenly spread
-# of any rotation (its continued fraction is all ones), so one rank's batches, of any size,
-# hold their shares within 1-2; a rank's stride through a window is another rotation (its
-# multiple), less even but never aliased as an interleave would be (docs/mixing.md's figures).
-ROTATION = (math.sqrt(5) - 1) / 2
 MOST = 2 ** 62  # a count no run reaches: the bound for numbers read from a state
 ORDERS = ("random", "block", "sequential")  # how each source's passes run
 PASSES_KEPT = 16  # source passes whose keys are kept between chunks
+SCHEDULE = "interleave, dealt by source"  # states of another schedule would resume at other samples
+# Where three or more sources' runs in a step are laid out on the ranks: a rotation by the golden
+# ratio, whose successive points are the most evenly spread of any rotation (docs/mixing.md).
+ROTATION = (math.sqrt(5) - 1) / 2
 
 
-def split_counts(x: int, weights: tuple[float, ...]) -> np.ndarray:
-    """How many of the first x positions of a schedule each source takes: the sources halved
-    recursively, each node's x split by its halves' weights, rounded; monotone in x."""
-    out = np.zeros(len(weights), dtype=np.int64)
-
-    def split(lo: int, hi: int, x: int) -> None:
-        if hi - lo == 1:
-            out[lo] = x
-            return
-        mid = (lo + hi) // 2
-        left, right = sum(weights[lo:mid]), sum(weights[mid:hi])
-        share = 0 if left == 0 else x if right == 0 else math.floor(x * (left / (left + right)) + 0.5)
-        split(lo, mid, share)
-        split(mid, hi, x - share)
-
-    split(0, len(weights), int(x))
+def split_counts(x, weights: tuple[float, ...]) -> np.ndarray:
+    """How many of the first x positions of a schedule each source takes (x an int or an
+    array of them; the sources on the last axis): the sources halved recursively, each
+    node's x split by its halves' weights, rounded; monotone in x."""
+    x = np.asarray(x, dtype=np.int64)
+    out = np.zeros(x.shape + (len(weights),), dtype=np.int64)
+    split_into(out, weights, 0, len(weights), x)
     return out
+
+
+def split_into(out: np.ndarray, weights: tuple[float, ...], lo: int, hi: int, x: np.ndarray) -> None:
+    """split_counts' node over sources [lo, hi) (a function of its own, not a closure: a
+    closure that calls itself is a reference cycle, which would hold each chunk's arrays
+    until the garbage collector ran)."""
+    if hi - lo == 1:
+        out[..., lo] = x
+        return
+    mid = (lo + hi) // 2
+    left, right = sum(weights[lo:mid]), sum(weights[mid:hi])
+    share = (np.zeros_like(x) if left == 0 else x if right == 0
+             else np.floor(x * (left / (left + right)) + 0.5).astype(np.int64))
+    split_into(out, weights, lo, mid, share)
+    split_into(out, weights, mid, hi, x - share)
 
 
 class Schedule:
     """Which source, and which draw of it, stands at each position of an epoch: the
     weights' schedule over epochs of `size`, from position `start` of epoch `epoch` on,
-    where each source had made `draws` draws."""
+    where each source had made `draws` draws.
+
+    Position x of the piece holds the source whose prefix count (split_counts) grows from x
+    to x + 1, as that source's split_counts(x)-th draw of the piece: a fixed interleave, so
+    every run of positions holds its weight's share within 1 or 2. A step of W ranks takes
+    one run of W positions (readers.elastic); `dealt` lays the run's draws on the ranks so
+    that every rank's own sequence holds the shares too (a rank's stride through a fixed
+    sequence aliases with it: 0.5/0.5 alternated gives rank 0 of 2 one source only)."""
 
     def __init__(self, weights: tuple[float, ...], size: int, seed: int, epoch: int = 0, start: int = 0,
                  draws: tuple[int, ...] | None = None):
         self.weights, self.size, self.seed = weights, size, seed
         self.epoch, self.start = epoch, start
         self.draws = np.array(draws if draws is not None else [0] * len(weights), dtype=np.int64)
-        self._window: tuple | None = None  # ((epoch, window), its sources and draws): the last one worked out
 
     def piece(self, epoch: int) -> tuple[int, int]:
         """(first position, positions) of the part of `epoch` this schedule lays out."""
@@ -101,43 +111,38 @@ class Schedule:
     def draws_at(self, epoch: int, position: int) -> np.ndarray:
         """Draws of each source made before `position` of `epoch` (in all, over the run)."""
         begin, length = self.piece(epoch)
-        offset = min(max(0, position - begin), length)
-        w, inside = divmod(offset, WINDOW_POSITIONS)
-        made = split_counts(w * WINDOW_POSITIONS, self.weights)
-        if inside:  # the window's own order: its first `inside` positions
-            made += np.bincount(self.window(epoch, w)[0][:inside], minlength=len(self.weights))
-        return self.before(epoch) + made
-
-    def window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, draw within the epoch's piece) of each position of window w of the piece."""
-        if self._window is not None and self._window[0] == (epoch, w):
-            return self._window[1]
-        _, length = self.piece(epoch)
-        lo, hi = w * WINDOW_POSITIONS, min((w + 1) * WINDOW_POSITIONS, length)
-        base = split_counts(lo, self.weights)
-        shares = split_counts(hi, self.weights) - base
-        offset = float(round_keys((self.seed, epoch, self.start if epoch == self.epoch else 0, w))[0]) / 2 ** 64
-        ranked = np.argsort(np.modf(np.arange(hi - lo) * ROTATION + offset)[0], kind="stable")
-        sources = np.empty(hi - lo, dtype=np.int64)
-        sources[ranked] = np.repeat(np.arange(len(shares)), shares)
-        draws = np.empty(hi - lo, dtype=np.int64)
-        for s in range(len(shares)):
-            mine = np.flatnonzero(sources == s)
-            draws[mine] = base[s] + np.arange(len(mine))
-        self._window = ((epoch, w), (sources, draws))
-        return sources, draws
+        return self.before(epoch) + split_counts(min(max(0, position - begin), length), self.weights)
 
     def at(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw over the run) at each of these positions of `epoch`."""
         begin, _ = self.piece(epoch)
         offsets = np.asarray(positions, dtype=np.int64) - begin
-        sources, draws = np.empty(len(offsets), np.int64), np.empty(len(offsets), np.int64)
-        windows = offsets // WINDOW_POSITIONS
-        for w in np.unique(windows).tolist():
-            mine = np.flatnonzero(windows == w)
-            src, drawn = self.window(epoch, w)
-            inside = offsets[mine] - w * WINDOW_POSITIONS
-            sources[mine], draws[mine] = src[inside], drawn[inside]
+        made = split_counts(offsets, self.weights)
+        sources = np.argmax(split_counts(offsets + 1, self.weights) - made, axis=-1)
+        return sources, np.take_along_axis(made, sources[:, None], 1)[:, 0] + self.before(epoch)[sources]
+
+    def dealt(self, epoch: int, firsts: np.ndarray, rank: int, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw over the run) that `rank` of `world_size` takes from each run of
+        world_size positions of `epoch` starting at `firsts`.
+
+        A run's draws are laid round a circle of the ranks, source by source (the sources'
+        arcs); two sources' arcs turn by the first source's draws so far, so the first
+        source's draws go to the ranks in turn (round robin) and every rank's count of
+        either stays within 1 of its share of the draws made; three or more turn by a
+        golden-ratio rotation, within a few. The runs' draws are the schedule's: only which
+        rank takes which depends on the world size."""
+        begin, _ = self.piece(epoch)
+        firsts = np.asarray(firsts, dtype=np.int64) - begin
+        made = split_counts(firsts, self.weights)
+        counts = split_counts(firsts + world_size, self.weights) - made
+        ends = np.cumsum(counts, axis=-1)  # each source's arc: [end - count, end)
+        if len(self.weights) == 2:
+            turn = made[:, 0]
+        else:
+            turn = np.floor(np.modf(firsts // world_size * ROTATION)[0] * world_size).astype(np.int64)
+        slot = (rank - turn) % world_size
+        sources = (slot[:, None] >= ends).sum(axis=1)
+        draws = np.take_along_axis(made + counts - ends, sources[:, None], 1)[:, 0] + slot  # made + place in arc
         return sources, draws + self.before(epoch)[sources]
 
 
@@ -221,6 +226,7 @@ class Mix(torch.utils.data.Dataset):
         self.kind = checked_kind(self.names, self.sources)
         self.classes, self.class_to_idx, self.label_maps = merged_labels(self.names, self.sources, class_to_idx,
                                                                          unlabeled)
+        self.kept = [m is not None and np.array_equal(m, np.arange(len(m))) for m in self.label_maps]
         self.fingerprints = [source_fingerprint(ds) for ds in self.sources]
         decodes = {getattr(ds, "decode", None) for ds in self.sources}
         self.decode = decodes.pop() if len(decodes) == 1 else None  # what make_loader's gpu_decode checks
@@ -246,20 +252,40 @@ class Mix(torch.utils.data.Dataset):
 
     def __getitems__(self, indexes) -> list:
         """[self[i] for i in indexes], each source asked for its part of the batch at once
-        (a packed source starts the batch's reads together: readers._dataset)."""
-        given = list(indexes)
-        indexes = np.asarray([int(i) for i in given], dtype=np.int64)
-        if len(indexes) and (indexes.min() < 0 or indexes.max() >= len(self)):
+        (a packed source starts the batch's reads together: readers._dataset); the batch's
+        sources and labels are worked out per part, not per sample."""
+        given = indexes if isinstance(indexes, list) else list(indexes)
+        if not given:
+            return []
+        indexes = np.array(given, dtype=np.int64)
+        if indexes.min() < 0 or indexes.max() >= len(self):
             raise IndexError(f"Mix: indexes out of range for {len(self)} samples")
-        sources, out = self.source_of(indexes), [None] * len(indexes)
-        for s in np.unique(sources).tolist():
-            mine = np.flatnonzero(sources == s)
-            local = [self.local(given[k], s, i) for k, i in zip(mine.tolist(), (indexes[mine] - self.offsets[s]).tolist())]
+        sources = self.source_of(indexes)
+        keyed = isinstance(given[0], KeyedIndex)
+        out = [None] * len(given)
+        for s in (np.unique(sources).tolist() if len(self.names) > 1 else [0]):
+            mine = np.flatnonzero(sources == s) if len(self.names) > 1 else np.arange(len(given))
+            local = (indexes[mine] - self.offsets[s]).tolist()
+            mine = mine.tolist()
+            if keyed:  # as given[k].within(name, i), a batch's part at once
+                name = self.names[s]
+                local = list(map(KeyedIndex, local, [(*given[k].prefix, name) for k in mine]))
             source = self.sources[s]
             samples = source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
-            for k, (image, label) in zip(mine.tolist(), samples):
-                out[k] = (image, self.label(s, label), s)
+            labels = self.labels(s, [label for _, label in samples])
+            for k, (image, _), label in zip(mine, samples, labels):
+                out[k] = (image, label, s)
         return out
+
+    def labels(self, source: int, labels: list) -> list[int]:
+        """The merged labels of a source's labels (UNLABELED stays UNLABELED)."""
+        merged = self.label_maps[source]
+        if merged is None:
+            return [UNLABELED] * len(labels)
+        if self.kept[source]:  # the source's labels are the merged ones
+            return labels
+        got = np.asarray(labels, dtype=np.int64)
+        return np.where(got == UNLABELED, UNLABELED, merged[np.maximum(got, 0)]).tolist()
 
     def label(self, source: int, label) -> int:
         labels = self.label_maps[source]
@@ -311,7 +337,7 @@ class MixSampler(RankedSampler):
         mix = self.mix
         return {"sources": dict(zip(mix.names, mix.fingerprints)), "weights": dict(zip(mix.names, mix.weights)),
                 "seed": mix.seed, "epoch_size": mix.epoch_size, "order": self.order, "block_size": self.block_size,
-                "window": self.window, "drop_last": self.drop_last}
+                "window": self.window, "drop_last": self.drop_last, "schedule": SCHEDULE}
 
     def state_dict(self) -> dict:
         schedule = self.schedule
@@ -321,43 +347,58 @@ class MixSampler(RankedSampler):
 
     def __iter__(self):
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.mixed(self.start()))
+        return self.counted(itertools.chain.from_iterable(self.mixed(self.start())))
 
     def mixed(self, start: int):
-        """This rank's indexes of the current epoch in a pass from `start`, CHUNK at a time."""
+        """This rank's indexes of the current epoch in a pass from `start`, a list or iterator
+        of CHUNK of them at a time (chained in C: no Python frame per index)."""
         rank, world_size = self.world()
         share = self.pass_length(world_size, start)
-        for begin in range(0, share, CHUNK):
-            positions = rank_positions(self.count, start, rank, world_size, self.drop_last, begin,
-                                       min(share, begin + CHUNK))
-            indexes, passes = self.indexes_at(positions, with_passes=True)
+        for first in range(0, share, CHUNK):
+            indexes, passes = self.indexes_of(*self.drawn(start, rank, world_size, first, min(share, first + CHUNK)))
             if not self.keyed:
-                yield from indexes.tolist()
+                yield indexes.tolist()
                 continue
             # The source's pass is in the key: a source drawn twice in an epoch (weighted above its
-            # size) augments each draw of a sample afresh.
+            # size) augments each draw of a sample afresh. One key tuple per pass of the chunk.
             epoch = self._progress[0] if self._progress is not None else self.epoch
-            yield from (KeyedIndex(i, (self.seed, epoch, p)) for i, p in zip(indexes.tolist(), passes.tolist()))
+            numbers, which = np.unique(passes, return_inverse=True)
+            keys = np.empty(len(numbers), dtype=object)
+            for k, number in enumerate(numbers.tolist()):
+                keys[k] = (self.seed, epoch, number)
+            yield map(KeyedIndex, indexes.tolist(), keys[which].tolist())
 
-    def indexes_at(self, positions: np.ndarray, with_passes: bool = False):
-        """The mixture's indexes at these positions of the current epoch's global order (and,
-        with_passes, the pass of its source each is drawn in)."""
-        epoch = self.epoch
-        begin, length = self.schedule.piece(epoch)
+    def drawn(self, start: int, rank: int, world_size: int, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw over the run) of this rank's places [first, stop) in a pass from
+        `start` (readers.elastic's steps): a whole step's run of positions dealt to the ranks
+        by source (Schedule.dealt), a last step short of the ranks and the padding by position."""
+        epoch, schedule = self.epoch, self.schedule
+        whole = (self.count - start) // world_size  # steps whose run of positions is whole
+        split = min(max(first, whole), stop)
+        sources, draws = schedule.dealt(epoch, start + world_size * np.arange(first, split, dtype=np.int64),
+                                        rank, world_size)
+        if split == stop:
+            return sources, draws
+        positions = rank_positions(self.count, start, rank, world_size, self.drop_last, split, stop)
+        begin, length = schedule.piece(epoch)
         if begin:  # a resumed segment's padding wraps round to its own start
             positions = np.where(positions < begin, begin + positions % max(length, 1), positions)
-        sources, draws = self.schedule.at(epoch, positions)
-        out = np.empty(len(positions), dtype=np.int64)
-        out_passes = np.empty(len(positions), dtype=np.int64)
+        rest = schedule.at(epoch, positions)
+        return np.concatenate([sources, rest[0]]), np.concatenate([draws, rest[1]])
+
+    def indexes_of(self, sources: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The mixture's index of each (source, draw over the run), and the pass of its source
+        it is drawn in."""
+        out = np.empty(len(sources), dtype=np.int64)
+        out_passes = np.empty(len(sources), dtype=np.int64)
         for s in np.unique(sources).tolist():
             mine = np.flatnonzero(sources == s)
-            n = int(self.mix.lengths[s])
-            passes, within = np.divmod(draws[mine], n)
+            passes, within = np.divmod(draws[mine], int(self.mix.lengths[s]))
             out_passes[mine] = passes
             for p in np.unique(passes).tolist():
                 here = passes == p
                 out[mine[here]] = self.pass_order(s, p)(within[here]) + self.mix.offsets[s]
-        return (out, out_passes) if with_passes else out
+        return out, out_passes
 
     def pass_order(self, source: int, number: int) -> PassOrder:
         """Pass `number` of a source (a few are live at a time: kept, up to PASSES_KEPT)."""
@@ -396,6 +437,11 @@ class MixSampler(RankedSampler):
         another mixture (weights, sources, epoch size) only where the Mix says reweight=True:
         then the draws made stay made, and the rest of the epoch follows this Mix's weights."""
         check_state(state, "MixSampler", {}, SAMPLER_STATE_VERSION)
+        if state.get("schedule") != SCHEDULE:
+            raise ValueError(f"MixSampler.load_state_dict: the state was saved under another schedule of the mixture "
+                             f"({shown(state.get('schedule'))}, now {SCHEDULE!r}), by an earlier packer; this one "
+                             "would resume it at other samples. Start its epoch afresh (set_epoch, no state), or "
+                             "finish the run with the packer that saved it")
         now = self.settings()
         replaced = [n for n, fp in (state.get("sources") or {}).items() if n in now["sources"] and fp != now["sources"][n]]
         if replaced:

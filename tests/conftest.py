@@ -134,6 +134,13 @@ def sample_ids(batch) -> list[int]:
     return [zlib.crc32(bytes(sample[0]), sample[2] + 1 if len(sample) == 3 else 0) for sample in batch]
 
 
+def goes_on(parts: list, along: list) -> bool:
+    """Whether the parts, one after another, hold the successive draws of a source's passes
+    `along`: a step's draws go to its ranks by source (readers.mix), so each part in any order."""
+    ends = [sum(len(p) for p in parts[:k + 1]) for k in range(len(parts))]
+    return all(sorted(p) == sorted(along[end - len(p):end]) for p, end in zip(parts, ends))
+
+
 def class_sorted_tree(root: Path, classes: int, per_class: int) -> Path:
     """ROOT/class<c>/<i>.jpg: classes in runs, each 96x80 JPEG large enough (over a page)
     for LMDB to keep it in overflow pages, so it gets a stored extent."""

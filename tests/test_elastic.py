@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,11 +29,12 @@ import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, make_loader  # noqa: E402
 
-from conftest import class_sorted_tree, packed_three_ways, sample_ids  # noqa: E402
+from conftest import class_sorted_tree, goes_on, packed_three_ways, sample_ids  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 BATCH, SEED = 5, 3
+NEW_WEIGHTS = {"lmdb": 0.2, "hdf5": 0.8}  # a mixture's weights on a resume that changes them
 # The orders of make_loader's table (readers.loader.SAMPLERS): over LMDB (shuffled storage), HDF5,
 # WDS shards, and a mixture of the LMDB and HDF5 packs, 0.7/0.3 (readers.mix)
 CASES = ("random", "block", "stream", "mix")
@@ -44,13 +46,14 @@ def packs(tmp_path_factory) -> str:
     return packed_three_ways(tmp_path_factory.mktemp("elastic"))
 
 
-def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None):
+def build(root: str, case: str, workers: int, rank: int | None = None, world_size: int | None = None,
+          **weights):
     root = Path(root)
     if case == "stream":
         data = WDSDataset(root / "d.wds", decode="raw", shuffle=16, seed=SEED, rank=rank, world_size=world_size)
         return make_loader(data, BATCH, workers=workers, collate_fn=sample_ids, drop_last=False)
     data = (readers.LMDBDataset(root / "d.lmdb", decode="raw") if case == "random"
-            else readers.HDF5Dataset(root / "d.h5", decode="raw") if case == "block" else mixture(root))
+            else readers.HDF5Dataset(root / "d.h5", decode="raw") if case == "block" else mixture(root, **weights))
     loader = make_loader(data, BATCH, workers=workers, seed=SEED, order="random" if case == "mix" else case,
                          block_size=4, window=3, collate_fn=sample_ids, drop_last=False)
     if rank is not None:  # in-process ranks: the sampler told its place
@@ -81,6 +84,16 @@ def flat(batches) -> list[int]:
 def interleaved(ranks: list[list[int]]) -> list[int]:
     """Samples in the order all ranks consume them: rank r's i-th is the global (r + W i)-th."""
     return [s for step in zip(*ranks) for s in step]
+
+
+def in_steps(order: list[int], case: str, *world_sizes: int) -> list:
+    """An order as two world sizes can agree on it: a mixture deals each step's run of the one
+    order to its ranks by source (readers.mix.Schedule.dealt), so its runs of a common multiple
+    of the world sizes are compared as sets; the other samplers' orders, as they are."""
+    if case.removeprefix("sdl-") != "mix":
+        return order
+    size = math.lcm(*world_sizes)
+    return [sorted(order[i:i + size]) for i in range(0, len(order), size)]
 
 
 def save_side(job: dict) -> dict:
@@ -119,6 +132,12 @@ def resume_side(job: dict) -> dict:
             loader = build(job["root"], case, job["workers"])
             loader.load_state_dict(torch.load(Path(job["folder"]) / f"{case}-{k}.pt", weights_only=True))
             record[case][k] = [list(loader), list(loader)]
+    if job["gloo"]:  # the mixture's states again, over new weights (reweight=True)
+        record["mix-reweight"] = {}
+        for path in Path(job["folder"]).glob("mix-*.pt"):
+            loader = build(job["root"], "mix", 0, **NEW_WEIGHTS)  # 3 ranks x 1 worker -> 2 x 0
+            loader.load_state_dict(torch.load(path, weights_only=True))
+            record["mix-reweight"][int(path.stem.rpartition("-")[2])] = [list(loader), list(loader)]
     return record
 
 
@@ -189,7 +208,7 @@ def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int
 def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
     """Every stop: the rest is the samples no rank had handed out, each once but for at most
     W2 - 1 repeats, in equal batch counts; the next epoch is a fresh W2 run's."""
-    w2 = len(resumed)
+    w1, w2 = len(saved), len(resumed)
     for case in cases:
         everything = {s for r in saved for s in flat(r[case]["full"])}
         assert len(everything) == 100
@@ -216,9 +235,36 @@ def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
             else:
                 assert sum(got.values()) - len(left) < w2, f"{where}: {sum(got.values()) - len(left)} repeats"
             if case.removeprefix("sdl-") in SAMPLER_CASES:  # the rest of the one global order, from where it stopped
-                assert interleaved([flat(b) for b in rests])[:len(left)] == [s for s in global_order if s in left]
+                assert (in_steps(interleaved([flat(b) for b in rests])[:len(left)], case, w1, w2)
+                        == in_steps([s for s in global_order if s in left], case, w1, w2)), where
             for rank in range(w2):
                 assert resumed[rank][case][str(k)][1] == resumed[rank][case]["fresh"][1], f"{where}: next epoch"
+
+
+def check_reweighted(saved: list, resumed: list, packs: Path) -> None:
+    """Every stop, resumed over NEW_WEIGHTS: the samples handed out stay consumed, the rest of
+    the epoch and the next follow the new weights, and each source's pass goes on where it was."""
+    mix = mixture(packs, **NEW_WEIGHTS)
+    source = {sample_ids([(sample[0], 0, s)])[0]: name for s, name in enumerate(mix.names)
+              for sample in mix.sources[s]}
+    passes = {}
+    for name in mix.names:  # a source's draws in order: a mixture of it alone draws them
+        alone = readers.Mix(dict(zip(mix.names, mix.sources)), seed=SEED, epoch_size=300,
+                            weights={n: float(n == name) for n in mix.names})
+        passes[name] = flat(make_loader(alone, BATCH, workers=0, collate_fn=sample_ids, drop_last=False))
+    for k in stops(len(saved[0]["mix"]["full"])):
+        where = f"new weights after {k} batches"
+        handed = sorted({s for r in saved for s in flat(r["mix"]["heads"][str(k)])})  # less the padding
+        left = 100 - len(handed) or 100  # a state saved at the end resumes at the next epoch
+        rest = interleaved([flat(r["mix-reweight"][str(k)][0]) for r in resumed])[:left]
+        after = [s for r in resumed for s in flat(r["mix-reweight"][str(k)][1])]
+        assert len({len(r["mix-reweight"][str(k)][0]) for r in resumed}) == 1, where
+        assert len(after) == 100 and (len(handed) == 100 or not set(handed) & set(rest)), where
+        assert abs(sum(source[s] == "hdf5" for s in rest) - 0.8 * left) <= 2, where
+        assert sum(source[s] == "hdf5" for s in after) == 80, where
+        for name in mix.names:
+            parts = [[s for s in part if source[s] == name] for part in (handed, rest, after)]
+            assert goes_on(parts, passes[name]), f"{where}: {name}'s pass does not go on where it was"
 
 
 def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, tmp_path):
@@ -230,11 +276,13 @@ def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, 
     resumed3 = run_ranks("resume", a, packs, world_size=3, workers=1)
     check_resumes(saved2, resumed3, "2x2 -> 3x1")
     saved3 = run_ranks("save", b, packs, world_size=3, workers=1)
-    check_resumes(saved3, run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True), "3x1 -> 2x2 gloo")
+    resumed2 = run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True)
+    check_resumes(saved3, resumed2, "3x1 -> 2x2 gloo")
+    check_reweighted(saved3, resumed2, Path(packs))
     for case in SAMPLER_CASES:  # elastic determinism: one global order on 1, 2 and 3 ranks
-        on_two = interleaved([flat(r[case]["full"]) for r in saved2])[:100]
-        assert interleaved([flat(r[case]["fresh"][0]) for r in resumed3])[:100] == on_two
-        assert interleaved([flat(r[case]["full"]) for r in saved3])[:100] == on_two
+        on_two = in_steps(interleaved([flat(r[case]["full"]) for r in saved2])[:100], case, 2, 3)
+        assert in_steps(interleaved([flat(r[case]["fresh"][0]) for r in resumed3])[:100], case, 2, 3) == on_two
+        assert in_steps(interleaved([flat(r[case]["full"]) for r in saved3])[:100], case, 2, 3) == on_two
 
 
 @pytest.mark.parametrize("case", CASES)
