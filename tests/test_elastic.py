@@ -114,10 +114,10 @@ def resume_side(job: dict) -> dict:
     for case in CASES:
         fresh = build(job["root"], case, job["workers"])
         record[case] = {"fresh": [list(fresh), list(fresh)]}
-        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+        for path in Path(job["states"]).glob(f"{case}-*.pt"):
             k = int(path.stem.rpartition("-")[2])
             loader = build(job["root"], case, job["workers"])
-            loader.load_state_dict(torch.load(Path(job["folder"]) / f"{case}-{k}.pt", weights_only=True))
+            loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][k] = [list(loader), list(loader)]
     return record
 
@@ -158,7 +158,7 @@ def sdl_resume_side(job: dict) -> dict:
     for case in SDL_CASES:
         loader, data = stateful(job["root"], case)
         record[case] = {"fresh": [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]}
-        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+        for path in Path(job["states"]).glob(f"{case}-*.pt"):
             loader, data = stateful(job["root"], case)
             loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][int(path.stem.rpartition("-")[2])] = [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]
@@ -168,14 +168,24 @@ def sdl_resume_side(job: dict) -> dict:
 PHASES = {"save": save_side, "resume": resume_side, "sdl-save": sdl_save_side, "sdl-resume": sdl_resume_side}
 
 
+def run_phases(phases: dict, names: str, job: dict) -> dict:
+    """Script side: the phases named PHASE+PHASE..., one after the other in this process; their
+    records merged by case (a save's keys and a resume's differ, and so do the two loaders' cases)."""
+    result: dict = {}
+    for name in names.split("+"):
+        for case, record in phases[name](job).items():
+            result.setdefault(case, {}).update(record)
+    return result
+
+
 def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False,
-              script: str = __file__) -> list:
-    """Run world_size processes of `phase` (of `script`'s PHASES; this file's takes PHASE+PHASE...);
-    each rank's record."""
+              script: str = __file__, states: Path | None = None) -> list:
+    """Run world_size processes of `phase` (of `script`'s PHASES, or PHASE+PHASE...: run_phases)
+    saving into folder and resuming the states in `states` (default: folder); each rank's record."""
     procs = []
     for rank in range(world_size):
-        job = {"root": root, "folder": str(folder), "workers": workers, "rank": rank, "gloo": gloo,
-               "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
+        job = {"root": root, "folder": str(folder), "states": str(states or folder), "workers": workers,
+               "rank": rank, "gloo": gloo, "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
         path = folder / f"job-{phase}-{world_size}-{rank}.json"
         path.write_text(json.dumps(job))
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
@@ -459,9 +469,7 @@ if __name__ == "__main__":
 
         dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
                                 world_size=int(os.environ["WORLD_SIZE"]))
-    result = {}
-    for phase in sys.argv[1].split("+"):  # phases run one after the other; their cases are named apart
-        result.update(PHASES[phase](job))
+    result = run_phases(PHASES, sys.argv[1], job)
     Path(job["out"]).write_text(json.dumps(result))
     if job["gloo"]:
         dist.barrier()
