@@ -47,6 +47,21 @@ def run_capped(tmp_path: Path, imports: str, body: str, args: list[str], headroo
 SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
+# The files that take longest (--durations=0 on 2 cores), longest first. pytest-xdist deals whole
+# files to its 2 processes in collection order (pyproject's addopts: --dist loadfile
+# --no-loadscope-reorder), so these go first and the suite does not end on one long file while
+# the other process idles; every other file follows in its usual order.
+LONGEST_FIRST = ("test_frameworks.py", "test_elastic.py", "test_stateful_workers.py", "test_trend.py", "test_heap.py",
+                 "test_integrity.py", "test_threads.py", "test_resume_end.py", "test_resume.py", "test_formats.py",
+                 "test_gpu_entry.py", "test_keyed.py", "test_benchmarks.py", "test_interrupt.py", "test_pool.py",
+                 "test_source_io.py", "test_diagnose.py", "test_state_limits.py", "test_wds.py", "test_handle.py")
+
+
+def pytest_collection_modifyitems(items):
+    place = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(LONGEST_FIRST)))  # stable: a file's order stays
+
+
 def pytest_terminal_summary(terminalreporter):
     if not SHARED_DATA.is_dir():
         terminalreporter.write_line(f"shared data: {SHARED_DATA} is absent, so the tests on real images and shards "

@@ -127,10 +127,10 @@ def resume_side(job: dict) -> dict:
     for case in CASES:
         fresh = build(job["root"], case, job["workers"])
         record[case] = {"fresh": [list(fresh), list(fresh)]}
-        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+        for path in Path(job["states"]).glob(f"{case}-*.pt"):
             k = int(path.stem.rpartition("-")[2])
             loader = build(job["root"], case, job["workers"])
-            loader.load_state_dict(torch.load(Path(job["folder"]) / f"{case}-{k}.pt", weights_only=True))
+            loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][k] = [list(loader), list(loader)]
     if job["gloo"]:  # the mixture's states again, over new weights (reweight=True)
         record["mix-reweight"] = {}
@@ -177,7 +177,7 @@ def sdl_resume_side(job: dict) -> dict:
     for case in SDL_CASES:
         loader, data = stateful(job["root"], case)
         record[case] = {"fresh": [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]}
-        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+        for path in Path(job["states"]).glob(f"{case}-*.pt"):
             loader, data = stateful(job["root"], case)
             loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][int(path.stem.rpartition("-")[2])] = [epoch_of(loader, data, 0), epoch_of(loader, data, 1)]
@@ -187,13 +187,24 @@ def sdl_resume_side(job: dict) -> dict:
 PHASES = {"save": save_side, "resume": resume_side, "sdl-save": sdl_save_side, "sdl-resume": sdl_resume_side}
 
 
+def run_phases(phases: dict, names: str, job: dict) -> dict:
+    """Script side: the phases named PHASE+PHASE..., one after the other in this process; their
+    records merged by case (a save's keys and a resume's differ, and so do the two loaders' cases)."""
+    result: dict = {}
+    for name in names.split("+"):
+        for case, record in phases[name](job).items():
+            result.setdefault(case, {}).update(record)
+    return result
+
+
 def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False,
-              script: str = __file__) -> list:
-    """Run world_size processes of `phase` (of `script`'s PHASES); each rank's record."""
+              script: str = __file__, states: Path | None = None) -> list:
+    """Run world_size processes of `phase` (of `script`'s PHASES, or PHASE+PHASE...: run_phases)
+    saving into folder and resuming the states in `states` (default: folder); each rank's record."""
     procs = []
     for rank in range(world_size):
-        job = {"root": root, "folder": str(folder), "workers": workers, "rank": rank, "gloo": gloo,
-               "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
+        job = {"root": root, "folder": str(folder), "states": str(states or folder), "workers": workers,
+               "rank": rank, "gloo": gloo, "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
         path = folder / f"job-{phase}-{world_size}-{rank}.json"
         path.write_text(json.dumps(job))
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
@@ -267,18 +278,26 @@ def check_reweighted(saved: list, resumed: list, packs: Path) -> None:
             assert goes_on(parts, passes[name]), f"{where}: {name}'s pass does not go on where it was"
 
 
-def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(packs, tmp_path):
-    a, b = tmp_path / "from2", tmp_path / "from3"
-    a.mkdir()
-    b.mkdir()
-    saved2 = run_ranks("save", a, packs, world_size=2, workers=2)
-    check_resumes(saved2, run_ranks("resume", a, packs, world_size=1, workers=0), "2x2 -> 1x0")
-    resumed3 = run_ranks("resume", a, packs, world_size=3, workers=1)
-    check_resumes(saved2, resumed3, "2x2 -> 3x1")
-    saved3 = run_ranks("save", b, packs, world_size=3, workers=1)
-    resumed2 = run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True)
-    check_resumes(saved3, resumed2, "3x1 -> 2x2 gloo")
-    check_reweighted(saved3, resumed2, Path(packs))
+@pytest.fixture(scope="module")
+def rank_runs(packs, tmp_path_factory) -> dict:
+    """The rank launches of the two tests below, {launch: each rank's record}. Where both save, or
+    resume, on the same world from the same states, make_loader's cases and StatefulDataLoader's
+    run in the same processes, one after the other (their cases and state files are named apart)."""
+    a, b = tmp_path_factory.mktemp("from2"), tmp_path_factory.mktemp("from3")
+    return {"save 2x2": run_ranks("save+sdl-save", a, packs, world_size=2, workers=2),
+            "save 3x1": run_ranks("save+sdl-save", b, packs, world_size=3, workers=1),
+            "resume 1x0": run_ranks("resume", a, packs, world_size=1, workers=0),
+            "resume 3x1 gloo": run_ranks("resume+sdl-resume", a, packs, world_size=3, workers=1, gloo=True),
+            "resume 2x2 gloo": run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True),
+            "sdl-resume 1": run_ranks("sdl-resume", b, packs, world_size=1, workers=0)}
+
+
+def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(rank_runs, packs):
+    saved2, resumed3, saved3 = rank_runs["save 2x2"], rank_runs["resume 3x1 gloo"], rank_runs["save 3x1"]
+    check_resumes(saved2, rank_runs["resume 1x0"], "2x2 -> 1x0")
+    check_resumes(saved2, resumed3, "2x2 -> 3x1 gloo")
+    check_resumes(saved3, rank_runs["resume 2x2 gloo"], "3x1 -> 2x2 gloo")
+    check_reweighted(saved3, rank_runs["resume 2x2 gloo"], Path(packs))
     for case in SAMPLER_CASES:  # elastic determinism: one global order on 1, 2 and 3 ranks
         on_two = in_steps(interleaved([flat(r[case]["full"]) for r in saved2])[:100], case, 2, 3)
         assert in_steps(interleaved([flat(r[case]["fresh"][0]) for r in resumed3])[:100], case, 2, 3) == on_two
@@ -309,17 +328,11 @@ def test_a_state_saved_after_an_elastic_resume_resumes_again(packs, case):
     assert len(handed) - len(set(handed)) < 3  # 3 ranks pad with 2 repeats at most
 
 
-def test_torchdata_resumes_a_stream_on_other_ranks(packs, tmp_path):
+def test_torchdata_resumes_a_stream_on_other_ranks(rank_runs):
     """StatefulDataLoader over WDSDataset with 0, 1 and 2 workers: rank 0's state, 2 ranks -> 3
     (one gloo run) and 3 ranks -> 1, as make_loader's (2 workers pool their counts as they start)."""
-    a, b = tmp_path / "from2", tmp_path / "from3"
-    a.mkdir()
-    b.mkdir()
-    saved2 = run_ranks("sdl-save", a, packs, world_size=2, workers=0)
-    check_resumes(saved2, run_ranks("sdl-resume", a, packs, world_size=3, workers=0, gloo=True), "2 -> 3 gloo",
-                  SDL_CASES)
-    saved3 = run_ranks("sdl-save", b, packs, world_size=3, workers=0)
-    check_resumes(saved3, run_ranks("sdl-resume", b, packs, world_size=1, workers=0), "3 -> 1", SDL_CASES)
+    check_resumes(rank_runs["save 2x2"], rank_runs["resume 3x1 gloo"], "2 -> 3 gloo", SDL_CASES)
+    check_resumes(rank_runs["save 3x1"], rank_runs["sdl-resume 1"], "3 -> 1", SDL_CASES)
 
 
 @pytest.mark.parametrize("case", SDL_CASES[:2] + ("sdl-stream-3",))
@@ -503,7 +516,7 @@ if __name__ == "__main__":
 
         dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
                                 world_size=int(os.environ["WORLD_SIZE"]))
-    result = PHASES[sys.argv[1]](job)
+    result = run_phases(PHASES, sys.argv[1], job)
     Path(job["out"]).write_text(json.dumps(result))
     if job["gloo"]:
         dist.barrier()

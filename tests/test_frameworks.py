@@ -29,8 +29,9 @@ import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from packer.cores import available_cores  # noqa: E402
 
-L = pytest.importorskip("lightning")
-pytest.importorskip("accelerate")
+if __name__ != "__main__":  # collected: the tests need both frameworks (an Accelerate rank imports no Lightning)
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
 import torch  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -88,33 +89,36 @@ def record(out: Path, rank: int, seen: dict) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
-class Recorder(L.LightningModule):
-    """Trains nothing; records the labels each rank is given, per epoch."""
+def recorder(job: dict):
+    """A LightningModule that trains nothing and records the labels each rank is given, per epoch."""
+    import lightning as L
 
-    def __init__(self, job: dict):
-        super().__init__()
-        self.job = job
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: dict = {}
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.seen: dict = {}
 
-    def train_dataloader(self):
-        # make_loader's default workers, on the cores Lightning's launcher's ranks share
-        self.workers = readers.make_loader(readers.LMDBDataset(Path(self.job["root"]) / "d.lmdb"),
-                                                   BATCH).num_workers
-        return make(self.job)
+        def train_dataloader(self):
+            # make_loader's default workers, on the cores Lightning's launcher's ranks share
+            self.workers = readers.make_loader(readers.LMDBDataset(Path(job["root"]) / "d.lmdb"), BATCH).num_workers
+            return make(job)
 
-    def training_step(self, batch, index):
-        self.seen.setdefault(str(self.current_epoch), []).extend(batch.tolist())
-        return self.w.sum() * 0.0
+        def training_step(self, batch, index):
+            self.seen.setdefault(str(self.current_epoch), []).extend(batch.tolist())
+            return self.w.sum() * 0.0
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def on_train_end(self):
-        record(Path(self.job["out"]), self.global_rank, {**self.seen, "workers": self.workers})
+        def on_train_end(self):
+            record(Path(job["out"]), self.global_rank, {**self.seen, "workers": self.workers})
+
+    return Recorder()
 
 
 def lightning_run(job: dict) -> None:
+    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = Path(job["out"])
@@ -126,7 +130,7 @@ def lightning_run(job: dict) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=checkpoints,
                         num_sanity_val_steps=0)
-    trainer.fit(Recorder(job), ckpt_path=job.get("resume"))
+    trainer.fit(recorder(job), ckpt_path=job.get("resume"))
 
 
 def accelerate_run(job: dict) -> None:

@@ -36,12 +36,14 @@ def test_a_release_from_a_finalizer_inside_acquire_does_not_deadlock(tmp_path):
 
 
 # A training script's normal shape: Datasets held at module level (so a spawned or forkserver
-# worker, which imports the script again, makes its own), read in the main process and in
-# DataLoader workers, and still held when the interpreter exits.
+# worker, which imports the script again, makes its own), read in the main process and in a
+# DataLoader worker, and still held when the interpreter exits. One worker reads them all (it is
+# given them pickled, as a DataLoader gives its dataset), so each start method starts one.
 QUIET_EXIT_SCRIPT = r"""
+import collections
 import sys
 import io  # kept alive to the end of shutdown (sys.stdout's), so cleared after packer's module globals
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 import readers
 
 root, context = sys.argv[1], sys.argv[2]
@@ -50,27 +52,45 @@ datasets = [readers.LMDBDataset(f"{root}/d.lmdb", decode="raw"), readers.HDF5Dat
             readers.FolderDataset(f"{root}/src", decode="raw")]
 io.held_datasets = datasets  # reachable until packer's globals are None, as from any module that outlives them
 
+
+class Every(IterableDataset):  # the number of the dataset each sample came from, all read in the worker
+    def __init__(self, datasets):
+        self.datasets = datasets
+
+    def __iter__(self):
+        for number, ds in enumerate(self.datasets):
+            samples = ds if isinstance(ds, readers.WDSDataset) else (ds[i] for i in range(len(ds)))
+            for _ in samples:
+                yield number
+
+
 if __name__ == "__main__":
     for ds in datasets:
         if not isinstance(ds, readers.WDSDataset):
             ds[0]  # opened in this process, and left open
-        loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
-        assert len(list(loader)) == 6
+    loader = DataLoader(Every(datasets), batch_size=None, num_workers=1, multiprocessing_context=context)
+    assert collections.Counter(int(n) for n in loader) == {number: 6 for number in range(len(datasets))}
     print("read")
 """
 
 
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """6 images packed in every format, and their folder."""
+    root = tmp_path_factory.mktemp("held")
+    for i in range(6):
+        write(root / "src" / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(i, size=(16, 16)))
+    for fmt, ext in (("lmdb", ".lmdb"), ("hdf5", ".h5"), ("wds", ".wds")):
+        pack(str(root / "src"), fmt, str(root / f"d{ext}"), workers=1, progress=False)
+    return root
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-def test_datasets_held_at_exit_print_nothing(tmp_path, context):
+def test_datasets_held_at_exit_print_nothing(packed, tmp_path, context):
     """No reader or Dataset of any format prints at interpreter shutdown ('Exception ignored
     in ... __del__', a warning), in the main process or a worker, under any start method."""
-    src = tmp_path / "src"
-    for i in range(6):
-        write(src / f"c{i % 2}" / f"{i}.jpg", jpeg_bytes(i, size=(16, 16)))
-    for fmt, ext in (("lmdb", ".lmdb"), ("hdf5", ".h5"), ("wds", ".wds")):
-        pack(str(src), fmt, str(tmp_path / f"d{ext}"), workers=1, progress=False)
     script = tmp_path / "train.py"
     script.write_text(QUIET_EXIT_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), context], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), str(packed), context], capture_output=True, text=True,
                           timeout=240, cwd=tmp_path)
     assert (done.returncode, done.stdout, done.stderr) == (0, "read\n", "")

@@ -11,6 +11,7 @@ import re
 import multiprocessing
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import zlib
@@ -107,19 +108,29 @@ def test_a_record_cut_off_while_a_reader_has_it_open_is_an_error_not_a_map_read(
     assert "rewritten by another tool" not in result.stderr
 
 
+@pytest.fixture(scope="module")
+def large_tables(tmp_path_factory) -> Path:
+    """1,200 tiny records packed as LMDB and HDF5, once: each test cuts a copy of its own."""
+    root = tmp_path_factory.mktemp("large-tables")
+    for i in range(1200):
+        write(root / "src" / f"c{i % 2}" / f"{i:04d}.jpg", jpeg_bytes(i % 7, size=(8, 8)))
+    for fmt in ("lmdb", "hdf5"):
+        packed(root, fmt, root / "src")
+    return root
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
 @pytest.mark.parametrize("before, after", [
     ("ds.__getitems__(list(range(64)))", "ds.__getitems__(list(range(len(ds) - 64, len(ds))))"),  # a batch
     ("ds[0]", "ds[len(ds) - 1]"),  # a lone item: an evaluation loop, a notebook
 ], ids=["batch", "item"])
-def test_a_file_cut_short_under_a_dataset_is_an_error_not_sigbus(tmp_path, fmt, before, after):
+def test_a_file_cut_short_under_a_dataset_is_an_error_not_sigbus(large_tables, tmp_path, fmt, before, after):
     """1,200 records: tables large enough to be mapped from the file, so a read after the cut
     would touch a page past its end. A batch (__getitems__, what DataLoader calls) and a lone
     ds[i] check the file's size before their records' tables are read."""
-    src = tmp_path / "src"
-    for i in range(1200):
-        write(src / f"c{i % 2}" / f"{i:04d}.jpg", jpeg_bytes(i % 7, size=(8, 8)))
-    out = packed(tmp_path, fmt, src)
+    pristine = large_tables / f"p{FORMATS[fmt].extension}"
+    out = tmp_path / pristine.name
+    (shutil.copytree if pristine.is_dir() else shutil.copy2)(pristine, out)
     data = out / "data.mdb" if fmt == "lmdb" else out
     code = ("import os, sys, readers\n"
             "ds = {'lmdb': readers.LMDBDataset, 'hdf5': readers.HDF5Dataset}[sys.argv[2]](sys.argv[1], decode='raw')\n"

@@ -24,7 +24,8 @@ import readers  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, for_workers, make_loader  # noqa: E402
 
 from conftest import packed_three_ways, sample_ids  # noqa: E402
-from test_elastic import BATCH, SEED, check_resumes, epoch_of, flat, run_ranks, save_heads, save_to_bytes  # noqa: E402
+from test_elastic import (BATCH, SEED, check_resumes, epoch_of, flat, run_phases, run_ranks, save_heads,  # noqa: E402
+                          save_to_bytes)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]  # 3 workers, 2 cores
@@ -74,7 +75,7 @@ def resume_side(job: dict) -> dict:
     for case in CASES:
         loader, ordered = stateful(job["root"], case, job["workers"])
         record[case] = {"fresh": [epoch_of(loader, ordered, 0), epoch_of(loader, ordered, 1)]}
-        for path in Path(job["folder"]).glob(f"{case}-*.pt"):
+        for path in Path(job["states"]).glob(f"{case}-*.pt"):
             state = for_workers(torch.load(path, weights_only=True), job["workers"])
             loader, ordered = stateful(job["root"], case, job["workers"])
             loader.load_state_dict(json.loads(json.dumps(state)))
@@ -86,16 +87,29 @@ def resume_side(job: dict) -> dict:
 PHASES = {"save": save_side, "resume": resume_side}
 
 
-def test_a_state_saved_with_two_workers_resumes_with_none_one_or_three_on_other_ranks(packs, tmp_path):
-    saved = run_ranks("save", tmp_path, packs, world_size=2, workers=2, script=__file__)
+@pytest.fixture(scope="module")
+def rank_runs(packs, tmp_path_factory) -> dict:
+    """The rank launches of the two tests below, {launch: each rank's record}: 3 ranks without
+    workers resume the 2 x 2 state and then save their own, in the same processes."""
+    a, b = tmp_path_factory.mktemp("from2x2"), tmp_path_factory.mktemp("from3x0")
+    runs = {"save 2x2": run_ranks("save", a, packs, world_size=2, workers=2, script=__file__)}
+    runs["resume 3x0, save 3x0"] = run_ranks("resume+save", b, packs, world_size=3, workers=0, script=__file__,
+                                             states=a)
+    for world_size, workers in ((1, 3), (3, 1)):
+        runs[f"resume {world_size}x{workers}"] = run_ranks("resume", a, packs, world_size, workers, script=__file__)
+    runs["resume 2x2"] = run_ranks("resume", b, packs, world_size=2, workers=2, script=__file__)
+    return runs
+
+
+def test_a_state_saved_with_two_workers_resumes_with_none_one_or_three_on_other_ranks(rank_runs):
     for world_size, workers in ((3, 0), (1, 3), (3, 1)):
-        resumed = run_ranks("resume", tmp_path, packs, world_size, workers, script=__file__)
-        check_resumes(saved, resumed, f"2x2 -> {world_size}x{workers}", CASES)
+        resumed = rank_runs["resume 3x0, save 3x0" if world_size == 3 and not workers else
+                            f"resume {world_size}x{workers}"]
+        check_resumes(rank_runs["save 2x2"], resumed, f"2x2 -> {world_size}x{workers}", CASES)
 
 
-def test_a_state_saved_without_workers_resumes_with_two_on_other_ranks(packs, tmp_path):
-    saved = run_ranks("save", tmp_path, packs, world_size=3, workers=0, script=__file__)
-    check_resumes(saved, run_ranks("resume", tmp_path, packs, 2, 2, script=__file__), "3x0 -> 2x2", CASES)
+def test_a_state_saved_without_workers_resumes_with_two_on_other_ranks(rank_runs):
+    check_resumes(rank_runs["resume 3x0, save 3x0"], rank_runs["resume 2x2"], "3x0 -> 2x2", CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -188,4 +202,4 @@ def test_what_cannot_be_rewritten_is_refused_saying_what_to_do(packs):
 
 if __name__ == "__main__":
     job = json.loads(Path(sys.argv[2]).read_text())
-    Path(job["out"]).write_text(json.dumps(PHASES[sys.argv[1]](job)))
+    Path(job["out"]).write_text(json.dumps(run_phases(PHASES, sys.argv[1], job)))
