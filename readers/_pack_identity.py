@@ -33,10 +33,10 @@ def reader_identity(reader) -> str:
                                                    "tables": reader.table_checksums()})
 
 
-def index_identity(index: dict, split: str) -> str:
-    """The identity of a `packer pack --to wds` folder's split, from its index.json (every
-    shard's name, count, bytes and SHA-256, and the tables' checksums)."""
-    return pack_identity(index.get("created", ""), index["wds"]["splits"][split])
+def index_identity(indexed) -> str:
+    """The identity of a `packer pack --to wds` folder's split (packer.formats.wds.IndexedSplit),
+    from its index.json (every shard's name, count, bytes and SHA-256, and the tables' checksums)."""
+    return pack_identity(indexed.created, indexed.contents)
 
 
 def without_identity(saved, now: str) -> bool:

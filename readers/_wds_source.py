@@ -6,17 +6,12 @@ from __future__ import annotations
 import os
 
 from packer.errors import FormatError
-from packer.formats import _tar, wds
-from packer.records import choose_split
+from packer.formats import wds
 from packer.remote import source as remote_source
 
 from ._pack_identity import index_identity
 
 SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz")
-
-
-def count_samples(path: str) -> int:
-    return _tar.count_samples(path)
 
 
 def remote_of(path_or_urls, storage_options: dict | None):
@@ -40,11 +35,9 @@ def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], 
     if isinstance(path_or_urls, (str, os.PathLike)):
         url = os.fspath(path_or_urls).rstrip("/")
         if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
-            index, _ = wds.open_index(url, remote)
-            split = choose_split(list(index["wds"]["splits"]), split, url)
-            shards = index["wds"]["splits"][split]["shards"]
-            return ([remote_source.join(url, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split, index_identity(index, split))
+            indexed = wds.indexed_split(url, split, remote)
+            return ([remote_source.join(url, name) for name in indexed.shards], indexed.counts, indexed.classes,
+                    indexed.split, index_identity(indexed))
         urls = expand_braces(url)
     else:
         urls = [u for url in path_or_urls for u in expand_braces(os.fspath(url))]
@@ -64,11 +57,9 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
     if isinstance(path_or_urls, (str, os.PathLike)):
         path = os.fspath(path_or_urls)
         if packed_folder(path) is not None:
-            index = wds.load_index(path)
-            split = choose_split(list(index["wds"]["splits"]), split, path)
-            shards = index["wds"]["splits"][split]["shards"]
-            return ([os.path.join(path, s["name"]) for s in shards], [s["count"] for s in shards],
-                    list(index["classes"]), split, index_identity(index, split))
+            indexed = wds.indexed_split(path, split)
+            return ([os.path.join(path, name) for name in indexed.shards], indexed.counts, indexed.classes,
+                    indexed.split, index_identity(indexed))
         if os.path.isdir(path):
             folder = os.path.join(path, split) if split else path
             if not os.path.isdir(folder):

@@ -22,7 +22,7 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-from packer.formats._io import MADV_REMOVE, advise_pages
+from packer.formats import MADV_REMOVE, advise_pages
 
 
 _shared_here = False  # set by share_batches(): this process hands its batches to another

@@ -32,16 +32,14 @@ import torch.distributed
 import torch.utils.data
 
 from packer.errors import CorruptDataError, PackError, ReplacedError
-from packer.formats import _tar, wds
-from packer.formats._reader import current_identity
-from packer.formats._tables import replaced_error
+from packer.formats import current_identity, replaced_error, wds
 
 from ._dataset import PackedDataset
 from ._pool import CountPool
 from ._state_limits import MAX_EPOCH, MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, shown
 from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 from ._wds_checks import sample_label
-from ._wds_source import count_samples, index_file_of, packed_folder, remote_of, resolve
+from ._wds_source import index_file_of, packed_folder, remote_of, resolve
 from .decode import DECODE_MODES, MAX_PIXELS, checked_max_pixels, decode
 from .heap import keep_heap_in_worker
 from .ranks import accelerate_runs, check_rank, worker, world
@@ -195,8 +193,8 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def count_or_skip(self, path: str) -> int:
         try:
             if self.remote is not None:
-                return _tar.count_samples(path, self.opener([path]))
-            return count_samples(path)
+                return wds.count_samples(path, self.opener([path]))
+            return wds.count_samples(path)
         except CorruptDataError as exc:
             if self.on_error == "fail":
                 raise
@@ -416,7 +414,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                              f"{sizes[stream_id]} this epoch; it was saved over other data")
         return stream_id, skip
     def opener(self, paths: list[str]):
-        """How _tar opens these shards, read in this order: None (local files) or streams
+        """How wds.iter_samples opens these shards, read in this order: None (local files) or streams
         started ahead (remote)."""
         if self.remote is None:
             return None
@@ -479,7 +477,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         offset records.bin gives, in the order the shard holds them, checked against the
         table's checksum, its label from the table (both checked as the table loads), so no
         tar header or .cls/.json member is parsed: the same samples, at the cost of a read
-        by index. Any other shard is parsed (packer.formats._tar), its .json checked, and so
+        by index. Any other shard is parsed (packer.formats.wds.iter_samples), its .json checked, and so
         is a packer shard whose index does not load or whose size is not the one the index
         gives (cut short, replaced): parsing says where the damage is."""
         reader = self.index_reader()
@@ -495,11 +493,11 @@ class WDSDataset(torch.utils.data.IterableDataset):
         path = self.shards[shard]
         passed = 0
         opened = False
-        for sample in _tar.iter_samples(path, opener=opener):
+        for sample in wds.iter_samples(path, opener=opener):
             if not opened:  # checked once the shard is open: then the shard read is the dataset's checked
                 self.check_replaced()
                 opened = True
-            suffix = _tar.image_suffix(sample.parts)
+            suffix = wds.image_suffix(sample.parts)
             if suffix is None:
                 continue
             if passed < start:  # another worker's (or an earlier task's) samples: parsed past, not checked

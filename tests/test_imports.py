@@ -113,3 +113,37 @@ def test_no_module_of_packer_or_readers_imports_itself_back():
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         " -> ".join(one_loop(graph, c)) + f" ({len(c)} modules: {', '.join(c)})" for c in found)
+
+
+def private_imports(root: Path = ROOT, package: str = "readers", of: str = "packer") -> list[str]:
+    """Each import in package of a private module of `of` (a name part with a leading underscore,
+    as packer.formats._tar), as `path:line module`: readers read packer's formats through their
+    public reading API alone."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+                names.append(node.module)
+            else:
+                continue
+            found += [f"{path.relative_to(root).as_posix()}:{node.lineno} {name}" for name in names
+                      if name.split(".")[0] == of and any(part.startswith("_") for part in name.split(".")[1:])]
+    return found
+
+
+def test_a_private_import_is_found_in_each_spelling(tmp_path):
+    (tmp_path / "reads").mkdir()
+    (tmp_path / "reads" / "a.py").write_text("from packer.formats import _tar, wds\nimport packer.formats._io\n"
+                                             "def late():\n    from packer.formats._reader import x\n")
+    (tmp_path / "reads" / "b.py").write_text("from packer.formats import wds\nfrom . import _own\nimport _thread\n")
+    assert private_imports(tmp_path, "reads") == [
+        "reads/a.py:1 packer.formats._tar", "reads/a.py:2 packer.formats._io", "reads/a.py:4 packer.formats._reader"]
+
+
+def test_readers_import_no_private_module_of_packer():
+    found = private_imports()
+    assert not found, ("readers use packer's public API (docs/formats.md, 'Reading a format'); these import "
+                       "private modules:\n" + "\n".join(found))

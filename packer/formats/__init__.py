@@ -10,7 +10,11 @@ from ..remote.errors import DENIED
 from ..remote.manifest import MANIFEST, parse_manifest
 from . import hdf5, lmdb, wds
 from ._contract import Format, Option, parse_size
-from ._io import CAN_ADVISE, evict, will_need  # page-cache control, for tools that read packed files themselves
+# Page-cache and page control, for tools that read packed files (or hand pages on) themselves.
+from ._io import CAN_ADVISE, MADV_REMOVE, advise_pages, evict, will_need
+# Whether a dataset file is still the one a reader opened (a pack --force replaces it).
+from ._reader import current_identity
+from ._tables import replaced_error
 
 # The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
 # A new format is one module, one name in this tuple and one line in docs/layout.md's module map
@@ -43,9 +47,9 @@ for _module in (lmdb, hdf5, wds):
     register(_module.FORMAT)
 
 
-__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "Option", "ReaderCache", "default_output",
-           "detect_format", "evict", "format_named", "open_reader", "parse_size", "read_metadata", "register",
-           "unregister", "will_need"]
+__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "MADV_REMOVE", "Option", "ReaderCache",
+           "advise_pages", "current_identity", "default_output", "detect_format", "evict", "format_named",
+           "open_reader", "parse_size", "read_metadata", "register", "replaced_error", "unregister", "will_need"]
 
 
 def format_named(name: str) -> Format:
