@@ -166,8 +166,9 @@ class EpochLoader(tud.DataLoader):
         self._told = epoch
         progress = self._progress = [epoch, skip, False, skip]
         batches = super().__iter__()
-        if self.num_workers and getattr(self.dataset, "_resume", None) is not None:
-            self.dataset._resume = None  # the workers took their copies: later ones start afresh
+        resume = getattr(self.dataset, "resume", None)  # a WDSDataset's readers._wds_resume.StreamResume
+        if self.num_workers and resume is not None and resume.pending is not None:
+            resume.pending = None  # the workers took their copies: later ones start afresh
         yield from self._counted(batches, progress)
 
     @staticmethod

@@ -26,7 +26,7 @@ import importlib.metadata
 import torch
 
 from ._state_limits import MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, check_shape, shown
-from .wds import checked_position
+from ._wds_resume import checked_position
 from .wds_elastic import appended, checked_history
 
 CHECKED_TORCHDATA = ("0.11",)  # releases whose StatefulDataLoader state layout this was read from

@@ -82,8 +82,8 @@ def test_a_stream_pickled_plainly_makes_its_own_pool(tmp_path):
          workers=1, progress=False)
     data = WDSDataset(tmp_path / "d.wds")
     copy = pickle.loads(pickle.dumps(data))
-    data._pool.words[0] = 9
-    assert copy._pool.words[0] == 0  # shared memory does not travel by plain pickling
+    data.resume.pool.words[0] = 9
+    assert copy.resume.pool.words[0] == 0  # shared memory does not travel by plain pickling
 
 
 def sdl_stream(root, workers: int, rank: int, world_size: int, **options):
@@ -126,4 +126,4 @@ def test_persistent_workers_prefetching_deep_pool_once_and_read_the_next_epoch_a
     fresh, fresh_data = sdl_stream(root, 2, 0, 1, **options)
     fresh_data.set_epoch(1)
     assert [batch for batch in loader] == [batch for batch in fresh]
-    assert list(data._pool.words[:2]) == [0, 0]
+    assert list(data.resume.pool.words[:2]) == [0, 0]

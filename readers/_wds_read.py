@@ -1,0 +1,185 @@
+"""The reading stages of a WDSDataset's stream: a worker's tasks (runs of shards' samples) to
+their shards, opened in order (streamed ahead when remote), and each shard to its checked
+(where, image bytes, label) samples.
+
+A local packer folder's shard is read through its index (packer.formats.wds.Reader.read_stored:
+one pread per image, no tar header parsed); any other shard, or a packer shard the index does
+not describe, is parsed (packer.formats.wds.iter_samples), its .json member checked."""
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from typing import Iterable, Iterator
+
+from packer.errors import CorruptDataError, PackError, ReplacedError
+from packer.formats import current_identity, replaced_error, wds
+
+from ._stream import Task
+from ._wds_checks import sample_label
+
+
+def count_or_skip(ds, path: str) -> int:
+    """The samples of the shard at path, counted by parsing it; 0 for a damaged one with
+    on_error="skip" (warned: it is left out of every epoch)."""
+    try:
+        return wds.count_samples(path, opener(ds, [path]))
+    except CorruptDataError as exc:
+        if ds.on_error == "fail":
+            raise
+        warnings.warn(f"{exc}; skipped this shard, its samples are left out of every epoch", RuntimeWarning,
+                      stacklevel=3)
+        return 0
+
+
+def opener(ds, paths: list[str]):
+    """How wds.iter_samples opens these shards, read in this order: None (local files) or
+    streams started ahead (remote)."""
+    if ds.remote is None:
+        return None
+    from packer.remote.stream import ShardsAhead
+
+    return ShardsAhead(ds.remote, paths, ds.prefetch_shards)
+
+
+def read_tasks(ds, tasks: Iterable[Task]) -> Iterator[tuple[str, bytes, int]]:
+    """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked."""
+    tasks = list(tasks)
+    shards = opener(ds, [ds.shards[task.shard] for task in tasks])
+    try:
+        yield from task_samples(ds, tasks, shards)
+    finally:
+        if shards is not None:
+            shards.close()
+
+
+def task_samples(ds, tasks: list[Task], shards) -> Iterator[tuple[str, bytes, int]]:
+    """The tasks' samples, each shard's cut at the task's ends; damage fails the stream or,
+    with on_error="skip", leaves out the sample or the rest of its shard, warned."""
+    for task in tasks:
+        path, expected = ds.shards[task.shard], ds.shard_counts()[task.shard]
+        wanted = expected if task.stop is None else task.stop
+        got = task.start  # the shard's samples passed, counted from its first
+        try:
+            for where, image, label in ds.shard_samples(task.shard, shards, task.start):
+                got += 1
+                if image is not None:
+                    yield where, image, label
+                elif ds.on_error == "fail":
+                    raise label
+                else:
+                    warnings.warn(f"{label}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
+                                  stacklevel=2)
+                if got == wanted:
+                    break
+            if got < wanted:
+                raise CorruptDataError(f"{path}: ended after {got} samples, {expected} expected; the shard "
+                                       "is truncated or was replaced (re-create it, or read with "
+                                       "on_error='skip')", path)
+        except ReplacedError:
+            raise  # not damage to skip: every shard from here on is the other dataset's
+        except CorruptDataError as exc:
+            if ds.on_error == "fail":
+                raise
+            warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
+                          RuntimeWarning, stacklevel=2)
+
+
+def read_ordinals(ds, tasks: list[Task], sizes: list[int], start: int, keep) -> Iterator[tuple[int, tuple]]:
+    """(ordinal, sample) of the tasks' samples numbered from 0 whose ordinal is in `keep`
+    or at least `start`; a task holding none of them is skipped unread."""
+    wanted = sorted(set(keep))
+    first = 0
+    for task, size in zip(tasks, sizes):
+        stop = first + size
+        below = bisect.bisect_left(wanted, first)
+        if stop > start or (below < len(wanted) and wanted[below] < stop):
+            chosen = set(wanted[below:bisect.bisect_left(wanted, stop)])
+            for ordinal, sample in enumerate(read_tasks(ds, [task]), first):
+                if ordinal >= start or ordinal in chosen:
+                    yield ordinal, sample
+        first = stop
+
+
+def check_replaced(ds) -> None:
+    """Raise the project's error if the packer folder was replaced (pack --force) since
+    the Dataset read its index: its shards would be read under a stale class list."""
+    if ds.index_file is not None and current_identity(ds.index_file, ds.remote) != ds.identity:
+        raise replaced_error(ds.index_file)
+
+
+def shard_samples(ds, shard: int, shards, start: int = 0
+                  ) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
+    """(where, image bytes, label) of each image sample of the shard from its start-th,
+    in order; a sample failing its checks comes as (where, None, the error). Damage that
+    ends the shard raises.
+
+    Read by the index where it describes the shard: each image is one pread at the offset
+    records.bin gives, checked against the table's checksum, its label from the table, so no
+    tar header or .cls/.json member is parsed: the same samples, at the cost of a read by
+    index. Parsed otherwise, as is a packer shard whose index does not load or whose size
+    is not the one the index gives (cut short, replaced): parsing says where the damage is."""
+    reader = index_reader(ds)
+    if reader is not None and reader.as_indexed(shard):
+        return indexed_samples(reader, shard, start)
+    return parsed_samples(ds, shard, shards, start)
+
+
+def indexed_samples(reader: wds.Reader, shard: int, start: int) -> Iterator:
+    labels, paths = reader.labels, reader.paths
+    for index, image in reader.read_stored(shard, start):
+        where = f"{reader.path}: {paths[index]}"  # as the map-style Datasets name a record
+        if isinstance(image, CorruptDataError):
+            yield where, None, image
+        else:
+            yield where, image, labels.item(index)
+
+
+def parsed_samples(ds, shard: int, shards, start: int) -> Iterator:
+    path = ds.shards[shard]
+    passed = 0
+    opened = False
+    for sample in wds.iter_samples(path, opener=shards):
+        if not opened:  # checked once the shard is open: then the shard read is the dataset's checked
+            check_replaced(ds)
+            opened = True
+        suffix = wds.image_suffix(sample.parts)
+        if suffix is None:
+            continue
+        if passed < start:  # another worker's (or an earlier task's) samples: parsed past, not checked
+            passed += 1
+            continue
+        where = f"{path}: {sample.key}"
+        try:
+            yield where, sample.parts[suffix], sample_label(where, sample.parts, suffix, ds.check_crc,
+                                                            len(ds.classes))
+        except CorruptDataError as exc:
+            yield where, None, exc
+    if not opened:
+        check_replaced(ds)
+    if passed < start:
+        raise CorruptDataError(f"{path}: ended after {passed} samples, {ds.shard_counts()[shard]} expected; "
+                               "the shard is truncated or was replaced (re-create it, or read with "
+                               "on_error='skip')", path)
+
+
+def index_reader(ds) -> wds.Reader | None:
+    """This process's reader of the packer folder's index, opened for streaming (kept in
+    ds._index); None for other shards, and where the index does not load or lists other shards."""
+    if ds._index is None:
+        ds._index = False
+        if ds.packed is not None:
+            try:
+                reader = wds.Reader(ds.packed, ds.split, check_crc=ds.check_crc)
+            except PackError:
+                return None
+            if reader.identity != ds.identity:  # its tables and labels are another dataset's
+                raise replaced_error(ds.index_file)
+            try:
+                reader.records, reader.paths, reader.labels  # loaded and checked now: damage means parsing
+            except PackError:
+                return None
+            if [os.path.join(ds.packed, name) for name in reader.shards] == ds.shards:
+                reader.advise("sequential")
+                ds._index = reader
+    return ds._index or None
