@@ -75,10 +75,9 @@ FORMAT_VERSION = 2
 UNLABELED = -1
 # Filenames that are not valid UTF-8 (possible on Linux) survive as surrogate escapes.
 PATH_ENCODING_ERRORS = "surrogateescape"
-# The keys of packer.formats.FORMATS (records cannot import formats, which import it).
-# The format names metadata may carry: packer.formats.register keeps it in step with its FORMATS
-# (records sits below the formats, so it is told their names rather than asking).
-FORMAT_NAMES: list[str] = []
+# The form of a format's name in metadata (a key of packer.formats.FORMATS: records sits below the
+# formats, so packer.formats.read_metadata checks that the name is one of them).
+FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # Read limits on metadata: far above any real dataset's, low enough that parsing a hostile
 # one cannot exhaust memory or, for nesting, the stack of whoever serialises it next.
 MAX_METADATA_BYTES = 64 << 20
@@ -446,8 +445,8 @@ class Metadata:
         if _count(version, "format_version", FORMAT_VERSION) < 1:
             raise _Invalid("format_version is 0")
         kind = _checksum_kind(d.get("checksum", record_checksums.LEGACY), version, where)
-        if d.get("format") not in FORMAT_NAMES:
-            raise _Invalid(f"format is {_show(d.get('format'))}, not one of {', '.join(FORMAT_NAMES)}")
+        if not (isinstance(d.get("format"), str) and FORMAT_NAME.fullmatch(d["format"])):
+            raise _Invalid(f"format is {_show(d.get('format'))}, not a format's name (lmdb, hdf5, wds, ...)")
         classes = _classes(d.get("classes"))
         splits = _splits(d.get("splits"), len(classes))
         for key, total in (("count", sum(s.count for s in splits.values())),

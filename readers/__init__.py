@@ -10,7 +10,7 @@ except ImportError as exc:  # the packer CLI installs without torch; readers nee
 
 from packer.formats import REMOTE_OPTIONS, detect_format
 
-from ._dataset import PackedDataset, dataset_class
+from ._dataset import PackedDataset
 from .collate import collate
 from .diagnose import Diagnosis, Finding, diagnose
 from .decode import decode_array, decode_pil, decode_tensor, image_size
@@ -27,13 +27,16 @@ from .stats import LoaderStats, LoaderWarning
 from .transforms import CenterCrop, RandomHorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from .wds import WDSDataset, WDSMapDataset
 
+# Each format's own map-style Dataset class, by its packer.formats.FORMATS name; a format without
+# one is read by PackedDataset.
+DATASETS = {"lmdb": LMDBDataset, "hdf5": HDF5Dataset, "wds": WDSMapDataset}
 
 def open_dataset(path, split=None, **kwargs):
     """The map-style Dataset for the packed dataset at path, whatever its format: the format's
-    own class (LMDBDataset for lmdb), else PackedDataset (a format registered without one)."""
+    own class (DATASETS: LMDBDataset for lmdb), else PackedDataset (a format without one)."""
     remote = {key: kwargs[key] for key in REMOTE_OPTIONS if kwargs.get(key) is not None}
     fmt = detect_format(path, **remote)
-    return dataset_class(fmt)(path, split, format=fmt, **kwargs)
+    return DATASETS.get(fmt, PackedDataset)(path, split, format=fmt, **kwargs)
 
 
 __all__ = [

@@ -190,8 +190,3 @@ class PackedDataset(ReaderDataset):
         super().__init__(FORMATS[name].Reader(str(path), split, check_crc=check_crc, **remote),
                          transform, target_transform, decode, max_pixels)
 
-
-def dataset_class(fmt: str) -> type:
-    """The map-style Dataset class of the format called fmt: its own subclass of PackedDataset
-    (LMDBDataset for lmdb), or PackedDataset for a format that has none."""
-    return next((cls for cls in PackedDataset.__subclasses__() if cls.format == fmt), PackedDataset)

@@ -1,5 +1,5 @@
 """A new format is one module, a registry line and its line in docs/layout.md's module map: `flat`,
-a small but real format written out in full below, registered with packer.formats.register, goes
+a small but real format written out in full below, added to packer.formats.FORMATS, goes
 through pack, convert (to and from lmdb), verify, info and a DataLoader of its map-style Dataset
 without an edit anywhere else in packer or readers. docs/formats.md ("Adding a format") points here
 as the worked example."""
@@ -18,7 +18,7 @@ import readers
 from conftest import SHARED_DATA
 from packer.cli import main
 from packer.errors import CorruptDataError, FormatError
-from packer.formats import FORMATS, Format, detect_format, open_reader, register, unregister
+from packer.formats import FORMATS, Format, detect_format, format_named, open_reader
 from packer.formats._foreign import unexpected
 from packer.formats._reader import SplitReader
 from packer.formats._tables import dataset_identity
@@ -141,10 +141,9 @@ FLAT = Format(name="flat", aliases=("flatbin",), extension=".flat", directory=Tr
 
 
 @pytest.fixture
-def flat_format():
-    register(FLAT)
-    yield FLAT
-    unregister(FLAT.name)
+def flat_format(monkeypatch):
+    monkeypatch.setitem(FORMATS, FLAT.name, FLAT)
+    return FLAT
 
 
 @pytest.fixture
@@ -222,14 +221,18 @@ def test_force_replaces_a_dataset_of_the_new_format_and_nothing_else(flat_format
     assert result.exit_code == 1 and "mine.txt, which packer did not write" in result.output
 
 
-def test_unregistering_takes_the_format_back_out(source, tmp_path):
-    register(FLAT)
-    with pytest.raises(ValueError, match="already names a format"):
-        register(FLAT)
-    unregister(FLAT.name)
-    assert "flat" not in FORMATS
+def test_a_format_taken_out_of_the_registry_is_no_format(source, tmp_path, monkeypatch):
+    monkeypatch.setitem(FORMATS, FLAT.name, FLAT)
+    assert format_named("FlatBin") is FLAT
+    monkeypatch.delitem(FORMATS, FLAT.name)
     result = CliRunner().invoke(main, ["pack", source, "--to", "flat", "-o", str(tmp_path / "x")])
     assert result.exit_code == 2 and "'flat' is not a format" in result.output
+
+
+def test_each_registry_entry_is_keyed_by_its_name_and_no_spelling_names_two_formats():
+    spellings = [spelling for key, fmt in FORMATS.items() for spelling in (fmt.name, *fmt.aliases)]
+    assert all(key == fmt.name for key, fmt in FORMATS.items())
+    assert len(spellings) == len(set(spellings)), spellings
 
 
 def test_the_new_format_uploads_as_a_folder_format_and_says_it_reads_only_locally(flat_format, source, s3_bucket,

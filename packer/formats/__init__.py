@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-from .. import records
 from ..errors import FormatError
 from ..remote import source as remote_source
 from ..remote.errors import DENIED
@@ -17,46 +16,23 @@ from ._reader import current_identity
 from ._tables import replaced_error
 
 # The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
-# A new format is one module, one name in this tuple and one line in docs/layout.md's module map
-# (docs/formats.md, "Adding a format").
-FORMATS: dict[str, Format] = {}
-# Every spelling --to accepts, aliases included (h5, webdataset, ...), to its format's name.
-FORMAT_SPELLINGS: dict[str, str] = {}
+# A new format is one module, one entry here and one line in docs/layout.md's module map
+# (docs/formats.md, "Adding a format"); code of your own adds one with FORMATS[name] = its FORMAT.
+FORMATS: dict[str, Format] = {"lmdb": lmdb.FORMAT, "hdf5": hdf5.FORMAT, "wds": wds.FORMAT}
 
 
-def register(fmt: Format) -> None:
-    """Add fmt to FORMATS: pack, convert, verify, info, detection, upload and readers'
-    open_dataset then take it. A name or alias already taken is refused."""
-    taken = sorted({fmt.name, *fmt.aliases} & set(FORMAT_SPELLINGS))
-    if taken:
-        raise ValueError(f"format {fmt.name}: {', '.join(taken)} already names a format")
-    FORMATS[fmt.name] = fmt
-    FORMAT_SPELLINGS.update({spelling: fmt.name for spelling in (fmt.name, *fmt.aliases)})
-    records.FORMAT_NAMES.append(fmt.name)
-
-
-def unregister(name: str) -> None:
-    """Take the format called name out of FORMATS (a test's own format, after the test)."""
-    fmt = FORMATS.pop(name)
-    for spelling in (fmt.name, *fmt.aliases):
-        del FORMAT_SPELLINGS[spelling]
-    records.FORMAT_NAMES.remove(name)
-
-
-for _module in (lmdb, hdf5, wds):
-    register(_module.FORMAT)
-
-
-__all__ = ["CAN_ADVISE", "FORMATS", "FORMAT_SPELLINGS", "Format", "MADV_REMOVE", "Option", "ReaderCache",
-           "advise_pages", "current_identity", "default_output", "detect_format", "evict", "format_named",
-           "open_reader", "parse_size", "read_metadata", "register", "replaced_error", "unregister", "will_need"]
+__all__ = ["CAN_ADVISE", "FORMATS", "Format", "MADV_REMOVE", "Option", "ReaderCache", "advise_pages",
+           "current_identity", "default_output", "detect_format", "evict", "format_named", "open_reader",
+           "parse_size", "read_metadata", "replaced_error", "will_need"]
 
 
 def format_named(name: str) -> Format:
     """The Format called name (the CLI's --to, an alias too), or a PackError listing the ones there are."""
-    if name.lower() not in FORMAT_SPELLINGS:
-        raise FormatError(f"{name!r} is not a format; choose one of: {spellings()}")
-    return FORMATS[FORMAT_SPELLINGS[name.lower()]]
+    spelled = name.lower()
+    for fmt in FORMATS.values():
+        if spelled == fmt.name or spelled in fmt.aliases:
+            return fmt
+    raise FormatError(f"{name!r} is not a format; choose one of: {spellings()}")
 
 
 def spellings() -> str:
@@ -147,8 +123,13 @@ def read_metadata(path: str | os.PathLike, **remote):
     path = os.fspath(path)
     if remote_source.is_url(path):
         reader = remote_source.remote_for(path, **remote)
-        return FORMATS[detect_remote(path, reader)].read_url(path, reader)[0]
-    return FORMATS[detect_format(path)].read_metadata(path)
+        meta = FORMATS[detect_remote(path, reader)].read_url(path, reader)[0]
+    else:
+        meta = FORMATS[detect_format(path)].read_metadata(path)
+    if meta.format not in FORMATS:  # packer.records checks the field's form; which names are formats is told here
+        raise FormatError(f"{path}: bad packer metadata: format is {meta.format!r}, not one of {', '.join(FORMATS)}; "
+                          "the dataset is damaged or was not written by packer, re-pack it from its source", path)
+    return meta
 
 
 class ReaderCache:

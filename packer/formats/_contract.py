@@ -1,7 +1,7 @@
 """What a format module provides, written down once: every module in packer.formats ends
 with a FORMAT = Format(...) that fills all of it, and pack, convert, merge, verify, info,
 the CLI, detection, --force, remote upload and readers' Datasets use nothing else of it.
-packer.formats.register(FORMAT) adds one to the registry, FORMATS.
+The registry, packer.formats.FORMATS, is one dict literal: {name: FORMAT}.
 
 The Reader(path, split=None, check_crc=True, **remote) a format provides reads one split
 by index: packer.formats._reader.SplitReader is its base (count, split choice, checksum
