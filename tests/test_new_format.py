@@ -117,7 +117,7 @@ class Reader(SplitReader):
     def paths(self) -> PathTable:
         return PathTable.from_strings(row[4] for row in self.rows())
 
-    def read_image(self, index: int) -> tuple[bytes, int]:
+    def read_record(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         offset, length, label, crc, _ = self.rows()[index]
         data = os.pread(self.handle(), length, offset)

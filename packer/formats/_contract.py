@@ -6,7 +6,7 @@ The registry, packer.formats.FORMATS, is one dict literal: {name: FORMAT}.
 The Reader(path, split=None, check_crc=True, **remote) a format provides reads one split
 by index: packer.formats._reader.SplitReader is its base (count, split choice, checksum
 kind, identity of the dataset file); the format adds _open/_close (its handle, opened
-lazily in each process), labels, paths and read_image(i) -> (bytes, label), calling
+lazily in each process), labels, paths and read_record(i) -> (bytes, label), calling
 check_data (or checking record_digest itself) unless check_crc is off.
 
 The Writer protocol a format implements (pack() drives it, in this order):

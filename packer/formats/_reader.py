@@ -5,7 +5,7 @@ dataset file a reader belongs to.
 A dataset named by URL (s3://, gs://, https://) is read through packer.remote: its
 descriptors are byte sources that _io serves like file descriptors, its identity is the
 object's (ETag, size, modification time), and a record that fails its check is read once
-more past the cache before the damage is reported (read_image_refetched)."""
+more past the cache before the damage is reported (read_record_refetched)."""
 from __future__ import annotations
 
 import functools
@@ -28,17 +28,6 @@ from ._tables import (DAMAGED, BlockChecks, check_count, check_crc, check_labels
 _UNREAD = object()
 
 
-def remote_variant(cls: type) -> type:
-    """The class a format's Reader becomes when its dataset is a URL (read_remotely): the
-    same reader whose read_image re-fetches a damaged record once. Each format module
-    assigns it to a module-level name, so readers pickle into spawned workers."""
-    name = f"Remote{cls.__name__}"
-    variant = type(name, (cls,), {"read_image": SplitReader.read_image_refetched, "__module__": cls.__module__,
-                                  "__qualname__": name, "__doc__": f"{cls.__name__} of a dataset named by URL."})
-    cls.remote_class = variant
-    return variant
-
-
 def current_identity(path: str, remote=None) -> tuple | None:
     """The identity of the file (or, with remote, the object) now at path: _tables.file_identity,
     or Remote.identity; None when there is none there (gone, mid-replacement)."""
@@ -54,7 +43,7 @@ def current_identity(path: str, remote=None) -> tuple | None:
 
 class SplitReader(LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and
-    read_image(i), and read_order() where records may be stored out of index order.
+    read_record(i), and read_order() where records may be stored out of index order.
 
     Tables are loaded in each process that reads (mapped from the dataset's file where the
     layout allows, see _tables): pickling leaves them out, so a Dataset sent to a spawned
@@ -217,22 +206,16 @@ class SplitReader(LazyHandle):
             os.close(fd)
             raise
 
-    remote_class: type | None = None  # the format's remote_variant(), set by its module
-
     def read_remotely(self, remote) -> None:
         """Read this dataset through packer.remote (called by a format's reader for a URL):
-        the reader becomes its format's remote_class, whose read_image re-fetches. A class,
-        not an instance attribute: a bound method stored on the instance would be a cycle,
-        left to the cyclic garbage collector, which may run an h5py close in fsspec's IO
-        thread while another thread holds h5py's lock waiting on that thread."""
+        read_image then re-fetches a record found damaged (read_record_refetched)."""
         self.remote = remote
-        self.__class__ = type(self).remote_class
 
-    def read_image_refetched(self, index: int) -> tuple[bytes, int]:
+    def read_record_refetched(self, index: int) -> tuple[bytes, int]:
         """read_image of a remote dataset: a record found damaged is read once more, its
         cached blocks dropped first (a block damaged on the way or in the cache is fetched
         again); damage that persists is the stored object's, and is reported as such."""
-        read = super(type(self), self).read_image
+        read = self.read_record
         remote_source.start_log()
         try:
             return read(index)
@@ -308,7 +291,7 @@ class SplitReader(LazyHandle):
         if self.remote is not None:
             # At a URL every table is read whole into this process (no map to share), the path
             # table too, now: loaded later, a damaged record's report would fetch it inside
-            # read_image_refetched's retry, which drops and fetches again all that read fetched.
+            # read_record_refetched's retry, which drops and fetches again all that read fetched.
             self.paths
         return self
 
@@ -466,6 +449,12 @@ class SplitReader(LazyHandle):
     def read_image(self, index: int) -> tuple[bytes, int]:
         """(image bytes, label) of record index: what a Dataset needs for each item. The
         path is left out (read() adds it): decoding it would cost every read."""
+        if self.remote is None:
+            return self.read_record(index)
+        return self.read_record_refetched(index)
+
+    def read_record(self, index: int) -> tuple[bytes, int]:
+        """read_image's read of the record, checked (check_data): the format's layout."""
         raise NotImplementedError
 
     def check_data(self, data: bytes, crc: int | None, index: int) -> None:

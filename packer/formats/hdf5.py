@@ -81,7 +81,7 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
-from ._reader import SplitReader, remote_variant
+from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
                       nul_separated_chunks, offsets_check, replaced_error)
@@ -498,7 +498,7 @@ class Reader(SplitReader):
         one_run = self._breaks[last] == self._breaks[first]
         return np.where(one_run, chunks[first] + starts - first * CHUNK_BYTES, -1)
 
-    def read_image(self, index: int) -> tuple[bytes, int]:
+    def read_record(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
@@ -619,8 +619,6 @@ def read_bytes(images: h5py.Dataset, start: int, stop: int, where: str) -> bytes
         raise CorruptDataError(f"{where}: cannot read the stored bytes ({exc}); the file is damaged "
                                "(run packer verify; re-pack from the source)", where) from exc
 
-
-RemoteReader = remote_variant(Reader)
 
 def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
     """(Metadata, no names) of the HDF5 dataset at url: it is the one object OUT, nothing under it."""

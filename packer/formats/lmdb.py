@@ -61,7 +61,7 @@ its path while in use (pack --force) is refused by a reader created before, in a
 process that opens it afresh, rather than mixed with the old one.
 
 A dataset named by URL (`s3://bucket/imagenet.lmdb`) is read without LMDB's map:
-packer.remote.lmdb_pages walks the B-tree by ranged reads for the metadata and tables,
+packer.formats._lmdb_pages walks the B-tree by ranged reads for the metadata and tables,
 and records are read at their extents, as locally; opening fetches the meta pages and
 the pages on the path to each table, never the whole file.
 """
@@ -79,12 +79,12 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
-from ..remote.lmdb_pages import LMDBPages
+from ._lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
 from ._lmdb_env import DATA_FILE, close_env, data_identity, open_env
 from ._foreign import not_a_file, unexpected
-from ._reader import SplitReader, remote_variant
+from ._reader import SplitReader
 from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, decode_checksums, drop_pages,
                       encode_checksums, expected_crc, int_view, mapped_value, nul_separated_view, region_view,
                       table_crc)
@@ -360,7 +360,7 @@ class Reader(SplitReader):
         _io.close(handle[2])
         _handle.release(self.path, self.identity)
 
-    def read_image(self, index: int) -> tuple[bytes, int]:
+    def read_record(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         position = self.position(index)
         found = self.read_at_extent(position, index)
@@ -606,8 +606,6 @@ class Reader(SplitReader):
         check_count(len(paths), self.count, self.table_where(b"paths"), "paths")
         return paths
 
-
-RemoteReader = remote_variant(Reader)
 
 def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
     """(Metadata, the names packer's LMDB folder holds) of the LMDB dataset at url."""

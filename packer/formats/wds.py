@@ -98,7 +98,7 @@ from ._tar import Sample, count_samples, image_suffix, iter_samples  # noqa: F40
 from ._contract import Format, Option, parse_size, positive_int
 from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
-from ._reader import SplitReader, remote_variant
+from ._reader import SplitReader
 from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
                       BalancedCut, auto_shard_size, balanced_shard_count, few_shards_warning)
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, check_count, check_labels, check_within,
@@ -487,7 +487,7 @@ class Reader(SplitReader):
                 for shard, offset, size in zip(chosen["shard"].tolist(), chosen["offset"].tolist(),
                                                chosen["size"].tolist()))
 
-    def read_image(self, index: int) -> tuple[bytes, int]:
+    def read_record(self, index: int) -> tuple[bytes, int]:
         self.check_index(index)
         records, checks = self._record_blocks or self.record_blocks()
         checks.ensure(index)
@@ -584,8 +584,6 @@ def indexed_split(path: str, split: str | None = None, remote=None) -> IndexedSp
                         [shard["count"] for shard in entry["shards"]], list(index["classes"]),
                         index.get("created", ""), entry)
 
-
-RemoteReader = remote_variant(Reader)
 
 FORMAT = Format(
     name="wds", aliases=("webdataset", "tar"), extension=EXTENSION, directory=DIRECTORY, Writer=Writer, Reader=Reader, detect=detect,
