@@ -34,7 +34,7 @@ def reader_identity(reader) -> str:
 
 
 def index_identity(indexed) -> str:
-    """The identity of a `packer pack --to wds` folder's split (packer.formats.wds.IndexedSplit),
+    """The identity of a `packer pack --to wds` folder's split (packer.formats.wds_shards.IndexedSplit),
     from its index.json (every shard's name, count, bytes and SHA-256, and the tables' checksums)."""
     return pack_identity(indexed.created, indexed.contents)
 

@@ -4,7 +4,7 @@ their shards, opened in order (streamed ahead when remote), and each shard to it
 
 A local packer folder's shard is read through its index (packer.formats.wds.Reader.read_stored:
 one pread per image, no tar header parsed); any other shard, or a packer shard the index does
-not describe, is parsed (packer.formats.wds.iter_samples), its .json member checked."""
+not describe, is parsed (packer.formats.wds_shards.iter_samples), its .json member checked."""
 from __future__ import annotations
 
 import bisect
@@ -13,7 +13,7 @@ import warnings
 from typing import Iterable, Iterator
 
 from packer.errors import CorruptDataError, PackError, ReplacedError
-from packer.formats import current_identity, replaced_error, wds
+from packer.formats import current_identity, replaced_error, wds, wds_shards
 
 from ._stream import Task
 from ._wds_checks import sample_label
@@ -23,7 +23,7 @@ def count_or_skip(ds, path: str) -> int:
     """The samples of the shard at path, counted by parsing it; 0 for a damaged one with
     on_error="skip" (warned: it is left out of every epoch)."""
     try:
-        return wds.count_samples(path, opener(ds, [path]))
+        return wds_shards.count_samples(path, opener(ds, [path]))
     except CorruptDataError as exc:
         if ds.on_error == "fail":
             raise
@@ -33,7 +33,7 @@ def count_or_skip(ds, path: str) -> int:
 
 
 def opener(ds, paths: list[str]):
-    """How wds.iter_samples opens these shards, read in this order: None (local files) or
+    """How wds_shards.iter_samples opens these shards, read in this order: None (local files) or
     streams started ahead (remote)."""
     if ds.remote is None:
         return None
@@ -139,11 +139,11 @@ def parsed_samples(ds, shard: int, shards, start: int) -> Iterator:
     path = ds.shards[shard]
     passed = 0
     opened = False
-    for sample in wds.iter_samples(path, opener=shards):
+    for sample in wds_shards.iter_samples(path, opener=shards):
         if not opened:  # checked once the shard is open: then the shard read is the dataset's checked
             check_replaced(ds)
             opened = True
-        suffix = wds.image_suffix(sample.parts)
+        suffix = wds_shards.image_suffix(sample.parts)
         if suffix is None:
             continue
         if passed < start:  # another worker's (or an earlier task's) samples: parsed past, not checked

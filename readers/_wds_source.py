@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from packer.errors import FormatError
-from packer.formats import wds
+from packer.formats import wds, wds_shards
 from packer.remote import source as remote_source
 
 from ._pack_identity import index_identity
@@ -35,7 +35,7 @@ def resolve_remote(path_or_urls, split: str | None, remote) -> tuple[list[str], 
     if isinstance(path_or_urls, (str, os.PathLike)):
         url = os.fspath(path_or_urls).rstrip("/")
         if not url.endswith(SHARD_SUFFIXES) and "{" not in url:
-            indexed = wds.indexed_split(url, split, remote)
+            indexed = wds_shards.indexed_split(url, split, remote)
             return ([remote_source.join(url, name) for name in indexed.shards], indexed.counts, indexed.classes,
                     indexed.split, index_identity(indexed))
         urls = expand_braces(url)
@@ -57,7 +57,7 @@ def resolve(path_or_urls, split: str | None, remote=None) -> tuple[list[str], li
     if isinstance(path_or_urls, (str, os.PathLike)):
         path = os.fspath(path_or_urls)
         if packed_folder(path) is not None:
-            indexed = wds.indexed_split(path, split)
+            indexed = wds_shards.indexed_split(path, split)
             return ([os.path.join(path, name) for name in indexed.shards], indexed.counts, indexed.classes,
                     indexed.split, index_identity(indexed))
         if os.path.isdir(path):

@@ -83,18 +83,16 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import numpy as np
 
 from ..checksum import LEGACY, MASK
 from ..errors import CorruptDataError, FormatError, PackError
-from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name, choose_split
+from ..records import PATH_ENCODING_ERRORS, Metadata, PathTable, check_split_name
 from ..remote import source as remote_source
 from . import _io, _tar
 from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
-# The members of a shard, packer's or any tool's: part of the public reading API below.
-from ._tar import Sample, count_samples, image_suffix, iter_samples  # noqa: F401
 from ._contract import Format, Option, parse_size, positive_int
 from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
@@ -557,32 +555,6 @@ def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
 def foreign(path: str, meta: Metadata) -> str | None:
     """Anything in a checked WDS folder that its index does not name."""
     return unexpected(unnamed(path, {INDEX, *named_files(load_index(path)["wds"])}), "wds")
-
-
-# The public reading API, for a reader of these shards that knows no byte layout (readers.WDSDataset):
-# indexed_split for a packer folder's shards and counts; iter_samples, count_samples and
-# image_suffix (imported above) for the members of any shard; Reader.as_indexed and read_stored
-# for a packer shard's images read by its index.
-class IndexedSplit(NamedTuple):
-    """One split of a packer WebDataset folder, as its checked index.json lists it."""
-
-    split: str
-    shards: list[str]  # the shards' file names, relative to the folder, in stored order
-    counts: list[int]  # each shard's sample count
-    classes: list[str]
-    created: str  # when the pack was made ("" in an index without the field)
-    contents: dict  # the index's entry for the split: every shard's name, count, bytes and SHA-256; the tables'
-
-
-def indexed_split(path: str, split: str | None = None, remote=None) -> IndexedSplit:
-    """The split (None: the only one there is) of the packer WebDataset folder at path
-    (a URL with remote, a packer.remote Remote), from its index.json, checked."""
-    index, _ = open_index(path, remote)
-    split = choose_split(list(index["wds"]["splits"]), split, path)
-    entry = index["wds"]["splits"][split]
-    return IndexedSplit(split, [shard["name"] for shard in entry["shards"]],
-                        [shard["count"] for shard in entry["shards"]], list(index["classes"]),
-                        index.get("created", ""), entry)
 
 
 FORMAT = Format(
