@@ -1,12 +1,14 @@
 """WDSDataset: streams WebDataset tar shards (packer's or any tool's) across DDP ranks and workers.
 
-One epoch is planned from the shard list alone: shards are ordered (a permutation seeded
-by (seed, epoch) when shuffling), their samples cut into equal shares for the ranks, then
-for the DataLoader workers, and only then streamed through a per-worker shuffle buffer.
-Reading is three small generators: shard samples, the buffer, the conversion to (image,
-label). A local packer folder's shard samples are read by its index (one pread per image,
-no tar header parsed); any other shard, or a packer shard the index does not describe, is
-parsed.
+A worker's stream is a chain of stages. Plan: one epoch is planned from the shard list
+alone, shards ordered (a permutation seeded by (seed, epoch) when shuffling), their samples
+cut into equal shares for the ranks, then for the DataLoader workers (here, with
+readers.wds_elastic and readers._stream). Shards and samples: the worker's shards opened in
+order and their samples read and checked (readers._wds_read); a local packer folder's shard
+samples are read by its index (one pread per image, no tar header parsed), any other shard,
+or a packer shard the index does not describe, is parsed. Shuffle: the per-worker buffer
+(readers._wds_shuffle). Decode: the conversion to (image, label). The resume state is its
+own object (readers._wds_resume.StreamResume).
 
 Resuming (docs/resume.md): each worker's stream is fixed by (seed, epoch, rank, worker,
 workers), the buffer's draws included, so a position in it is a count of samples
