@@ -236,21 +236,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
                           RuntimeWarning, stacklevel=2)
         progress = self.resume.progress = [self.epoch, skip, rank, stream_id, workers]
         rng = stream_rng(self.shuffle, self.seed, self.epoch, rank, stream_id)
-        return self.decoded(samples_after(self, tasks, skip, rng), progress)
-
-    def decoded(self, samples: Iterator, progress: list[int]) -> Iterator:
-        """The decode stage: (image, label) of each sample, counted in progress as it goes out."""
-        for where, image, label in samples:
-            progress[1] += 1
-            yield self.convert(where, image, label)
-
-    def convert(self, where: str, data: bytes, label: int):
-        image = decode(data, self.decode, where, self.max_pixels)
-        if self.transform is not None:
-            image = self.transform(image)
-        if self.target_transform is not None:
-            label = self.target_transform(label)
-        return image, label
+        return decoded(self, samples_after(self, tasks, skip, rng), progress)
 
     def shard_samples(self, shard: int, shards, start: int = 0) -> Iterator:
         """readers._wds_read.shard_samples: (where, image bytes or None, label or the error)."""
@@ -311,6 +297,18 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
+
+
+def decoded(ds: WDSDataset, samples: Iterator, progress: list[int]) -> Iterator:
+    """The decode stage: (image, label) of each sample, transformed, counted in progress as it goes out."""
+    for where, data, label in samples:
+        progress[1] += 1
+        image = decode(data, ds.decode, where, ds.max_pixels)
+        if ds.transform is not None:
+            image = ds.transform(image)
+        if ds.target_transform is not None:
+            label = ds.target_transform(label)
+        yield image, label
 
 
 class WDSMapDataset(PackedDataset):
