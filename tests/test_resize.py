@@ -17,12 +17,12 @@ def interpolated(image, window, size):
 
 
 def random_windows(count, seed, channels=3, most=300):
-    rng = random.Random(seed)
+    rng, pixels = random.Random(seed), torch.Generator().manual_seed(seed)  # not torch's global one: other tests draw from it
     images, windows = [], []
     for _ in range(count):
         height, width = rng.randint(1, most), rng.randint(1, most)
         h, w = rng.randint(1, height), rng.randint(1, width)
-        images.append(torch.randint(0, 256, (channels, height, width), dtype=torch.uint8))
+        images.append(torch.randint(0, 256, (channels, height, width), dtype=torch.uint8, generator=pixels))
         windows.append((rng.randint(0, height - h), rng.randint(0, width - w), h, w))
     return images, windows
 
@@ -47,7 +47,9 @@ def test_rounded_to_uint8_a_pixel_is_at_most_one_level_off_and_rarely():
 
     images, windows = random_windows(30, seed=5, most=400)
     ours = resize_windows(images, windows, (224, 224), rounded=True, budget=3 * 300 * 300)
-    assert torch.equal(ours, to_uint8(resize_windows(images, windows, (224, 224))))
+    # The same groups, rounded at the end: equal. Other groups may differ by float rounding,
+    # which the comparison with interpolate below bounds.
+    assert torch.equal(ours, to_uint8(resize_windows(images, windows, (224, 224), budget=3 * 300 * 300)))
     theirs = torch.cat([to_uint8(resized_float(image[:, t:t + h, l:l + w], (224, 224)))
                         for image, (t, l, h, w) in zip(images, windows)])
     gap = (ours.int() - theirs.int()).abs()
