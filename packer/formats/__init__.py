@@ -12,7 +12,7 @@ from ._contract import Format, Option, parse_size
 # Page-cache and page control, for tools that read packed files (or hand pages on) themselves.
 from ._io import CAN_ADVISE, MADV_REMOVE, advise_pages, evict, will_need
 # Whether a dataset file is still the one a reader opened (a pack --force replaces it).
-from ._reader import current_identity
+from ._dataset_files import current_identity
 from ._tables import replaced_error
 
 # The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
