@@ -33,7 +33,7 @@ writer appends (pages fill completely) and a cursor walks records in storage ord
 reader never scans keys: counts come from the metadata. There is no lock file: packed data
 is immutable and opened read-only with lock=False.
 
-Readers fetch a record with one pread at its extent instead of through LMDB's memory map:
+Readers fetch a record with one pread at its extent (_lmdb_extents), not through LMDB's map:
 looking a record up faults in B-tree and overflow-header pages scattered through the file,
 each a random read of the kernel's whole read-around window, which made cold random reads
 slower than a folder of files (docs/cold-storage.md). Extents are taken while packing
@@ -69,8 +69,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
-import warnings
 
 import lmdb
 import numpy as np
@@ -79,20 +77,19 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
+from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import LMDBPages
 from . import _handle, _io
 from ._contract import Format
 from ._lmdb_env import DATA_FILE, close_env, data_identity, open_env
 from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader
-from ._tables import (DAMAGED, SpillTable, check_count, check_crc, check_within, decode_checksums, drop_pages,
-                      encode_checksums, expected_crc, int_view, mapped_value, nul_separated_view, region_view,
-                      table_crc)
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, decode_checksums, drop_pages, encode_checksums,
+                      expected_crc, mapped_value, nul_separated_view, region_view, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
 META_KEY = b"__meta__"
-HEADER = struct.Struct("<IiH")
 LOCK_FILE = "lock.mdb"  # any LMDB tool adds it when it opens the database with locking
 # Commit about this many bytes per transaction: enough to amortise the commit; the map
 # and file are grown ahead by twice this (room).
@@ -101,7 +98,6 @@ INITIAL_MAP_SIZE = 1 << 30
 RESERVE_STEP = 8 << 20
 # posix_fallocate is what makes writemap safe on a full disk (Writer); without it, copy.
 WRITEMAP = hasattr(os, "posix_fallocate")
-EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
 SUM = np.dtype("<u4")  # a record's checksum, as the sums table stores it
 # Values at least a page long always live in overflow pages, which never move once written.
 EXTENT_MIN = 4096
@@ -317,7 +313,7 @@ def remote_metadata(url: str, remote) -> tuple[str, tuple, Metadata]:
     return where, identity, Metadata.from_json(raw, url)
 
 
-class Reader(SplitReader):
+class Reader(ExtentReads, SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork.
 
     path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
@@ -335,8 +331,6 @@ class Reader(SplitReader):
             where, identity, metadata = remote_metadata(path, remote)
             super().__init__(path, split, check_crc, metadata, where, identity)
             self.read_remotely(remote)
-        self._extents: np.ndarray | None | bool = None  # False: none stored, or found stale
-        self._sums: memoryview | None | bool = None  # False: none stored
 
     def init_local(self, path: str, split: str | None, check_crc: bool) -> None:
         if not detect(path):
@@ -391,145 +385,6 @@ class Reader(SplitReader):
                                    f"{self.paths[index]!r}; {DAMAGED}", self.path)
         return data, crc
 
-    def read_at_extent(self, position: int, index: int) -> tuple[bytes, int | None] | None:
-        """(image bytes, the checksum to check them against: None with check_crc off) of the
-        record at position by pread of its extent, or None where there is none.
-
-        The image is read straight into the bytes returned (slicing it out of the whole
-        value would cost a second copy, a quarter of a warm read), from past the header
-        and path, whose length the path table gives. Its checksum comes from the sums
-        table: a checked read is one pread, like an unchecked one (a check that fails has
-        read_image look at the header, check_extent_header). In a pack without sums, with
-        check_crc on, the header and path are read too: they end where the image starts
-        and share its first page (a value in overflow pages starts 16 bytes into one), so
-        that read is served from the page cache, and a header that does not name record
-        index means the extents are stale: they are dropped.
-        """
-        if self._extents is None:
-            self.extents()
-        if self._extents is False:
-            return None
-        at = self._extent_at.item(position)
-        if not at:
-            return None
-        paths = self._paths if self._paths is not None else self.paths
-        offsets = paths.offsets
-        head = HEADER.size + offsets.item(index + 1) - offsets.item(index) - 1
-        length = self._extent_length.item(position) - head
-        if length < 0:  # too short to hold its header: the map read reports the damage
-            return None
-        fd = self.handle()[2]
-        if self.remote is not None and self.check_crc:
-            return self.read_whole_value(fd, at + head, length, index)
-        data = _io.pread(fd, length, at + head)
-        if len(data) < length:
-            self.check_not_cut()
-        if len(data) == length:
-            if not self.check_crc:
-                return data, None
-            sums = self._sums if self._sums is not None else self.record_sums()
-            if sums is not False:
-                return data, sums[position]
-            crc = self._header_crc(fd, at, index, paths.raw(index))
-            if crc is not None:
-                return data, crc
-        self.drop_extents()
-        return None
-
-    def check_extent_header(self, position: int, index: int) -> None:
-        """After a record read at its extent failed its check: drop the extents if the
-        header there does not name record index (they are stale, the database was
-        rewritten); if it does, the record itself is damaged, which the map read reports."""
-        if self._header_crc(self.handle()[2], self._extent_at.item(position), index,
-                            self.paths.raw(index)) is None:
-            self.drop_extents()
-
-    def record_sums(self) -> memoryview | bool:
-        """The sums table (uint32 by position, as an int_view), loaded and checked once;
-        False in a pack written before it."""
-        if self._sums is None:
-            found = self.loaded("sums", self.load_sums)
-            self._sums = False if found is None else found
-        return self._sums
-
-    def load_sums(self) -> memoryview | None:
-        found = self.table(b"sums", required=False)
-        return None if found is None else int_view(self.entries_of(found, "<u4", self.table_where(b"sums")))
-
-    def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
-        """read_at_extent for a remote dataset: header, path and image in one ranged read
-        (two reads would be two round trips to the server)."""
-        relpath = self.paths.raw(index)
-        start = at - HEADER.size - len(relpath)
-        value = _io.pread(fd, at + length - start, start) if start >= 0 else b""
-        crc = self.header_crc(value[:at - start], index, relpath) if len(value) == at + length - start else None
-        if crc is None:
-            self.drop_extents()
-            return None
-        return value[at - start:], crc
-
-    def _header_crc(self, fd: int, offset: int, index: int, relpath: bytes) -> int | None:
-        """The checksum in the header at offset if that header names record index, else None."""
-        if offset < 0:
-            return None
-        return self.header_crc(_io.pread(fd, HEADER.size + len(relpath), offset), index, relpath)
-
-    def header_crc(self, header: bytes, index: int, relpath: bytes) -> int | None:
-        """The checksum in a record's header (with its path) if it names record index, else None."""
-        if len(header) != HEADER.size + len(relpath):
-            return None
-        crc, label, n = HEADER.unpack_from(header)
-        if n != len(relpath) or label != self.labels.item(index) or header[HEADER.size:] != relpath:
-            return None
-        return crc
-
-    def drop_extents(self) -> None:
-        warnings.warn(f"{self.path}: the stored record extents do not match the records (the database was "
-                      "rewritten by another tool, e.g. mdb_copy -c); reading through LMDB's map instead, "
-                      "which is slower from a cold cache. Re-pack or `packer convert` it to restore them",
-                      RuntimeWarning, stacklevel=4)
-        self._extents = False
-
-    def extents(self) -> np.ndarray | None:
-        if self._extents is None:
-            extents = self.loaded("extents", self.load_extents) if _io.CAN_PREAD else None
-            if extents is None:
-                self._extents = False
-            else:
-                # Views of the (mapped) table, one per field: a read looks up each once.
-                self._extent_at, self._extent_length = extents["offset"], extents["length"]
-                self._extents = extents
-                # A remote read with check_crc checks each header it reads (read_whole_value):
-                # spot checks would cost a block fetch each, before the first read.
-                if not (self.remote is not None and self.check_crc) and not self._spot_check_extents():
-                    self.drop_extents()
-        return None if self._extents is False else self._extents
-
-    def load_extents(self) -> np.ndarray | None:
-        """The extents table, checked: one entry per record, each within data.mdb."""
-        found = self.table(b"extents", required=False)
-        if found is None:
-            return None
-        extents = self.entries_of(found, EXTENT, self.table_where(b"extents"))
-        size = _io.file_size(self.handle()[2])
-        check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
-        return extents
-
-    def _spot_check_extents(self, samples: int = 8) -> bool:
-        """Whether the headers at a few extents, spread over the split, name their records.
-
-        A rewritten database (mdb_copy -c) moves every value, so a few checks catch it
-        before any read relies on extents without reading headers (check_crc off)."""
-        order = self.storage_order()
-        fd = self.handle()[2]
-        for position in np.unique(np.linspace(0, self.count - 1, min(samples, self.count)).astype(int)).tolist():
-            at = self._extent_at.item(position)
-            if at:
-                index = position if order is None else order.item(position)
-                if self._header_crc(fd, at, index, self.paths.raw(index)) is None:
-                    return False
-        return True
-
     def load_tables(self) -> None:
         self.extents()
         if self.check_crc and self.remote is None:  # remote reads take the header's (read_whole_value)
@@ -538,27 +393,6 @@ class Reader(SplitReader):
     def read_order(self) -> np.ndarray | None:
         found = self.loaded("order", lambda: self.table(b"order", required=False))
         return None if found is None else self.checked_order(self.entries_of(found, "<i4", self.table_where(b"order")))
-
-    def will_need(self, start: int, stop: int) -> None:
-        extents = self.extents()
-        if extents is None or start >= stop:
-            return
-        chunk = extents[start:stop]
-        chunk = chunk[chunk["length"] > 0]
-        if len(chunk):
-            first = int(chunk["offset"].min())
-            _io.will_need(self.handle()[2], first, int((chunk["offset"] + chunk["length"]).max()) - first)
-
-    def record_extents(self, indexes: np.ndarray):
-        if self.extents() is None or not len(indexes):
-            return ()
-        positions, offsets = self.positions_of(indexes), self.paths.offsets
-        head = HEADER.size + offsets[indexes + 1].astype(np.int64) - offsets[indexes] - 1
-        extent = self._extent_at[positions].astype(np.int64)
-        at, length = extent + head, self._extent_length[positions].astype(np.int64) - head
-        keep = (extent > 0) & (length >= 0)  # values in leaf pages have no extent
-        fd = self.handle()[2]
-        return ((fd, a, n) for a, n in zip(at[keep].tolist(), length[keep].tolist()))
 
     def _aux(self, name: bytes, required: bool = True) -> bytes | None:
         _, txn, _ = self.handle()
