@@ -19,7 +19,7 @@ import readers
 from packer.formats import _tables
 from packer import CorruptDataError, FormatError, open_reader, pack
 from packer.cli import main
-from packer.formats import hdf5 as hdf5_format
+from packer.formats import _hdf5_file, hdf5 as hdf5_format
 
 from conftest import jpeg_bytes
 
@@ -300,7 +300,7 @@ def test_a_reader_finalized_off_the_main_thread_leaves_its_close_to_the_next_ope
         return sum(target(fd).startswith(os.path.realpath(path)) for fd in os.listdir("/proc/self/fd"))
 
     gc.collect()  # earlier tests' garbage, some holding descriptors, goes now, not mid-count
-    hdf5_format.close_orphans()
+    _hdf5_file.close_orphans()
     before = open_fds()
     reader = open_reader(path, "train")
     reader.read_image(0)
@@ -311,11 +311,11 @@ def test_a_reader_finalized_off_the_main_thread_leaves_its_close_to_the_next_ope
     finalizer = threading.Thread(target=lambda: (holder.clear(), gc.collect()))
     finalizer.start()
     finalizer.join()
-    assert len(hdf5_format._orphans) == 1
+    assert len(_hdf5_file._orphans) == 1
     os.fstat(fd)  # still open: nothing was closed in that thread
     again = open_reader(path, "train")
     again.read_image(0)  # the open runs the orphaned close
-    assert hdf5_format._orphans == []
+    assert _hdf5_file._orphans == []
     again.close()
     del again  # its mapped tables go with it
     gc.collect()

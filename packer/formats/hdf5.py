@@ -68,7 +68,6 @@ import contextlib
 import functools
 import itertools
 import os
-import threading
 
 import h5py
 import numpy as np
@@ -81,10 +80,11 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
+from ._hdf5_file import HDF5_SIGNATURE, HDF5File, close_file, open_file, open_remote_file
 from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
                       dataset_identity, decode_checksums, encode_checksums, expected_crc, int_view, mapped_array,
-                      nul_separated_chunks, offsets_check, replaced_error)
+                      nul_separated_chunks, offsets_check)
 
 EXTENSION = ".h5"
 DIRECTORY = False
@@ -102,7 +102,6 @@ FLUSH_BYTES = 16 << 20  # image bytes buffered between writes (peak memory ~2x t
 # few bytes would otherwise hold ~10x FLUSH_BYTES before a write.
 FLUSH_RECORDS = 1 << 16
 LIBVER = ("v110", "v110")
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def detect(path: str) -> bool:
@@ -215,61 +214,11 @@ def append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     dataset[n:] = values
 
 
-def open_file(path: str, identity: tuple) -> h5py.File:
-    """The HDF5 file at path, checked to be the file with this identity."""
-    # locking=False: HDF5's file locks fail on NFS and other network filesystems, and the
-    # file is immutable. rdcc_nbytes=0: read exactly the requested bytes (module docstring).
-    try:
-        f = h5py.File(path, "r", locking=False, rdcc_nbytes=0)
-    except OSError as exc:
-        raise CorruptDataError(f"{path}: cannot open the HDF5 file ({exc}); it is damaged or was not "
-                               "fully copied (re-pack it, or restore it from a copy)", path) from exc
-    if dataset_identity(path) != identity:  # replaced between reading its identity and opening it
-        f.close()
-        raise replaced_error(path)
-    return f
-
-
-# Handles of remote readers that were garbage-collected: closed by the next thread that opens
-# a remote file. A finalizer runs in whatever thread the collector runs in, fsspec's IO thread
-# included, and closing an h5py file there deadlocks when another thread holds h5py's lock
-# while it waits for that IO thread to fetch bytes for h5py.
-# A local file's last close does the same (it closes the shared h5py file), so a reader
-# finalized off the main thread is orphaned too, local or remote: its close (a callable) is
-# run by the next open, in the opening thread.
-_orphans: list = []
-
-
-def close_orphans() -> None:
-    while _orphans:
-        close = _orphans.pop()
-        with contextlib.suppress(Exception):
-            close()
-
-
-def open_remote_file(source) -> h5py.File:
-    """h5py's view of a remote HDF5 file, read through source (a packer.remote byte source)."""
-    close_orphans()
-    if source.pread(len(HDF5_SIGNATURE), 0) != HDF5_SIGNATURE:
-        raise FormatError(f"{source.url}: not an HDF5 file", source.url)
-    try:
-        return h5py.File(remote_source.SourceFile(source), "r", rdcc_nbytes=0)
-    except OSError as exc:
-        if isinstance(exc, remote_source.RemoteError):
-            raise
-        raise CorruptDataError(f"{source.url}: cannot open the HDF5 file ({exc}); it is damaged or was not "
-                               "fully uploaded (upload it again)", source.url) from exc
-
-
 def remote_metadata(url: str, remote) -> tuple[tuple, Metadata]:
     """(identity, Metadata) of the HDF5 dataset at url."""
     identity = remote_source.dataset_object_identity(remote, url, url, "no such file")
     with open_remote_file(remote.open(url, identity)) as f:
         return identity, metadata_of(f, url)
-
-
-def close_file(f: h5py.File) -> None:
-    f.close()
 
 
 def read_metadata(path: str, identity: tuple | None = None) -> Metadata:
@@ -290,7 +239,7 @@ def metadata_of(f: h5py.File, path: str) -> Metadata:
     return Metadata.from_json(raw, path)
 
 
-class Reader(SplitReader):
+class Reader(HDF5File, SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork.
 
     The h5py file and a plain descriptor for preads are opened on first access in each
@@ -322,44 +271,6 @@ class Reader(SplitReader):
         self._offset_blocks: BlockChecks | None = None  # offsets' range checks, a block at a time
         self._crcs: memoryview | None = None
         self._chunks: np.ndarray | None | bool = None  # False: read through h5py
-
-    def _open(self):
-        close_orphans()
-        if self.remote is None:
-            f, fd = self.open_shared(open_file, close_file)
-        else:
-            fd = self.open_identified()
-            f = open_remote_file(fd)
-        try:
-            images = f[self.split]["images"]
-            if not isinstance(images, h5py.Dataset):
-                raise KeyError("not a dataset")
-        except (KeyError, OSError, ValueError) as exc:
-            self._close((f, None, fd))
-            raise CorruptDataError(f"{self.path}: no readable {self.split}/images dataset ({exc}); "
-                                   "the file is damaged, re-pack it", self.path) from exc
-        return f, images, fd
-
-    def __del__(self):
-        if self.exiting:  # see LazyHandle.exiting
-            return
-        if self.is_open and (self.remote is not None or threading.current_thread() is not threading.main_thread()):
-            _orphans.append(functools.partial(self._close_handle, self._handle, self.path, self.identity,
-                                              self.remote is None))  # see _orphans
-            self._handle = None
-            return
-        super().__del__()
-
-    @staticmethod
-    def _close_handle(handle, path: str, identity, local: bool) -> None:
-        _io.close(handle[2])
-        if local:
-            _handle.release(path, identity)
-        else:
-            handle[0].close()
-
-    def _close(self, handle) -> None:
-        self._close_handle(handle, self.path, self.identity, self.remote is None)
 
     def table_checksums(self) -> dict | None:
         def load():
