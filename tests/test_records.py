@@ -293,6 +293,16 @@ def test_hand_edited_metadata_is_a_format_error(edit, fmt, copy_of):
     refused_by_cli(["info", str(packed)], "bad packer metadata")
 
 
+def test_a_reader_built_directly_refuses_metadata_naming_no_format_as_read_metadata_does(fmt, copy_of):
+    packed = copy_of(fmt)
+    rewrite_metadata(fmt, packed, lambda o: set_path(o, ["format"], "zip"))
+    with pytest.raises(FormatError, match="format is 'zip', not one of lmdb, hdf5, wds") as direct:
+        FORMATS[fmt].Reader(str(packed))
+    with pytest.raises(FormatError) as through_registry:
+        read_metadata(packed)
+    assert str(direct.value) == str(through_registry.value)
+
+
 def test_oversized_metadata_is_refused_before_parsing(copy_of):
     packed = copy_of("wds")
     (packed / "index.json").write_bytes(b" " * (64 << 20) + b"{}")

@@ -8,17 +8,22 @@ from ..remote import source as remote_source
 from ..remote.errors import DENIED
 from ..remote.manifest import MANIFEST, parse_manifest
 from . import hdf5, lmdb, wds
-from ._contract import Format, Option, parse_size
+from ._contract import Format, Option, check_format_named, parse_size
 # Page-cache and page control, for tools that read packed files (or hand pages on) themselves.
 from ._io import CAN_ADVISE, MADV_REMOVE, advise_pages, evict, will_need
 # Whether a dataset file is still the one a reader opened (a pack --force replaces it).
 from ._dataset_files import current_identity
+from ._reader import SplitReader
 from ._tables import replaced_error
 
 # The registry: one entry per format (its module's FORMAT), keyed by the CLI spelling (--to lmdb).
 # A new format is one module, one entry here and one line in docs/layout.md's module map
 # (docs/formats.md, "Adding a format"); code of your own adds one with FORMATS[name] = its FORMAT.
 FORMATS: dict[str, Format] = {"lmdb": lmdb.FORMAT, "hdf5": hdf5.FORMAT, "wds": wds.FORMAT}
+# A Reader built directly (packer.formats.lmdb.Reader(path)) refuses metadata naming no format
+# in this same dict, formats added to it included: SplitReader sits below the registry, so the
+# registry is handed to it here rather than imported there.
+SplitReader.formats = FORMATS
 
 
 __all__ = ["CAN_ADVISE", "FORMATS", "Format", "MADV_REMOVE", "Option", "ReaderCache", "advise_pages",
@@ -126,9 +131,7 @@ def read_metadata(path: str | os.PathLike, **remote):
         meta = FORMATS[detect_remote(path, reader)].read_url(path, reader)[0]
     else:
         meta = FORMATS[detect_format(path)].read_metadata(path)
-    if meta.format not in FORMATS:  # packer.records checks the field's form; which names are formats is told here
-        raise FormatError(f"{path}: bad packer metadata: format is {meta.format!r}, not one of {', '.join(FORMATS)}; "
-                          "the dataset is damaged or was not written by packer, re-pack it from its source", path)
+    check_format_named(meta, path, FORMATS)
     return meta
 
 

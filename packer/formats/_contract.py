@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import PackError
+from ..errors import FormatError, PackError
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -54,6 +54,14 @@ def positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{value!r} is not a positive integer")
     return value
+
+
+def check_format_named(meta, where: str, formats: dict) -> None:
+    """Refuse metadata whose format names none of formats (the registry): packer.records checks
+    only the name's form, since it sits below the formats."""
+    if meta.format not in formats:
+        raise FormatError(f"{where}: bad packer metadata: format is {meta.format!r}, not one of {', '.join(formats)}; "
+                          "the dataset is damaged or was not written by packer, re-pack it from its source", where)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..checksum import MASK
 from ..errors import CorruptDataError
 from ..remote import source as remote_source
 from ..records import Metadata, choose_split
+from ._contract import check_format_named
 from ._dataset_files import DatasetFiles
 from ._handle import LazyHandle
 from ._io import cached, check_access, will_need
@@ -44,10 +45,14 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     # The attributes that hold loaded tables, with their values before loading: pickling
     # resets them (subclasses add their own).
     TABLES: dict = {}
+    # The registry, packer.formats.FORMATS, handed over when packer.formats is imported (it sits
+    # above this module): the formats a metadata's format may name.
+    formats: dict = {}
 
     def __init__(self, path: str, split: str | None, check_crc: bool, metadata: Metadata,
                  identity_file: str | None = None, identity: tuple | None = None):
         self.path = path if remote_source.is_url(path) else os.path.abspath(path)
+        check_format_named(metadata, self.path, self.formats)
         self.metadata = metadata
         self.split = choose_split(list(metadata.splits), split, self.path)
         self.classes = metadata.classes
