@@ -76,7 +76,7 @@ UNLABELED = -1
 # Filenames that are not valid UTF-8 (possible on Linux) survive as surrogate escapes.
 PATH_ENCODING_ERRORS = "surrogateescape"
 # The form of a format's name in metadata (a key of packer.formats.FORMATS: records sits below the
-# formats, so packer.formats.read_metadata checks that the name is one of them).
+# formats, so packer.formats.read_metadata and every Reader check that the name is one of them).
 FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # Read limits on metadata: far above any real dataset's, low enough that parsing a hostile
 # one cannot exhaust memory or, for nesting, the stack of whoever serialises it next.
