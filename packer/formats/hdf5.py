@@ -242,7 +242,7 @@ def metadata_of(f: h5py.File, path: str) -> Metadata:
 class Reader(HDF5File, SplitReader):
     """Random access to one split's records; safe to pickle and to use after fork.
 
-    The h5py file and a plain descriptor for preads are opened on first access in each
+    The h5py file and a plain descriptor for preads (HDF5File) are opened on first access in each
     process (never used across fork) and dropped on pickle. The per-record tables are
     mapped from the file (module docstring); the chunk map is small (one entry per
     CHUNK_BYTES of images), and where a record lies in the file is worked out from it
