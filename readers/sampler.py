@@ -55,7 +55,7 @@ from ._pack_identity import reader_identity, without_identity
 from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_position_chunks, rank_positions
 from .permutation import KeyedPermutation
-from .keyed import KeyedIndex
+from .keyed import KeyedIndex, keyed_by
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
@@ -251,11 +251,11 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
                 progress[1] += 1
                 yield index
             return
-        prefix = (self.seed, progress[0])
+        keyed = keyed_by((self.seed, progress[0]))
         for index in indexes:
             progress[1] += 1
             # An index keyed already (a mixture's, whose key also names its source's pass) keeps its key.
-            yield index if isinstance(index, KeyedIndex) else KeyedIndex(index, prefix)
+            yield index if isinstance(index, KeyedIndex) else keyed(index)
 
     def __len__(self) -> int:
         return self.pass_length(self.world()[1], self.pass_start())
