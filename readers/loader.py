@@ -46,10 +46,10 @@ from .gpu import CUDAPrefetcher, resolve_device
 from .heap import keep_heap
 from .hybrid import HybridDecoder, hybrid_collate
 from .ranks import accelerate_shards, local_world_size, process_rank, world
-from .sampler import BLOCK_SIZE, WINDOW, BlockShuffleSampler, ShuffleSampler, reader_of
+from .sampler import BLOCK_SIZE, STATE_VERSION, WINDOW, BlockShuffleSampler, ShuffleSampler, check_state, checked_count
+from .sampler import reader_of
 from .mix import Mix, MixSampler
 from .resume_state import check_part, sampler_position, sampler_state, stream_batches
-from .sampler import STATE_VERSION, check_state, checked_count
 from .stats import LoaderStats, LoaderWarning
 from .threads import WORKER_KINDS, ThreadBatches
 
@@ -448,8 +448,7 @@ class Walk:
 
 
 def mix_walk(w: Walk) -> Order:
-    """A readers.Mix: its sources' passes in `order` (random when shuffling, else index
-    order), interleaved by weight (readers.mix.MixSampler)."""
+    """A readers.Mix: its sources' passes in `order` (random when shuffling, else index order), by weight."""
     order = w.order or ("random" if w.shuffle else "sequential")
     return Order(MixSampler(w.dataset, order, w.block_size, w.window, rank=w.rank, world_size=w.world_size,
                             drop_last=w.drop_last, keyed=w.keyed), None, "random" if order == "random" else "sequential")
@@ -463,9 +462,8 @@ def block_walk(w: Walk) -> Order:
 
 
 def shuffle_walk(w: Walk) -> Order:
-    """Packed data: the permutation, read ahead. A FolderDataset takes the same seeded
-    permutation (no hints): the same order as its packed copy. Unshuffled (evaluation),
-    index order. Either way resumable mid-epoch."""
+    """Packed data: the permutation, read ahead; a FolderDataset the same seeded permutation (no hints), as
+    its packed copy. Unshuffled (evaluation), index order. Either way resumable mid-epoch."""
     sampler = ShuffleSampler(w.dataset, shuffle=w.shuffle, seed=w.seed, rank=w.rank, world_size=w.world_size,
                              drop_last=w.drop_last, keyed=w.keyed)
     return Order(sampler, None, w.access(w.shuffle))
@@ -630,6 +628,8 @@ def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_wo
 def epoch_loader(dataset, batch_size: int, walk: Order, policy: WorkerPolicy, pin: bool, drop_last: bool,
                  collate_fn, worker_init_fn, loader_class=None) -> EpochLoader:
     """The DataLoader make_loader sets up: its walk, workers, pinning and collate."""
+    if hasattr(dataset, "batching"):  # a mixture with a stream: its workers make the rank's batches in turn
+        dataset.batching(batch_size, drop_last)
     return (loader_class or EpochLoader)(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
         collate_fn=collate_fn, pin_memory=pin, drop_last=drop_last,

@@ -34,6 +34,7 @@ import torch.utils.data
 
 from ._mix_checks import UNLABELED, checked_kind, checked_sources, checked_weights, merged_labels
 from ._mix_checks import source_fingerprint
+from .mix_stream import MixStream, is_stream, stream_views
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from ._state_limits import shown
 from .keyed import KeyedIndex
@@ -206,7 +207,17 @@ class Mix(torch.utils.data.Dataset):
     (mix.names[source] names it); MixSampler (make_loader's sampler for a Mix) draws
     them by weight. Bad input (weights, an empty source, samples of different kinds,
     labels that do not merge) is refused here, before any batch.
+
+    With a readers.WDSDataset among the sources, Mix(...) is a readers.mix_stream.MixStream,
+    an IterableDataset: each stream draw is the next sample of the stream of the rank and
+    DataLoader worker that makes its batch (docs/mixing.md).
     """
+
+    def __new__(cls, sources=None, *args, **kwargs):
+        if cls is Mix and isinstance(sources, dict) and any(map(is_stream, sources.values())):
+            view = Mix(stream_views(sources), *args, **kwargs)
+            return MixStream(view, MixSampler(view, "random"), sources)
+        return super().__new__(cls)
 
     def __init__(self, sources: dict, weights: dict | None = None, seed: int = 0, epoch_size: int | None = None, *,
                  class_to_idx: dict | None = None, unlabeled=(), reweight: bool = False):

@@ -1,0 +1,178 @@
+"""Mixtures with a WebDataset stream (readers.mix_stream): real shards read by real DataLoader
+workers through make_loader and a plain DataLoader; each source's share of every batch; every
+map-style sample once per pass and no stream sample twice before its stream's epoch is read;
+the same batches after a resume on the ranks and workers that saved it (the map-style
+sources' exactly, and each stream going on where it stopped); and clear refusals of what a
+stream mixture does not do.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch.utils.data as tud
+
+import readers
+from readers import Mix, make_loader
+from readers.mix_stream import MixStream
+
+from conftest import packed_three_ways, sample_ids
+
+BATCH, SEED, EPOCH = 10, 3, 100
+WEIGHTS = {"lmdb": 0.7, "web": 0.3}
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> Path:
+    return Path(packed_three_ways(tmp_path_factory.mktemp("mixstream")))
+
+
+def mixture(packs: Path, shuffle: int = 4) -> MixStream:
+    return Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
+                "web": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=shuffle, seed=SEED)},
+               weights=WEIGHTS, seed=SEED, epoch_size=EPOCH)
+
+
+def ids_of(packs: Path, source: int) -> set[int]:
+    """Every sample id (conftest.sample_ids's) a source can give: the packs hold the same images."""
+    return {zlib.crc32(bytes(image), source + 1) for image, _ in readers.LMDBDataset(packs / "d.lmdb", decode="raw")}
+
+
+def split(batches: list[list[int]], packs: Path) -> tuple[list[int], list[int]]:
+    """(the lmdb source's ids, the stream's) in the order handed out."""
+    lmdb, web = ids_of(packs, 0), ids_of(packs, 1)
+    flat = [i for batch in batches for i in batch]
+    assert all(i in lmdb or i in web for i in flat)
+    return [i for i in flat if i in lmdb], [i for i in flat if i in web]
+
+
+def loader_of(mix, workers: int = 2):
+    return make_loader(mix, BATCH, workers=workers, seed=SEED, collate_fn=sample_ids, drop_last=False)
+
+
+def epochs(loader, count: int) -> list[list[int]]:
+    return [batch for _ in range(count) for batch in loader]
+
+
+def test_a_stream_source_makes_the_mixture_an_iterable_dataset_of_both(packs):
+    mix = mixture(packs)
+    assert isinstance(mix, MixStream) and isinstance(mix, tud.IterableDataset)
+    assert mix.names == ["lmdb", "web"] and mix.classes == ["class0", "class1", "class2", "class3"]
+    batches = epochs(loader_of(mix), 3)
+    assert len(batches) == 30 and all(len(b) == BATCH for b in batches)
+    lmdb, web = split(batches, packs)
+    shares = [sum(i in set(lmdb) for i in batch) for batch in batches]
+    assert all(6 <= n <= 8 for n in shares), shares  # 0.7 of 10, within 1
+    assert len(lmdb) == 210 and len(web) == 90
+    assert set(lmdb[:100]) == ids_of(packs, 0) and set(lmdb[100:200]) == ids_of(packs, 0)  # whole passes
+    assert len(set(web)) == 90, "no stream sample twice before the stream's epoch is read"
+
+
+def test_the_stream_goes_on_across_the_mixtures_epochs_through_its_own(packs):
+    mix = mixture(packs, shuffle=0)
+    _, web = split(epochs(loader_of(mix), 5), packs)  # 150 stream draws: each worker's run of 50, three times
+    assert len(web) == 150 and set(web) == ids_of(packs, 1)
+    counts = sorted(web.count(i) for i in set(web))
+    assert counts[0] >= 1 and counts[-1] <= 2
+
+
+def test_a_plain_dataloader_makes_the_same_batches_once_told_the_batch_size(packs):
+    expected = epochs(loader_of(mixture(packs)), 2)
+    mix = mixture(packs)
+    loader = tud.DataLoader(mix, batch_size=BATCH, num_workers=2, collate_fn=sample_ids)
+    with pytest.raises(ValueError, match=r"call mix.batching\(batch_size, drop_last\)"):
+        next(iter(loader))
+    mix.batching(BATCH, False)
+    got = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        got.extend(loader)
+    assert got == expected
+
+
+@pytest.mark.parametrize("take", [4, 3])  # a whole round of the 2 workers' batches, and inside one
+def test_a_resume_on_the_same_ranks_and_workers_goes_on_where_it_stopped(packs, take):
+    expected = epochs(loader_of(mixture(packs)), 2)
+    loader = loader_of(mixture(packs))
+    batches = iter(loader)
+    before = [next(batches) for _ in range(take)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    resumed = loader_of(mixture(packs))
+    resumed.load_state_dict(state)
+    after = epochs(resumed, 2)
+    assert before == expected[:take] and len(before + after) == len(expected)
+    got_lmdb, got_web = split(before + after, packs)
+    lmdb, web = split(expected, packs)
+    assert got_lmdb == lmdb, "the map-style source's samples are the uninterrupted run's"
+    assert len(got_web) == len(web) == len(set(got_web)), "each stream goes on: none read twice"
+    if take % 2 == 0:  # each worker makes the batches it made before the stop
+        assert before + after == expected
+
+
+def pull(loader, take: int) -> list:
+    """`take` batches, from as many passes as it takes (a resumed epoch's rest may be empty)."""
+    out = []
+    for _ in range(4):
+        for batch in loader:
+            out.append(batch)
+            if len(out) == take:
+                return out
+    return out
+
+
+def test_resuming_twice_and_at_an_epochs_end(packs):
+    expected = epochs(loader_of(mixture(packs)), 3)
+    loader, handed = loader_of(mixture(packs)), []
+    for take in (2, 8, 10, 4):  # inside epoch 0; at its end; at epoch 1's end (saved as epoch 2's start); inside 2
+        handed.extend(pull(loader, take))
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader = loader_of(mixture(packs))
+        loader.load_state_dict(state)
+    handed.extend(pull(loader, 6))
+    assert split(handed, packs)[0] == split(expected, packs)[0]
+    assert handed == expected, "every stop fell on a whole round of the workers' batches"
+
+
+def test_two_ranks_share_the_map_style_sources_and_read_their_own_streams(packs, monkeypatch):
+    ranks = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ranks.append(split(epochs(loader_of(mixture(packs)), 1), packs))
+    lmdb = ranks[0][0] + ranks[1][0]
+    web = ranks[0][1] + ranks[1][1]
+    assert sorted(lmdb) == sorted(set(lmdb)) and len(lmdb) == 70
+    assert len(web) == 30 == len(set(web))
+
+
+def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs, monkeypatch):
+    class Numbers(tud.IterableDataset):
+        def __iter__(self):
+            return iter([(b"x", 0)])
+
+    with pytest.raises(ValueError, match="source 'numbers' .*Numbers.* IterableDataset other than readers.WDSDataset"):
+        Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"), "numbers": Numbers()})
+    with pytest.raises(ValueError, match=r"reweight=True does not yet apply .*'web'"):
+        Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
+             "web": readers.WDSDataset(packs / "d.wds", decode="raw")}, reweight=True)
+    loader = loader_of(mixture(packs))
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del batches
+    other = loader_of(mixture(packs), workers=3)
+    other.load_state_dict(state)
+    with pytest.raises(Exception, match=r"saved on 1 rank\(s\) x 2 DataLoader worker\(s\).*1 x 3"):
+        next(iter(other))
+    tiny = Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
+                "web": readers.WDSDataset(sorted((packs / "d.wds").rglob("*.tar"))[0], decode="raw")},
+               unlabeled=("web",))
+    with pytest.raises(Exception, match="stream source 'web' has 9 samples per rank, fewer than the 10 DataLoader"):
+        list(loader_of(tiny, workers=10))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"saved on 1 rank\(s\).* here there are 2"):
+        loader_of(mixture(packs)).load_state_dict(state)
