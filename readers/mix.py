@@ -23,6 +23,9 @@ samples; one drawn less covers new samples each epoch until all are seen.
 A weight change on resume (Mix(reweight=True)) starts a new segment of the schedule where
 the saved run stopped: the draws of each source so far, kept, and the new weights from
 there on. The state holds the segment, O(sources).
+
+With a WebDataset stream among the sources, Mix(...) is readers.mix_stream.MixStream, which
+reads this schedule and fills a stream's places from the stream of each rank and worker.
 """
 from __future__ import annotations
 
