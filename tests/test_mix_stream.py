@@ -92,6 +92,15 @@ def test_a_plain_dataloader_makes_the_same_batches_once_told_the_batch_size(pack
     assert got == expected
 
 
+def test_spawned_workers_and_thread_workers_make_the_same_batches(packs):
+    expected = epochs(loader_of(mixture(packs)), 1)
+    spawned = make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
+                          multiprocessing_context="spawn")
+    threads = make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
+                          worker_kind="threads")
+    assert list(spawned) == expected == list(threads)
+
+
 @pytest.mark.parametrize("take", [4, 3])  # a whole round of the 2 workers' batches, and inside one
 def test_a_resume_on_the_same_ranks_and_workers_goes_on_where_it_stopped(packs, take):
     expected = epochs(loader_of(mixture(packs)), 2)
