@@ -118,6 +118,7 @@ class MixStream(torch.utils.data.IterableDataset):
         self.pending: tuple[int, int] | None = None  # (epoch, batches) a loaded state's pass starts at
         self._epoch = multiprocessing.Value("q", 0, lock=False)  # shared with persistent workers
         self._walked: dict = {}  # (rank, workers) -> (an epoch, the chains' counts at its start)
+        self._chains: dict = {}  # this process's chains, by source
 
     def batching(self, batch_size: int, drop_last: bool) -> None:
         """The loader's batch size and drop_last, which fix what each worker makes."""
@@ -168,8 +169,12 @@ class MixStream(torch.utils.data.IterableDataset):
                 raise ValueError(f"Mix: stream source {self.names[s]!r} is read as rank {ds.world()[0]} of "
                                  f"{ds.world()[1]}, the mixture as rank {rank} of {world_size}; give both the same "
                                  "rank and world_size (or neither)")
-        chains = {s: Chain(ds, self.chain_size(ds, workers, worker_id, s), int(n))
-                  for (s, ds), n in zip(self.streams.items(), self.counts_at(rank, workers, epoch, first)[worker_id])}
+        counts = self.counts_at(rank, workers, epoch, first)[worker_id].tolist()
+        kept = self._chains  # a persistent worker's, open where its last pass stopped
+        chains = {s: kept[s] if s in kept and kept[s].count == n else
+                  Chain(ds, self.chain_size(ds, workers, worker_id, s), n)
+                  for (s, ds), n in zip(self.streams.items(), counts)}
+        self._chains = chains
         self.sampler.set_epoch(epoch)
         if first:
             self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": epoch, "start": 0,
@@ -272,7 +277,7 @@ class MixStream(torch.utils.data.IterableDataset):
         check_state(state, "MixStream", self.settings())
         epoch = checked_count(state, "epoch", "MixStream", MAX_EPOCH)
         anchor = checked_anchor(state.get("anchor"), [self.names[s] for s in self.streams])
-        self.anchor, self._walked = anchor, {}
+        self.anchor, self._walked, self._chains = anchor, {}, {}
         self.set_epoch(epoch)
         position = state.get("position")
         if position is None:  # an epoch's start: every chain's count there follows from the anchor
@@ -310,6 +315,7 @@ class MixStream(torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        state["_chains"] = {}  # open streams stay with the process that reads them
         if multiprocessing.context.get_spawning_popen() is None:
             state["_epoch"] = self.epoch  # plain pickling: the value travels, not the memory
         if self.sampler.rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
