@@ -121,18 +121,45 @@ def shard_samples(ds, shard: int, shards, start: int = 0
     is not the one the index gives (cut short, replaced): parsing says where the damage is."""
     reader = index_reader(ds)
     if reader is not None and reader.as_indexed(shard):
-        return indexed_samples(reader, shard, start)
+        return indexed_samples(ds, reader, shard, start)
     return parsed_samples(ds, shard, shards, start)
 
 
-def indexed_samples(reader: wds.Reader, shard: int, start: int) -> Iterator:
-    labels, paths = reader.labels, reader.paths
-    for index, image in reader.read_stored(shard, start):
-        where = f"{reader.path}: {paths[index]}"  # as the map-style Datasets name a record
+class SampleName:
+    """An indexed sample's name in messages, "<folder>: <relative path>" as the map-style
+    Datasets name a record: the path is looked up when a message needs it, as those do, so
+    a stream never loads the path table (its offsets are 4 bytes a record)."""
+
+    __slots__ = ("reader", "index")
+
+    def __init__(self, reader: wds.Reader, index: int):
+        self.reader, self.index = reader, index
+
+    def __str__(self) -> str:
+        return f"{self.reader.path}: {self.reader.paths[self.index]}"
+
+
+def indexed_samples(ds, reader: wds.Reader, shard: int, start: int) -> Iterator:
+    for passed, (index, image, label) in enumerate(reader.read_stored(shard, start), start):
         if isinstance(image, CorruptDataError):
-            yield where, None, image
+            if index_damaged(reader):  # the record's checksum, not the image: the shard's tar says
+                ds._index = False
+                yield from parsed_samples(ds, shard, None, passed)
+                return
+            yield SampleName(reader, index), None, image
         else:
-            yield where, image, labels.item(index)
+            yield SampleName(reader, index), image, label
+
+
+def index_damaged(reader: wds.Reader) -> bool:
+    """Whether records.bin fails its CRC-32 or checks: looked at when a sample fails its
+    checksum (a pass over the mapped table, once), since streaming checks only each shard's
+    records (stored_in) and a table of up to 64 MiB as it is mapped."""
+    try:
+        reader.records
+    except PackError:
+        return True
+    return False
 
 
 def parsed_samples(ds, shard: int, shards, start: int) -> Iterator:
@@ -175,8 +202,8 @@ def index_reader(ds) -> wds.Reader | None:
                 return None
             if reader.identity != ds.identity:  # its tables and labels are another dataset's
                 raise replaced_error(ds.index_file)
-            try:
-                reader.records, reader.paths, reader.labels  # loaded and checked now: damage means parsing
+            try:  # records.bin mapped, CRC-checked now when small; damage means parsing
+                reader.record_blocks()
             except PackError:
                 return None
             if [os.path.join(ds.packed, name) for name in reader.shards] == ds.shards:

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch.distributed
 import torch.utils.data
 
+from packer.errors import CorruptDataError
 from packer.formats import current_identity, wds
 
 from ._dataset import PackedDataset
@@ -303,7 +304,10 @@ def decoded(ds: WDSDataset, samples: Iterator, progress: list[int]) -> Iterator:
     """The decode stage: (image, label) of each sample, transformed, counted in progress as it goes out."""
     for where, data, label in samples:
         progress[1] += 1
-        image = decode(data, ds.decode, where, ds.max_pixels)
+        try:
+            image = decode(data, ds.decode, max_pixels=ds.max_pixels)
+        except CorruptDataError as exc:  # named here, on failure only: an indexed sample's path is looked up
+            raise CorruptDataError(f"{where}: {exc.reason or exc}", str(where), exc.reason) from exc
         if ds.transform is not None:
             image = ds.transform(image)
         if ds.target_transform is not None:

@@ -23,7 +23,7 @@ import readers
 from packer import CorruptDataError, FormatError, PackError, pack
 from packer.cli import main
 from packer.errors import ReplacedError
-from packer.formats import _shards, _tar, wds
+from packer.formats import _shards, _tables, _tar, wds
 from packer.verify import verify
 from readers import WDSDataset
 
@@ -627,16 +627,23 @@ def test_a_packer_folder_streams_by_its_index_the_samples_parsing_gives(imagenet
     assert [label for _, label in got] != sorted(label for _, label in got)  # packed shuffled: a real order
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["checked as mapped", "checked on a mismatch"])
 @pytest.mark.parametrize("table", ["records.bin", "paths.bin"])
-def test_a_stream_whose_index_does_not_load_parses_its_shards(even_tree, tmp_path, table):
+def test_a_stream_whose_index_fails_its_check_parses_its_shards(even_tree, tmp_path, monkeypatch, table, large):
+    # records.bin is CRC-checked as it is mapped up to CRC_AT_OPEN (a limit of 0 stands in for
+    # a larger table); a larger one is checked whole when a sample fails its checksum, which a
+    # damaged record's checksum makes it do. A stream does not read paths.bin.
+    if large:
+        monkeypatch.setattr(_tables, "CRC_AT_OPEN", 0)
     out = pack_wds(even_tree, tmp_path / "i.wds", max_count=3)
     expected = list(WDSDataset(out, decode="raw"))
     damaged = out / "all" / table
     blob = bytearray(damaged.read_bytes())
-    blob[5] ^= 0xFF  # the table fails its CRC-32: the index is not trusted, the shards still are whole
+    blob[5] ^= 0xFF  # the table fails its CRC-32 (records.bin: record 0's checksum); the shards are whole
     damaged.write_bytes(bytes(blob))
     stream = WDSDataset(out, decode="raw")
-    assert list(stream) == expected and stream.index_reader() is None
+    assert list(stream) == expected
+    assert (stream.index_reader() is None) == (table == "records.bin")
 
 
 def test_a_folder_of_other_tools_shards_is_read_as_such(even_tree, tmp_path):

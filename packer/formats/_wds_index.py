@@ -21,13 +21,19 @@ LAYOUT_VERSION = 2
 PACKER_INDEX_KEYS = {"format", "format_version", "count", "classes", "splits", "packer_version", "wds"}
 
 
+def read_bounded(f) -> bytes:
+    """The file's bytes, at most MAX_METADATA_BYTES + 1 (parse_json refuses more): read(n)
+    allocates n bytes before it reads, so n is the file's size where that is smaller."""
+    return f.read(min(os.fstat(f.fileno()).st_size, MAX_METADATA_BYTES) + 1)
+
+
 def foreign_index(path: str) -> bool:
     """Whether path's index.json is another tool's (a wids shard list beside the shards): a
     JSON object with keys, none of them packer's. One that does not parse, or is empty,
     counts as packer's, so that its damage is reported."""
     try:
         with open(os.path.join(path, INDEX), "rb") as f:
-            index = json.loads(f.read(MAX_METADATA_BYTES + 1))
+            index = json.loads(read_bounded(f))
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(index, dict) and bool(index) and not PACKER_INDEX_KEYS & set(index)
@@ -48,7 +54,7 @@ def open_index(path: str, remote=None) -> tuple[dict, Metadata]:
             raw = remote.read_object(where, MAX_METADATA_BYTES)
         else:
             with open(where, "rb") as f:
-                raw = f.read(MAX_METADATA_BYTES + 1)
+                raw = read_bounded(f)
     except remote_source.RemoteError as exc:
         if not remote_source.missing(exc):
             raise

@@ -14,8 +14,9 @@
   OUT.wds/<split>/order.bin          int32 per sample, little-endian: the index of the sample at
                                      each position of the split's shards, shard by shard ("order"
                                      and "order_crc32" in the split's entry; absent when the pack
-                                     is not shuffled and in packs written before it, whose readers
-                                     sort records.bin by shard and offset instead)
+                                     is not shuffled, whose shards hold runs of indexes in order,
+                                     and in packs written before it, whose readers sort records.bin
+                                     by shard and offset instead)
   OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
                                      reader loads them, wids.ShardListDataset(<this file>):
                                      {"wids_version": 1, "name": "<split>", "classes": [...],
@@ -266,8 +267,10 @@ class Reader(SplitReader):
     """
 
     # records.bin whole and checked whole (records); mapped with its BlockChecks (record_blocks);
-    # stored_in's bounds in the order, and which shards' runs of it it checked.
-    TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None, "_runs_checked": None}
+    # stored_in's bounds in the order, which shards' runs of it it checked, and whether it sorts
+    # records.bin (a pack shuffled before order.bin).
+    TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None, "_runs_checked": None,
+              "_runs_sorted": False}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -413,13 +416,22 @@ class Reader(SplitReader):
         return np.frombuffer(region, "<i4", self.count, start)
 
     def stored_in(self, shard: int) -> np.ndarray:
-        """The indexes of the samples shard holds, in the order it holds them: a view of
-        storage_order() between the index's sample counts, checked on first use to be the
-        shard's own samples in the order of their offsets."""
+        """The indexes of the samples shard holds, in the order it holds them, checked on first
+        use to be the shard's own samples in the order of their offsets: a view of
+        storage_order() between the index's sample counts or, in a pack without order.bin whose
+        shard holds a run of indexes (one written unshuffled), that run, so that streaming a
+        shard sorts nothing and holds nothing sized by the split."""
         if self._shard_starts is None:
             self._shard_starts = np.concatenate([[0], np.cumsum(self.shard_counts, dtype=np.int64)])
             self._runs_checked = bytearray(len(self.shards))
-        run = self.storage_order()[self._shard_starts[shard]:self._shard_starts[shard + 1]]
+        begin, end = self._shard_starts[shard], self._shard_starts[shard + 1]
+        if self.order_table is None and not self._runs_sorted:
+            run = np.arange(begin, end, dtype=np.int32)  # an unshuffled pack stores index order
+            if self.run_fits(shard, run):
+                self._runs_checked[shard] = 1
+                return run
+            self._runs_sorted = True  # shuffled before order.bin: sort records.bin (read_order)
+        run = self.storage_order()[begin:end]
         if not self._runs_checked[shard]:
             self.check_run(shard, run)
             self._runs_checked[shard] = 1
@@ -436,34 +448,51 @@ class Reader(SplitReader):
         check_within(mine["offset"], mine["size"], self.shard_size(shard), where, "record")
         check_labels(mine["label"], len(self.classes), self.metadata.splits[self.split].labeled, where)
 
-    def as_indexed(self, shard: int) -> bool:
-        """Whether shard's file opens and is the size the index gives: what read_stored needs."""
+    def run_fits(self, shard: int, run: np.ndarray) -> bool:
         try:
-            return os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
+            self.check_run(shard, run)
+        except CorruptDataError:
+            return False
+        return True
+
+    def as_indexed(self, shard: int) -> bool:
+        """Whether shard's file opens and is the size the index gives, and its samples' records
+        pass stored_in's checks: what read_stored needs."""
+        try:
+            fits = os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
+            return fits and self.stored_in(shard) is not None  # stored_in raises for damaged records
         except (CorruptDataError, OSError):
             return False
 
-    def read_stored(self, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError]]:
-        """(index, image bytes) of each sample shard holds from its start-th, in order: one
-        pread each and no tar header parsed (advise("sequential") first, for the kernel to
-        read ahead). A sample failing its checksum comes as (index, the error) and the
+    def read_stored(self, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
+        """(index, image bytes, label) of each sample shard holds from its start-th, in order:
+        one pread each and no tar header parsed (advise("sequential") first, for the kernel to
+        read ahead), the records read from the mapped records.bin (stored_in checks the
+        shard's). A sample failing its checksum comes as (index, the error, label) and the
         stream goes on; a shard cut short raises at the first sample past its end."""
         fd, records = self.shard_fd(shard), self.record_blocks()[0]  # stored_in checks the shard's records
-        for index in self.stored_in(shard)[start:].tolist():
-            _, crc, offset, size, _ = records[index].tolist()
-            data = _io.pread(fd, size, offset)
-            if len(data) != size:
-                raise CorruptDataError(f"{os.path.join(self.path, self.shards[shard])}: truncated at byte "
-                                       f"{offset + len(data)}: the file ends inside sample {self.split}/{index} "
-                                       f"({self.paths[index]}), which needs bytes {offset}-{offset + size} (re-pack, "
-                                       "or restore the shard from a copy)", self.path)
-            if self.check_crc and self.record_digest(data) & MASK != crc:
-                try:
-                    self.checksum_mismatch(index)
-                except CorruptDataError as exc:
-                    yield index, exc
-                continue
-            yield index, data
+        try:
+            for index in chunked_ints(self.stored_in(shard)[start:]):
+                _, crc, offset, size, label = records[index].tolist()
+                data = _io.pread(fd, size, offset)
+                if len(data) != size:
+                    raise CorruptDataError(f"{os.path.join(self.path, self.shards[shard])}: truncated at byte "
+                                           f"{offset + len(data)}: the file ends inside sample {self.split}/{index} "
+                                           f"({self.paths[index]}), which needs bytes {offset}-{offset + size} "
+                                           "(re-pack, or restore the shard from a copy)", self.path)
+                if self.check_crc and self.record_digest(data) & MASK != crc:
+                    try:
+                        self.checksum_mismatch(index)
+                    except CorruptDataError as exc:
+                        yield index, exc, label
+                    continue
+                yield index, data, label
+        finally:  # a stream reads its shards one after another: one descriptor open, not one a shard
+            self.close_shard(shard)
+
+    def close_shard(self, shard: int) -> None:
+        if self.is_open and self._handle.get(shard) is not None:
+            _io.close(self._handle.pop(shard))
 
     def will_need(self, start: int, stop: int) -> None:
         records, checks = self.record_blocks()
@@ -501,6 +530,12 @@ class Reader(SplitReader):
     def where(self, index: int) -> str:
         shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
         return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
+
+
+def chunked_ints(array: np.ndarray, chunk: int = 4096) -> Iterator[int]:
+    """array's items as Python ints, a chunk made at a time (not one list of a shard's)."""
+    for begin in range(0, len(array), chunk):
+        yield from array[begin:begin + chunk].tolist()
 
 
 def check_files(path: str) -> list[str]:
