@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Iterator
 
 import numpy as np
 
@@ -90,27 +91,23 @@ def rank_plan(dataset, rank: int, world_size: int, history: list[dict]) -> list:
 
 def rest(dataset, history: list[dict]) -> list:
     """The samples no stream of the history's passes yielded, as tasks in the epoch's shard
-    order. Each pass costs O(samples + shards + ranks + workers): the streams of every rank
-    are cut alike, so what each had yielded is worked out once, and marked once per distinct
-    plan (every rank past the data's end has the same padding); only a stream stopped inside
-    its shuffle buffer is replayed, rank by rank, as its draws depend on the rank."""
-    first = offsets(dataset)
-    taken = np.zeros(int(first[-1]), dtype=bool)
+    order. Each pass is worked out as runs of the pool it dealt (its samples numbered in pool
+    order), never a sample at a time: what each stream had yielded is a run from its start,
+    less the samples still in its shuffle buffer where it stopped inside it, so a pass costs
+    O(shards + ranks x workers x shuffle buffer) in memory, whatever the epoch's size, and
+    its time is the replay of the buffers' draws. The streams of every rank are cut alike;
+    every rank past the data's end has the same plan, marked once."""
     pool = dataset.epoch_tasks()  # what the pass being replayed dealt: first the epoch's own samples
     for segment in history:
-        world_size = segment["world_size"]
-        pooled = numbers(dataset, pool, first)
-        length = math.ceil(len(pooled) / world_size)
-        groups = share_groups(pooled, length, world_size)
-        mark_pass(dataset, segment, length, groups, taken)
-        pool = untaken(dataset, taken, first)
+        total = sum(map(dataset.task_size, pool))
+        length = math.ceil(total / segment["world_size"])
+        pool = without(dataset, pool, merged(pass_runs(dataset, segment, total, length)))
     return pool
 
 
-def mark_pass(dataset, segment: dict, length: int, groups, taken: np.ndarray) -> None:
-    """Mark in `taken` the samples the streams of the segment's pass had yielded to its
-    batches: every rank's plan is `length` samples; groups yields (ranks, their plan's
-    sample numbers) for each plan, once (the ranks past the data's end share one)."""
+def pass_runs(dataset, segment: dict, total: int, length: int) -> Iterator[tuple[int, int]]:
+    """[begin, end) runs of the pool's sample numbers that the streams of the segment's pass
+    had yielded to its batches, every rank's plan being `length` samples of a pool of `total`."""
     workers = segment["workers"]
     sizes = stream_sizes(length, workers)
     if "streams" in segment:
@@ -120,60 +117,90 @@ def mark_pass(dataset, segment: dict, length: int, groups, taken: np.ndarray) ->
                              f"whose streams hold {shown(sizes)}; it was saved over other data")
     else:
         yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
-    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    whole = np.zeros(length, dtype=bool)  # yielded on every rank: unshuffled, or the buffer drained
-    partial = []  # streams stopped inside their shuffle buffer: which samples depends on the rank's draws
-    for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
-        if dataset.shuffle <= 1 or n == size:
-            whole[edges[stream_id]:edges[stream_id] + n] = True
-        elif n:
-            partial.append(stream_id)
-    if not (whole.any() or partial):
-        return
-    for ranks, ids in groups:
-        taken[ids[whole]] = True
-        for stream_id in partial:
-            taken[ids[edges[stream_id]:edges[stream_id + 1]][stream_yield(dataset, ranks, stream_id, sizes[stream_id],
-                                                                          yielded[stream_id])]] = True
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    for ranks, begin, end in share_spans(total, length, segment["world_size"]):
+        for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
+            if not n:
+                continue
+            if dataset.shuffle <= 1 or n == size:  # yielded in order, or the buffer drained
+                runs = [(0, n)]
+            else:  # stopped inside its shuffle buffer: which samples depends on the rank's draws
+                runs = stream_yield(dataset, ranks, stream_id, size, n)
+            for low, high in runs:
+                yield from pool_runs(edges[stream_id] + low, edges[stream_id] + high, begin, end)
 
 
-def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> np.ndarray:
-    """Which ordinals of a stream of `size` samples, stopped after `yielded` inside its shuffle
-    buffer, any of `ranks` had yielded (each rank's buffer draws differ). The ranks share one
-    plan (padding past the data's end); once they cover every sample read, the rest add none."""
-    union = np.zeros(size, dtype=bool)
-    for rank in ranks:
-        slots, read, _ = replay_shuffle(size, dataset.shuffle, stream_rng(dataset, rank, stream_id), yielded)
-        ordinals = np.zeros(size, dtype=bool)
-        ordinals[:read] = True
-        ordinals[slots] = False  # still in the buffer: read, not yet yielded
-        union |= ordinals
-        if union[:read].all():
-            break
-    return union
+def share_spans(total: int, each: int, world_size: int) -> Iterator[tuple[range, int, int]]:
+    """(ranks, begin, end) of each distinct share of share()'s deal of a pool of `total`:
+    samples [begin, end) of the pool, then its first each - (end - begin) (the padding).
+    Every rank past the pool's end has the same, its first samples."""
+    within = min(world_size, math.ceil(total / each)) if each else 0
+    for rank in range(within):
+        yield range(rank, rank + 1), rank * each, min(total, (rank + 1) * each)
+    if within < world_size:
+        yield range(within, world_size), 0, 0
 
 
-def untaken(dataset, taken: np.ndarray, first: np.ndarray) -> list:
-    """The samples not marked in `taken`, as runs in the epoch's shard order."""
-    tasks = []
-    counts = dataset.shard_counts()
-    for shard in shard_order(dataset):
-        left = ~taken[first[shard]:first[shard] + counts[shard]]
-        edges = np.flatnonzero(np.diff(np.concatenate([[False], left, [False]]).astype(np.int8)))
-        tasks.extend(Task(shard, int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
+def pool_runs(low: int, high: int, begin: int, end: int) -> list[tuple[int, int]]:
+    """Samples [low, high) of a share that is the pool's [begin, end) and then its start, as
+    runs of the pool's sample numbers."""
+    mine = end - begin
+    runs = [(begin + low, begin + min(high, mine))] if low < mine else []
+    if high > mine:
+        runs.append((max(low, mine) - mine, high - mine))
+    return runs
+
+
+def merged(runs) -> list[tuple[int, int]]:
+    """runs sorted, overlapping and touching ones joined."""
+    out: list[list[int]] = []
+    for low, high in sorted(runs):
+        if out and low <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], high)
+        elif low < high:
+            out.append([low, high])
+    return [(low, high) for low, high in out]
+
+
+def without(dataset, pool: list, taken: list[tuple[int, int]]) -> list:
+    """The pool's tasks less the sample numbers in the sorted, disjoint runs `taken`."""
+    tasks, first, k = [], 0, 0
+    for task in pool:
+        size = dataset.task_size(task)
+        at, stop = first, first + size
+        while k < len(taken) and taken[k][1] <= at:
+            k += 1
+        j = k
+        while at < stop:
+            low, high = taken[j] if j < len(taken) else (stop, stop)
+            if low > at:
+                tasks.append(Task(task.shard, task.start + at - first, task.start + min(low, stop) - first))
+            at = max(at, min(high, stop)) if low < stop else stop
+            j += 1
+        first = stop
     return tasks
 
 
-def share_groups(pooled: np.ndarray, each: int, world_size: int):
-    """(ranks, sample numbers) of each distinct share of share()'s deal of the pool, from
-    the pool's sample numbers: every rank past the pool's end has the same, its first."""
-    total = len(pooled)
-    within = min(world_size, math.ceil(total / each)) if each else 0
-    for rank in range(within):
-        begin, end = rank * each, min(total, (rank + 1) * each)
-        yield [rank], np.concatenate([pooled[begin:end], pooled[:each - (end - begin)]])
-    if within < world_size:
-        yield range(within, world_size), pooled[:each]
+def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> list[tuple[int, int]]:
+    """Runs of the ordinals of a stream of `size` samples, stopped after `yielded` inside its
+    shuffle buffer, that any of `ranks` had yielded: the samples read, less those still in
+    the buffer of every rank (each rank's draws differ; the ranks share one plan, padding
+    past the data's end). Once no sample is in every rank's buffer, the rest add none."""
+    held = None
+    read = 0
+    for rank in ranks:
+        slots, read, _ = replay_shuffle(size, dataset.shuffle, stream_rng(dataset, rank, stream_id), yielded)
+        held = set(slots) if held is None else held & set(slots)
+        if not held:
+            break
+    runs, at = [], 0
+    for slot in sorted(held):
+        if slot >= read:
+            break
+        runs.append((at, slot))
+        at = slot + 1
+    runs.append((at, read))
+    return [(low, high) for low, high in runs if low < high]
 
 
 def stream_rng(dataset, rank: int, stream_id: int) -> random.Random | None:
