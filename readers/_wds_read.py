@@ -2,7 +2,7 @@
 their shards, opened in order (streamed ahead when remote), and each shard to its checked
 (where, image bytes, label) samples.
 
-A local packer folder's shard is read through its index (packer.formats.wds.Reader.read_stored:
+A local packer folder's shard is read through its index (packer.formats.wds_shards.read_stored:
 one pread per image, no tar header parsed); any other shard, or a packer shard the index does
 not describe, is parsed (packer.formats.wds_shards.iter_samples), its .json member checked."""
 from __future__ import annotations
@@ -140,7 +140,7 @@ class SampleName:
 
 
 def indexed_samples(ds, reader: wds.Reader, shard: int, start: int) -> Iterator:
-    for passed, (index, image, label) in enumerate(reader.read_stored(shard, start), start):
+    for passed, (index, image, label) in enumerate(wds_shards.read_stored(reader, shard, start), start):
         if isinstance(image, CorruptDataError):
             if index_damaged(reader):  # the record's checksum, not the image: the shard's tar says
                 ds._index = False

@@ -84,7 +84,6 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import numpy as np
 
@@ -457,40 +456,15 @@ class Reader(SplitReader):
 
     def as_indexed(self, shard: int) -> bool:
         """Whether shard's file opens and is the size the index gives, and its samples' records
-        pass stored_in's checks: what read_stored needs."""
+        pass stored_in's checks: what wds_shards.read_stored needs."""
         try:
             fits = os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
             return fits and self.stored_in(shard) is not None  # stored_in raises for damaged records
         except (CorruptDataError, OSError):
             return False
 
-    def read_stored(self, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
-        """(index, image bytes, label) of each sample shard holds from its start-th, in order:
-        one pread each and no tar header parsed (advise("sequential") first, for the kernel to
-        read ahead), the records read from the mapped records.bin (stored_in checks the
-        shard's). A sample failing its checksum comes as (index, the error, label) and the
-        stream goes on; a shard cut short raises at the first sample past its end."""
-        fd, records = self.shard_fd(shard), self.record_blocks()[0]  # stored_in checks the shard's records
-        try:
-            for index in chunked_ints(self.stored_in(shard)[start:]):
-                _, crc, offset, size, label = records[index].tolist()
-                data = _io.pread(fd, size, offset)
-                if len(data) != size:
-                    raise CorruptDataError(f"{os.path.join(self.path, self.shards[shard])}: truncated at byte "
-                                           f"{offset + len(data)}: the file ends inside sample {self.split}/{index} "
-                                           f"({self.paths[index]}), which needs bytes {offset}-{offset + size} "
-                                           "(re-pack, or restore the shard from a copy)", self.path)
-                if self.check_crc and self.record_digest(data) & MASK != crc:
-                    try:
-                        self.checksum_mismatch(index)
-                    except CorruptDataError as exc:
-                        yield index, exc, label
-                    continue
-                yield index, data, label
-        finally:  # a stream reads its shards one after another: one descriptor open, not one a shard
-            self.close_shard(shard)
-
     def close_shard(self, shard: int) -> None:
+        """Close shard's descriptor, if open: a stream reads its shards one after another."""
         if self.is_open and self._handle.get(shard) is not None:
             _io.close(self._handle.pop(shard))
 
@@ -530,12 +504,6 @@ class Reader(SplitReader):
     def where(self, index: int) -> str:
         shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
         return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
-
-
-def chunked_ints(array: np.ndarray, chunk: int = 4096) -> Iterator[int]:
-    """array's items as Python ints, a chunk made at a time (not one list of a shard's)."""
-    for begin in range(0, len(array), chunk):
-        yield from array[begin:begin + chunk].tolist()
 
 
 def check_files(path: str) -> list[str]:

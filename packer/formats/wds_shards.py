@@ -1,13 +1,19 @@
 """The WebDataset format's public reading API for streams, for a reader that knows no byte
 layout (readers.WDSDataset): a packer folder's shards and their sample counts from its index
 (indexed_split), and the members of any shard, packer's or another tool's (iter_samples,
-count_samples, image_suffix). A packer shard's images are also read by its index, through
-packer.formats.wds.Reader (as_indexed, read_stored)."""
+count_samples, image_suffix). A packer shard's images are also read by its index
+(read_stored, where packer.formats.wds.Reader.as_indexed says the shard allows it)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from typing import Iterator, NamedTuple
 
+import numpy as np
+
+from ..checksum import MASK
+from ..errors import CorruptDataError
 from ..records import choose_split
+from . import _io
 from ._tar import Sample, count_samples, image_suffix, iter_samples  # noqa: F401 (the members of a shard)
 from ._wds_index import open_index
 
@@ -32,3 +38,37 @@ def indexed_split(path: str, split: str | None = None, remote=None) -> IndexedSp
     return IndexedSplit(split, [shard["name"] for shard in entry["shards"]],
                         [shard["count"] for shard in entry["shards"]], list(index["classes"]),
                         index.get("created", ""), entry)
+
+
+def read_stored(reader, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
+    """(index, image bytes, label) of each sample the shard holds from its start-th, in order,
+    for a packer.formats.wds.Reader: one pread each and no tar header parsed (advise the
+    reader "sequential" first, for the kernel to read ahead), the records read from the
+    mapped records.bin (Reader.stored_in checks the shard's on first use). A sample failing
+    its checksum comes as (index, the error, label) and the stream goes on; a shard cut
+    short raises at the first sample past its end. The shard's descriptor is closed at the end."""
+    fd, records = reader.shard_fd(shard), reader.record_blocks()[0]
+    try:
+        for index in chunked_ints(reader.stored_in(shard)[start:]):
+            _, crc, offset, size, label = records[index].tolist()
+            data = _io.pread(fd, size, offset)
+            if len(data) != size:
+                raise CorruptDataError(f"{os.path.join(reader.path, reader.shards[shard])}: truncated at byte "
+                                       f"{offset + len(data)}: the file ends inside sample {reader.split}/{index} "
+                                       f"({reader.paths[index]}), which needs bytes {offset}-{offset + size} "
+                                       "(re-pack, or restore the shard from a copy)", reader.path)
+            if reader.check_crc and reader.record_digest(data) & MASK != crc:
+                try:
+                    reader.checksum_mismatch(index)
+                except CorruptDataError as exc:
+                    yield index, exc, label
+                continue
+            yield index, data, label
+    finally:
+        reader.close_shard(shard)
+
+
+def chunked_ints(array: np.ndarray, chunk: int = 4096) -> Iterator[int]:
+    """array's items as Python ints, a chunk made at a time (not one list of a shard's)."""
+    for begin in range(0, len(array), chunk):
+        yield from array[begin:begin + chunk].tolist()
