@@ -108,6 +108,7 @@ EXTENSION = ".wds"
 DIRECTORY = True
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 SHARD_NAME = "shard-{:06d}.tar"
+RUN_CHECK = 1 << 16  # records of a shard's run checked at a time (check_run)
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
 
@@ -426,7 +427,7 @@ class Reader(SplitReader):
         begin, end = self._shard_starts[shard], self._shard_starts[shard + 1]
         if self.order_table is None and not self._runs_sorted:
             run = np.arange(begin, end, dtype=np.int32)  # an unshuffled pack stores index order
-            if self.run_fits(shard, run):
+            if run_fits(self, shard, run):
                 self._runs_checked[shard] = 1
                 return run
             self._runs_sorted = True  # shuffled before order.bin: sort records.bin (read_order)
@@ -438,21 +439,22 @@ class Reader(SplitReader):
 
     def check_run(self, shard: int, run: np.ndarray) -> None:
         """Raise unless run, the order's stretch for shard, holds shard's samples by offset,
-        each within the shard's file, its label in range (as record_check checks a block)."""
+        each within the shard's file, its label in range (as record_check checks a block),
+        RUN_CHECK records at a time: a shard's records are never copied whole."""
         records, where = self.record_blocks()[0], os.path.join(self.path, self.order_table or self.tables[0])
-        mine = records[run] if not len(run) or (0 <= run.min() and run.max() < self.count) else None
-        if mine is None or (mine["shard"] != shard).any() or (mine["offset"][1:] <= mine["offset"][:-1]).any():
+        fits, last = not len(run) or (0 <= run.min() and run.max() < self.count), -1
+        for begin in range(0, len(run) if fits else 0, RUN_CHECK):
+            mine = records[run[begin:begin + RUN_CHECK]]
+            offsets = mine["offset"]
+            if (mine["shard"] != shard).any() or int(offsets[0]) <= last or (offsets[1:] <= offsets[:-1]).any():
+                fits = False
+                break
+            last = int(offsets[-1])
+            check_within(offsets, mine["size"], self.shard_size(shard), where, "record")
+            check_labels(mine["label"], len(self.classes), self.metadata.splits[self.split].labeled, where)
+        if not fits:
             raise CorruptDataError(f"{where}: shard {shard}'s {len(run)} samples are not the ones records.bin puts "
                                    f"in it, in order; {DAMAGED}", self.path)
-        check_within(mine["offset"], mine["size"], self.shard_size(shard), where, "record")
-        check_labels(mine["label"], len(self.classes), self.metadata.splits[self.split].labeled, where)
-
-    def run_fits(self, shard: int, run: np.ndarray) -> bool:
-        try:
-            self.check_run(shard, run)
-        except CorruptDataError:
-            return False
-        return True
 
     def as_indexed(self, shard: int) -> bool:
         """Whether shard's file opens and is the size the index gives, and its samples' records
@@ -504,6 +506,15 @@ class Reader(SplitReader):
     def where(self, index: int) -> str:
         shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
         return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
+
+
+def run_fits(reader: Reader, shard: int, run: np.ndarray) -> bool:
+    """Whether run passes reader.check_run as shard's samples."""
+    try:
+        reader.check_run(shard, run)
+    except CorruptDataError:
+        return False
+    return True
 
 
 def check_files(path: str) -> list[str]:
