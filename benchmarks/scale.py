@@ -415,13 +415,18 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--workdir", required=True)
     tiny.add_argument("--format", choices=FORMATS, default="hdf5")
     tiny.add_argument("--keep", action="store_true", help="keep the packs (default: deleted once measured)")
+    tiny.add_argument("--stream", action="store_true",
+                      help="with --format wds: read by WDSDataset's stream, not the map-style Dataset")
     tiny_pack = sub.add_parser("tiny-pack", help="(internal) write one tiny-record pack")
     tiny_pack.add_argument("out")
     tiny_pack.add_argument("--records", type=int, required=True)
     tiny_pack.add_argument("--format", choices=FORMATS, default="hdf5")
     sub.add_parser("tiny-sampler", help="each sampler alone over 10^9 items: first indexes, fresh and resumed")
+    tiny_shards = sub.add_parser("tiny-shards", help="a WDSDataset's shard list at LAION-400M's layout: its memory")
+    tiny_shards.add_argument("--workdir", required=True)
     tiny_probe = sub.add_parser("tiny-probe", help="(internal) open, load, read and resume one pack, as JSON")
     tiny_probe.add_argument("packed")
+    tiny_probe.add_argument("--stream", action="store_true")
     probe = sub.add_parser("probe", help="(internal) one worker's memory, printed as JSON")
     probe.add_argument("packed")
     probe.add_argument("--epoch-seconds", type=float, default=600)
@@ -431,18 +436,20 @@ def main(argv: list[str] | None = None) -> int:
             log(f"corpus: {make_corpus(args.workdir, records, args.seed, args.workers)}")
     elif args.command == "reopen":
         print(table(remeasure_open(args.workdir, args.records, args.formats)), end="")
-    elif args.command in ("tiny", "tiny-pack", "tiny-probe", "tiny-sampler"):
+    elif args.command in ("tiny", "tiny-pack", "tiny-probe", "tiny-sampler", "tiny-shards"):
         from . import tiny as study  # imports scale's helpers: loaded only when asked for
         if args.command == "tiny":
-            print(study.table(study.run(args.workdir, args.records, args.format, args.keep)), end="")
+            print(study.table(study.run(args.workdir, args.records, args.format, args.keep, args.stream)), end="")
         elif args.command == "tiny-sampler":
             import readers
             for kind in (readers.ShuffleSampler, readers.BlockShuffleSampler):
                 print(json.dumps(study.sampler_start(kind)))
+        elif args.command == "tiny-shards":
+            print(json.dumps(study.shard_list_cost(args.workdir)))
         elif args.command == "tiny-pack":
             study.write_tiny_pack(args.out, args.records, args.format)
         else:
-            print(json.dumps(study.probe(args.packed)))
+            print(json.dumps(study.probe(args.packed, args.stream)))
     elif args.command == "run":
         print(table(run(args.workdir, args.records, args.formats, args.epoch_seconds, args.keep,
                         args.verify_seconds)), end="")

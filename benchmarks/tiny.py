@@ -14,6 +14,8 @@ fresh processes:
   dataset's construction to its first batch;
 - memory after 10,000 random reads: the main process's and each worker's USS
   (Private_Clean + Private_Dirty, /proc/PID/smaps_rollup);
+  with --stream (a WebDataset pack), a WDSDataset streamed through a shuffle buffer in
+  place of the map-style Dataset and its sampler, and 10,000 samples streamed;
 - resume: the loader's state after those reads, loaded into a loader on 2 ranks (rank
   1's), to its first batch, against the same loader started afresh on 2 ranks.
 WORKDIR/tiny.json holds every figure, WORKDIR/tiny.md the table, with the 400M and 1B
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +45,8 @@ READS = 10_000  # random reads before memory is measured
 CHUNK = 1 << 16  # records generated at a time: a few MB of temporaries
 PATH_WIDTH = 16  # "c0000/0000000000": every path the same length, so offsets are a formula
 EXTRAPOLATE = (400_000_000, 1_000_000_000)
+STREAM_BUFFER = 1000  # --stream: each worker's shuffle buffer, in samples
+LAION_SHARDS, LAION_PER_SHARD = 41_455, 10_000  # LAION-400M's WebDataset layout
 
 
 def mapped_chunks(chunks, folder: str) -> mmap.mmap:
@@ -68,8 +73,9 @@ def path_chunks(records: int):
                                                                                                 else b"")
 
 
-def write_tiny_pack(out: str, records: int, fmt: str = "hdf5") -> None:
-    """A pack of `records` tiny records at out, streamed: flat memory at any size."""
+def write_tiny_pack(out: str, records: int, fmt: str = "hdf5", options: dict | None = None) -> None:
+    """A pack of `records` tiny records at out, streamed: flat memory at any size (options:
+    the format's writer options, e.g. WebDataset's max_count)."""
     from packer import checksum as record_checksums
     from packer.records import Metadata, PathTable, SplitInfo
     from packer.formats._tables import drop_pages
@@ -103,7 +109,7 @@ def write_tiny_pack(out: str, records: int, fmt: str = "hdf5") -> None:
                         source="synthetic", created=now_utc(), packer_version=__version__,
                         params={"format": fmt, "synthetic": True}, checksum=kind)
 
-    write_dataset(fmt, out, True, None, fill, kind)
+    write_dataset(fmt, out, True, options, fill, kind)
 
 
 def batch_size_of(batch: list) -> int:
@@ -111,15 +117,24 @@ def batch_size_of(batch: list) -> int:
     return len(batch)
 
 
-def first_batch_s(out: str, **env) -> tuple[float, object]:
+def dataset_of(out: str, stream: bool):
+    """The pack's map-style Dataset, or with stream its WDSDataset (a WebDataset pack streamed
+    through a shuffle buffer of STREAM_BUFFER samples per worker)."""
+    import readers
+
+    if stream:
+        return readers.WDSDataset(out, decode="raw", shuffle=STREAM_BUFFER)
+    return readers.open_dataset(out, decode="raw")
+
+
+def first_batch_s(out: str, stream: bool = False, **env) -> tuple[float, object]:
     """Seconds from a dataset's construction to a shuffled make_loader's first batch, and the
     loader's iterator (its workers alive), under RANK/WORLD_SIZE env."""
     import readers
 
     os.environ.update({key: str(value) for key, value in env.items()})
     start = time.perf_counter()
-    loader = readers.make_loader(readers.open_dataset(out, decode="raw"), BATCH, workers=2, seed=0,
-                                 collate_fn=batch_size_of)
+    loader = readers.make_loader(dataset_of(out, stream), BATCH, workers=2, seed=0, collate_fn=batch_size_of)
     batches = iter(loader)
     next(batches)
     return time.perf_counter() - start, (loader, batches)
@@ -160,6 +175,52 @@ def sampler_start(kind, n: int = 10 ** 9, indexes: int = BATCH) -> dict:
     return found
 
 
+def laion_index(out: str, shards: int = LAION_SHARDS, per_shard: int = LAION_PER_SHARD) -> str:
+    """A packer WebDataset folder whose index lists `shards` shards of `per_shard` samples:
+    a one-shard tiny pack, its index's shard list repeated (no other shard is written; a
+    stream's plan and resume read the list alone)."""
+    write_tiny_pack(out, CLASSES, "wds", {"max_count": CLASSES})
+    with open(os.path.join(out, "index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    entry = index["wds"]["splits"]["train"]
+    one = entry["shards"][0]
+    entry["shards"] = [{**one, "name": f"train/shard-{k:06d}.tar", "count": per_shard} for k in range(shards)]
+    with open(os.path.join(out, "index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f)
+    return out
+
+
+def shard_list_cost(workdir: str, world_size: int = 8) -> dict:
+    """What a WDSDataset holds for its shard list at LAION-400M's layout (run as
+    `tiny-shards`, a fresh process): traced bytes kept by the dataset, and the peak of its
+    plan on one rank and on rank 0 of world_size, and of a resume's plan on world_size
+    after a pass on 3 ranks of 2 workers (1,000 batches of BATCH each, shuffle buffer 1,000)."""
+    import tracemalloc
+
+    import readers
+    from readers.wds_elastic import rank_plan
+
+    out = laion_index(os.path.join(workdir, "laion-index.wds"))
+    tracemalloc.start()
+    dataset = readers.WDSDataset(out, shuffle=1000)
+    found = {"shards": LAION_SHARDS, "per_shard": LAION_PER_SHARD, "world_size": world_size,
+             "dataset_mb": tracemalloc.get_traced_memory()[0] / MB}
+    for name, ranks, history in (("plan_1_rank", 1, []), (f"plan_rank_0_of_{world_size}", world_size, []),
+                                 (f"resume_rank_0_of_{world_size}", world_size,
+                                  [{"world_size": 3, "workers": 2, "batches": 1000, "batch_size": BATCH,
+                                    "drop_last": False}])):
+        tracemalloc.reset_peak()
+        start, before = time.perf_counter(), tracemalloc.get_traced_memory()[0]
+        plan = rank_plan(dataset, 0, ranks, history)
+        found[name] = {"s": time.perf_counter() - start, "tasks": len(plan),
+                       "kept_mb": (tracemalloc.get_traced_memory()[0] - before) / MB,
+                       "peak_mb": (tracemalloc.get_traced_memory()[1] - before) / MB}
+        del plan
+    tracemalloc.stop()
+    found["dataset_bytes_per_shard"] = found["dataset_mb"] * MB / LAION_SHARDS
+    return found
+
+
 def children() -> list[int]:
     """This process's child processes: the DataLoader's workers."""
     pid = os.getpid()
@@ -167,12 +228,12 @@ def children() -> list[int]:
         return [int(child) for child in f.read().split()]
 
 
-def probe(out: str) -> dict:
+def probe(out: str, stream: bool = False) -> dict:
     """Everything measured in the reading process (run as `tiny-probe`, a fresh process)."""
     import readers
 
     found = {}
-    found["first_batch_s"], (loader, batches) = first_batch_s(out)
+    found["first_batch_s"], (loader, batches) = first_batch_s(out, stream)
     read = BATCH
     while read < READS:
         read += next(batches)
@@ -180,11 +241,10 @@ def probe(out: str) -> dict:
     found["workers"] = [memory(pid) for pid in children()]
     state = loader.state_dict()
     del batches, loader
-    found["fresh_2_ranks_s"], fresh = first_batch_s(out, RANK=1, WORLD_SIZE=2)
+    found["fresh_2_ranks_s"], fresh = first_batch_s(out, stream, RANK=1, WORLD_SIZE=2)
     del fresh
     start = time.perf_counter()
-    resumed = readers.make_loader(readers.open_dataset(out, decode="raw"), BATCH, workers=2, seed=0,
-                                  collate_fn=batch_size_of)
+    resumed = readers.make_loader(dataset_of(out, stream), BATCH, workers=2, seed=0, collate_fn=batch_size_of)
     resumed.load_state_dict(state)
     next(iter(resumed))
     found["resume_2_ranks_s"] = time.perf_counter() - start
@@ -192,21 +252,33 @@ def probe(out: str) -> dict:
     return found
 
 
-def measure(workdir: str, records: int, fmt: str, keep: bool) -> dict:
+def bytes_of(out: str) -> int:
+    """The pack's size: its file, or every file of its folder (WebDataset)."""
+    if not os.path.isdir(out):
+        return os.path.getsize(out)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(out) for name in names)
+
+
+def measure(workdir: str, records: int, fmt: str, keep: bool, stream: bool = False) -> dict:
     out = os.path.join(workdir, f"tiny-{records}.{fmt}")
     packed = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-pack", out, "--records", str(records),
                             "--format", fmt])
     log(f"tiny {records}: packed in {packed['wall_s']:.0f} s, peak RSS {packed['peak_rss_mb']:.0f} MB")
     probes = []
     for _ in range(3):
-        result = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-probe", out])
+        result = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-probe", out]
+                               + ["--stream"] * stream)
         probes.append(json.loads(result["output"].strip().splitlines()[-1]))
     found = probes[int(np.argsort([p["first_batch_s"] for p in probes])[1])]  # the median run's
     found.update(open_seconds(out))
-    found.update(records=records, format=fmt, pack_s=packed["wall_s"], pack_peak_rss_mb=packed["peak_rss_mb"],
+    found.update(records=records, format=fmt, stream=stream, pack_s=packed["wall_s"], pack_peak_rss_mb=packed["peak_rss_mb"],
                  pack_peak_anon_mb=packed["peak_anon_mb"],
-                 pack_rate=records / packed["wall_s"], pack_bytes=os.path.getsize(out))
-    if not keep:
+                 pack_rate=records / packed["wall_s"], pack_bytes=bytes_of(out))
+    if keep:
+        pass
+    elif os.path.isdir(out):
+        shutil.rmtree(out)
+    else:
         os.remove(out)
     log(f"tiny {records}: {json.dumps(found)}")
     return found
@@ -259,15 +331,29 @@ def table(rows: list[dict]) -> str:
 
 
 def markdown(results: dict) -> str:
-    """The results page's table of a committed tiny.json (docs/sync.py)."""
-    return table(results["rows"])
+    """The results page's table of a committed tiny.json (docs/sync.py), and with a stream's
+    results, its shard list's cost at LAION-400M's layout."""
+    shards = results.get("shard_list")
+    if shards is None:
+        return table(results["rows"])
+    lines = [f"\nShard list at {shards['shards']:,} shards of {shards['per_shard']:,} samples (`tiny-shards`): "
+             f"the dataset keeps {shards['dataset_mb']:.1f} MB traced ({shards['dataset_bytes_per_shard']:.0f} bytes "
+             "a shard).\n", "| plan | s | tasks | kept MB | peak MB |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {name.replace('_', ' ')} | {shards[name]['s']:.2f} | {shards[name]['tasks']:,} | "
+              f"{shards[name]['kept_mb']:.1f} | {shards[name]['peak_mb']:.1f} |"
+              for name in shards if isinstance(shards[name], dict)]
+    return table(results["rows"]) + "\n".join(lines) + "\n"
 
 
-def run(workdir: str, counts: list[int], fmt: str, keep: bool) -> list[dict]:
+def run(workdir: str, counts: list[int], fmt: str, keep: bool, stream: bool = False) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
-    rows = [measure(workdir, records, fmt, keep) for records in counts]
+    rows = [measure(workdir, records, fmt, keep, stream) for records in counts]
+    results = {"rows": rows, "mb": MB}
+    if stream:
+        shards = timed_process([sys.executable, "-m", "benchmarks.scale", "tiny-shards", "--workdir", workdir])
+        results["shard_list"] = json.loads(shards["output"].strip().splitlines()[-1])
     with open(os.path.join(workdir, "tiny.json"), "w") as f:
-        json.dump({"rows": rows, "mb": MB}, f, indent=1)
+        json.dump(results, f, indent=1)
     with open(os.path.join(workdir, "tiny.md"), "w") as f:
         f.write(table(rows))
     return rows

@@ -87,3 +87,21 @@ def test_a_wds_resume_on_other_ranks_holds_nothing_per_record_in_a_worker(tiny_p
         tasks, *found[records] = in_worker(Traced(path, HISTORY))
         assert tasks
     check_per_shard(found)
+
+
+def test_the_shard_list_study_lists_laions_layout_without_writing_its_shards(tmp_path):
+    from benchmarks import tiny
+
+    out = tiny.laion_index(str(tmp_path / "laion.wds"), shards=300, per_shard=10_000)
+    stream = WDSDataset(out, shuffle=1000)
+    assert len(stream) == 3_000_000 and len(stream.epoch_tasks()) == 300
+    assert len(list((tmp_path / "laion.wds" / "train").glob("*.tar"))) == 1
+    plan = rank_plan(stream, 0, 8, HISTORY)
+    assert 0 < sum(map(stream.task_size, plan)) < 3_000_000 // 8 + 1
+    figures = {"s": 1.0, "tasks": 5, "kept_mb": 1.0, "peak_mb": 2.0}
+    shards = {"shards": 300, "per_shard": 10_000, "world_size": 8, "dataset_mb": 1.0, "dataset_bytes_per_shard": 3.0,
+              "plan_1_rank": figures}
+    row = {key: 1.0 for key in (*tiny.SCALARS, "pack_rate")} | {
+        "records": 10, "main": {"uss_mb": 10.0}, "workers": [{"uss_mb": 10.0, "private_dirty_mb": 9.0}]}
+    page = tiny.markdown({"rows": [row], "shard_list": shards})
+    assert "Shard list at 300 shards of 10,000 samples" in page and "| plan 1 rank | 1.00 | 5 | 1.0 | 2.0 |" in page
