@@ -108,7 +108,7 @@ EXTENSION = ".wds"
 DIRECTORY = True
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 SHARD_NAME = "shard-{:06d}.tar"
-RUN_CHECK = 1 << 16  # records of a shard's run checked at a time (check_run)
+RUN_CHECK = 4096  # records of a shard's run checked at a time (check_run)
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
 
@@ -427,7 +427,7 @@ class Reader(SplitReader):
         begin, end = self._shard_starts[shard], self._shard_starts[shard + 1]
         if self.order_table is None and not self._runs_sorted:
             run = np.arange(begin, end, dtype=np.int32)  # an unshuffled pack stores index order
-            if run_fits(self, shard, run):
+            if self._runs_checked[shard] or run_fits(self, shard, run):
                 self._runs_checked[shard] = 1
                 return run
             self._runs_sorted = True  # shuffled before order.bin: sort records.bin (read_order)
@@ -465,10 +465,10 @@ class Reader(SplitReader):
         except (CorruptDataError, OSError):
             return False
 
-    def close_shard(self, shard: int) -> None:
-        """Close shard's descriptor, if open: a stream reads its shards one after another."""
-        if self.is_open and self._handle.get(shard) is not None:
-            _io.close(self._handle.pop(shard))
+    def close_other_shards(self, shard: int) -> None:
+        """Close every shard's descriptor but shard's: a stream reads its shards one after another."""
+        for other in [k for k in self._handle if k != shard] if self.is_open else ():
+            _io.close(self._handle.pop(other))
 
     def will_need(self, start: int, stop: int) -> None:
         records, checks = self.record_blocks()

@@ -46,26 +46,25 @@ def read_stored(reader, shard: int, start: int = 0) -> Iterator[tuple[int, bytes
     reader "sequential" first, for the kernel to read ahead), the records read from the
     mapped records.bin (Reader.stored_in checks the shard's on first use). A sample failing
     its checksum comes as (index, the error, label) and the stream goes on; a shard cut
-    short raises at the first sample past its end. The shard's descriptor is closed at the end."""
+    short raises at the first sample past its end. The other shards' descriptors are closed:
+    one is open at a time, however many shards a stream reads."""
+    reader.close_other_shards(shard)
     fd, records = reader.shard_fd(shard), reader.record_blocks()[0]
-    try:
-        for index in chunked_ints(reader.stored_in(shard)[start:]):
-            _, crc, offset, size, label = records[index].tolist()
-            data = _io.pread(fd, size, offset)
-            if len(data) != size:
-                raise CorruptDataError(f"{os.path.join(reader.path, reader.shards[shard])}: truncated at byte "
-                                       f"{offset + len(data)}: the file ends inside sample {reader.split}/{index} "
-                                       f"({reader.paths[index]}), which needs bytes {offset}-{offset + size} "
-                                       "(re-pack, or restore the shard from a copy)", reader.path)
-            if reader.check_crc and reader.record_digest(data) & MASK != crc:
-                try:
-                    reader.checksum_mismatch(index)
-                except CorruptDataError as exc:
-                    yield index, exc, label
-                continue
-            yield index, data, label
-    finally:
-        reader.close_shard(shard)
+    for index in chunked_ints(reader.stored_in(shard)[start:]):
+        _, crc, offset, size, label = records[index].tolist()
+        data = _io.pread(fd, size, offset)
+        if len(data) != size:
+            raise CorruptDataError(f"{os.path.join(reader.path, reader.shards[shard])}: truncated at byte "
+                                   f"{offset + len(data)}: the file ends inside sample {reader.split}/{index} "
+                                   f"({reader.paths[index]}), which needs bytes {offset}-{offset + size} "
+                                   "(re-pack, or restore the shard from a copy)", reader.path)
+        if reader.check_crc and reader.record_digest(data) & MASK != crc:
+            try:
+                reader.checksum_mismatch(index)
+            except CorruptDataError as exc:
+                yield index, exc, label
+            continue
+        yield index, data, label
 
 
 def chunked_ints(array: np.ndarray, chunk: int = 4096) -> Iterator[int]:
