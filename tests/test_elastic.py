@@ -132,13 +132,17 @@ def resume_side(job: dict) -> dict:
             loader = build(job["root"], case, job["workers"])
             loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][k] = [list(loader), list(loader)]
-    if job["gloo"]:  # the mixture's states again, over new weights (reweight=True)
-        record["mix-reweight"] = {}
-        for path in Path(job["folder"]).glob("mix-*.pt"):
-            loader = build(job["root"], "mix", 0, **NEW_WEIGHTS)  # 3 ranks x 1 worker -> 2 x 0
-            loader.load_state_dict(torch.load(path, weights_only=True))
-            record["mix-reweight"][int(path.stem.rpartition("-")[2])] = [list(loader), list(loader)]
     return record
+
+
+def reweight_side(job: dict) -> dict:
+    """The mixture's states again, over NEW_WEIGHTS (reweight=True), without workers."""
+    record = {}
+    for path in Path(job["states"]).glob("mix-*.pt"):
+        loader = build(job["root"], "mix", 0, **NEW_WEIGHTS)
+        loader.load_state_dict(torch.load(path, weights_only=True))
+        record[int(path.stem.rpartition("-")[2])] = [list(loader), list(loader)]
+    return {"mix-reweight": record}
 
 
 SDL_CASES = ("sdl-stream-0", "sdl-stream-1", "sdl-stream-2")  # a stream through StatefulDataLoader, 0 to 2 workers
@@ -184,7 +188,8 @@ def sdl_resume_side(job: dict) -> dict:
     return record
 
 
-PHASES = {"save": save_side, "resume": resume_side, "sdl-save": sdl_save_side, "sdl-resume": sdl_resume_side}
+PHASES = {"save": save_side, "resume": resume_side, "reweight": reweight_side, "sdl-save": sdl_save_side,
+          "sdl-resume": sdl_resume_side}
 
 
 def run_phases(phases: dict, names: str, job: dict) -> dict:
@@ -288,7 +293,7 @@ def rank_runs(packs, tmp_path_factory) -> dict:
             "save 3x1": run_ranks("save+sdl-save", b, packs, world_size=3, workers=1),
             "resume 1x0": run_ranks("resume", a, packs, world_size=1, workers=0),
             "resume 3x1 gloo": run_ranks("resume+sdl-resume", a, packs, world_size=3, workers=1, gloo=True),
-            "resume 2x2 gloo": run_ranks("resume", b, packs, world_size=2, workers=2, gloo=True),
+            "resume 2x2 gloo": run_ranks("resume+reweight", b, packs, world_size=2, workers=2, gloo=True),
             "sdl-resume 1": run_ranks("sdl-resume", b, packs, world_size=1, workers=0)}
 
 
