@@ -61,7 +61,7 @@ def task_samples(ds, tasks: list[Task], shards) -> Iterator[tuple[str, bytes, in
         wanted = expected if task.stop is None else task.stop
         got = task.start  # the shard's samples passed, counted from its first
         try:
-            for where, image, label in ds.shard_samples(task.shard, shards, task.start):
+            for where, image, label in ds.shard_samples(task.shard, shards, task.start, task.stop):
                 got += 1
                 if image is not None:
                     yield where, image, label
@@ -108,11 +108,12 @@ def check_replaced(ds) -> None:
         raise replaced_error(ds.index_file)
 
 
-def shard_samples(ds, shard: int, shards, start: int = 0
+def shard_samples(ds, shard: int, shards, start: int = 0, stop: int | None = None
                   ) -> Iterator[tuple[str, bytes | None, int | CorruptDataError]]:
     """(where, image bytes, label) of each image sample of the shard from its start-th,
-    in order; a sample failing its checks comes as (where, None, the error). Damage that
-    ends the shard raises.
+    in order: by the index, to before its stop-th (None: to its end); parsed, on to the
+    end unless its caller stops. A sample failing its checks comes as (where, None, the
+    error). Damage that ends the shard raises.
 
     Read by the index where it describes the shard: each image is one pread at the offset
     records.bin gives, checked against the table's checksum, its label from the table, so no
@@ -121,7 +122,7 @@ def shard_samples(ds, shard: int, shards, start: int = 0
     is not the one the index gives (cut short, replaced): parsing says where the damage is."""
     reader = index_reader(ds)
     if reader is not None and reader.as_indexed(shard):
-        return indexed_samples(ds, reader, shard, start)
+        return indexed_samples(ds, reader, shard, start, stop)
     return parsed_samples(ds, shard, shards, start)
 
 
@@ -139,8 +140,8 @@ class SampleName:
         return f"{self.reader.path}: {self.reader.paths[self.index]}"
 
 
-def indexed_samples(ds, reader: wds.Reader, shard: int, start: int) -> Iterator:
-    for passed, (index, image, label) in enumerate(wds_shards.read_stored(reader, shard, start), start):
+def indexed_samples(ds, reader: wds.Reader, shard: int, start: int, stop: int | None) -> Iterator:
+    for passed, (index, image, label) in enumerate(wds_shards.read_stored(reader, shard, start, stop), start):
         if isinstance(image, CorruptDataError):
             if index_damaged(reader):  # the record's checksum, not the image: the shard's tar says
                 ds._index = False

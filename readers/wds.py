@@ -239,9 +239,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rng = stream_rng(self.shuffle, self.seed, self.epoch, rank, stream_id)
         return decoded(self, samples_after(self, tasks, skip, rng), progress)
 
-    def shard_samples(self, shard: int, shards, start: int = 0) -> Iterator:
+    def shard_samples(self, shard: int, shards, start: int = 0, stop: int | None = None) -> Iterator:
         """readers._wds_read.shard_samples: (where, image bytes or None, label or the error)."""
-        return shard_samples(self, shard, shards, start)
+        return shard_samples(self, shard, shards, start, stop)
 
     def index_reader(self) -> wds.Reader | None:
         """readers._wds_read.index_reader: this process's reader of the packer folder's index."""

@@ -415,27 +415,32 @@ class Reader(SplitReader):
         region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4, crc=False)
         return np.frombuffer(region, "<i4", self.count, start)
 
-    def stored_in(self, shard: int) -> np.ndarray:
-        """The indexes of the samples shard holds, in the order it holds them, checked on first
-        use to be the shard's own samples in the order of their offsets: a view of
-        storage_order() between the index's sample counts or, in a pack without order.bin whose
-        shard holds a run of indexes (one written unshuffled), that run, so that streaming a
-        shard sorts nothing and holds nothing sized by the split."""
+    def stored_in(self, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The indexes of the samples shard holds, in the order it holds them (from its
+        start-th to before its stop-th), the whole run checked on first use to be the shard's
+        own samples in the order of their offsets: a view of storage_order() between the
+        index's sample counts or, in a pack without order.bin whose shard holds a run of
+        indexes (one written unshuffled), that run, so that streaming a shard sorts nothing and
+        holds nothing sized by the split. A checked run's part is made alone: a resumed
+        stream reads many one-sample parts."""
         if self._shard_starts is None:
             self._shard_starts = np.concatenate([[0], np.cumsum(self.shard_counts, dtype=np.int64)])
             self._runs_checked = bytearray(len(self.shards))
         begin, end = self._shard_starts[shard], self._shard_starts[shard + 1]
         if self.order_table is None and not self._runs_sorted:
-            run = np.arange(begin, end, dtype=np.int32)  # an unshuffled pack stores index order
-            if self._runs_checked[shard] or run_fits(self, shard, run):
+            if self._runs_checked[shard]:  # an unshuffled pack stores index order
+                part = range(begin, end)[start:stop]  # slices as the run would
+                return np.arange(part.start, part.stop, dtype=np.int32)
+            run = np.arange(begin, end, dtype=np.int32)
+            if run_fits(self, shard, run):
                 self._runs_checked[shard] = 1
-                return run
+                return run[start:stop]
             self._runs_sorted = True  # shuffled before order.bin: sort records.bin (read_order)
         run = self.storage_order()[begin:end]
         if not self._runs_checked[shard]:
             self.check_run(shard, run)
             self._runs_checked[shard] = 1
-        return run
+        return run[start:stop]
 
     def check_run(self, shard: int, run: np.ndarray) -> None:
         """Raise unless run, the order's stretch for shard, holds shard's samples by offset,
@@ -461,7 +466,7 @@ class Reader(SplitReader):
         pass stored_in's checks: what wds_shards.read_stored needs."""
         try:
             fits = os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
-            return fits and self.stored_in(shard) is not None  # stored_in raises for damaged records
+            return fits and self.stored_in(shard, 0, 0) is not None  # stored_in raises for damaged records
         except (CorruptDataError, OSError):
             return False
 

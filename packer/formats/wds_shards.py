@@ -40,17 +40,20 @@ def indexed_split(path: str, split: str | None = None, remote=None) -> IndexedSp
                         index.get("created", ""), entry)
 
 
-def read_stored(reader, shard: int, start: int = 0) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
-    """(index, image bytes, label) of each sample the shard holds from its start-th, in order,
+def read_stored(reader, shard: int, start: int = 0, stop: int | None = None
+                ) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
+    """(index, image bytes, label) of each sample the shard holds from its start-th to before
+    its stop-th (None: to its end), in order,
     for a packer.formats.wds.Reader: one pread each and no tar header parsed (advise the
     reader "sequential" first, for the kernel to read ahead), the records read from the
     mapped records.bin (Reader.stored_in checks the shard's on first use). A sample failing
     its checksum comes as (index, the error, label) and the stream goes on; a shard cut
     short raises at the first sample past its end. The other shards' descriptors are closed:
-    one is open at a time, however many shards a stream reads."""
+    one is open at a time, however many shards a stream reads. A run's stop keeps a
+    one-sample run (what a resumed stream's shuffle buffer held) to one record's ints."""
     reader.close_other_shards(shard)
     fd, records = reader.shard_fd(shard), reader.record_blocks()[0]
-    for index in chunked_ints(reader.stored_in(shard)[start:]):
+    for index in chunked_ints(reader.stored_in(shard, start, stop)):
         _, crc, offset, size, label = records[index].tolist()
         data = _io.pread(fd, size, offset)
         if len(data) != size:
