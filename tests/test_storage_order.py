@@ -146,6 +146,24 @@ def test_shuffled_wds_stores_its_order_and_reads_each_shard_from_it(sorted_tree,
     older.close()
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_part_of_a_wds_shard_run_is_that_slice_of_the_run(sorted_tree, tmp_path, shuffle):
+    # A resumed stream reads one-sample parts of a shard's run: each is the whole run's
+    # slice, asked for before the run was checked (the whole run is checked) or after.
+    out = tmp_path / "s.wds"
+    pack(str(sorted_tree), "wds", str(out), shuffle=shuffle, shuffle_seed=5, progress=False, workers=1,
+         options={"max_count": 8})
+    whole = open_reader(str(out))
+    runs = [whole.stored_in(shard).tolist() for shard in range(len(whole.shards))]
+    for shard, run in enumerate(runs):
+        for start, stop in [(0, None), (3, 4), (len(run) - 1, None), (2, 0), (5, 99), (len(run), None)]:
+            first = open_reader(str(out))  # the part asked for first: the run not yet checked
+            assert first.stored_in(shard, start, stop).tolist() == run[start:stop]
+            assert whole.stored_in(shard, start, stop).tolist() == run[start:stop]
+            first.close()
+    whole.close()
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_a_damaged_wds_order_fails_the_shard_that_uses_it_and_verify(sorted_tree, tmp_path, large, monkeypatch):
     # Up to CRC_AT_OPEN the table is CRC-checked when mapped; a larger one (a limit of 0 stands
