@@ -17,7 +17,9 @@ fresh processes:
   with --stream (a WebDataset pack), a WDSDataset streamed through a shuffle buffer in
   place of the map-style Dataset and its sampler, and 10,000 samples streamed;
 - resume: the loader's state after those reads, loaded into a loader on 2 ranks (rank
-  1's), to its first batch, against the same loader started afresh on 2 ranks.
+  1's), to its first batch, against the same loader started afresh on 2 ranks: PAIRS
+  pairs in each of the 3 probe processes, taking turns at which runs first; the figure
+  is the median of the pairs' ratios, with their quartiles.
 WORKDIR/tiny.json holds every figure, WORKDIR/tiny.md the table, with the 400M and 1B
 rows extrapolated from each figure's least-squares slope over the sizes measured.
 
@@ -47,6 +49,7 @@ PATH_WIDTH = 16  # "c0000/0000000000": every path the same length, so offsets ar
 EXTRAPOLATE = (400_000_000, 1_000_000_000)
 STREAM_BUFFER = 1000  # --stream: each worker's shuffle buffer, in samples
 LAION_SHARDS, LAION_PER_SHARD = 41_455, 10_000  # LAION-400M's WebDataset layout
+PAIRS = 7  # fresh starts and resumes on 2 ranks timed in each probe process, in pairs
 
 
 def mapped_chunks(chunks, folder: str) -> mmap.mmap:
@@ -241,15 +244,57 @@ def probe(out: str, stream: bool = False) -> dict:
     found["workers"] = [memory(pid) for pid in children()]
     state = loader.state_dict()
     del batches, loader
-    found["fresh_2_ranks_s"], fresh = first_batch_s(out, stream, RANK=1, WORLD_SIZE=2)
-    del fresh
-    start = time.perf_counter()
-    resumed = readers.make_loader(dataset_of(out, stream), BATCH, workers=2, seed=0, collate_fn=batch_size_of)
-    resumed.load_state_dict(state)
-    next(iter(resumed))
-    found["resume_2_ranks_s"] = time.perf_counter() - start
+    found["start_pairs"] = start_pairs(out, stream, state)
     found["read"] = read
     return found
+
+
+def timed_start(out: str, stream: bool, state: dict | None = None) -> float:
+    """Seconds from a dataset's construction to the first batch of its shuffled make_loader
+    on rank 1 of 2, started afresh or, given a state, resumed from it. The garbage of the
+    runs before is collected first and the loader's workers shut down after, both untimed:
+    a collection of this process's heap takes a tenth of a second, as long as a run."""
+    import gc
+
+    import readers
+
+    gc.collect()
+    os.environ.update(RANK="1", WORLD_SIZE="2")
+    start = time.perf_counter()
+    loader = readers.make_loader(dataset_of(out, stream), BATCH, workers=2, seed=0, collate_fn=batch_size_of)
+    if state is not None:
+        loader.load_state_dict(state)
+    batches = iter(loader)
+    next(batches)
+    seconds = time.perf_counter() - start
+    del batches, loader
+    return seconds
+
+
+def start_pairs(out: str, stream: bool, state: dict, pairs: int = PAIRS) -> list[list[float]]:
+    """[fresh start s, resume s] of `pairs` pairs on rank 1 of 2, the pairs taking turns at
+    which runs first: the second of a pair finds the pages the first read cached."""
+    found = []
+    for k in range(pairs):
+        if k % 2:
+            resumed = timed_start(out, stream, state)
+            fresh = timed_start(out, stream)
+        else:
+            fresh = timed_start(out, stream)
+            resumed = timed_start(out, stream, state)
+        found.append([fresh, resumed])
+    return found
+
+
+def resume_figures(pairs: list[list[float]]) -> dict:
+    """A size's resume figures from every pair its probes ran: the median fresh start and
+    resume, and the median of the pairs' ratios with their quartiles (each ratio is of two
+    runs a moment apart, so a load that comes and goes moves both)."""
+    fresh, resumed = np.array(pairs, np.float64).T
+    ratios = resumed / fresh
+    return {"fresh_2_ranks_s": float(np.median(fresh)), "resume_2_ranks_s": float(np.median(resumed)),
+            "resume_ratio": float(np.median(ratios)),
+            "resume_ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])], "resume_pairs": pairs}
 
 
 def bytes_of(out: str) -> int:
@@ -270,6 +315,7 @@ def measure(workdir: str, records: int, fmt: str, keep: bool, stream: bool = Fal
                                + ["--stream"] * stream)
         probes.append(json.loads(result["output"].strip().splitlines()[-1]))
     found = probes[int(np.argsort([p["first_batch_s"] for p in probes])[1])]  # the median run's
+    found.update(resume_figures([pair for p in probes for pair in p.pop("start_pairs")]))
     found.update(open_seconds(out))
     found.update(records=records, format=fmt, stream=stream, pack_s=packed["wall_s"], pack_peak_rss_mb=packed["peak_rss_mb"],
                  pack_peak_anon_mb=packed["peak_anon_mb"],
@@ -284,6 +330,15 @@ def measure(workdir: str, records: int, fmt: str, keep: bool, stream: bool = Fal
     return found
 
 
+def resume_ratio(r: dict) -> str:
+    """A row's resume against a fresh start: the median of its pairs' ratios (quartiles in
+    brackets), or for an extrapolated row or one measured before pairs, of its two figures."""
+    if "resume_ratio" not in r:
+        return f"{r['resume_2_ranks_s'] / r['fresh_2_ranks_s']:.2f}"
+    low, high = r["resume_ratio_quartiles"]
+    return f"{r['resume_ratio']:.2f} ({low:.2f}-{high:.2f})"
+
+
 COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f"{r['pack_rate']:,.0f}"),
            ("pack peak RSS MB (anon)", lambda r: f"{r['pack_peak_rss_mb']:.0f} ({r['pack_peak_anon_mb']:.0f})"),
            ("open s", lambda r: f"{r['open_s']:.3f}"),
@@ -293,7 +348,8 @@ COLUMNS = (("pack s", lambda r: f"{r['pack_s']:.0f}"), ("records/s", lambda r: f
            ("worker private dirty MB", lambda r: " / ".join(f"{w['private_dirty_mb']:.1f}" for w in r["workers"])),
            ("start on 2 ranks s", lambda r: f"{r['fresh_2_ranks_s']:.2f}"),
            ("resume on 2 ranks s", lambda r: f"{r['resume_2_ranks_s']:.2f}"),
-           ("resume / start", lambda r: f"{r['resume_2_ranks_s'] / r['fresh_2_ranks_s']:.2f}"))
+           ("resume / start", resume_ratio))
+
 
 
 SCALARS = ("pack_s", "pack_peak_rss_mb", "pack_peak_anon_mb", "open_s", "first_batch_s", "fresh_2_ranks_s",
