@@ -70,6 +70,8 @@ def cut(dataset, pool: list, begin: int, end: int) -> list:
     """The pool's samples [begin, end), as tasks."""
     tasks, first = [], 0
     for task in pool:
+        if first >= end:  # the rest of the pool lies past the cut (a share's padding is its start)
+            break
         size = dataset.task_size(task)
         low, high = max(begin, first), min(end, first + size)
         if low < high:

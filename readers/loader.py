@@ -165,9 +165,12 @@ class EpochLoader(tud.DataLoader):
                 target.set_epoch(epoch)
         self._told = epoch
         progress = self._progress = [epoch, skip, False, skip]
-        batches = super().__iter__()
         resume = getattr(self.dataset, "resume", None)  # a WDSDataset's readers._wds_resume.StreamResume
-        if self.num_workers and resume is not None and resume.pending is not None:
+        pending = self.num_workers and resume is not None and resume.pending is not None
+        if pending and hasattr(self.dataset, "plan_resumed_pass"):
+            self.dataset.plan_resumed_pass(self.num_workers)  # once here, not in each worker
+        batches = super().__iter__()
+        if pending:
             resume.pending = None  # the workers took their copies: later ones start afresh
         yield from self._counted(batches, progress)
 

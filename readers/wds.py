@@ -155,6 +155,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.resume = StreamResume()  # where passes start and stand: what state_dict() saves
         self.shard_counts()
         self._fingerprint: str | None = None  # fingerprint(), worked out once
+        self._planned: tuple | None = None  # (epoch, rank, world size, history, plan): plan_resumed_pass()'s
         self._accelerate = False  # a worker spawned by a process where Accelerate runs
 
     @property
@@ -226,7 +227,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rank, world_size = self.world()
         worker_id, workers = worker()
         history = self.resume.resumed_history(self.epoch, rank, world_size, workers)
-        plan = rank_plan(self, rank, world_size, history)
+        plan = self.pass_plan(rank, world_size, history)
         stream_id, skip = self.resume.resume_point(self.epoch, lambda: self.run_sizes(plan, workers), worker_id,
                                                    workers)
         self.resume.history = history
@@ -238,6 +239,28 @@ class WDSDataset(torch.utils.data.IterableDataset):
         progress = self.resume.progress = [self.epoch, skip, rank, stream_id, workers]
         rng = stream_rng(self.shuffle, self.seed, self.epoch, rank, stream_id)
         return decoded(self, samples_after(self, tasks, skip, rng), progress)
+
+    def pass_plan(self, rank: int, world_size: int, history: list[dict]) -> list[Task]:
+        """This rank's tasks in a pass after `history` (wds_elastic.rank_plan): the one
+        plan_resumed_pass() worked out before this worker started, where it is this pass's."""
+        planned = self._planned
+        if history and planned is not None and planned[:4] == (self.epoch, rank, world_size, history):
+            return planned[4]
+        return rank_plan(self, rank, world_size, history)
+
+    def plan_resumed_pass(self, workers: int) -> None:
+        """Work out the plan of a loaded state's pass once, in the process about to start its
+        `workers` DataLoader workers (or threads): forked ones inherit it instead of each
+        replaying the saved streams' buffers again (spawned ones work it out, pickled without
+        it). Nothing for a worker's own state (StatefulDataLoader's), which the workers pool
+        as they start: its refusal here is theirs to raise."""
+        rank, world_size = self.world()
+        try:
+            history, _ = self.resume.pass_history(self.epoch, world_size, max(1, workers))
+            self._planned = (self.epoch, rank, world_size, history, rank_plan(self, rank, world_size, history)) \
+                if history else None
+        except ValueError:
+            self._planned = None
 
     def shard_samples(self, shard: int, shards, start: int = 0, stop: int | None = None) -> Iterator:
         """readers._wds_read.shard_samples: (where, image bytes or None, label or the error)."""
@@ -290,6 +313,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         else:  # a spawned worker does not import Accelerate, so cannot see that it runs (state_dict)
             state["_accelerate"] = self._accelerate or accelerate_runs()
         state["_index"] = None  # opened again where it is read
+        state["_planned"] = None  # a forked worker's alone: a pickled dataset works its plan out where it runs
         if state["rank"] is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             # A spawned worker has no process group: it keeps the rank of the process that pickled it.
             state["rank"], state["world_size"] = self.world()

@@ -15,6 +15,7 @@ import collections
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -501,6 +502,31 @@ def test_a_stream_state_with_a_damaged_history_is_refused_with_what_it_needs(pac
     saved["dataset"]["position"]["history"][0]["batches"] = -1
     with pytest.raises(ValueError, match="each pass of the history needs the ints world_size, workers, batches"):
         build(packs, "stream", 0, 0, 3).load_state_dict(saved)
+
+
+def test_a_resumed_streams_plan_is_worked_out_once_before_its_workers_start(packs):
+    """The rank's plan after a pass on other ranks (a replay of the saved streams' buffers) is
+    worked out by the loader's process as a pass starts, for its forked workers to use, not
+    again in each; a pickled dataset (a spawned worker's) carries none and works it out."""
+    from readers.wds_elastic import rank_plan
+
+    loader = build(packs, "stream", 0, 0, 2)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del batches
+    resumed = build(packs, "stream", 2, 1, 3)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    batches = iter(resumed)
+    first = next(batches)
+    data = resumed.dataset
+    epoch, rank, world_size, history, plan = data._planned
+    assert (epoch, rank, world_size) == (0, 1, 3) and history[0]["world_size"] == 2
+    assert plan == rank_plan(data, 1, 3, history) and data.pass_plan(1, 3, history) is plan
+    assert pickle.loads(pickle.dumps(data))._planned is None
+    # The workers' batches are the plan's (every sample once over a whole resume: the tests above).
+    assert len(first) == BATCH
+    del batches
 
 
 def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():

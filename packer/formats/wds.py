@@ -269,8 +269,9 @@ class Reader(SplitReader):
     # records.bin whole and checked whole (records); mapped with its BlockChecks (record_blocks);
     # stored_in's bounds in the order, which shards' runs of it it checked, and whether it sorts
     # records.bin (a pack shuffled before order.bin).
+    # as_indexed's last answer: (this process's descriptors, shard, its descriptor) that passed.
     TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None, "_runs_checked": None,
-              "_runs_sorted": False}
+              "_runs_sorted": False, "_sized": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
@@ -463,17 +464,27 @@ class Reader(SplitReader):
 
     def as_indexed(self, shard: int) -> bool:
         """Whether shard's file opens and is the size the index gives, and its samples' records
-        pass stored_in's checks: what wds_shards.read_stored needs."""
+        pass stored_in's checks: what wds_shards.read_stored needs. Asked once for each
+        descriptor opened: a stream's runs of one shard (a resumed pass's one-sample runs)
+        read through the descriptor checked for the first (a file cut short since fails its
+        reads there)."""
         try:
-            fits = os.fstat(self.shard_fd(shard)).st_size == self.shard_bytes[shard]
-            return fits and self.stored_in(shard, 0, 0) is not None  # stored_in raises for damaged records
+            fds, fd = self.handle(), self.shard_fd(shard)
+            if self._sized is not None and self._sized[0] is fds and self._sized[1:] == (shard, fd):
+                return True
+            fits = os.fstat(fd).st_size == self.shard_bytes[shard]
+            fits = fits and self.stored_in(shard, 0, 0) is not None  # stored_in raises for damaged records
         except (CorruptDataError, OSError):
             return False
+        self._sized = (fds, shard, fd) if fits else None
+        return fits
 
     def close_other_shards(self, shard: int) -> None:
         """Close every shard's descriptor but shard's: a stream reads its shards one after another."""
         for other in [k for k in self._handle if k != shard] if self.is_open else ():
             _io.close(self._handle.pop(other))
+            if self._sized is not None and self._sized[1] == other:
+                self._sized = None  # its next descriptor is checked again
 
     def will_need(self, start: int, stop: int) -> None:
         records, checks = self.record_blocks()
