@@ -166,12 +166,10 @@ class EpochLoader(tud.DataLoader):
         self._told = epoch
         progress = self._progress = [epoch, skip, False, skip]
         resume = getattr(self.dataset, "resume", None)  # a WDSDataset's readers._wds_resume.StreamResume
-        pending = self.num_workers and resume is not None and resume.pending is not None
-        if pending and hasattr(self.dataset, "plan_resumed_pass"):
-            self.dataset.plan_resumed_pass(self.num_workers)  # once here, not in each worker
+        pending = self.num_workers and resume is not None and self.dataset.plan_pending_pass(self.num_workers)
         batches = super().__iter__()
-        if pending:
-            resume.pending = None  # the workers took their copies: later ones start afresh
+        if pending:  # the workers took their copies, and the pass's plan: later ones start afresh
+            resume.pending = None
         yield from self._counted(batches, progress)
 
     @staticmethod
@@ -192,9 +190,8 @@ class EpochLoader(tud.DataLoader):
         return self._next_epoch, 0
 
     def under_way(self) -> bool:
-        """Whether a pass has begun and not ended. One that has handed out every batch, its
-        end not yet seen (Lightning saves there, at an epoch's end), is over: a resume starts
-        the next epoch."""
+        """Whether a pass has begun and not ended. One that has handed out every batch, its end
+        not yet seen (Lightning saves there, at an epoch's end), is over: a resume starts the next epoch."""
         progress = self._progress
         return progress is not None and not progress[2] and not self.ran_out(progress[1] - progress[3])
 

@@ -155,7 +155,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         self.resume = StreamResume()  # where passes start and stand: what state_dict() saves
         self.shard_counts()
         self._fingerprint: str | None = None  # fingerprint(), worked out once
-        self._planned: tuple | None = None  # (epoch, rank, world size, history, plan): plan_resumed_pass()'s
+        self._planned: tuple | None = None  # (epoch, rank, world size, history, plan): plan_pending_pass()'s
         self._accelerate = False  # a worker spawned by a process where Accelerate runs
 
     @property
@@ -227,7 +227,7 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rank, world_size = self.world()
         worker_id, workers = worker()
         history = self.resume.resumed_history(self.epoch, rank, world_size, workers)
-        plan = self.pass_plan(rank, world_size, history)
+        plan = pass_plan(self, rank, world_size, history)
         stream_id, skip = self.resume.resume_point(self.epoch, lambda: self.run_sizes(plan, workers), worker_id,
                                                    workers)
         self.resume.history = history
@@ -240,27 +240,9 @@ class WDSDataset(torch.utils.data.IterableDataset):
         rng = stream_rng(self.shuffle, self.seed, self.epoch, rank, stream_id)
         return decoded(self, samples_after(self, tasks, skip, rng), progress)
 
-    def pass_plan(self, rank: int, world_size: int, history: list[dict]) -> list[Task]:
-        """This rank's tasks in a pass after `history` (wds_elastic.rank_plan): the one
-        plan_resumed_pass() worked out before this worker started, where it is this pass's."""
-        planned = self._planned
-        if history and planned is not None and planned[:4] == (self.epoch, rank, world_size, history):
-            return planned[4]
-        return rank_plan(self, rank, world_size, history)
-
-    def plan_resumed_pass(self, workers: int) -> None:
-        """Work out the plan of a loaded state's pass once, in the process about to start its
-        `workers` DataLoader workers (or threads): forked ones inherit it instead of each
-        replaying the saved streams' buffers again (spawned ones work it out, pickled without
-        it). Nothing for a worker's own state (StatefulDataLoader's), which the workers pool
-        as they start: its refusal here is theirs to raise."""
-        rank, world_size = self.world()
-        try:
-            history, _ = self.resume.pass_history(self.epoch, world_size, max(1, workers))
-            self._planned = (self.epoch, rank, world_size, history, rank_plan(self, rank, world_size, history)) \
-                if history else None
-        except ValueError:
-            self._planned = None
+    def plan_pending_pass(self, workers: int) -> bool:
+        """plan_pending_pass(): whether a loaded state's pass is pending, its plan made here."""
+        return plan_pending_pass(self, workers)
 
     def shard_samples(self, shard: int, shards, start: int = 0, stop: int | None = None) -> Iterator:
         """readers._wds_read.shard_samples: (where, image bytes or None, label or the error)."""
@@ -322,6 +304,33 @@ class WDSDataset(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={len(self.shards)}, split={self.split!r}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, decode={self.decode!r})")
+
+
+def plan_pending_pass(ds: WDSDataset, workers: int) -> bool:
+    """Whether a loaded state's pass is pending; if so, its plan is worked out here, once, in
+    the process about to start its `workers` DataLoader workers (or threads): forked ones
+    inherit it instead of each replaying the saved streams' buffers again (spawned ones work
+    it out, pickled without it). Nothing is planned for a worker's own state
+    (StatefulDataLoader's), which the workers pool as they start: its refusal here is theirs."""
+    if ds.resume.pending is None:
+        return False
+    rank, world_size = ds.world()
+    try:
+        history, _ = ds.resume.pass_history(ds.epoch, world_size, max(1, workers))
+        ds._planned = (ds.epoch, rank, world_size, history, rank_plan(ds, rank, world_size, history)) \
+            if history else None
+    except ValueError:
+        ds._planned = None
+    return True
+
+
+def pass_plan(ds: WDSDataset, rank: int, world_size: int, history: list[dict]) -> list[Task]:
+    """This rank's tasks in a pass after `history` (wds_elastic.rank_plan): the one
+    plan_pending_pass() worked out before this worker started, where it is this pass's."""
+    planned = ds._planned
+    if history and planned is not None and planned[:4] == (ds.epoch, rank, world_size, history):
+        return planned[4]
+    return rank_plan(ds, rank, world_size, history)
 
 
 def decoded(ds: WDSDataset, samples: Iterator, progress: list[int]) -> Iterator:

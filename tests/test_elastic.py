@@ -508,6 +508,7 @@ def test_a_resumed_streams_plan_is_worked_out_once_before_its_workers_start(pack
     """The rank's plan after a pass on other ranks (a replay of the saved streams' buffers) is
     worked out by the loader's process as a pass starts, for its forked workers to use, not
     again in each; a pickled dataset (a spawned worker's) carries none and works it out."""
+    from readers.wds import pass_plan
     from readers.wds_elastic import rank_plan
 
     loader = build(packs, "stream", 0, 0, 2)
@@ -522,7 +523,7 @@ def test_a_resumed_streams_plan_is_worked_out_once_before_its_workers_start(pack
     data = resumed.dataset
     epoch, rank, world_size, history, plan = data._planned
     assert (epoch, rank, world_size) == (0, 1, 3) and history[0]["world_size"] == 2
-    assert plan == rank_plan(data, 1, 3, history) and data.pass_plan(1, 3, history) is plan
+    assert plan == rank_plan(data, 1, 3, history) and pass_plan(data, 1, 3, history) is plan
     assert pickle.loads(pickle.dumps(data))._planned is None
     # The workers' batches are the plan's (every sample once over a whole resume: the tests above).
     assert len(first) == BATCH

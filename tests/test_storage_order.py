@@ -14,6 +14,7 @@ from packer.cli import main
 from packer.errors import CorruptDataError
 from packer.formats import _tables
 from packer.formats import open_reader
+from packer.formats.wds import stored_part
 from packer.pack import write_order
 from packer.verify import verify
 
@@ -158,8 +159,8 @@ def test_a_part_of_a_wds_shard_run_is_that_slice_of_the_run(sorted_tree, tmp_pat
     for shard, run in enumerate(runs):
         for start, stop in [(0, None), (3, 4), (len(run) - 1, None), (2, 0), (5, 99), (len(run), None)]:
             first = open_reader(str(out))  # the part asked for first: the run not yet checked
-            assert first.stored_in(shard, start, stop).tolist() == run[start:stop]
-            assert whole.stored_in(shard, start, stop).tolist() == run[start:stop]
+            assert stored_part(first, shard, start, stop).tolist() == run[start:stop]
+            assert stored_part(whole, shard, start, stop).tolist() == run[start:stop]
             first.close()
     whole.close()
 

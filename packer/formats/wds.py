@@ -268,8 +268,7 @@ class Reader(SplitReader):
 
     # records.bin whole and checked whole (records); mapped with its BlockChecks (record_blocks);
     # stored_in's bounds in the order, which shards' runs of it it checked, and whether it sorts
-    # records.bin (a pack shuffled before order.bin).
-    # as_indexed's last answer: (this process's descriptors, shard, its descriptor) that passed.
+    # records.bin (a pack shuffled before order.bin); the shard descriptor indexed() last passed.
     TABLES = {"_records": None, "_record_blocks": None, "_shard_starts": None, "_runs_checked": None,
               "_runs_sorted": False, "_sized": None}
     reads_by_position = False  # records.bin is in index order: read_image looks up the index
@@ -416,32 +415,27 @@ class Reader(SplitReader):
         region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4, crc=False)
         return np.frombuffer(region, "<i4", self.count, start)
 
-    def stored_in(self, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """The indexes of the samples shard holds, in the order it holds them (from its
-        start-th to before its stop-th), the whole run checked on first use to be the shard's
-        own samples in the order of their offsets: a view of storage_order() between the
-        index's sample counts or, in a pack without order.bin whose shard holds a run of
-        indexes (one written unshuffled), that run, so that streaming a shard sorts nothing and
-        holds nothing sized by the split. A checked run's part is made alone: a resumed
-        stream reads many one-sample parts."""
+    def stored_in(self, shard: int) -> np.ndarray:
+        """The indexes of the samples shard holds, in the order it holds them, checked on first
+        use to be the shard's own samples in the order of their offsets: a view of
+        storage_order() between the index's sample counts or, in a pack without order.bin whose
+        shard holds a run of indexes (one written unshuffled), that run, so that streaming a
+        shard sorts nothing and holds nothing sized by the split."""
         if self._shard_starts is None:
             self._shard_starts = np.concatenate([[0], np.cumsum(self.shard_counts, dtype=np.int64)])
             self._runs_checked = bytearray(len(self.shards))
         begin, end = self._shard_starts[shard], self._shard_starts[shard + 1]
         if self.order_table is None and not self._runs_sorted:
-            if self._runs_checked[shard]:  # an unshuffled pack stores index order
-                part = range(begin, end)[start:stop]  # slices as the run would
-                return np.arange(part.start, part.stop, dtype=np.int32)
-            run = np.arange(begin, end, dtype=np.int32)
-            if run_fits(self, shard, run):
+            run = np.arange(begin, end, dtype=np.int32)  # an unshuffled pack stores index order
+            if self._runs_checked[shard] or run_fits(self, shard, run):
                 self._runs_checked[shard] = 1
-                return run[start:stop]
+                return run
             self._runs_sorted = True  # shuffled before order.bin: sort records.bin (read_order)
         run = self.storage_order()[begin:end]
         if not self._runs_checked[shard]:
             self.check_run(shard, run)
             self._runs_checked[shard] = 1
-        return run[start:stop]
+        return run
 
     def check_run(self, shard: int, run: np.ndarray) -> None:
         """Raise unless run, the order's stretch for shard, holds shard's samples by offset,
@@ -463,28 +457,14 @@ class Reader(SplitReader):
                                    f"in it, in order; {DAMAGED}", self.path)
 
     def as_indexed(self, shard: int) -> bool:
-        """Whether shard's file opens and is the size the index gives, and its samples' records
-        pass stored_in's checks: what wds_shards.read_stored needs. Asked once for each
-        descriptor opened: a stream's runs of one shard (a resumed pass's one-sample runs)
-        read through the descriptor checked for the first (a file cut short since fails its
-        reads there)."""
-        try:
-            fds, fd = self.handle(), self.shard_fd(shard)
-            if self._sized is not None and self._sized[0] is fds and self._sized[1:] == (shard, fd):
-                return True
-            fits = os.fstat(fd).st_size == self.shard_bytes[shard]
-            fits = fits and self.stored_in(shard, 0, 0) is not None  # stored_in raises for damaged records
-        except (CorruptDataError, OSError):
-            return False
-        self._sized = (fds, shard, fd) if fits else None
-        return fits
+        """indexed(): whether wds_shards.read_stored can read shard by the index."""
+        return indexed(self, shard)
 
     def close_other_shards(self, shard: int) -> None:
         """Close every shard's descriptor but shard's: a stream reads its shards one after another."""
         for other in [k for k in self._handle if k != shard] if self.is_open else ():
             _io.close(self._handle.pop(other))
-            if self._sized is not None and self._sized[1] == other:
-                self._sized = None  # its next descriptor is checked again
+            self._sized = None if self._sized is not None and self._sized[1] == other else self._sized
 
     def will_need(self, start: int, stop: int) -> None:
         records, checks = self.record_blocks()
@@ -522,6 +502,35 @@ class Reader(SplitReader):
     def where(self, index: int) -> str:
         shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
         return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
+
+
+def indexed(reader: Reader, shard: int) -> bool:
+    """Whether shard's file opens and is the size the index gives, and its samples' records
+    pass stored_in's checks: what wds_shards.read_stored needs. Asked once for each
+    descriptor opened (reader._sized holds the last that passed, until it is closed): a
+    stream's runs of one shard (a resumed pass's one-sample runs) read through the
+    descriptor checked for the first (a file cut short since fails its reads there)."""
+    try:
+        fds, fd = reader.handle(), reader.shard_fd(shard)
+        if reader._sized is not None and reader._sized[0] is fds and reader._sized[1:] == (shard, fd):
+            return True
+        fits = os.fstat(fd).st_size == reader.shard_bytes[shard]
+        fits = fits and stored_part(reader, shard, 0, 0) is not None  # stored_in raises for damaged records
+    except (CorruptDataError, OSError):
+        return False
+    reader._sized = (fds, shard, fd) if fits else None
+    return fits
+
+
+def stored_part(reader: Reader, shard: int, start: int, stop: int | None) -> np.ndarray:
+    """reader.stored_in(shard)[start:stop], made for that part alone where the shard's run is a
+    checked run of indexes (an unshuffled pack's): a resumed stream reads many one-sample
+    parts of a shard, each of which would otherwise make the shard's whole run."""
+    if reader.order_table is None and not reader._runs_sorted and reader._runs_checked is not None \
+            and reader._runs_checked[shard]:
+        part = range(int(reader._shard_starts[shard]), int(reader._shard_starts[shard + 1]))[start:stop]
+        return np.arange(part.start, part.stop, dtype=np.int32)
+    return reader.stored_in(shard)[start:stop]
 
 
 def run_fits(reader: Reader, shard: int, run: np.ndarray) -> bool:

@@ -16,6 +16,7 @@ from ..records import choose_split
 from . import _io
 from ._tar import Sample, count_samples, image_suffix, iter_samples  # noqa: F401 (the members of a shard)
 from ._wds_index import open_index
+from .wds import stored_part
 
 
 class IndexedSplit(NamedTuple):
@@ -53,7 +54,7 @@ def read_stored(reader, shard: int, start: int = 0, stop: int | None = None
     one-sample run (what a resumed stream's shuffle buffer held) to one record's ints."""
     reader.close_other_shards(shard)
     fd, records = reader.shard_fd(shard), reader.record_blocks()[0]
-    for index in chunked_ints(reader.stored_in(shard, start, stop)):
+    for index in chunked_ints(stored_part(reader, shard, start, stop)):
         _, crc, offset, size, label = records[index].tolist()
         data = _io.pread(fd, size, offset)
         if len(data) != size:
