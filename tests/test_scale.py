@@ -296,6 +296,19 @@ def test_the_tiny_record_study_packs_what_it_says_and_extrapolates_from_slopes_o
     assert "1,000 (extrapolated)" not in tiny.table(rows) and "400,000,000 (extrapolated)" in tiny.table(rows)
 
 
+def test_the_tiny_record_study_takes_a_resumes_figure_from_its_pairs_ratios():
+    from benchmarks import tiny
+
+    # A slow pair moves the medians of fresh starts and resumes apart; the ratios' median holds.
+    pairs = [[1.0, 1.1], [2.0, 2.2], [0.5, 0.5], [1.0, 0.9], [4.0, 1.0]]
+    found = tiny.resume_figures(pairs)
+    assert found["resume_ratio"] == pytest.approx(1.0) and found["resume_pairs"] == pairs
+    assert found["fresh_2_ranks_s"] == 1.0 and found["resume_2_ranks_s"] == pytest.approx(1.0)
+    assert found["resume_ratio_quartiles"] == pytest.approx([0.9, 1.1])
+    assert tiny.resume_ratio(found) == "1.00 (0.90-1.10)"
+    assert tiny.resume_ratio({"fresh_2_ranks_s": 2.0, "resume_2_ranks_s": 1.0}) == "0.50"  # one pair, as before
+
+
 def test_opening_a_webdataset_pack_checks_no_table_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(_tables, "CRC_AT_OPEN", 0)  # these tables stand for ones past the limit
     # records.bin is mapped and its size checked; a read checks the block of records it lands in.
