@@ -20,11 +20,13 @@ Python version and process, unlike hash().
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 
 import torch
 
+KEYED_CLASSES = 256  # prefixes whose KeyedIndex classes are kept: a run's live passes and sources
 _local = threading.local()  # .sample: [key, streams handed out] while a keyed call runs
 
 
@@ -53,9 +55,11 @@ class KeyedIndex(int):
         return (*self.prefix, int(self))
 
 
+@functools.lru_cache(maxsize=KEYED_CLASSES)
 def keyed_by(prefix: tuple) -> type:
-    """A KeyedIndex class whose indexes all carry `prefix`, made once a pass: each index then
-    costs int's own constructor, not a Python __new__ (a sampler hands out 10^5 a second)."""
+    """A KeyedIndex class whose indexes all carry `prefix`: each index then costs int's own
+    constructor, not a Python __new__ (a sampler hands out 10^5 a second). Made once a
+    prefix and kept (a class costs ~20 us to make: a mixture asks one a batch's source)."""
     return type("KeyedIndex", (KeyedIndex,), {"prefix": prefix, "__new__": int.__new__})
 
 

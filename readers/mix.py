@@ -31,7 +31,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import zlib
+from bisect import bisect_right
+from functools import partial
+from itertools import compress, repeat
+from operator import attrgetter
+
 import numpy as np
 import torch.utils.data
 
@@ -40,7 +46,7 @@ from ._mix_checks import source_fingerprint
 from .mix_stream import MixStream, is_stream, stream_views
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_positions
 from ._state_limits import shown
-from .keyed import KeyedIndex
+from .keyed import KeyedIndex, keyed_by
 from .permutation import KeyedPermutation
 from .sampler import BLOCK_SIZE, SAMPLER_STATE_VERSION, WINDOW, RankedSampler, check_state, checked_count, reader_of
 
@@ -156,6 +162,20 @@ def name_key(name: str) -> int:
     return zlib.crc32(name.encode("utf-8", "surrogateescape"))
 
 
+def keyed_chunk(indexes: np.ndarray, passes: np.ndarray, prefix: tuple):
+    """indexes as KeyedIndex keyed by (*prefix, pass), made as they are taken (a lazy map:
+    a list of a chunk's thousands, alive together while its batches are read, measured
+    slower). A chunk within one pass has its pass's class make them (readers.keyed.keyed_by:
+    int's constructor, no Python frame an index)."""
+    numbers, which = np.unique(passes, return_inverse=True)
+    if len(numbers) == 1:
+        return map(keyed_by((*prefix, int(numbers[0]))), indexes.tolist())
+    keys = np.empty(len(numbers), dtype=object)  # a chunk across a pass's end: one key tuple a pass
+    for k, number in enumerate(numbers.tolist()):
+        keys[k] = (*prefix, number)
+    return map(KeyedIndex, indexes.tolist(), keys[which].tolist())
+
+
 class PassOrder:
     """The order of one pass over a source of n samples: elements at given pass positions."""
 
@@ -241,7 +261,11 @@ class Mix(torch.utils.data.Dataset):
         self.classes, self.class_to_idx, self.label_maps = merged_labels(self.names, self.sources, class_to_idx,
                                                                          unlabeled)
         self.kept = [m is not None and np.array_equal(m, np.arange(len(m))) for m in self.label_maps]
+        # Each map as a list ending in UNLABELED, which label -1 then indexes: a batch's labels map in C.
+        self.label_lists = [None if m is None else [*m.tolist(), UNLABELED] for m in self.label_maps]
         self.fingerprints = [source_fingerprint(ds) for ds in self.sources]
+        # A mixture index's source (len(sources) past the end): bisect in C, a batch's in one map.
+        self._source_of = partial(bisect_right, self.offsets[1:].tolist())
         decodes = {getattr(ds, "decode", None) for ds in self.sources}
         self.decode = decodes.pop() if len(decodes) == 1 else None  # what make_loader's gpu_decode checks
 
@@ -267,39 +291,57 @@ class Mix(torch.utils.data.Dataset):
     def __getitems__(self, indexes) -> list:
         """[self[i] for i in indexes], each source asked for its part of the batch at once
         (a packed source starts the batch's reads together: readers._dataset); the batch's
-        sources and labels are worked out per part, not per sample."""
+        sources, keys and labels are worked out per part, not per sample, by C-level passes
+        over the batch (map, compress, bisect), no Python frame a sample and no numpy call a
+        batch: between a batch's reads, which sweep the CPU's caches, each numpy call costs
+        several times what it does alone."""
         given = indexes if isinstance(indexes, list) else list(indexes)
         if not given:
             return []
-        indexes = np.array(given, dtype=np.int64)
-        if indexes.min() < 0 or indexes.max() >= len(self):
+        if not all(map(isinstance, given, repeat(int))):  # numpy's or torch's integers: as ints
+            given = list(map(operator.index, given))
+        sources = list(map(self._source_of, given))
+        if min(given) < 0 or len(self.names) in sources:
             raise IndexError(f"Mix: indexes out of range for {len(self)} samples")
-        sources = self.source_of(indexes)
-        keyed = isinstance(given[0], KeyedIndex)
-        out = [None] * len(given)
-        for s in (np.unique(sources).tolist() if len(self.names) > 1 else [0]):
-            mine = np.flatnonzero(sources == s) if len(self.names) > 1 else np.arange(len(given))
-            local = (indexes[mine] - self.offsets[s]).tolist()
-            mine = mine.tolist()
-            if keyed:  # as given[k].within(name, i), a batch's part at once
-                name = self.names[s]
-                local = list(map(KeyedIndex, local, [(*given[k].prefix, name) for k in mine]))
-            source = self.sources[s]
-            samples = source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
-            labels = self.labels(s, [label for _, label in samples])
-            for k, (image, _), label in zip(mine, samples, labels):
-                out[k] = (image, label, s)
-        return out
+        prefix = None  # the batch's key prefix (one pass), or each index's (a batch across passes)
+        if isinstance(given[0], KeyedIndex):
+            prefixes = list(map(attrgetter("prefix"), given))
+            prefix = prefixes[0] if prefixes.count(prefixes[0]) == len(prefixes) else prefixes
+        if sources.count(sources[0]) == len(sources):  # one source: its part is the batch
+            return self.part(sources[0], given, prefix)
+        joined, places = [], []
+        for source in sorted(set(sources)):
+            mine = list(map(source.__eq__, sources))
+            part = prefix if not isinstance(prefix, list) else list(compress(prefix, mine))
+            joined += self.part(source, list(compress(given, mine)), part)
+            places += compress(range(len(given)), mine)
+        return list(map(joined.__getitem__, sorted(range(len(given)), key=places.__getitem__)))
 
-    def labels(self, source: int, labels: list) -> list[int]:
+    def part(self, source: int, given: list, prefix) -> list:
+        """The samples (image, merged label, source) of one source's part of a batch, `given`
+        its mixture indexes; keyed (as KeyedIndex.within) by `prefix` with the source's name
+        in it: one tuple for the part, a list of one each, or None (unkeyed)."""
+        local = list(map(int.__sub__, given, repeat(int(self.offsets[source]))))
+        name = self.names[source]
+        if isinstance(prefix, list) and prefix.count(prefix[0]) == len(prefix):
+            prefix = prefix[0]
+        if isinstance(prefix, tuple):  # one pass: one class makes the part's keys
+            local = list(map(keyed_by((*prefix, name)), local))
+        elif prefix is not None:
+            local = list(map(KeyedIndex, local, [(*each, name) for each in prefix]))
+        dataset = self.sources[source]
+        samples = dataset.__getitems__(local) if hasattr(dataset, "__getitems__") else [dataset[i] for i in local]
+        images, labels = zip(*samples)
+        return list(zip(images, self.labels(source, labels), repeat(source)))
+
+    def labels(self, source: int, labels) -> list[int]:
         """The merged labels of a source's labels (UNLABELED stays UNLABELED)."""
-        merged = self.label_maps[source]
+        merged = self.label_lists[source]
         if merged is None:
             return [UNLABELED] * len(labels)
         if self.kept[source]:  # the source's labels are the merged ones
             return labels
-        got = np.asarray(labels, dtype=np.int64)
-        return np.where(got == UNLABELED, UNLABELED, merged[np.maximum(got, 0)]).tolist()
+        return list(map(merged.__getitem__, labels))
 
     def label(self, source: int, label) -> int:
         labels = self.label_maps[source]
@@ -374,13 +416,9 @@ class MixSampler(RankedSampler):
                 yield indexes.tolist()
                 continue
             # The source's pass is in the key: a source drawn twice in an epoch (weighted above its
-            # size) augments each draw of a sample afresh. One key tuple per pass of the chunk.
+            # size) augments each draw of a sample afresh. One KeyedIndex class per pass of the chunk.
             epoch = self._progress[0] if self._progress is not None else self.epoch
-            numbers, which = np.unique(passes, return_inverse=True)
-            keys = np.empty(len(numbers), dtype=object)
-            for k, number in enumerate(numbers.tolist()):
-                keys[k] = (self.seed, epoch, number)
-            yield map(KeyedIndex, indexes.tolist(), keys[which].tolist())
+            yield keyed_chunk(indexes, passes, (self.seed, epoch))
 
     def drawn(self, start: int, rank: int, world_size: int, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw over the run) of this rank's places [first, stop) in a pass from

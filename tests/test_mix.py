@@ -433,3 +433,35 @@ def test_a_mixtures_augmentation_is_keyed_by_source_and_pass_on_any_ranks():
     # The small source, drawn 20 times from 5 samples, is in 4 passes: each draw of a sample is augmented afresh.
     assert all(len(seeds) == 4 and len(set(seeds)) == 4 for seeds in small)
     assert None not in {s for seeds in one.values() for s in seeds}
+
+
+class LabeledSeeds(Seeds):
+    """Seeds with classes: sample i is of class i mod len(classes)."""
+
+    def __init__(self, n: int, classes: list[str]):
+        super().__init__(n)
+        self.classes = classes
+
+    def __getitem__(self, index):
+        return super().__getitem__(index)[0], index % len(self.classes)
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_batch_is_read_as_its_samples_one_by_one(keyed):
+    """Mix.__getitems__ (a batch's parts at once) gives what mix[i] gives each index: the same
+    keyed draw, merged label and source, in the batch's order; batches span a small source's
+    passes (its keys differ within a part) and both sources, one labeled and one not."""
+    mix = Mix({"small": LabeledSeeds(5, ["b", "c"]), "large": LabeledSeeds(50, ["a", "b"]), "web": Seeds(9)},
+              weights={"small": 0.4, "large": 0.4, "web": 0.2}, seed=2, epoch_size=60, unlabeled=("web",))
+    assert mix.classes == ["b", "c", "a"]
+    sampler = MixSampler(mix, rank=1, world_size=2, keyed=keyed)
+    sampler.set_epoch(1)
+    order = list(sampler)
+    batches = [order[k:k + size] for size in (4, 7, 16) for k in range(0, len(order), size)]
+    spans = [{i.prefix for i in batch if i < 5} for batch in batches] if keyed else []
+    assert not keyed or any(len(span) > 1 for span in spans)  # a part whose indexes are in two passes
+    for batch in batches:
+        assert mix.__getitems__(batch) == [mix[i] for i in batch]
+    assert {label for _, label, s in mix.__getitems__(order) if s == 2} == {-1}
+    with pytest.raises(IndexError, match="out of range for 64 samples"):
+        mix.__getitems__([3, 64])
