@@ -92,7 +92,8 @@ class ReaderDataset(torch.utils.data.Dataset):
             self.check_not_cut()
         indexes = list(indexes)
         hint = self.read_ahead()
-        if hint is not None:
+        # Warm, the hints back off for whole batches: their records are not worked out at all.
+        if hint is not None and not hint.skipped(-(-len(indexes) // HINT_CHUNK)):
             wanted = self.hintable(indexes)
             for k in range(0, len(wanted), HINT_CHUNK):
                 hint(wanted[k:k + HINT_CHUNK])

@@ -284,6 +284,14 @@ class ReadAhead:
         self.backoff = min(max(1, 2 * self.backoff), self.MAX_SKIP) if hinted == 0 else 0
         self.skip = self.backoff
 
+    def skipped(self, calls: int) -> bool:
+        """Whether the next `calls` calls would all be skipped, counted as skipped if so: a
+        caller then need not work out the records it would hint."""
+        if self.skip < calls:
+            return False
+        self.skip -= calls
+        return True
+
 
 class ShuffleSampler(RankedSampler):
     """A random permutation of `dataset` per epoch, this rank's share, read ahead.

@@ -150,6 +150,19 @@ def test_warm_batches_back_off_and_cold_ones_are_hinted_again(packed, monkeypatc
     dataset.close()
 
 
+@needs_page_cache_control
+def test_a_warm_batch_whose_hints_are_all_skipped_works_out_no_records(packed, monkeypatch):
+    dataset = readers.open_dataset(packed["hdf5"], decode="raw").open()
+    cache.load(data_files(dataset))
+    worked, hintable = [], dataset.hintable
+    monkeypatch.setattr(dataset, "hintable", lambda indexes: worked.append(len(indexes)) or hintable(indexes))
+    for _ in range(12):  # warm batches of two chunks: the hints back off 1, 2, 4, 8 and 16 calls
+        dataset.__getitems__(list(range(32)))
+    # Hinted in batches 1, 2, 3, 6 and 10, one chunk each; the other 7 skipped whole, their records not worked out.
+    assert len(worked) == dataset.read_ahead().calls == 5
+    dataset.close()
+
+
 def test_the_folder_takes_no_hints_and_reads_one_at_a_time(tree):
     """The baseline stays what torchvision's ImageFolder does: one file read after another."""
     dataset = FolderDataset(tree, decode="raw")
