@@ -2,6 +2,7 @@
 count, and how close each batch is to the weights.
 
     python -m benchmarks.mix rate --what mix|same|mix1|single|pair [--copies 16] [--repeats 3] [--workdir DIR]
+    python -m benchmarks.mix rate --what mix --vs pair|single [--rounds 15]
     python -m benchmarks.mix memory --records 20000 1281167
     python -m benchmarks.mix spread [--records 1281167] [--weight 0.7 | --weights 0.5 0.3 0.2] [--ranks 1 2 3 8]
 
@@ -15,7 +16,10 @@ own cost). Every record once an epoch (once a source's pass for "same"), random 
 Prints the samples/s of an epoch with 2 workers and the CPU microseconds per sample with
 none, the heap kept as a worker keeps it (readers.heap), medians of the repeats after one
 warm epoch; whole-process pairs of the commands are timed against each other from outside
-(docs/mixing.md).
+(docs/mixing.md). With --vs, the two in one process, an epoch of each in turn (paired
+rounds: see paired()), the ratio of their rates a round, median and range: the figure to
+quote on a shared machine, whose load moves the times of separate runs more than a few
+percent.
 
 `memory`: a Mix of two synthetic sources (0.7/0.3; sizes N and N/3) at each record count:
 the peak RSS growth of building the sampler and walking a whole epoch on rank 0 of 8, and
@@ -56,8 +60,9 @@ class Synthetic(torch.utils.data.Dataset):
         return index.to_bytes(8, "little"), 0
 
 
-def sizes(batch) -> int:
-    return sum(len(sample[0]) for sample in batch)
+def sizes(batch) -> np.ndarray:
+    """The batch's bytes and samples: an epoch's sum(loader) counts both."""
+    return np.array([sum(len(sample[0]) for sample in batch), len(batch)])
 
 
 def packs(workdir: Path, copies: int) -> Path:
@@ -87,42 +92,91 @@ def packs(workdir: Path, copies: int) -> Path:
     return done
 
 
-def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
+def datasets(what: str, root: Path) -> list:
+    """What `rate --what` reads, as the datasets its loaders walk (two for "pair")."""
     import readers
+
+    def pack(name: str):
+        return readers.LMDBDataset(root / f"{name}.lmdb", decode="raw")
+
+    if what == "single":
+        return [pack("single")]
+    if what == "pair":  # the two packs the mixture reads, one loader each, in turn: the same files
+        return [pack("a"), pack("b")]
+    if what == "same":  # two sources over the one pack, half an epoch each: the same file, no Python between
+        one = pack("single")
+        return [readers.Mix({"first": one, "second": pack("single")}, epoch_size=len(one))]
+    if what == "mix1":  # the mixing code's own cost: a mixture of the one pack
+        return [readers.Mix({"all": pack("single")})]
+    return [readers.Mix({name: pack(name) for name in "ab"})]
+
+
+def loaders_of(data: list, workers: int) -> list:
+    import readers
+
+    # Every record once an epoch, the last batch short: the same bytes an epoch, whatever the split.
+    return [readers.make_loader(one, BATCH, workers=workers, collate_fn=sizes, drop_last=False) for one in data]
+
+
+def epoch(loaders: list) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds of this process, bytes, samples) of one epoch of each loader in turn."""
+    wall, own = time.perf_counter(), time.process_time()
+    total, samples = sum(sum(loader) for loader in loaders).tolist()
+    return time.perf_counter() - wall, time.process_time() - own, total, samples
+
+
+def rate(what: str, copies: int, repeats: int, workdir: Path) -> dict:
     from readers.heap import keep_heap
 
-    root = packs(workdir, copies)
-    if what == "single":
-        data = readers.LMDBDataset(root / "single.lmdb", decode="raw")
-    elif what == "pair":  # the two packs the mixture reads, one loader each, in turn: the same files
-        data = [readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"]
-    elif what == "same":  # two sources over the one pack, half an epoch each: the same file, no Python between
-        one = readers.LMDBDataset(root / "single.lmdb", decode="raw")
-        data = readers.Mix({"first": one, "second": readers.LMDBDataset(root / "single.lmdb", decode="raw")},
-                           epoch_size=len(one))
-    elif what == "mix1":  # the mixing code's own cost: a mixture of the one pack
-        data = readers.Mix({"all": readers.LMDBDataset(root / "single.lmdb", decode="raw")})
-    else:
-        data = readers.Mix({name: readers.LMDBDataset(root / f"{name}.lmdb", decode="raw") for name in "ab"})
-    rates, cpu, total = [], [], 0
+    data = datasets(what, packs(workdir, copies))
+    rates, cpu, total, samples = [], [], 0, 0
     for workers, figures in ((WORKERS, rates), (0, cpu)):
         if not workers:  # the heap as a DataLoader worker keeps it: else page faults of freed records swamp the figure
             keep_heap()
-        loaders = [readers.make_loader(one, BATCH, workers=workers, collate_fn=sizes)
-                   for one in (data if isinstance(data, list) else [data])]
-        for epoch in range(repeats + 1):
-            wall, own = time.perf_counter(), time.process_time()
-            total = sum(sum(loader) for loader in loaders)
-            if epoch:  # the first warms the page cache and starts the workers
-                samples = sum(len(loader) for loader in loaders) * BATCH
-                figures.append(samples / (time.perf_counter() - wall) if workers else
-                               1e6 * (time.process_time() - own) / samples)
+        loaders = loaders_of(data, workers)
+        for repeat in range(repeats + 1):
+            wall, own, total, samples = epoch(loaders)
+            if repeat:  # the first warms the page cache and starts the workers
+                figures.append(samples / wall if workers else 1e6 * own / samples)
     # With workers the rate (wall clock); in one process (workers=0) the CPU time per sample, which
     # a loaded machine disturbs far less: the cost the mixture adds, whatever else runs.
     return {"figure": f"rate-{what}", "samples_per_s": round(statistics.median(rates)),
-            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total,
-            "samples": sum(len(loader) for loader in loaders) * BATCH,
+            "cpu_us_per_sample": round(statistics.median(cpu), 1), "bytes": total, "samples": samples,
             "repeats": repeats}
+
+
+def paired(what: str, vs: str, copies: int, rounds: int, workdir: Path) -> dict:
+    """`what` against `vs` in one process (workers=0, the heap kept), an epoch of each in turn
+    for `rounds` rounds (the pair's order swapped every round, so a drift of the machine's
+    speed weighs on both alike): each round's ratio of rates from the CPU time per sample
+    (vs's over what's: above 1, `what` is faster), and from the wall clock; medians and
+    ranges. A shared machine slows both of a round alike, so the ratio holds where the
+    times themselves move."""
+    from readers.heap import keep_heap
+
+    root = packs(workdir, copies)
+    keep_heap()
+    loaders = {name: loaders_of(datasets(name, root), 0) for name in (what, vs)}
+    for name in (what, vs):  # warm: the page cache, each source's first batch
+        epoch(loaders[name])
+    cpu, wall, per, same_bytes = [], [], {what: [], vs: []}, True
+    for r in range(rounds):
+        took = {}
+        for name in ((what, vs) if r % 2 == 0 else (vs, what)):
+            seconds, own, total, samples = epoch(loaders[name])
+            took[name] = (1e6 * seconds / samples, 1e6 * own / samples, total)
+            per[name].append(took[name][1])
+        same_bytes = same_bytes and took[what][2] == took[vs][2]
+        cpu.append(took[vs][1] / took[what][1])
+        wall.append(took[vs][0] / took[what][0])
+
+    def summary(values: list[float], digits: int = 3) -> dict:
+        return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+                "max": round(max(values), digits), "q1": round(float(np.percentile(values, 25)), digits),
+                "q3": round(float(np.percentile(values, 75)), digits)}
+
+    return {"figure": f"rate-{what}-vs-{vs}", "rounds": rounds, "same_bytes_every_round": same_bytes, "ratio_cpu": summary(cpu),
+            "ratio_wall": summary(wall), **{f"cpu_us_per_sample_{n}": summary(v, 2) for n, v in per.items()}}
 
 
 def peak_rss_mb() -> float:
@@ -176,6 +230,9 @@ def main() -> None:
     r.add_argument("--what", choices=("mix", "same", "mix1", "single", "pair"), required=True)
     r.add_argument("--copies", type=int, default=16)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--vs", choices=("mix", "same", "mix1", "single", "pair"),
+                   help="time --what against this, in one process, epochs in turn (paired rounds)")
+    r.add_argument("--rounds", type=int, default=15, help="paired rounds (with --vs)")
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "packer-mix-bench")
     m = sub.add_parser("memory")
     m.add_argument("--records", type=int, nargs="+", default=[20_000, 1_281_167])
@@ -188,7 +245,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "rate":
         args.workdir.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(rate(args.what, args.copies, args.repeats, args.workdir)))
+        if args.vs:
+            print(json.dumps(paired(args.what, args.vs, args.copies, args.rounds, args.workdir)))
+        else:
+            print(json.dumps(rate(args.what, args.copies, args.repeats, args.workdir)))
     elif args.command == "memory":
         for n in args.records:  # each in a fresh process would isolate peaks; growth is what is shown
             print(json.dumps(memory(n)), flush=True)
