@@ -151,32 +151,34 @@ def paired(what: str, vs: str, copies: int, rounds: int, workdir: Path) -> dict:
     speed weighs on both alike): each round's ratio of rates from the CPU time per sample
     (vs's over what's: above 1, `what` is faster), and from the wall clock; medians and
     ranges. A shared machine slows both of a round alike, so the ratio holds where the
-    times themselves move."""
+    times themselves move; `what` against itself (two loaders of it) shows the spread."""
     from readers.heap import keep_heap
 
     root = packs(workdir, copies)
     keep_heap()
-    loaders = {name: loaders_of(datasets(name, root), 0) for name in (what, vs)}
-    for name in (what, vs):  # warm: the page cache, each source's first batch
-        epoch(loaders[name])
-    cpu, wall, per, same_bytes = [], [], {what: [], vs: []}, True
+    loaders = [loaders_of(datasets(name, root), 0) for name in (what, vs)]
+    for both in loaders:  # warm: the page cache, each source's first batch
+        epoch(both)
+    cpu, wall, per, same_bytes = [], [], ([], []), True
     for r in range(rounds):
-        took = {}
-        for name in ((what, vs) if r % 2 == 0 else (vs, what)):
-            seconds, own, total, samples = epoch(loaders[name])
-            took[name] = (1e6 * seconds / samples, 1e6 * own / samples, total)
-            per[name].append(took[name][1])
-        same_bytes = same_bytes and took[what][2] == took[vs][2]
-        cpu.append(took[vs][1] / took[what][1])
-        wall.append(took[vs][0] / took[what][0])
+        took = [None, None]
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+            seconds, own, total, samples = epoch(loaders[k])
+            took[k] = (1e6 * seconds / samples, 1e6 * own / samples, total)
+            per[k].append(took[k][1])
+        same_bytes = same_bytes and took[0][2] == took[1][2]
+        cpu.append(took[1][1] / took[0][1])
+        wall.append(took[1][0] / took[0][0])
+    return {"figure": f"rate-{what}-vs-{vs}", "rounds": rounds, "same_bytes_every_round": same_bytes,
+            "ratio_cpu": summary(cpu), "ratio_wall": summary(wall),
+            "cpu_us_per_sample": {"what": summary(per[0], 2), "vs": summary(per[1], 2)}}
 
-    def summary(values: list[float], digits: int = 3) -> dict:
-        return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-                "max": round(max(values), digits), "q1": round(float(np.percentile(values, 25)), digits),
-                "q3": round(float(np.percentile(values, 75)), digits)}
 
-    return {"figure": f"rate-{what}-vs-{vs}", "rounds": rounds, "same_bytes_every_round": same_bytes, "ratio_cpu": summary(cpu),
-            "ratio_wall": summary(wall), **{f"cpu_us_per_sample_{n}": summary(v, 2) for n, v in per.items()}}
+def summary(values: list[float], digits: int = 3) -> dict:
+    """Median, range and quartiles."""
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "q1": round(float(np.percentile(values, 25)), digits),
+            "q3": round(float(np.percentile(values, 75)), digits)}
 
 
 def peak_rss_mb() -> float:
