@@ -52,20 +52,29 @@ class Normalise:
     def stack(self, images: list, pin_memory: bool = False) -> torch.Tensor:
         """Equal-shaped uint8 CxHxW images -> one new normalised NxCxHxW batch (shared
         memory in a worker), filled image by image."""
-        n, (c, h, w) = len(images), images[0].shape
-        scale, shift = self.coefficients(c)
-        if self.channels_last:  # NHWC storage seen as NCHW: channels_last strides
-            out = allocate((n, h, w, c), self.dtype, pin_memory).permute(0, 3, 1, 2)
-        else:
-            out = allocate((n, c, h, w), self.dtype, pin_memory)
-        scratch = None if self.dtype == torch.float32 else torch.empty((c, h, w), dtype=torch.float32)
+        out = self.empty(len(images), images[0].shape, pin_memory)
+        scratch = None if self.dtype == torch.float32 else torch.empty(images[0].shape, dtype=torch.float32)
         for image, slot in zip(images, out):
-            if scratch is None:
-                normalize_into(slot, image, scale, shift)
-            else:  # computed in float32, then rounded once, as normalize() does
-                normalize_into(scratch, image, scale, shift)
-                slot.copy_(scratch)
+            self.put(slot, image, scratch)
         return out
+
+    def empty(self, n: int, shape, pin_memory: bool = False) -> torch.Tensor:
+        """A new batch of n normalised CxHxW images (readers.buffers.allocate), in this dtype and layout."""
+        c, h, w = shape
+        if self.channels_last:  # NHWC storage seen as NCHW: channels_last strides
+            return allocate((n, h, w, c), self.dtype, pin_memory).permute(0, 3, 1, 2)
+        return allocate((n, c, h, w), self.dtype, pin_memory)
+
+    def put(self, slot: torch.Tensor, image: torch.Tensor, scratch: torch.Tensor | None) -> None:
+        """One uint8 image normalised into its place in a batch; scratch: a float32 CxHxW
+        image when this dtype is not float32 (computed in float32, then rounded once, as
+        normalize() does), else None."""
+        scale, shift = self.coefficients(image.shape[0])
+        if scratch is None:
+            normalize_into(slot, image, scale, shift)
+        else:
+            normalize_into(scratch, image, scale, shift)
+            slot.copy_(scratch)
 
     def batch(self, t):
         """t normalised if it is a uint8 image batch (NxCxHxW), else t."""
@@ -127,7 +136,11 @@ def collate(batch, pin_memory: bool = False, normalise: Normalise | None = None)
 
 def collate_labels(batch) -> torch.Tensor:
     """The labels of (image, label) pairs: int64 when they are ints, else default_collate's."""
-    labels = [sample[1] for sample in batch]
+    return label_tensor([sample[1] for sample in batch])
+
+
+def label_tensor(labels: list) -> torch.Tensor:
+    """Labels as int64 when they are ints, else default_collate's."""
     if all(isinstance(label, int) for label in labels):
         return torch.tensor(labels, dtype=torch.int64)
     return default_collate(labels)

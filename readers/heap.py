@@ -19,6 +19,14 @@ first batch in a DataLoader worker; never in the main process, whose allocator s
 the user's, nor where the user tuned glibc's malloc (a MALLOC_* variable or
 glibc.malloc.* in GLIBC_TUNABLES): those settings stand. PACKER_KEEP_HEAP=0 turns it
 off. Other C libraries are left alone.
+
+readers.threads' background process is different: its threads each took an arena of
+their own from glibc and kept a batch's worth of freed samples in it (30 MB each at
+batches of 64 decoded 224x224 images). share_one_heap() has them all allocate from the
+main heap (M_ARENA_MAX 1: their big buffers are allocated and freed a few hundred times
+a second, so the lock is not contended), and trim_heap() gives the free pages back after
+each batch (malloc_trim): what stays is what the batches in flight use. The same
+exceptions hold (PACKER_KEEP_HEAP=0, a user-tuned malloc).
 """
 from __future__ import annotations
 
@@ -28,13 +36,14 @@ import sys
 
 import torch.utils.data
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
 TRIM_THRESHOLD = 128 << 20  # free memory at the heap's top kept, at most
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
 ENV = "PACKER_KEEP_HEAP"
 
 _decided_in: int | None = None  # the process that decided (a forked child decides again)
 _kept = False
+_trim = None  # glibc's malloc_trim, once share_one_heap() has set this process up
 
 
 def keep_heap() -> bool:
@@ -61,6 +70,26 @@ def keep_heap_in_worker() -> bool:
     if torch.utils.data.get_worker_info() is None:
         return False
     return keep_heap()
+
+
+def share_one_heap() -> bool:
+    """Every thread of this process allocates from glibc's main heap (see the module's
+    text); True once set, False where PACKER_KEEP_HEAP=0, malloc is tuned by the user or
+    the C library is not glibc (trim_heap then does nothing)."""
+    global _trim
+    if os.environ.get(ENV, "1") == "0" or user_tuned_malloc():
+        return False
+    libc = glibc()
+    if libc is None or not libc.mallopt(M_ARENA_MAX, 1):
+        return False
+    _trim = libc.malloc_trim
+    return True
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the kernel, after share_one_heap() (a batch is done)."""
+    if _trim is not None:
+        _trim(0)
 
 
 def user_tuned_malloc() -> bool:

@@ -41,7 +41,9 @@ import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from .buffers import share_batches
+from .heap import share_one_heap, trim_heap
 from .ring import Ring, Slots, Taken, collate_into, pack
+from .slot_fill import SlotFill
 from .thread_streams import StreamPass, round_robin
 
 WORKER_KINDS = ("processes", "threads", "threads-inline")
@@ -53,6 +55,9 @@ START_LIMIT = 120.0
 # Ring slots beyond those in flight: the batch in the trainer's hands and the one before it,
 # still bound to the loop's variables while the next is taken.
 HELD = 2
+# Samples a thread reads together (their reads hinted to the kernel together, as
+# readers.sampler.HINT_CHUNK) before writing them into their batch's slot.
+FILL_CHUNK = 16
 
 
 class SampleError(RuntimeError):
@@ -87,14 +92,18 @@ def collated(samples: list, indexes: list, collate_fn):
                           f"{type(error).__name__}: {error}") from error
 
 
-def submit_batch(pool: ThreadPoolExecutor, dataset, indexes: list, collate_fn, parts: int = 1) -> Future:
+def submit_batch(pool: ThreadPoolExecutor, dataset, indexes: list, collate_fn, parts: int = 1,
+                 new_fill=None) -> Future:
     """A future of one collated batch. parts > 1 splits its reading among that many threads
-    (a pass's first batch: it then arrives `parts` times sooner), collated by the thread
-    that reads the last part; otherwise one thread makes the whole batch."""
+    (a pass's first batch: it then arrives `parts` times sooner), finished by the thread
+    that reads the last part; otherwise one thread makes the whole batch. new_fill(size):
+    a readers.slot_fill.SlotFill that each sample is written into as it is read (the
+    background process's), whose result() is the future's, instead of collate_fn."""
+    read, finish, abandon = batch_steps(dataset, indexes, collate_fn, new_fill)
     if parts <= 1 or len(indexes) < 2:
-        return pool.submit(fetch, dataset, indexes, collate_fn)
+        return pool.submit(made_whole, read, finish, abandon, indexes)
     size = -(-len(indexes) // parts)
-    reads = [pool.submit(read_samples, dataset, indexes[i:i + size]) for i in range(0, len(indexes), size)]
+    reads = [pool.submit(read, indexes[i:i + size], i) for i in range(0, len(indexes), size)]
     batch, left, lock = Future(), [len(reads)], threading.Lock()
     batch.set_running_or_notify_cancel()  # begun: not to be cancelled once a part may hold a ring slot
 
@@ -104,13 +113,53 @@ def submit_batch(pool: ThreadPoolExecutor, dataset, indexes: list, collate_fn, p
             if left[0]:
                 return
         try:
-            batch.set_result(collated([s for read in reads for s in read.result()], indexes, collate_fn))
+            batch.set_result(finish([read.result() for read in reads]))
         except BaseException as error:  # a part's SampleError, or its cancellation at shutdown
+            abandon()
             batch.set_exception(error)
 
     for read in reads:
         read.add_done_callback(part_done)
     return batch
+
+
+def batch_steps(dataset, indexes: list, collate_fn, new_fill):
+    """(read(part, start), finish(what the parts read), abandon()) for one batch."""
+    if new_fill is None:
+        return (lambda part, start: read_samples(dataset, part),
+                lambda parts: collated([s for part in parts for s in part], indexes, collate_fn), lambda: None)
+    fill = new_fill(len(indexes))
+    return (lambda part, start: fill_part(dataset, part, start, fill),
+            lambda parts: collated_fill(fill, indexes), fill.give_back)
+
+
+def made_whole(read, finish, abandon, indexes: list):
+    try:
+        return finish([read(indexes, 0)])
+    except BaseException:
+        abandon()
+        raise
+
+
+def fill_part(dataset, indexes: list, start: int, fill) -> None:
+    """The samples at `indexes` (the batch's rows from `start`), each written into `fill`
+    as it is read, FILL_CHUNK at a time: a thread holds that many, not the whole batch."""
+    for at in range(0, len(indexes), FILL_CHUNK):
+        chunk = indexes[at:at + FILL_CHUNK]
+        for k, sample in enumerate(read_samples(dataset, chunk)):
+            try:
+                fill.put(start + at + k, sample)
+            except Exception as error:
+                raise SampleError(f"thread worker: collating sample {chunk[k]} into its batch failed: "
+                                  f"{type(error).__name__}: {error}") from error
+
+
+def collated_fill(fill, indexes: list):
+    try:
+        return fill.result()
+    except Exception as error:
+        raise SampleError(f"thread worker: collating the batch of samples {indexes} failed: "
+                          f"{type(error).__name__}: {error}") from error
 
 
 def read_one(dataset, index):
@@ -339,9 +388,10 @@ def serve(dataset, collate_fn, threads: int, ring: Ring, requests, results, trai
     within POLL seconds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the pool is the parallelism
+    one_heap = share_one_heap()  # the threads' freed samples go back between batches, not kept per thread
     share_batches()  # a batch with no free slot: collated straight into shared memory
     with ThreadPoolExecutor(threads, thread_name_prefix="packer-loader", initializer=one_intra_op_thread) as pool:
-        server = Server(dataset, collate_fn, threads, ring, results, pool)
+        server = Server(dataset, collate_fn, threads, ring, results, pool, trim_heap if one_heap else None)
         while True:
             try:
                 request = requests.get(timeout=POLL)
@@ -367,10 +417,13 @@ class Server:
     Each answer is (run, number or worker, ok, slot, batch): ok False with a message for
     an error, None at a stream's end."""
 
-    def __init__(self, dataset, collate_fn, threads: int, ring: Ring, results, pool: ThreadPoolExecutor):
+    def __init__(self, dataset, collate_fn, threads: int, ring: Ring, results, pool: ThreadPoolExecutor,
+                 after_batch=None):
         self.dataset, self.threads, self.ring, self.results, self.pool = dataset, threads, ring, results, pool
+        self.after_batch = after_batch  # called by a thread once its batch is sent (readers.heap.trim_heap)
         self.slots = Slots(ring.slots)
         self.into = functools.partial(collate_into, ring, self.slots, collate_fn)
+        self.new_fill = functools.partial(SlotFill, collate_fn=collate_fn, ring=ring, slots=self.slots)
         self.pending: dict[tuple, Future] = {}  # (pass, number): batches not yet sent
         self.stream: StreamPass | None = None
 
@@ -387,8 +440,8 @@ class Server:
             self.dataset.set_epoch(args[1])  # the epoch the trainer set on its own copy
         elif kind == "batch":
             run, number, indexes = args
-            self.pending[(run, number)] = batch = submit_batch(self.pool, self.dataset, indexes, self.into,
-                                                               self.threads if number == 0 else 1)
+            self.pending[(run, number)] = batch = submit_batch(self.pool, self.dataset, indexes, None,
+                                                               self.threads if number == 0 else 1, self.new_fill)
             batch.add_done_callback(functools.partial(self.sent, run, number))
         elif kind == "stream":
             run, blob, workers, batch_size, drop_last, credit = args
@@ -410,6 +463,8 @@ class Server:
             self.send(run, number, False, -1, str(error))
         else:
             self.send(run, number, True, slot, made)
+        if self.after_batch is not None:
+            self.after_batch()
 
     def send(self, run: int, key: int, ok, slot: int, made) -> None:
         """Answer (thread-safe: the queue's feeder thread sends it); a batch goes packed (readers.ring)."""
@@ -421,3 +476,4 @@ class Server:
                     self.slots.give(slot)
                 ok, slot, made = False, -1, f"thread worker: sending batch {key} failed: {type(error).__name__}: {error}"
         self.results.put((run, key, ok, slot, made))
+
