@@ -1,4 +1,5 @@
-"""readers.heap: a DataLoader worker keeps its freed heap between batches, the main process is left alone."""
+"""readers.heap: a DataLoader worker keeps its freed heap between batches, the main process is left alone, a
+thread-worker process allocates from one heap."""
 from __future__ import annotations
 
 import json
@@ -168,3 +169,45 @@ def test_a_kept_heap_stays_flat_over_many_batches(tmp_path):
     loader = tud.DataLoader(dataset, batch_size=256, sampler=draws, num_workers=1, collate_fn=worker_rss)
     rss = list(loader)
     assert max(rss[3:]) - rss[2] < 8 << 20, [r >> 20 for r in rss]
+
+
+# Two threads allocate a batch's worth each, then glibc's malloc_stats() lists its arenas
+# (on stderr): one per thread by default, only the main one after share_one_heap().
+THREAD_ARENAS = """
+import json, sys, threading
+from readers import heap
+one = heap.share_one_heap() if sys.argv[1] == "one" else None
+def batch():
+    samples = [bytearray(150_000) for _ in range(64)]
+    del samples
+    heap.trim_heap()
+threads = [threading.Thread(target=batch) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+heap.glibc().malloc_stats()
+print(json.dumps({"one": one}))
+"""
+
+
+def thread_arenas(mode: str, env: dict | None = None) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, "-c", THREAD_ARENAS, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    return json.loads(out.stdout), out.stderr
+
+
+def test_the_thread_workers_process_allocates_from_one_heap():
+    # each thread of a thread-worker process would otherwise keep an arena of its own
+    said, arenas = thread_arenas("default")
+    assert "Arena 1:" in arenas and "Arena 2:" in arenas, arenas
+    said, arenas = thread_arenas("one")
+    assert said["one"] is True
+    assert "Arena 0:" in arenas and "Arena 1:" not in arenas, arenas
+
+
+@pytest.mark.parametrize("env", [{heap.ENV: "0"}, {"MALLOC_ARENA_MAX": "4"}])
+def test_one_heap_is_not_forced_where_it_is_turned_off_or_malloc_is_tuned(env):
+    said, arenas = thread_arenas("one", env)
+    assert said["one"] is False
+    assert "Arena 1:" in arenas, arenas
