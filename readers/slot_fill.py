@@ -117,13 +117,15 @@ class SlotFill:
             _scratch.shape, _scratch.image = shape, torch.empty(shape, dtype=torch.float32)
         return _scratch.image
 
-    def result(self) -> tuple[int, object]:
-        """(slot, batch): the batch, as collate_fn would have made it; slot -1 outside the ring."""
+    def result(self, rows: int | None = None) -> tuple[int, object]:
+        """(slot, batch): the batch of its first `rows` samples (all: None), as collate_fn
+        would have made it; slot -1 outside the ring."""
+        rows = self.size if rows is None else rows
         if self.kept is not None:
-            return collate_into(self.ring, self.slots, self.collate_fn, self.kept)
-        out = self.images, label_tensor(self.labels)
+            return collate_into(self.ring, self.slots, self.collate_fn, self.kept[:rows])
+        out = self.images[:rows], label_tensor(self.labels[:rows])
         if self.arity == 3:
-            out = (*out, torch.tensor(self.sources, dtype=torch.int64))
+            out = (*out, torch.tensor(self.sources[:rows], dtype=torch.int64))
         return self.slot, out
 
     def give_back(self) -> None:

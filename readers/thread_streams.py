@@ -3,7 +3,8 @@
 A stream cannot be read by index, so its threads do what DataLoader worker processes do:
 thread w of W iterates its own copy of the dataset (unpickled from the trainer's, as a
 spawned worker receives it) as worker w of W (readers.ranks.worker answers so on that
-thread), batches its samples, and collates each batch into a ring slot; the trainer
+thread), and writes each sample into its batch's ring slot as it reads it
+(readers.slot_fill); the trainer
 takes the batches round-robin over the threads whose streams have not ended, worker 0
 first, as DataLoader does. So the batches, their order and the loader's state are those
 of W worker processes, and a state saved with either resumes with the other.
@@ -29,10 +30,11 @@ class StreamPass:
     """The background process's side of one pass over a stream: W threads, each a worker."""
 
     def __init__(self, run: int, blob: bytes, workers: int, batch_size: int, drop_last: bool, credit: int,
-                 into, send):
+                 new_fill, send):
         self.run, self.stopped = run, threading.Event()
         self.credits = [threading.Semaphore(credit) for _ in range(workers)]
-        self.threads = [threading.Thread(target=self.read, args=(blob, w, workers, batch_size, drop_last, into, send),
+        self.threads = [threading.Thread(target=self.read,
+                                         args=(blob, w, workers, batch_size, drop_last, new_fill, send),
                                          name=f"packer-stream-{w}", daemon=True) for w in range(workers)]
         for thread in self.threads:
             thread.start()
@@ -44,7 +46,7 @@ class StreamPass:
     def stop(self) -> None:
         self.stopped.set()
 
-    def read(self, blob: bytes, worker_id: int, workers: int, batch_size: int, drop_last: bool, into,
+    def read(self, blob: bytes, worker_id: int, workers: int, batch_size: int, drop_last: bool, new_fill,
              send) -> None:
         """Thread worker_id's stream, in batches: send(worker_id, ok, slot, batch) for each,
         ok None at its end, False with a message for an error (that ends it too)."""
@@ -54,11 +56,18 @@ class StreamPass:
         try:
             samples = iter(pickle.loads(blob))
             while self.wait_for_credit(worker_id):
-                chunk = list(itertools.islice(samples, batch_size))
-                if not chunk or (drop_last and len(chunk) < batch_size):
+                fill, rows = new_fill(batch_size), 0
+                try:
+                    for rows, sample in enumerate(itertools.islice(samples, batch_size), 1):
+                        fill.put(rows - 1, sample)
+                except BaseException:
+                    fill.give_back()
+                    raise
+                if not rows or (drop_last and rows < batch_size):
+                    fill.give_back()
                     send(worker_id, None, -1, None)
                     return
-                send(worker_id, True, *into(chunk))
+                send(worker_id, True, *fill.result(rows))
                 made += 1
         except Exception as error:
             send(worker_id, False, -1, f"thread worker {worker_id} of {workers}: the stream's batch {made} failed: "

@@ -42,7 +42,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from .buffers import share_batches
 from .heap import share_one_heap, trim_heap
-from .ring import Ring, Slots, Taken, collate_into, pack
+from .ring import Ring, Slots, Taken, pack
 from .slot_fill import SlotFill
 from .thread_streams import StreamPass, round_robin
 
@@ -420,9 +420,8 @@ class Server:
     def __init__(self, dataset, collate_fn, threads: int, ring: Ring, results, pool: ThreadPoolExecutor,
                  after_batch=None):
         self.dataset, self.threads, self.ring, self.results, self.pool = dataset, threads, ring, results, pool
-        self.after_batch = after_batch  # called by a thread once its batch is sent (readers.heap.trim_heap)
+        self.after_batch = after_batch  # called by a thread once it has sent a batch (readers.heap.trim_heap)
         self.slots = Slots(ring.slots)
-        self.into = functools.partial(collate_into, ring, self.slots, collate_fn)
         self.new_fill = functools.partial(SlotFill, collate_fn=collate_fn, ring=ring, slots=self.slots)
         self.pending: dict[tuple, Future] = {}  # (pass, number): batches not yet sent
         self.stream: StreamPass | None = None
@@ -445,7 +444,7 @@ class Server:
             batch.add_done_callback(functools.partial(self.sent, run, number))
         elif kind == "stream":
             run, blob, workers, batch_size, drop_last, credit = args
-            self.stream = StreamPass(run, blob, workers, batch_size, drop_last, credit, self.into,
+            self.stream = StreamPass(run, blob, workers, batch_size, drop_last, credit, self.new_fill,
                                      functools.partial(self.send, run))
         elif kind == "credit" and self.stream is not None and self.stream.run == args[0]:
             self.stream.grant(args[1])
@@ -463,8 +462,6 @@ class Server:
             self.send(run, number, False, -1, str(error))
         else:
             self.send(run, number, True, slot, made)
-        if self.after_batch is not None:
-            self.after_batch()
 
     def send(self, run: int, key: int, ok, slot: int, made) -> None:
         """Answer (thread-safe: the queue's feeder thread sends it); a batch goes packed (readers.ring)."""
@@ -476,4 +473,6 @@ class Server:
                     self.slots.give(slot)
                 ok, slot, made = False, -1, f"thread worker: sending batch {key} failed: {type(error).__name__}: {error}"
         self.results.put((run, key, ok, slot, made))
+        if self.after_batch is not None:
+            self.after_batch()
 
