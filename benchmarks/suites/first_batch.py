@@ -70,13 +70,16 @@ def one(packed: str, kind: str, workers: int, batch: int) -> dict:
     dataset_module.ReaderDataset.__getitem__ = marked_getitem
     data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
     start = time.time()
-    next(iter(make_loader(data, batch, workers=workers, worker_kind=kind)))
-    mark("first batch")
+    loader = make_loader(data, batch, workers=workers, worker_kind=kind)
+    batches = iter(loader)
+    next(batches)
+    mark("first batch")  # before the loader and its workers are closed
     marks = {}
     for line in log.read_text().splitlines():
         what, at = line.split("\t")
         marks.setdefault(what, float(at) * 1e3)  # the earliest of each
     log.unlink()
+    del batches, loader
     return {"kind": kind, **{m: marks.get(m) for m in MARKS}}
 
 
