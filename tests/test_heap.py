@@ -177,8 +177,10 @@ THREAD_ARENAS = """
 import json, sys, threading
 from readers import heap
 one = heap.share_one_heap() if sys.argv[1] == "one" else None
+together = threading.Barrier(2)  # both alive at once: neither can take over the other's arena
 def batch():
     samples = [bytearray(150_000) for _ in range(64)]
+    together.wait(timeout=60)
     del samples
     heap.trim_heap()
 threads = [threading.Thread(target=batch) for _ in range(2)]
