@@ -44,7 +44,7 @@ class SlotFill:
         self.lock = threading.Lock()
         self.first = None  # (row, shape, dtype) of the first sample put: what every other must match
         self.images = None  # the batch's image tensor, in the slot (or in fresh shared memory)
-        self.slot = -1
+        self.slot, self.arity = -1, 0  # arity: 2 for (image, label) samples, 3 with a source
         self.labels, self.sources, self.kept = [None] * size, [None] * size, None
 
     def put(self, row: int, sample) -> None:

@@ -12,9 +12,10 @@ What moves is where a batch of indexes becomes a collated batch:
 - "threads": one background process per rank (Background), started at the first pass
   and kept for the next ones, runs the thread pool and collates each batch into a slot
   of a ring of shared memory whose views are the trainer's batch tensors (readers.ring):
-  no copy. The process only reads, decodes and collates; the trainer's GIL is left to
-  training. An IterableDataset is read there too, each thread as one DataLoader worker
-  (readers.thread_streams).
+  no copy; each sample is written into its slot as it is read (readers.slot_fill), and
+  the threads share one heap, trimmed after each batch (readers.heap). The process only
+  reads, decodes and collates; the trainer's GIL is left to training. An IterableDataset
+  is read there too, each thread as one DataLoader worker (readers.thread_streams).
 
 Batches come out in the sampler's order, at most `prefetch` batches ahead of the
 consumer. Every wait is bounded: a background process that dies is reported within
