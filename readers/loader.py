@@ -629,7 +629,7 @@ def epoch_loader(dataset, batch_size: int, walk: Order, policy: WorkerPolicy, pi
                  collate_fn, worker_init_fn, loader_class=None) -> EpochLoader:
     """The DataLoader make_loader sets up: its walk, workers, pinning and collate."""
     if hasattr(dataset, "batching"):  # a mixture with a stream: its workers make the rank's batches in turn
-        dataset.batching(batch_size, drop_last)
+        dataset.batching(batch_size, drop_last, policy.workers)
     return (loader_class or EpochLoader)(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
         collate_fn=collate_fn, pin_memory=pin, drop_last=drop_last,
