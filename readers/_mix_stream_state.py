@@ -15,6 +15,7 @@ import copy
 from ._mix_chains import BASE, MOST, ChainEpochs, Counts, Walk, checked_anchor, folded
 from ._state_limits import MAX_EPOCH, MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, shown
 from .elastic import pass_length
+from .ranks import worker
 from .sampler import SAMPLER_STATE_VERSION, check_state, checked_count
 
 CHANGEABLE = ("sources", "weights", "epoch_size", "streams")  # what reweight=True may change
@@ -151,3 +152,42 @@ def sampler_state(mix, state: dict, saved: SavedState) -> dict:
     length = pass_length(count, min(saved.start, count), saved.world_size, sampler.drop_last)
     out["position"] = min(max(0, saved.pass_batches) * mix.batch_size, length)
     return out
+
+
+WORKER_KEYS = {"rank", "worker", "workers", "start", "first", "chains"}  # a worker's own state's "worker"
+
+
+def own_state(mix, state: dict) -> dict:
+    """A worker's own state (MixStream.state_dict in a DataLoader worker: torchdata's
+    StatefulDataLoader), checked: it resumes exactly, in the same worker of the same rank
+    of the same mixture. {"epoch", "start", "first", "chains", "bases"}; the mixture's
+    schedule set to the state's segment."""
+    check_state(state, "MixStream", mix.settings())
+    who = "MixStream.load_state_dict: the worker's"
+    epoch = checked_count(state, "epoch", "MixStream", MAX_EPOCH)
+    own = state["worker"]
+    if not isinstance(own, dict) or set(own) != WORKER_KEYS:
+        raise ValueError(f"MixStream.load_state_dict: worker must be a dict of {', '.join(sorted(WORKER_KEYS))}, as "
+                         f"state_dict() in a DataLoader worker gives it, got {shown(own)}")
+    rank, world_size = mix.world()
+    worker_id, workers = worker()
+    saved = (bounded_int(own["rank"], "rank", who, 0, MAX_WORLD_SIZE - 1), state.get("world_size"),
+             bounded_int(own["worker"], "worker", who, 0, MAX_WORKERS - 1),
+             bounded_int(own["workers"], "workers", who, 1, MAX_WORKERS))
+    if saved != (rank, world_size, worker_id, workers):
+        raise ValueError(f"Mix: this state is DataLoader worker {saved[2]} of {saved[3]}'s on rank {saved[0]} of "
+                         f"{shown(saved[1])}, loaded in worker {worker_id} of {workers} on rank {rank} of {world_size}: "
+                         "a worker's own state (torchdata's StatefulDataLoader) resumes on the ranks and workers that "
+                         "saved it; for others, resume through readers.make_loader's loader (its state holds the "
+                         "rank's batches)")
+    names = [mix.names[s] for s in mix.streams]
+    chains = own["chains"]
+    if not isinstance(chains, dict) or list(chains) != names or not all(
+            type(n) is int and 0 <= n <= MOST for n in chains.values()):
+        raise ValueError(f"{who} chains must hold a count >= 0 for each stream source ({', '.join(names)}), got "
+                         f"{shown(chains)}")
+    start = bounded_int(own["start"], "start", who, 0, mix.sampler.count)
+    first = bounded_int(own["first"], "first", who, 0, MOST)
+    bases = checked_anchor(state.get("anchor"), names)["bases"]
+    mix.sampler.schedule = mix.sampler.saved_schedule(state)
+    return {"epoch": epoch, "start": start, "first": first, "chains": dict(chains), "bases": bases}

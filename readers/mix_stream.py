@@ -26,7 +26,7 @@ import torch.distributed
 import torch.utils.data
 
 from ._mix_chains import BASE, START, ChainEpochs, Counts, Walk
-from ._mix_stream_state import SavedState
+from ._mix_stream_state import SavedState, own_state
 from .ranks import worker
 from .sampler import STATE_VERSION
 from .wds import WDSDataset
@@ -117,6 +117,8 @@ class MixStream(torch.utils.data.IterableDataset):
         self.batch_size, self.drop_last, self.workers = None, False, None
         self.anchor = dict(START)
         self.pending: tuple[int, int] | None = None  # (epoch, batches) a loaded state's pass starts at
+        self.pass_epoch: int | None = None  # a worker's loaded state's epoch, for its pass alone
+        self.progress: dict | None = None  # this process's pass: epoch, start, its next round's first batch, chains
         self._epoch = multiprocessing.Value("q", 0, lock=False)  # shared with persistent workers
         self._counts: dict = {}  # world size -> Counts from the anchor
         self._epochs: dict = {}  # (stream source, world size, workers) -> its ChainEpochs from the anchor's base
@@ -133,9 +135,12 @@ class MixStream(torch.utils.data.IterableDataset):
 
     @property
     def epoch(self) -> int:
+        if self.pass_epoch is not None:
+            return self.pass_epoch
         return self._epoch if isinstance(self._epoch, int) else self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
+        self.pass_epoch = None
         if isinstance(self._epoch, int):
             self._epoch = int(epoch)
         else:
@@ -175,7 +180,7 @@ class MixStream(torch.utils.data.IterableDataset):
         epoch = self.epoch
         start, first = self.pass_begin(epoch)
         self.check_topology(world_size, workers)
-        self.pending = None  # used once: a persistent worker's next passes start their epochs
+        self.pending = self.pass_epoch = None  # used once: a persistent worker's next passes start their epochs
         for s, ds in self.streams.items():
             if ds.world() != (rank, world_size):
                 raise ValueError(f"Mix: stream source {self.names[s]!r} is read as rank {ds.world()[0]} of "
@@ -194,10 +199,15 @@ class MixStream(torch.utils.data.IterableDataset):
         self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": epoch, "start": start,
                                       "position": min(first * self.batch_size, walk.length(start))})
         indexes = iter(self.sampler)
+        self.progress = {"epoch": epoch, "start": start, "first": first, "chains": counts}
         for j in range(walk.batches(start) - first):
             batch = [index for _, index in zip(range(self.batch_size), indexes)]
             if j % workers == worker_id:
-                yield from self.made(batch, chains)
+                samples = self.made(batch, chains)
+                # Counted before the batch is handed on: torchdata takes a worker's state after its batch.
+                self.progress = {"epoch": epoch, "start": start, "first": first + j + workers - worker_id,
+                                 "chains": [chain.count for chain in chains.values()]}
+                yield from samples
 
     def chain_epochs(self, source: int, world_size: int, workers: int, worker_id: int) -> ChainEpochs:
         key = (source, world_size, workers)
@@ -255,17 +265,29 @@ class MixStream(torch.utils.data.IterableDataset):
                 "epoch": self.epoch, "position": None}
 
     def state_dict(self) -> dict:
-        if torch.utils.data.get_worker_info() is not None:
-            raise ValueError("Mix: a mixture with a WebDataset stream resumes through readers.make_loader's loader "
-                             "(its state holds the rank's batches); a worker's own state (torchdata's "
-                             "StatefulDataLoader) is not supported")
-        return self.stream_state()
+        """This process's own state (torchdata's StatefulDataLoader takes each worker's): the
+        pass's epoch and start, the batch this worker's next round starts at, and its chains'
+        counts; make_loader's loader saves stream_state() instead, with the rank's batches."""
+        rank, world_size = self.world()
+        worker_id, workers = worker()
+        progress = self.progress
+        if progress is None or progress["epoch"] != self.epoch:  # no batch made yet: where the pass begins
+            start, first = self.pass_begin(self.epoch)
+            progress = {"epoch": self.epoch, "start": start, "first": first,
+                        "chains": self.counts(world_size).at(rank, workers, self.epoch, first)[worker_id].tolist()}
+        return {**self.stream_state(), "epoch": progress["epoch"],
+                "worker": {"rank": rank, "worker": worker_id, "workers": workers, "start": progress["start"],
+                           "first": progress["first"],
+                           "chains": dict(zip((self.names[s] for s in self.streams), progress["chains"]))}}
 
     def load_state_dict(self, state: dict) -> None:
         """The next pass goes on from the state's position: on the ranks and workers it was
         saved on, the map-style sources' order where it stopped and each chain from its count
         there; on others, or over other weights or sources (reweight=True), the rest of the
         epoch dealt anew, each stream going on from the rest of its epochs (readers._mix_chains)."""
+        if isinstance(state, dict) and "worker" in state:
+            self.resume_worker(own_state(self, state))
+            return
         saved = SavedState(self, state)
         self._counts, self._epochs, self._chains = {}, {}, {}
         self.set_epoch(saved.epoch)
@@ -294,6 +316,21 @@ class MixStream(torch.utils.data.IterableDataset):
                        "skipped": saved.position["batches"] - batches, "world_size": world_size,
                        "workers": saved.workers, "chains": chains}
         self._counts = {}
+
+    def resume_worker(self, own: dict) -> None:
+        """Go on from this worker's own state (own_state's, checked): its next round of the
+        pass at its batch, its chains at their counts. Its epoch is for its pass alone (the
+        epoch is shared with the main process, whose next passes run the one set there)."""
+        rank, world_size = self.world()
+        worker_id, workers = worker()
+        names = [self.names[s] for s in self.streams]
+        chains = {name: [[0] * workers for _ in range(world_size)] for name in names}
+        for name in names:
+            chains[name][rank][worker_id] = own["chains"][name]
+        self.anchor = {"epoch": own["epoch"], "start": own["start"], "batches": own["first"], "skipped": 0,
+                       "world_size": world_size, "workers": workers, "chains": chains, "bases": own["bases"]}
+        self._counts, self._epochs, self._chains, self.progress = {}, {}, {}, None
+        self.pass_epoch, self.pending = own["epoch"], (own["epoch"], own["first"])
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
