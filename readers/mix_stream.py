@@ -10,11 +10,16 @@ epochs, which carry on across the mixture's). A rank's positions are cut into ba
 batch j of a pass is made by worker j mod K, which is the order a DataLoader takes batches
 from its workers in: the batches handed out are a prefix of the rank's positions, as with
 the map-style mixture, and each chain's count is the stream draws of its worker's batches,
-computed from the schedule alone (chain_counts).
+computed from the schedule alone (readers._mix_chains.Counts).
 
 The resume state holds an anchor: where the run began or a state was loaded, with each
-chain's count there. Every chain's count at any later batch follows from the anchor by the
-schedule, so the state stays O(sources x ranks x workers) numbers.
+chain's count there and each stream's base (readers._mix_chains). Every chain's count at
+any later batch follows from the anchor by the schedule, so the state stays O(sources x
+ranks x workers) numbers. A state resumes exactly on the ranks and workers that saved it;
+elsewhere, or over other weights or sources (reweight=True), the chains fold into each
+stream's base and the rest of the epoch is dealt anew (readers._mix_stream_state). A
+worker's own state (torchdata's StatefulDataLoader) is its round's first batch and its
+chains' counts, and resumes exactly.
 """
 from __future__ import annotations
 

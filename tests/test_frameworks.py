@@ -76,6 +76,9 @@ def make(job: dict):
         return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
                                    multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
+    if job["loader"] == "mixstream":  # with the WDS folder as a stream: readers.mix_stream.MixStream
+        data = readers.Mix({"lmdb": data, "wds": readers.WDSDataset(root / "uneven.wds", decode="raw", shuffle=32,
+                                                                   seed=WDS_SEED)}, seed=SEED)
     if job["loader"] == "mix":  # by index from the WDS folder: readers.WDSMapDataset
         data = readers.Mix({"lmdb": data, "wds": readers.WDSMapDataset(root / "uneven.wds", decode="raw")},
                           seed=SEED)
@@ -217,13 +220,27 @@ def check_whole_epochs(seen: dict, epochs, padded: int = 0, samples: int = SAMPL
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
 
+def padding_of(loader: str) -> int:
+    """Repeats an epoch over 2 ranks may hold: a stream's padded sample (125 over 2 ranks),
+    and in a stream mixture a chain's draw into its next stream epoch too."""
+    return {"wds": 1, "mixstream": 2}.get(loader, 0)
+
+
+def check_map_part(seen: dict, epochs) -> None:
+    """A stream mixture's map-style source (LMDB: labels below SOURCE_STRIDE) gives each of
+    its samples once an epoch, whatever the stream's draws."""
+    for epoch in epochs:
+        lmdb = [label for rank in (0, 1) for label in seen[rank][str(epoch)] if label < SOURCE_STRIDE]
+        assert len(lmdb) == len(set(lmdb)) > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: the LMDB source's samples"
+
+
 def epochs_of(seen: dict) -> dict:
     """A Lightning rank's record less its worker count: {epoch: labels}."""
     return {key: labels for key, labels in seen.items() if key != "workers"}
 
 
-LIGHTNING_LOADERS = ("make_loader", "wds", "mix")
-MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20}  # 7 or 8, or 15, steps an epoch: mid-epoch 1
+LIGHTNING_LOADERS = ("make_loader", "wds", "mix", "mixstream")
+MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20, "mixstream": 20}  # 7 or 8, or 15, steps an epoch: mid-epoch 1
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +289,10 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
 @pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, packs, loader):
     whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
-    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
-                       samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
+    check_whole_epochs(whole, range(EPOCHS), padded=padding_of(loader),
+                       samples=MIX_SAMPLES if loader.startswith("mix") else SAMPLES)
+    if loader == "mixstream":
+        check_map_part(whole, range(EPOCHS))
     if loader == "wds":
         check_stream_epochs(whole, packs)
     mid_step = MID_STEP[loader]
@@ -285,7 +304,7 @@ def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(ligh
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-ACCELERATE_CASES = [("make_loader", False), ("make_loader", True), ("wds", False), ("mix", False)]
+ACCELERATE_CASES = [("make_loader", False), ("make_loader", True), ("wds", False), ("mix", False), ("mixstream", False)]
 REFUSED_CASES = [(2, 1, None), (1, 1, None), (2, 2, "spawn"), (1, 0, None)]
 
 
@@ -322,7 +341,10 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(accelerate_runs, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     whole = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-whole")
-    check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
+    check_whole_epochs(whole, range(EPOCHS), padded=padding_of(loader) if loader == "mixstream" else 0,
+                       samples=MIX_SAMPLES if loader.startswith("mix") else SAMPLES)
+    if loader == "mixstream":
+        check_map_part(whole, range(EPOCHS))
     resumed = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-resumed")
     for rank in (0, 1):  # each step gives each rank one batch of BATCH
         assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}
