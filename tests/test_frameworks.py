@@ -12,6 +12,7 @@ that saved it, in processes of their own, as a user's resumed job is.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -220,18 +221,20 @@ def check_whole_epochs(seen: dict, epochs, padded: int = 0, samples: int = SAMPL
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
 
-def padding_of(loader: str) -> int:
-    """Repeats an epoch over 2 ranks may hold: a stream's padded sample (125 over 2 ranks),
-    and in a stream mixture a chain's draw into its next stream epoch too."""
-    return {"wds": 1, "mixstream": 2}.get(loader, 0)
-
-
-def check_map_part(seen: dict, epochs) -> None:
-    """A stream mixture's map-style source (LMDB: labels below SOURCE_STRIDE) gives each of
-    its samples once an epoch, whatever the stream's draws."""
+def check_mixed_stream(seen: dict, epochs) -> None:
+    """A stream mixture, by its sizes: every epoch, the same batch count on both ranks and the
+    map-style source (LMDB: labels below SOURCE_STRIDE) giving each of its samples once; the
+    stream, along its own epochs, which carry on across the mixture's (drop_last leaves a few
+    of each stream epoch to the next mixture epoch): over the run, every one of its samples
+    read, and none more than twice as often as another but for the rank's padding."""
+    stream = collections.Counter()
     for epoch in epochs:
-        lmdb = [label for rank in (0, 1) for label in seen[rank][str(epoch)] if label < SOURCE_STRIDE]
+        ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1]) and len(ranks[0]) * 2 > MIX_SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}"
+        lmdb = [label for labels in ranks for label in labels if label < SOURCE_STRIDE]
         assert len(lmdb) == len(set(lmdb)) > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: the LMDB source's samples"
+        stream.update(label for labels in ranks for label in labels if label >= SOURCE_STRIDE)
+    assert len(stream) == SAMPLES and max(stream.values()) - min(stream.values()) <= 2, sorted(stream.values())
 
 
 def epochs_of(seen: dict) -> dict:
@@ -289,10 +292,11 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
 @pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, packs, loader):
     whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
-    check_whole_epochs(whole, range(EPOCHS), padded=padding_of(loader),
-                       samples=MIX_SAMPLES if loader.startswith("mix") else SAMPLES)
     if loader == "mixstream":
-        check_map_part(whole, range(EPOCHS))
+        check_mixed_stream(whole, range(EPOCHS))
+    else:
+        check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
+                           samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     if loader == "wds":
         check_stream_epochs(whole, packs)
     mid_step = MID_STEP[loader]
@@ -341,10 +345,10 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(accelerate_runs, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     whole = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-whole")
-    check_whole_epochs(whole, range(EPOCHS), padded=padding_of(loader) if loader == "mixstream" else 0,
-                       samples=MIX_SAMPLES if loader.startswith("mix") else SAMPLES)
     if loader == "mixstream":
-        check_map_part(whole, range(EPOCHS))
+        check_mixed_stream(whole, range(EPOCHS))
+    else:
+        check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     resumed = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-resumed")
     for rank in (0, 1):  # each step gives each rank one batch of BATCH
         assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}

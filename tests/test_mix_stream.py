@@ -100,6 +100,18 @@ def test_spawned_workers_and_thread_workers_make_the_same_batches(packs):
     threads = make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
                           worker_kind="threads")
     assert list(spawned) == expected == list(threads)
+    def threaded():
+        return make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
+                           worker_kind="threads")
+
+    saving = threaded()
+    batches = iter(saving)
+    head = [next(batches) for _ in range(4)]
+    state = json.loads(json.dumps(saving.state_dict()))
+    del batches
+    resumed = threaded()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == expected, "2 threads resume exactly as 2 workers do"
 
 
 @pytest.mark.parametrize("take", [4, 3])  # a whole round of the 2 workers' batches, and inside one
