@@ -165,11 +165,10 @@ class MixStream(torch.utils.data.IterableDataset):
         return start, first
 
     def batches(self, batch_size: int, drop_last: bool, workers: int) -> int:
-        """Batches of the coming pass on this rank (the workers take them in turn): after a
-        resume, of the rest of its epoch."""
-        start, first = self.pass_begin(self.epoch)
-        n = self.sampler.pass_length(self.world()[1], start)
-        return max(0, (n // batch_size if drop_last else math.ceil(n / batch_size)) - first)
+        """Batches of an epoch on this rank (the workers take them in turn): a whole one's,
+        also for a resumed pass's shorter rest (frameworks read a loader's length once)."""
+        n = len(self)
+        return n // batch_size if drop_last else math.ceil(n / batch_size)
 
     def __iter__(self):
         if self.batch_size is None:

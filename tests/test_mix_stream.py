@@ -2,8 +2,10 @@
 workers through make_loader and a plain DataLoader; each source's share of every batch; every
 map-style sample once per pass and no stream sample twice before its stream's epoch is read;
 the same batches after a resume on the ranks and workers that saved it (the map-style
-sources' exactly, and each stream going on where it stopped); and clear refusals of what a
-stream mixture does not do.
+sources' exactly, and each stream going on where it stopped), through thread workers and
+torchdata's StatefulDataLoader too; a state resumed on other workers and saved again; and
+clear refusals of a foreign or damaged state and of what a stream mixture does not do
+(tests/test_mix_stream_resume.py resumes on other gloo ranks).
 """
 from __future__ import annotations
 
@@ -222,10 +224,10 @@ def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs):
         list(loader_of(tiny, workers=10))
 
 
-def test_a_state_of_another_mixture_or_stream_or_damaged_is_refused_naming_what(packs):
+def test_a_state_resumes_on_2_then_1_then_3_workers_and_a_foreign_or_damaged_one_is_refused(packs):
     loader = loader_of(mixture(packs))
     batches = iter(loader)
-    next(batches)
+    batches_before = [next(batches)]
     state = json.loads(json.dumps(loader.state_dict()))
     del batches
     halves = Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
@@ -239,12 +241,16 @@ def test_a_state_of_another_mixture_or_stream_or_damaged_is_refused_naming_what(
     resumed = loader_of(mixture(packs), workers=1)
     resumed.load_state_dict(state)
     batches = iter(resumed)
-    next(batches)
+    second = next(batches)
     again = json.loads(json.dumps(resumed.state_dict()))
     del batches
     segment = again["dataset"]["anchor"]["bases"]["web"]["histories"][0][-1]
     assert set(segment) == {"world_size", "workers", "ranks"} and len(segment["ranks"][0]) == 2
     assert len(json.dumps(again)) < 2000
+    last = loader_of(mixture(packs), workers=3)  # and on 3: the epoch's samples each once
+    last.load_state_dict(again)
+    lmdb, web = split([batches_before[0], second, *last], packs)
+    assert sorted(lmdb) == sorted(set(lmdb)) and len(lmdb) == 70 and len(web) == 30 == len(set(web))
     for damage, message in ((lambda s: s["ranks"].append([0, 0]), "or world_size, workers and ranks"),
                             (lambda s: s.update(world_size=10 ** 9), "world_size at most 65536"),
                             (lambda s: s["ranks"][0].__setitem__(0, 10 ** 6), "samples read from the streams")):
