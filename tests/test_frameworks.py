@@ -226,7 +226,7 @@ def check_mixed_stream(seen: dict, epochs) -> None:
     map-style source (LMDB: labels below SOURCE_STRIDE) giving each of its samples once; the
     stream, along its own epochs, which carry on across the mixture's (drop_last leaves a few
     of each stream epoch to the next mixture epoch): over the run, every one of its samples
-    read as often as any other, within 1, but for the rank's padding."""
+    read, as often as any other within 2, but for the rank's padding."""
     stream = collections.Counter()
     for epoch in epochs:
         ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
@@ -234,8 +234,10 @@ def check_mixed_stream(seen: dict, epochs) -> None:
         lmdb = [label for labels in ranks for label in labels if label < SOURCE_STRIDE]
         assert len(lmdb) == len(set(lmdb)) > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: the LMDB source's samples"
         stream.update(label for labels in ranks for label in labels if label >= SOURCE_STRIDE)
-    counts = sorted(stream.values())  # the last: the padded sample (125 over 2 ranks), once more each stream epoch
-    assert len(stream) == SAMPLES and counts[-2] - counts[0] <= 1 and counts[-1] <= counts[0] + 1 + EPOCHS, counts
+    # Within 2: a rank's share of the stream changes with its epoch's shard order, so the ranks' chains, a
+    # few draws apart, may each read a sample; the last, the padded sample (125 over 2 ranks), once more each epoch.
+    counts = sorted(stream.values())
+    assert len(stream) == SAMPLES and counts[-2] - counts[0] <= 2 and counts[-1] <= counts[0] + 2 + EPOCHS, counts
 
 
 def epochs_of(seen: dict) -> dict:
