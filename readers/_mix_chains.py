@@ -149,6 +149,9 @@ class ChainEpochs:
                 return k, count, sizes[worker_id]
             count -= sizes[worker_id]
         whole = self.whole[worker_id]
+        if not whole:
+            raise ValueError(f"Mix: a chain of {len(self.whole)} DataLoader workers' has no sample of its stream to "
+                             "read (more workers than the rank has samples): the state was not saved over this data")
         k, offset = divmod(count, whole)
         return len(self.rests) + k, offset, whole
 
