@@ -160,8 +160,8 @@ WORKER_KEYS = {"rank", "worker", "workers", "start", "first", "chains"}  # a wor
 def own_state(mix, state: dict) -> dict:
     """A worker's own state (MixStream.state_dict in a DataLoader worker: torchdata's
     StatefulDataLoader), checked: it resumes exactly, in the same worker of the same rank
-    of the same mixture. {"epoch", "start", "first", "chains", "bases"}; the mixture's
-    schedule set to the state's segment."""
+    of the same mixture. {"epoch", "first", "anchor"}: the anchor at the worker's next round,
+    its chains' counts in its own row; the mixture's schedule set to the state's segment."""
     check_state(state, "MixStream", mix.settings())
     who = "MixStream.load_state_dict: the worker's"
     epoch = checked_count(state, "epoch", "MixStream", MAX_EPOCH)
@@ -190,4 +190,9 @@ def own_state(mix, state: dict) -> dict:
     first = bounded_int(own["first"], "first", who, 0, MOST)
     bases = checked_anchor(state.get("anchor"), names)["bases"]
     mix.sampler.schedule = mix.sampler.saved_schedule(state)
-    return {"epoch": epoch, "start": start, "first": first, "chains": dict(chains), "bases": bases}
+    rows = {name: [[0] * workers for _ in range(world_size)] for name in names}
+    for name in names:
+        rows[name][rank][worker_id] = chains[name]
+    anchor = {"epoch": epoch, "start": start, "batches": first, "skipped": 0, "world_size": world_size,
+              "workers": workers, "chains": rows, "bases": bases}
+    return {"epoch": epoch, "first": first, "anchor": anchor}

@@ -576,8 +576,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn,
                           ThreadLoader if threads else EpochLoader)
     set_threads(loader, threads, worker_kind, pin, prefetch_factor, multiprocessing_context)
-    if hasattr(dataset, "batching"):  # a mixture with a stream: its workers (or threads) make the rank's batches
-        dataset.batching(batch_size, drop_last, loader.num_workers)
+    getattr(dataset, "batching", lambda *_: None)(batch_size, drop_last, loader.num_workers)  # a Mix over streams
     warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
 

@@ -171,11 +171,14 @@ class MixStream(torch.utils.data.IterableDataset):
         return n // batch_size if drop_last else math.ceil(n / batch_size)
 
     def __iter__(self):
+        self.check_batching("iterating")
+        return self.samples()
+
+    def check_batching(self, before: str) -> None:
         if self.batch_size is None:
             raise ValueError("Mix: a mixture with a WebDataset stream makes its rank's batches worker by worker, so "
                              "it must know the loader's batch size: call mix.batching(batch_size, drop_last) with "
-                             "the DataLoader's (make_loader does), before iterating")
-        return self.samples()
+                             f"the DataLoader's (make_loader does), before {before}")
 
     def samples(self):
         """This worker's batches of the pass, sample by sample."""
@@ -272,6 +275,7 @@ class MixStream(torch.utils.data.IterableDataset):
         """This process's own state (torchdata's StatefulDataLoader takes each worker's): the
         pass's epoch and start, the batch this worker's next round starts at, and its chains'
         counts; make_loader's loader saves stream_state() instead, with the rank's batches."""
+        self.check_batching("saving its state")
         rank, world_size = self.world()
         worker_id, workers = worker()
         progress = self.progress
@@ -279,7 +283,8 @@ class MixStream(torch.utils.data.IterableDataset):
             start, first = self.pass_begin(self.epoch)
             progress = {"epoch": self.epoch, "start": start, "first": first,
                         "chains": self.counts(world_size).at(rank, workers, self.epoch, first)[worker_id].tolist()}
-        return {**self.stream_state(), "epoch": progress["epoch"],
+        anchor = {**self.anchor, "world_size": None, "workers": None, "chains": None}  # its bases: the counts' own
+        return {**self.stream_state(), "anchor": anchor, "epoch": progress["epoch"],
                 "worker": {"rank": rank, "worker": worker_id, "workers": workers, "start": progress["start"],
                            "first": progress["first"],
                            "chains": dict(zip((self.names[s] for s in self.streams), progress["chains"]))}}
@@ -289,6 +294,7 @@ class MixStream(torch.utils.data.IterableDataset):
         saved on, the map-style sources' order where it stopped and each chain from its count
         there; on others, or over other weights or sources (reweight=True), the rest of the
         epoch dealt anew, each stream going on from the rest of its epochs (readers._mix_chains)."""
+        self.check_batching("loading a state")
         if isinstance(state, dict) and "worker" in state:
             self.resume_worker(own_state(self, state))
             return
@@ -322,17 +328,10 @@ class MixStream(torch.utils.data.IterableDataset):
         self._counts = {}
 
     def resume_worker(self, own: dict) -> None:
-        """Go on from this worker's own state (own_state's, checked): its next round of the
-        pass at its batch, its chains at their counts. Its epoch is for its pass alone (the
-        epoch is shared with the main process, whose next passes run the one set there)."""
-        rank, world_size = self.world()
-        worker_id, workers = worker()
-        names = [self.names[s] for s in self.streams]
-        chains = {name: [[0] * workers for _ in range(world_size)] for name in names}
-        for name in names:
-            chains[name][rank][worker_id] = own["chains"][name]
-        self.anchor = {"epoch": own["epoch"], "start": own["start"], "batches": own["first"], "skipped": 0,
-                       "world_size": world_size, "workers": workers, "chains": chains, "bases": own["bases"]}
+        """Go on from this worker's own state (own_state's: its round's first batch, its chains'
+        counts in its anchor). Its epoch is for its pass alone (the epoch is shared with the
+        main process, whose next passes run the one set there)."""
+        self.anchor = own["anchor"]
         self._counts, self._epochs, self._chains, self.progress = {}, {}, {}, None
         self.pass_epoch, self.pending = own["epoch"], (own["epoch"], own["first"])
 
