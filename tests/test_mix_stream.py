@@ -258,3 +258,28 @@ def test_a_state_resumes_on_2_then_1_then_3_workers_and_a_foreign_or_damaged_one
         damage(bad["dataset"]["anchor"]["bases"]["web"]["histories"][0][-1])
         with pytest.raises(ValueError, match=message):
             loader_of(mixture(packs), workers=2).load_state_dict(bad)
+
+
+def test_a_source_added_or_removed_on_resume_with_reweight(packs):
+    """lmdb + web, stopped after 3 batches on 2 workers; resumed on 1 with lmdb removed and hdf5
+    and a second stream (the same shards, another seed) added: web goes on where it was, the
+    added sources start their passes, and the rest of the epoch follows the new weights."""
+    loader = loader_of(mixture(packs))
+    batches = iter(loader)
+    head = [next(batches) for _ in range(3)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    new = Mix({"hdf5": readers.HDF5Dataset(packs / "d.h5", decode="raw"),  # index 0, web stays 1: the same ids
+               "web": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=4, seed=SEED),
+               "web2": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=4, seed=SEED + 1)},
+              weights={"hdf5": 0.4, "web": 0.3, "web2": 0.3}, seed=SEED, epoch_size=EPOCH, reweight=True)
+    resumed = loader_of(new, workers=1)
+    resumed.load_state_dict(state)
+    rest = [i for batch in resumed for i in batch]
+    _, head_web = split(head, packs)
+    hdf5, web, web2 = ([i for i in rest if i in ids_of(packs, s)] for s in range(3))
+    assert len(hdf5) + len(web) + len(web2) == len(rest) == EPOCH - 3 * BATCH
+    assert [abs(len(part) - share * len(rest)) <= 2 for part, share in ((hdf5, 0.4), (web, 0.3), (web2, 0.3))] \
+        == [True] * 3
+    assert len(set(hdf5)) == len(hdf5) and len(set(web2)) == len(web2), "the added sources start their passes"
+    assert not set(web) & set(head_web) and len(set(web)) == len(web), "web goes on where it was"
