@@ -74,11 +74,13 @@ class Walk:
 
 class Counts:
     """Every chain's count at any batch, from an anchor by a Walk (of the anchor's names'
-    stream sources); the counts at the start of the last epoch asked for are kept."""
+    stream sources). A whole epoch after the anchor's lays its sources out on the positions
+    as every other does (the schedule's interleave and deal depend on the position alone),
+    so its draws per chain are worked out once and multiplied."""
 
     def __init__(self, anchor: dict, walk: Walk, names: list[str]):
         self.anchor, self.walk, self.names = anchor, walk, names
-        self.walked: dict = {}  # (rank, workers) -> (an epoch, the counts at its start)
+        self.whole: dict = {}  # (rank, workers) -> the chains' draws in a whole epoch after the anchor's
 
     def at(self, rank: int, workers: int, epoch: int, batches: int) -> np.ndarray:
         """[worker, stream source] counts of the rank's chains after `batches` batches of
@@ -99,18 +101,17 @@ class Counts:
         return np.array([chains[name][rank] for name in self.names], dtype=np.int64).T.reshape(workers, -1)
 
     def epoch_start(self, rank: int, workers: int, epoch: int) -> np.ndarray:
-        """Counts at the start of `epoch` (after the anchor's), walked on from the last one kept."""
+        """Counts at the start of `epoch` (after the anchor's): the anchor's pass's rest, then
+        whole epochs."""
         anchor, walk = self.anchor, self.walk
-        at, counts = self.walked.get((rank, workers), (epoch + 1, None))
-        if at > epoch:  # walk from the anchor: its pass's rest first
-            at = anchor["epoch"] + 1
-            counts = self.anchored(rank, workers) + walk.drawn(rank, workers, anchor["epoch"], anchor["start"],
-                                                               anchor["batches"], walk.batches(anchor["start"]),
-                                                               anchor["batches"])
-        for done in range(at, epoch):
-            counts = counts + walk.drawn(rank, workers, done, 0, 0, walk.batches(0), 0)
-        self.walked[(rank, workers)] = (epoch, counts)
-        return counts
+        key = (rank, workers)
+        if key not in self.whole:
+            rest = walk.drawn(rank, workers, anchor["epoch"], anchor["start"], anchor["batches"],
+                              walk.batches(anchor["start"]), anchor["batches"])
+            whole = walk.drawn(rank, workers, anchor["epoch"] + 1, 0, 0, walk.batches(0), 0)
+            self.whole[key] = (self.anchored(rank, workers) + rest, whole)
+        after_anchor, whole = self.whole[key]
+        return after_anchor + (epoch - anchor["epoch"] - 1) * whole
 
 
 @contextlib.contextmanager

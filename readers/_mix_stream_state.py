@@ -38,7 +38,7 @@ class SavedState:
         if self.position is not None:
             workers = self.position["workers"]
         self.workers = None if workers is None else bounded_int(workers, "workers", who, 1, MAX_WORKERS)
-        self.names = saved_streams(state, now, mix.view.reweight)
+        self.names = saved_streams(state, now)
         self.changed = [f"{k} {shown(state.get(k))} (now {shown(now[k])})" for k in CHANGEABLE
                         if state.get(k) != now[k]]
         if self.changed and not mix.view.reweight:
@@ -50,7 +50,7 @@ class SavedState:
         if anchor["chains"] is not None and (anchor["world_size"] != self.world_size or
                                              anchor["workers"] != (self.workers or anchor["workers"])):
             raise ValueError(f"{who}: the anchor's chains are {anchor['world_size']} rank(s) x {anchor['workers']} "
-                             f"worker(s)', the state's {self.world_size} x {self.workers}: it is damaged or was put "
+                             f"worker(s), the state's {self.world_size} x {self.workers}: it is damaged or was put "
                              "together from two states")
         self.workers = self.workers or anchor["workers"]
         ours = self.epoch == anchor["epoch"]
@@ -71,8 +71,7 @@ class SavedState:
 
     def exact(self, mix) -> bool:
         """Whether it resumes exactly: the same mixture on the same ranks and workers."""
-        here = (mix.world()[1], mix.workers or self.workers)
-        return not self.changed and (self.world_size, self.workers) == (here[0], here[1] or self.workers)
+        return not self.changed and (self.world_size, self.workers) == (mix.world()[1], mix.workers or self.workers)
 
     def folded(self, mix) -> dict:
         """The anchor of a resume on other ranks or workers, or over another mixture: each
@@ -90,7 +89,7 @@ class SavedState:
                 epochs = ChainEpochs(stream, self.anchor["bases"].get(name, BASE), self.world_size, self.workers)
                 bases[name] = folded(epochs, chains[name], name)
         mix.sampler.load_state_dict(self.sampler_state)
-        epoch, start = mix.sampler._resume
+        epoch, start = mix.sampler._resume  # where its pass starts: the rest of the epoch, dealt to this world
         return {"epoch": epoch, "start": start, "batches": 0, "skipped": self.skipped, "world_size": None,
                 "workers": None, "chains": None, "bases": bases}
 
@@ -124,7 +123,7 @@ def checked_position(position) -> dict | None:
     return dict(position)
 
 
-def saved_streams(state: dict, now: dict, reweight: bool) -> list[str]:
+def saved_streams(state: dict, now: dict) -> list[str]:
     """The state's stream sources, in its sources' order: a kept one's settings must be
     this one's (a stream's epochs cannot go on over other shards)."""
     streams, sources = state.get("streams"), state.get("sources")
