@@ -576,6 +576,7 @@ def make_loader(dataset, batch_size: int, *, device=None, train: bool = True, wo
     loader = epoch_loader(dataset, batch_size, walk, policy, pin, drop_last, collate, worker_init_fn,
                           ThreadLoader if threads else EpochLoader)
     set_threads(loader, threads, worker_kind, pin, prefetch_factor, multiprocessing_context)
+    getattr(dataset, "batching", lambda *_: None)(batch_size, drop_last, loader.num_workers)  # a Mix over streams
     warn_if_drop_last_drops_much(loader, walk.sampler)  # here: its stacklevel names make_loader's caller
     return wrapped_loader(loader, target, decoder, stats, mean=mean, std=std, channels_last=channels_last, dtype=dtype)
 
@@ -628,8 +629,6 @@ def thread_workers(worker_kind: str, dataset, workers: int | None, persistent_wo
 def epoch_loader(dataset, batch_size: int, walk: Order, policy: WorkerPolicy, pin: bool, drop_last: bool,
                  collate_fn, worker_init_fn, loader_class=None) -> EpochLoader:
     """The DataLoader make_loader sets up: its walk, workers, pinning and collate."""
-    if hasattr(dataset, "batching"):  # a mixture with a stream: its workers make the rank's batches in turn
-        dataset.batching(batch_size, drop_last)
     return (loader_class or EpochLoader)(
         dataset, batch_size=batch_size, shuffle=walk.shuffle, sampler=walk.sampler, num_workers=policy.workers,
         collate_fn=collate_fn, pin_memory=pin, drop_last=drop_last,

@@ -16,6 +16,9 @@ numbers per resume, and loading costs one replay of the samples consumed.
 A DataLoader worker's own state (torchdata's StatefulDataLoader) holds its own stream's
 count alone: its pass is the segment {"world_size", "workers", "streams"}, every stream's
 count, which the rank's new workers pool (readers._pool) as they start, each with its own.
+A pass whose ranks' streams read different counts (a stream mixture's chains,
+readers._mix_chains) is the segment {"world_size", "workers", "ranks"}: each rank's count
+per stream.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from ._stream import Task, consumed_samples, cut, replay_shuffle, stream_sizes
 
 SEGMENT_KEYS = ("world_size", "workers", "batches", "batch_size", "drop_last")  # a loader's pass (its batches)
 STREAMS_KEYS = ("world_size", "workers", "streams")  # a pass of StatefulDataLoader's workers (each stream's count)
+RANKS_KEYS = ("world_size", "workers", "ranks")  # a pass whose ranks read different counts (each rank's streams')
 
 
 def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
@@ -43,10 +47,16 @@ def checked_history(history, kind: str = "WDSDataset") -> list[dict]:
         if not (isinstance(segment, dict) and valid_segment(segment)):
             raise ValueError(f"{kind}.load_state_dict: each pass of the history needs the ints "
                              f"{', '.join(SEGMENT_KEYS[:-1])} (>= 1; batches >= 0) and drop_last, or world_size, "
-                             f"workers and streams (a count >= 0 per worker), with world_size at most "
+                             f"workers and streams (a count >= 0 per worker), or world_size, workers and ranks (such "
+                             f"a list per rank), with world_size at most "
                              f"{MAX_WORLD_SIZE} and workers at most {MAX_WORKERS}, got {shown(segment)}")
-    return [{**segment, "streams": list(segment["streams"])} if "streams" in segment else dict(segment)
-            for segment in history]
+    return [copied_segment(segment) for segment in history]
+
+
+def copied_segment(segment: dict) -> dict:
+    if "ranks" in segment:
+        return {**segment, "ranks": [list(row) for row in segment["ranks"]]}
+    return {**segment, "streams": list(segment["streams"])} if "streams" in segment else dict(segment)
 
 
 def valid_segment(segment: dict) -> bool:
@@ -54,13 +64,26 @@ def valid_segment(segment: dict) -> bool:
                for key, most in (("world_size", MAX_WORLD_SIZE), ("workers", MAX_WORKERS))):
         return False
     if set(segment) == set(STREAMS_KEYS):
-        streams = segment["streams"]
-        return (isinstance(streams, list) and len(streams) == segment["workers"]
-                and all(type(n) is int and n >= 0 for n in streams))
+        return valid_counts(segment["streams"], segment["workers"])
+    if set(segment) == set(RANKS_KEYS):
+        return valid_ranks(segment)
     if set(segment) != set(SEGMENT_KEYS):
         return False
     counts = all(type(segment[key]) is int and segment[key] >= (key != "batches") for key in SEGMENT_KEYS[:-1])
     return counts and type(segment["drop_last"]) is bool
+
+
+def valid_counts(streams, workers: int) -> bool:
+    """Whether streams is a count >= 0 for each of `workers` streams."""
+    return isinstance(streams, list) and len(streams) == workers and all(type(n) is int and n >= 0 for n in streams)
+
+
+def valid_ranks(segment: dict) -> bool:
+    """Whether a per-rank segment's "ranks" holds each rank's stream counts (checked after
+    world_size and workers, so its length is bounded)."""
+    ranks = segment["ranks"]
+    return (isinstance(ranks, list) and len(ranks) == segment["world_size"]
+            and all(valid_counts(row, segment["workers"]) for row in ranks))
 
 
 def offsets(dataset) -> np.ndarray:
@@ -110,6 +133,9 @@ def pass_runs(dataset, segment: dict, total: int, length: int) -> Iterator[tuple
     had yielded to its batches, every rank's plan being `length` samples of a pool of `total`."""
     workers = segment["workers"]
     sizes = stream_sizes(length, workers)
+    if "ranks" in segment:
+        yield from ranks_runs(dataset, segment, total, length, sizes)
+        return
     if "streams" in segment:
         yielded = segment["streams"]
         if any(n > size for n, size in zip(yielded, sizes)):
@@ -119,15 +145,35 @@ def pass_runs(dataset, segment: dict, total: int, length: int) -> Iterator[tuple
         yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
     edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
     for ranks, begin, end in share_spans(total, length, segment["world_size"]):
-        for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
-            if not n:
-                continue
-            if dataset.shuffle <= 1 or n == size:  # yielded in order, or the buffer drained
-                runs = [(0, n)]
-            else:  # stopped inside its shuffle buffer: which samples depends on the rank's draws
-                runs = stream_yield(dataset, ranks, stream_id, size, n)
-            for low, high in runs:
-                yield from pool_runs(edges[stream_id] + low, edges[stream_id] + high, begin, end)
+        yield from yielded_runs(dataset, ranks, yielded, sizes, edges, begin, end)
+
+
+def yielded_runs(dataset, ranks, yielded: list[int], sizes: list[int], edges: list[int], begin: int, end: int
+                 ) -> Iterator[tuple[int, int]]:
+    """Runs of the pool's sample numbers that the streams of `ranks` (one share of the
+    pool, [begin, end) then its start) had yielded, `yielded` of each stream's `sizes`."""
+    for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
+        if not n:
+            continue
+        if dataset.shuffle <= 1 or n == size:  # yielded in order, or the buffer drained
+            runs = [(0, n)]
+        else:  # stopped inside its shuffle buffer: which samples depends on the rank's draws
+            runs = stream_yield(dataset, ranks, stream_id, size, n)
+        for low, high in runs:
+            yield from pool_runs(edges[stream_id] + low, edges[stream_id] + high, begin, end)
+
+
+def ranks_runs(dataset, segment: dict, total: int, length: int, sizes: list[int]) -> Iterator[tuple[int, int]]:
+    """pass_runs of a per-rank segment: each rank's streams yielded their own counts, so
+    each rank's runs are worked out on their own (the padding ranks' too, joined after)."""
+    counts = segment["ranks"]
+    if any(n > size for row in counts for n, size in zip(row, sizes)):
+        raise ValueError(f"WDSDataset: the state has {shown(counts)} samples read from the streams of a pass whose "
+                         f"streams hold {shown(sizes)} on each rank; it was saved over other data")
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    for ranks, begin, end in share_spans(total, length, segment["world_size"]):
+        for rank in ranks:
+            yield from yielded_runs(dataset, range(rank, rank + 1), counts[rank], sizes, edges, begin, end)
 
 
 def share_spans(total: int, each: int, world_size: int) -> Iterator[tuple[range, int, int]]:

@@ -12,6 +12,7 @@ that saved it, in processes of their own, as a user's resumed job is.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -76,6 +77,9 @@ def make(job: dict):
         return readers.make_loader(data, BATCH, workers=job.get("workers", 1), collate_fn=labels_of,
                                    multiprocessing_context=job.get("context"))
     data = readers.LMDBDataset(root / "d.lmdb", decode="raw")
+    if job["loader"] == "mixstream":  # with the WDS folder as a stream: readers.mix_stream.MixStream
+        data = readers.Mix({"lmdb": data, "wds": readers.WDSDataset(root / "uneven.wds", decode="raw", shuffle=32,
+                                                                   seed=WDS_SEED)}, seed=SEED)
     if job["loader"] == "mix":  # by index from the WDS folder: readers.WDSMapDataset
         data = readers.Mix({"lmdb": data, "wds": readers.WDSMapDataset(root / "uneven.wds", decode="raw")},
                           seed=SEED)
@@ -217,13 +221,32 @@ def check_whole_epochs(seen: dict, epochs, padded: int = 0, samples: int = SAMPL
             assert seen[0][str(epoch)] != seen[0][str(epoch - 1)], f"epoch {epoch} repeats the previous order"
 
 
+def check_mixed_stream(seen: dict, epochs) -> None:
+    """A stream mixture, by its sizes: every epoch, the same batch count on both ranks and the
+    map-style source (LMDB: labels below SOURCE_STRIDE) giving each of its samples once; the
+    stream, along its own epochs, which carry on across the mixture's (drop_last leaves a few
+    of each stream epoch to the next mixture epoch): over the run, every one of its samples
+    read, as often as any other within 2, but for the rank's padding."""
+    stream = collections.Counter()
+    for epoch in epochs:
+        ranks = [seen[rank][str(epoch)] for rank in (0, 1)]
+        assert len(ranks[0]) == len(ranks[1]) and len(ranks[0]) * 2 > MIX_SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}"
+        lmdb = [label for labels in ranks for label in labels if label < SOURCE_STRIDE]
+        assert len(lmdb) == len(set(lmdb)) > SAMPLES - 2 * 2 * BATCH, f"epoch {epoch}: the LMDB source's samples"
+        stream.update(label for labels in ranks for label in labels if label >= SOURCE_STRIDE)
+    # Within 2: a rank's share of the stream changes with its epoch's shard order, so the ranks' chains, a
+    # few draws apart, may each read a sample; the last, the padded sample (125 over 2 ranks), once more each epoch.
+    counts = sorted(stream.values())
+    assert len(stream) == SAMPLES and counts[-2] - counts[0] <= 2 and counts[-1] <= counts[0] + 2 + EPOCHS, counts
+
+
 def epochs_of(seen: dict) -> dict:
     """A Lightning rank's record less its worker count: {epoch: labels}."""
     return {key: labels for key, labels in seen.items() if key != "workers"}
 
 
-LIGHTNING_LOADERS = ("make_loader", "wds", "mix")
-MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20}  # 7 or 8, or 15, steps an epoch: mid-epoch 1
+LIGHTNING_LOADERS = ("make_loader", "wds", "mix", "mixstream")
+MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20, "mixstream": 20}  # 7 or 8, or 15, steps an epoch: mid-epoch 1
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +295,11 @@ def check_stream_epochs(seen: dict, root: Path) -> None:
 @pytest.mark.parametrize("loader", LIGHTNING_LOADERS)
 def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(lightning_runs, packs, loader):
     whole, after_end, after_mid = (lightning_runs[f"{loader}-{run}"] for run in ("whole", "after-end", "after-mid"))
-    check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
-                       samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
+    if loader == "mixstream":
+        check_mixed_stream(whole, range(EPOCHS))
+    else:
+        check_whole_epochs(whole, range(EPOCHS), padded=1 if loader == "wds" else 0,  # a stream pads odd counts
+                           samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     if loader == "wds":
         check_stream_epochs(whole, packs)
     mid_step = MID_STEP[loader]
@@ -285,7 +311,7 @@ def test_lightning_resumes_exactly_from_epoch_end_and_mid_epoch_checkpoints(ligh
         assert after_mid[rank]["2"] == whole[rank]["2"]
 
 
-ACCELERATE_CASES = [("make_loader", False), ("make_loader", True), ("wds", False), ("mix", False)]
+ACCELERATE_CASES = [("make_loader", False), ("make_loader", True), ("wds", False), ("mix", False), ("mixstream", False)]
 REFUSED_CASES = [(2, 1, None), (1, 1, None), (2, 2, "spawn"), (1, 0, None)]
 
 
@@ -322,7 +348,10 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
 def test_accelerate_prepare_shards_the_whole_dataset_and_resumes_exactly(accelerate_runs, loader, stateful):
     """Mid-epoch 1, after 3 steps, through skip_first_batches or the stateful loader's state."""
     whole = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-whole")
-    check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
+    if loader == "mixstream":
+        check_mixed_stream(whole, range(EPOCHS))
+    else:
+        check_whole_epochs(whole, range(EPOCHS), samples=MIX_SAMPLES if loader == "mix" else SAMPLES)
     resumed = records(accelerate_runs / f"{accelerate_case(loader, stateful)}-resumed")
     for rank in (0, 1):  # each step gives each rank one batch of BATCH
         assert resumed[rank] == {"1": whole[rank]["1"][3 * BATCH:], "2": whole[rank]["2"]}

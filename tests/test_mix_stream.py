@@ -2,11 +2,14 @@
 workers through make_loader and a plain DataLoader; each source's share of every batch; every
 map-style sample once per pass and no stream sample twice before its stream's epoch is read;
 the same batches after a resume on the ranks and workers that saved it (the map-style
-sources' exactly, and each stream going on where it stopped); and clear refusals of what a
-stream mixture does not do.
+sources' exactly, and each stream going on where it stopped), through thread workers and
+torchdata's StatefulDataLoader too; a state resumed on other workers and saved again; and
+clear refusals of a foreign or damaged state and of what a stream mixture does not do
+(tests/test_mix_stream_resume.py resumes on other gloo ranks).
 """
 from __future__ import annotations
 
+import copy
 import json
 import zlib
 from pathlib import Path
@@ -99,6 +102,18 @@ def test_spawned_workers_and_thread_workers_make_the_same_batches(packs):
     threads = make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
                           worker_kind="threads")
     assert list(spawned) == expected == list(threads)
+    def threaded():
+        return make_loader(mixture(packs), BATCH, workers=2, seed=SEED, collate_fn=sample_ids, drop_last=False,
+                           worker_kind="threads")
+
+    saving = threaded()
+    batches = iter(saving)
+    head = [next(batches) for _ in range(4)]
+    state = json.loads(json.dumps(saving.state_dict()))
+    del batches
+    resumed = threaded()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == expected, "2 threads resume exactly as 2 workers do"
 
 
 @pytest.mark.parametrize("take", [4, 3])  # a whole round of the 2 workers' batches, and inside one
@@ -157,31 +172,114 @@ def test_two_ranks_share_the_map_style_sources_and_read_their_own_streams(packs,
     assert len(web) == 30 == len(set(web))
 
 
-def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs, monkeypatch):
+def stateful(packs: Path, workers: int):
+    """(a torchdata StatefulDataLoader over the mixture, the mixture, told the batch size)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    mix = mixture(packs)
+    mix.batching(BATCH, False)
+    return StatefulDataLoader(mix, BATCH, num_workers=workers, collate_fn=sample_ids), mix
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchdata_resumes_a_stream_mixture_exactly_from_each_workers_own_state(packs, workers):
+    loader, mix = stateful(packs, workers)
+    expected = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        expected.append(list(loader))
+    for take in (3, 10):  # inside a round of the workers' batches, and at the epoch's end
+        loader, mix = stateful(packs, workers)
+        mix.set_epoch(0)
+        batches = iter(loader)
+        head = [next(batches) for _ in range(take)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del batches
+        loader, mix = stateful(packs, workers)
+        loader.load_state_dict(state)
+        mix.set_epoch(0)
+        rest = list(loader)
+        mix.set_epoch(1)
+        assert head + rest == expected[0] and list(loader) == expected[1], f"{workers} workers, {take} batches"
+    worker_state = mixture(packs)
+    worker_state.batching(BATCH, False)
+    own = worker_state.state_dict()
+    own["worker"].update(worker=1, workers=2)
+    with pytest.raises(ValueError, match=r"worker 1 of 2's on rank 0 of 1, loaded in worker 0 of 1 .*make_loader"):
+        worker_state.load_state_dict(own)
+
+
+def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs):
     class Numbers(tud.IterableDataset):
         def __iter__(self):
             return iter([(b"x", 0)])
 
     with pytest.raises(ValueError, match="source 'numbers' .*Numbers.* IterableDataset other than readers.WDSDataset"):
         Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"), "numbers": Numbers()})
-    with pytest.raises(ValueError, match=r"reweight=True does not yet apply .*'web'"):
-        Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
-             "web": readers.WDSDataset(packs / "d.wds", decode="raw")}, reweight=True)
-    loader = loader_of(mixture(packs))
-    batches = iter(loader)
-    next(batches)
-    state = loader.state_dict()
-    del batches
-    other = loader_of(mixture(packs), workers=3)
-    other.load_state_dict(state)
-    with pytest.raises(Exception, match=r"saved on 1 rank\(s\) x 2 DataLoader worker\(s\).*1 x 3"):
-        next(iter(other))
     tiny = Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
                 "web": readers.WDSDataset(sorted((packs / "d.wds").rglob("*.tar"))[0], decode="raw")},
                unlabeled=("web",))
     with pytest.raises(Exception, match="stream source 'web' has 9 samples per rank, fewer than the 10 DataLoader"):
         list(loader_of(tiny, workers=10))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"saved on 1 rank\(s\).* here there are 2"):
-        loader_of(mixture(packs)).load_state_dict(state)
+
+
+def test_a_state_resumes_on_2_then_1_then_3_workers_and_a_foreign_or_damaged_one_is_refused(packs):
+    loader = loader_of(mixture(packs))
+    batches = iter(loader)
+    batches_before = [next(batches)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    halves = Mix({"lmdb": readers.LMDBDataset(packs / "d.lmdb", decode="raw"),
+                  "web": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=4, seed=SEED)},
+                 weights={"lmdb": 0.5, "web": 0.5}, seed=SEED, epoch_size=EPOCH)
+    with pytest.raises(ValueError, match=r"another mixture: weights .*'lmdb': 0.7.*now.*0.5.*reweight=True"):
+        loader_of(halves).load_state_dict(state)
+    with pytest.raises(ValueError, match="stream source 'web' is not the stream the state was saved over"):
+        loader_of(mixture(packs, shuffle=8)).load_state_dict(state)
+    # Resumed on 1 worker, and saved again: the stream's base holds a per-rank segment of its history
+    resumed = loader_of(mixture(packs), workers=1)
+    resumed.load_state_dict(state)
+    batches = iter(resumed)
+    second = next(batches)
+    again = json.loads(json.dumps(resumed.state_dict()))
+    del batches
+    segment = again["dataset"]["anchor"]["bases"]["web"]["histories"][0][-1]
+    assert set(segment) == {"world_size", "workers", "ranks"} and len(segment["ranks"][0]) == 2
+    assert len(json.dumps(again)) < 2000
+    last = loader_of(mixture(packs), workers=3)  # and on 3: the epoch's samples each once
+    last.load_state_dict(again)
+    lmdb, web = split([batches_before[0], second, *last], packs)
+    assert sorted(lmdb) == sorted(set(lmdb)) and len(lmdb) == 70 and len(web) == 30 == len(set(web))
+    for damage, message in ((lambda s: s["ranks"].append([0, 0]), "or world_size, workers and ranks"),
+                            (lambda s: s.update(world_size=10 ** 9), "world_size at most 65536"),
+                            (lambda s: s["ranks"][0].__setitem__(0, 10 ** 6), "samples read from the streams")):
+        bad = copy.deepcopy(again)
+        damage(bad["dataset"]["anchor"]["bases"]["web"]["histories"][0][-1])
+        with pytest.raises(ValueError, match=message):
+            loader_of(mixture(packs), workers=2).load_state_dict(bad)
+
+
+def test_a_source_added_or_removed_on_resume_with_reweight(packs):
+    """lmdb + web, stopped after 3 batches on 2 workers; resumed on 1 with lmdb removed and hdf5
+    and a second stream (the same shards, another seed) added: web goes on where it was, the
+    added sources start their passes, and the rest of the epoch follows the new weights."""
+    loader = loader_of(mixture(packs))
+    batches = iter(loader)
+    head = [next(batches) for _ in range(3)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    new = Mix({"hdf5": readers.HDF5Dataset(packs / "d.h5", decode="raw"),  # index 0, web stays 1: the same ids
+               "web": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=4, seed=SEED),
+               "web2": readers.WDSDataset(packs / "d.wds", decode="raw", shuffle=4, seed=SEED + 1)},
+              weights={"hdf5": 0.4, "web": 0.3, "web2": 0.3}, seed=SEED, epoch_size=EPOCH, reweight=True)
+    resumed = loader_of(new, workers=1)
+    resumed.load_state_dict(state)
+    rest = [i for batch in resumed for i in batch]
+    _, head_web = split(head, packs)
+    hdf5, web, web2 = ([i for i in rest if i in ids_of(packs, s)] for s in range(3))
+    assert len(hdf5) + len(web) + len(web2) == len(rest) == EPOCH - 3 * BATCH
+    assert [abs(len(part) - share * len(rest)) <= 2 for part, share in ((hdf5, 0.4), (web, 0.3), (web2, 0.3))] \
+        == [True] * 3
+    assert len(set(hdf5)) == len(hdf5) and len(set(web2)) == len(web2), "the added sources start their passes"
+    assert not set(web) & set(head_web) and len(set(web)) == len(web), "web goes on where it was"

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer and readers
 sys.path.insert(0, str(HERE))
 
-from readers import WDSDataset, for_workers  # noqa: E402
+from readers import LMDBDataset, Mix, WDSDataset, for_workers, make_loader  # noqa: E402
 from readers._state_limits import MAX_HISTORY, MAX_WORKERS, MAX_WORLD_SIZE  # noqa: E402
 
 from conftest import packed_three_ways  # noqa: E402
@@ -65,6 +65,27 @@ def elastic_stream_state(root: str) -> dict:
     loader.load_state_dict(saved(loader_of(root, "stream", 0, 2)))
     state = saved(loader, 1)
     assert state["dataset"]["position"]["history"]
+    return state
+
+
+def mix_loader(root: str, rank: int, world_size: int):
+    """make_loader's loader over a stream mixture (the LMDB pack and the WDS shards, 0.7/0.3)
+    on rank of world_size, without workers."""
+    root = Path(root)
+    mix = Mix({"lmdb": LMDBDataset(root / "d.lmdb", decode="raw"),
+               "web": WDSDataset(root / "d.wds", decode="raw", shuffle=4, seed=SEED, rank=rank,
+                                 world_size=world_size)}, weights={"lmdb": 0.7, "web": 0.3}, seed=SEED, epoch_size=100)
+    mix.sampler.rank, mix.sampler.world_size = rank, world_size
+    return make_loader(mix, 5, workers=0, seed=SEED, drop_last=False)
+
+
+def mix_stream_state(root: str) -> dict:
+    """A stream mixture's state saved on 3 ranks after a resume from 2: its stream's base
+    holds a per-rank segment of the stream's history."""
+    loader = mix_loader(root, 0, 3)
+    loader.load_state_dict(saved(mix_loader(root, 0, 2)))
+    state = saved(loader, 1)
+    assert state["dataset"]["anchor"]["bases"]["web"]["histories"]
     return state
 
 
@@ -206,11 +227,11 @@ def test_an_error_quotes_a_huge_value_in_a_few_hundred_characters(packs):
 # -- The fuzz: random edits of real saved states, each loaded within 1 s and 100 MB or refused.
 
 FUZZ_SECONDS, FUZZ_BYTES = 1.0, 100 << 20
-CASES_PER_SURFACE = 30  # x 3 orders x 3 ways of loading
+CASES_PER_SURFACE = 30  # x 3 orders x 3 ways of loading, and a stream mixture's make_loader
 HUGE = (-1, 0, 1, 2, 2**31, 10**9, 10**12, 2**63, 2**70, -2**70, MAX_WORLD_SIZE, MAX_WORLD_SIZE + 1,
         MAX_WORKERS, MAX_WORKERS + 1, 2**32, 2**32 - 1)
 FOREIGN = ("x", None, 1.5, True, [], {}, [1, 2], "0" * 1000, float("nan"))
-PACKER_KINDS = ("ShuffleSampler", "BlockShuffleSampler", "WDSDataset")
+PACKER_KINDS = ("ShuffleSampler", "BlockShuffleSampler", "WDSDataset", "MixStream")
 
 
 def paths(value, at=(), owned=False):
@@ -275,6 +296,8 @@ def fuzz_side(job: dict) -> dict:
         surfaces[f"{order} own state"] = (part, lambda state, order=order: use_own(root, order, state), False)
         surfaces[f"{order} StatefulDataLoader"] = (sdl_state(root, order, 2),
                                                    lambda state, order=order: use_sdl(root, order, state), True)
+    mixed = mix_stream_state(root)
+    surfaces["stream mixture make_loader"] = (mixed, lambda state: use_mix(root, state), False)
     signal.signal(signal.SIGALRM, overtime)
     cap_address_space(2 << 30)
     outcomes = []
@@ -287,6 +310,11 @@ def fuzz_side(job: dict) -> dict:
 
 def use_loader(root: str, order: str, state: dict):
     loader = loader_of(root, order, 0, 3)
+    return lambda: (loader.load_state_dict(state), first_batch(loader))
+
+
+def use_mix(root: str, state: dict):
+    loader = mix_loader(root, 0, 3)
     return lambda: (loader.load_state_dict(state), first_batch(loader))
 
 
@@ -349,7 +377,7 @@ def test_random_edits_of_real_states_load_within_a_second_and_100_mb_or_are_refu
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     outcomes = json.loads((tmp_path / "out.json").read_text())["outcomes"]
-    assert len(outcomes) == 9 * (CASES_PER_SURFACE + 1)
+    assert len(outcomes) == 10 * (CASES_PER_SURFACE + 1)
     bad = [o for o in outcomes if o["outcome"] not in ("loaded", "refused") or o["seconds"] > FUZZ_SECONDS
            or o["grew"] > FUZZ_BYTES]
     assert not bad, "\n".join(f"{o['surface']}, {o['edit']}: {o['outcome']}, {o['seconds']:.2f} s, "
