@@ -44,9 +44,12 @@ def test_layout_is_readable_with_lmdb_and_json_alone(split_tree, tmp_path, kind)
             extents = np.frombuffer(txn.get(f"{split}/extents".encode()), [("offset", "<u8"), ("length", "<u4")])
             sums = np.frombuffer(txn.get(f"{split}/sums".encode()), "<u4")
             checksums = json.loads(txn.get(f"{split}/checksums".encode()))
-            accounted += 5
-            assert len(labels) == len(paths) == len(extents) == len(sums) == info["count"]
-            assert sorted(checksums) == ["extents", "labels", "paths", "sums"]
+            blob = bytes(txn.get(f"{split}/paths".encode()))
+            offsets = np.frombuffer(txn.get(f"{split}/path_offsets".encode()), "<u8")
+            accounted += 6
+            assert len(labels) == len(paths) == len(extents) == len(sums) == len(offsets) - 1 == info["count"]
+            assert [blob[a:b - 1].decode() for a, b in zip(offsets[:-1], offsets[1:])] == paths
+            assert sorted(checksums) == ["extents", "labels", "path_offsets", "paths", "sums"]
             for table, crc in checksums.items():
                 assert zlib.crc32(txn.get(f"{split}/{table}".encode())) == crc
             for i in range(info["count"]):

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 
 from . import _io
-from ._tables import check_within, int_view
+from ._tables import READ_BLOCK, BlockChecks, check_within, int_view
 
 HEADER = struct.Struct("<IiH")  # checksum, label, path length: the start of every record value
 EXTENT = np.dtype([("offset", "<u8"), ("length", "<u4")])
@@ -23,6 +23,7 @@ class ExtentReads:
 
     _extents: np.ndarray | None | bool = None  # False: none stored, or found stale
     _extent_at = _extent_length = None  # the extents' fields, looked up once per read
+    _extent_blocks = None  # the extents' BlockChecks: each block within data.mdb, on first use
     _sums: memoryview | None | bool = None  # False: none stored
 
     def read_at_extent(self, position: int, index: int) -> tuple[bytes, int | None] | None:
@@ -43,12 +44,11 @@ class ExtentReads:
             self.extents()
         if self._extents is False:
             return None
+        self._extent_blocks.ensure(position)
         at = self._extent_at.item(position)
         if not at:
             return None
-        paths = self._paths if self._paths is not None else self.paths
-        offsets = paths.offsets
-        head = HEADER.size + offsets.item(index + 1) - offsets.item(index) - 1
+        head = HEADER.size + self.path_length(index)
         length = self._extent_length.item(position) - head
         if length < 0:  # too short to hold its header: the map read reports the damage
             return None
@@ -64,7 +64,7 @@ class ExtentReads:
             sums = self._sums if self._sums is not None else self.record_sums()
             if sums is not False:
                 return data, sums[position]
-            crc = self._header_crc(fd, at, index, paths.raw(index))
+            crc = self._header_crc(fd, at, index, self.path_raw(index))
             if crc is not None:
                 return data, crc
         self.drop_extents()
@@ -75,7 +75,7 @@ class ExtentReads:
         header there does not name record index (they are stale, the database was
         rewritten); if it does, the record itself is damaged, which the map read reports."""
         if self._header_crc(self.handle()[2], self._extent_at.item(position), index,
-                            self.paths.raw(index)) is None:
+                            self.path_raw(index)) is None:
             self.drop_extents()
 
     def record_sums(self) -> memoryview | bool:
@@ -87,13 +87,13 @@ class ExtentReads:
         return self._sums
 
     def load_sums(self) -> memoryview | None:
-        found = self.table(b"sums", required=False)
+        found = self.table(b"sums", required=False, crc=False)
         return None if found is None else int_view(self.entries_of(found, "<u4", self.table_where(b"sums")))
 
     def read_whole_value(self, fd, at: int, length: int, index: int) -> tuple[bytes, int] | None:
         """read_at_extent for a remote dataset: header, path and image in one ranged read
         (two reads would be two round trips to the server)."""
-        relpath = self.paths.raw(index)
+        relpath = self.path_raw(index)
         start = at - HEADER.size - len(relpath)
         value = _io.pread(fd, at + length - start, start) if start >= 0 else b""
         crc = self.header_crc(value[:at - start], index, relpath) if len(value) == at + length - start else None
@@ -113,7 +113,7 @@ class ExtentReads:
         if len(header) != HEADER.size + len(relpath):
             return None
         crc, label, n = HEADER.unpack_from(header)
-        if n != len(relpath) or label != self.labels.item(index) or header[HEADER.size:] != relpath:
+        if n != len(relpath) or label != self.label(index) or header[HEADER.size:] != relpath:
             return None
         return crc
 
@@ -126,10 +126,11 @@ class ExtentReads:
 
     def extents(self) -> np.ndarray | None:
         if self._extents is None:
-            extents = self.loaded("extents", self.load_extents) if _io.CAN_PREAD else None
-            if extents is None:
+            found = self.loaded("extents", self.load_extents) if _io.CAN_PREAD else None
+            if found is None:
                 self._extents = False
             else:
+                extents, self._extent_blocks = found
                 # Views of the (mapped) table, one per field: a read looks up each once.
                 self._extent_at, self._extent_length = extents["offset"], extents["length"]
                 self._extents = extents
@@ -139,29 +140,40 @@ class ExtentReads:
                     self.drop_extents()
         return None if self._extents is False else self._extents
 
-    def load_extents(self) -> np.ndarray | None:
-        """The extents table, checked: one entry per record, each within data.mdb."""
-        found = self.table(b"extents", required=False)
+    def load_extents(self) -> tuple | None:
+        """(the extents table, mapped, and its BlockChecks: each block's extents within
+        data.mdb, checked on its first use): one entry per record."""
+        found = self.table(b"extents", required=False, crc=False)
         if found is None:
             return None
-        extents = self.entries_of(found, EXTENT, self.table_where(b"extents"))
+        where = self.table_where(b"extents")
+        extents = self.entries_of(found, EXTENT, where)
         size = _io.file_size(self.handle()[2])
-        check_within(extents["offset"], extents["length"], size, self.table_where(b"extents"), "extent")
-        return extents
+
+        def check(start: int, stop: int) -> None:  # not a method: the reader holds it, so no cycle
+            check_within(extents["offset"][start:stop], extents["length"][start:stop], size, where, "extent")
+        return extents, BlockChecks(self.count, check)
+
+    def path_length(self, index: int) -> int:
+        """Record index's path length in bytes: what its header holds before the image."""
+        found = self.path_index() if self._path_index is None else self._path_index
+        if found is not False:
+            return found.length(index)
+        offsets = self.paths.offsets
+        return offsets.item(index + 1) - offsets.item(index) - 1
 
     def _spot_check_extents(self, samples: int = 8) -> bool:
         """Whether the headers at a few extents, spread over the split, name their records.
 
         A rewritten database (mdb_copy -c) moves every value, so a few checks catch it
         before any read relies on extents without reading headers (check_crc off)."""
-        order = self.storage_order()
         fd = self.handle()[2]
-        for position in np.unique(np.linspace(0, self.count - 1, min(samples, self.count)).astype(int)).tolist():
+        for index in np.unique(np.linspace(0, self.count - 1, min(samples, self.count)).astype(int)).tolist():
+            position = self.position(index)
+            self._extent_blocks.ensure(position)
             at = self._extent_at.item(position)
-            if at:
-                index = position if order is None else order.item(position)
-                if self._header_crc(fd, at, index, self.paths.raw(index)) is None:
-                    return False
+            if at and self._header_crc(fd, at, index, self.path_raw(index)) is None:
+                return False
         return True
 
 
@@ -169,6 +181,7 @@ class ExtentReads:
         extents = self.extents()
         if extents is None or start >= stop:
             return
+        self._extent_blocks.ensure_all(np.append(np.arange(start, stop, READ_BLOCK), stop - 1))
         chunk = extents[start:stop]
         chunk = chunk[chunk["length"] > 0]
         if len(chunk):
@@ -178,8 +191,9 @@ class ExtentReads:
     def record_extents(self, indexes: np.ndarray):
         if self.extents() is None or not len(indexes):
             return ()
-        positions, offsets = self.positions_of(indexes), self.paths.offsets
-        head = HEADER.size + offsets[indexes + 1].astype(np.int64) - offsets[indexes] - 1
+        positions = self.positions_of(indexes)
+        self._extent_blocks.ensure_all(positions)
+        head = HEADER.size + self.path_lengths(indexes)
         extent = self._extent_at[positions].astype(np.int64)
         at, length = extent + head, self._extent_length[positions].astype(np.int64) - head
         keep = (extent > 0) & (length >= 0)  # values in leaf pages have no extent

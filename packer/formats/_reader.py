@@ -38,8 +38,10 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     worker or another rank carries its paths and counts, not tens of MB of tables."""
 
     _order = _UNREAD  # storage_order(), read once
-    # index -> stored position, built from storage_order(); False: the index itself
+    # index -> stored position, mapped from the pack (stored_positions) or built from
+    # storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
+    _position_checks = None  # a mapped positions table's BlockChecks (None: built, or none)
     # Whether read_image finds a record by its stored position (open() builds that table).
     reads_by_position = True
     # The attributes that hold loaded tables, with their values before loading: pickling
@@ -72,7 +74,7 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update(self.TABLES, _loaded={})
-        for name in ("_order", "_position", "_label_blocks", "_labels", "_paths"):
+        for name in ("_order", "_position", "_position_checks", "_label_blocks", "_labels", "_paths"):
             state.pop(name, None)  # this process's maps: each process loads its own
         return state
 
@@ -145,8 +147,14 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
         return None
 
     def position_table(self) -> np.ndarray | bool:
-        """Index -> stored position, built once from storage_order(); False: the index itself."""
+        """Index -> stored position: the pack's positions table, mapped, each block range-checked
+        on first use (position, positions_of); in packs without one, built once from
+        storage_order(), 4 bytes a record; False: the index itself."""
         if self._position is None:
+            stored = self.loaded("positions", self.stored_positions)
+            if stored is not None:
+                self._position, self._position_checks = stored
+                return self._position
             order = self.storage_order()
             if order is None:
                 self._position = False
@@ -158,7 +166,16 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     def position(self, index: int) -> int:
         """Where record index is stored."""
         table = self.position_table() if self._position is None else self._position
-        return index if table is False else table.item(index)
+        if table is False:
+            return index
+        if self._position_checks is not None:
+            self._position_checks.ensure(index)
+        return table.item(index)
+
+    def stored_positions(self) -> tuple | None:
+        """(the positions table as stored, mapped, and its BlockChecks), or None where the pack
+        stores none (the layout's; none here)."""
+        return None
 
     def checked_order(self, order: np.ndarray) -> np.ndarray:
         """A stored order table, checked to be a permutation of the records; int32, kept as
@@ -194,7 +211,11 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     def positions_of(self, indexes: np.ndarray) -> np.ndarray:
         """Where records `indexes` are stored (vectorised position())."""
         table = self.position_table()
-        return indexes if table is False else table[indexes]
+        if table is False:
+            return indexes
+        if self._position_checks is not None:
+            self._position_checks.ensure_all(indexes)
+        return table[indexes]
 
     def __len__(self) -> int:
         return self.count
@@ -209,7 +230,12 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     def read(self, index: int) -> tuple[bytes, int, str]:
         """(image bytes, label, relative path) of record index."""
         data, label = self.read_image(index)
-        return data, label, self.paths[index]
+        return data, label, self.path_of(index)
+
+    def path_of(self, index: int) -> str:
+        """Record index's relative path (index in range): from the path table (a layout whose
+        pack stores its offsets looks the one path up)."""
+        return self.paths[index]
 
     def read_image(self, index: int) -> tuple[bytes, int]:
         """(image bytes, label) of record index: what a Dataset needs for each item. The
@@ -231,6 +257,6 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
             self.checksum_mismatch(index)
 
     def checksum_mismatch(self, index: int):
-        raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): checksum mismatch, the stored image is "
+        raise CorruptDataError(f"{self.where(index)} ({self.path_of(index)}): checksum mismatch, the stored image is "
                                f"damaged (its {self.metadata.checksum} differs from the one stored; run packer "
                                "verify; re-pack from the source)", self.path)

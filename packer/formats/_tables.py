@@ -310,6 +310,12 @@ class SpillTable:
         if self.filled == len(self.buffer):
             self.flush()
 
+    def extend(self, rows: np.ndarray) -> None:
+        """Many rows at once (a chunk of a table worked out whole)."""
+        self.flush()
+        self.file.write(memoryview(np.ascontiguousarray(rows, self.dtype)).cast("B"))
+        self.count += len(rows)
+
     def flush(self) -> None:
         if self.filled:
             self.file.write(memoryview(self.buffer[:self.filled]).cast("B"))
@@ -420,12 +426,11 @@ def nul_separated_view(paths):
 def mapped_value(value, path: str, fd: int, where: str) -> tuple | None:
     """(map, start) of value's bytes in the file at path (descriptor fd), mapped on their own, or
     None where the file's map cannot be located. value: a buffer into that file's map (a
-    store's own, as LMDB's with buffers=True)."""
-    base = _io.mapped_at(path)
-    if base is None:
+    store's own, as LMDB's with buffers=True); the map that holds its address says where in the
+    file it lies, so no check of its bytes is needed to find it."""
+    if not len(value):
         return None
-    offset = np.frombuffer(value, np.uint8).ctypes.data - base
-    try:
-        return map_region(fd, offset, len(value), where)
-    except CorruptDataError:
+    offset = _io.file_offset_at(path, np.frombuffer(value, np.uint8).ctypes.data)
+    if offset is None:
         return None
+    return map_region(fd, offset, len(value), where)

@@ -18,13 +18,21 @@ Keys are ASCII; all integers are little-endian.
                               live inside B-tree pages, which move)
   b"<split>/order"            int32[count], only in shuffled packs: the index of the record
                               stored at each position
+  b"<split>/positions"        int32[count], only in shuffled packs: where each record is stored,
+                              by index (order's inverse: positions[order[j]] = j); missing in
+                              packs written before it, whose readers work it out from order
+  b"<split>/path_offsets"     uint64[count + 1] by index: path i is paths[offsets[i]:offsets[i + 1]
+                              - 1] (offsets[0] = 0, offsets[count] = the size of paths + 1; an
+                              empty split: the one entry 0); missing in packs written before it,
+                              whose readers find the offsets by scanning paths for NULs
   b"<split>/sums"             uint32[count] by position: each record's checksum, the value
                               its header holds (format version 2; missing in packs written
                               before it, whose checked reads take the header's)
   b"<split>/checksums"        UTF-8 JSON {table: CRC-32 (zlib) of its value}, for each of the
                               tables above the split holds ("labels", "paths", "extents",
-                              "order", "sums"); missing in packs written before table
-                              checksums, whose tables are then only range-checked
+                              "order", "positions", "path_offsets", "sums"); missing in packs
+                              written before table checksums, whose tables are then only
+                              range-checked
 
 A record's index is its ImageFolder rank. Storage order is ImageFolder order (position =
 index, no order key) unless the pack was shuffled (--shuffle-seed), when order says which
@@ -48,11 +56,14 @@ also preads the header (the checksum is there) and checks that it names the reco
 record read through the map (no extent) has its header's label and path checked
 against the tables, and its image against the header's checksum.
 
-Every table is checked once, when it loads: its CRC-32, its length against the metadata's
-count, labels against the class list, extents against the size of data.mdb. Tables with a
-checksum that fill overflow pages are mapped from data.mdb where LMDB put them (their
-address in LMDB's map less the map's start), not copied into each process (_tables); the
-CRC-32 proves the mapped bytes are the value. Older packs' tables, and small ones, are copied. Before LMDB
+Opening checks each table's length against the metadata's count and its ends; a read checks
+the block of READ_BLOCK entries around its record on the block's first use (extents within
+data.mdb, labels naming a class, path offsets where the paths start, positions naming a
+position), and check_tables (packer verify) checks every table whole with its CRC-32, as
+HDF5's reader does (docs/safety.md). Tables with a checksum that fill overflow pages are
+mapped from data.mdb where LMDB put them (the file offset of the map that holds the value's
+address), not copied into each process (_tables), and CRC-checked when they are mapped up to
+CRC_AT_OPEN. Older packs' tables, and small ones, are copied and checked whole. Before LMDB
 maps data.mdb, its two meta pages are read with pread and the file's size checked against
 the pages they say are in use: touching a mapped page past the end of a truncated file
 would kill the process with SIGBUS. Readers are tied to the data.mdb they read the
@@ -77,6 +88,7 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
+from ._index_tables import OFFSET, POSITION, PathIndex, check_inverse, inverse_chunks, path_offset_chunks, position_checks
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import LMDBPages
 from . import _handle, _io
@@ -185,17 +197,21 @@ class Writer:
         prefix = self.split.encode()
         # Put as buffers, not copies: the arrays' bytes; the extents, sums and the paths (where
         # pack spilled them) straight from the maps of their files, whose pages are dropped after.
+        # The path offsets and positions, worked out a chunk at a time, are spilled too.
+        spilled = [self.extents, self.sums, spilled_table(OFFSET, path_offset_chunks(paths), self.stage)]
         tables = {"labels": np.ascontiguousarray(labels, "<i4").view(np.uint8), "paths": nul_separated_view(paths),
-                  "extents": self.extents.map(), "sums": self.sums.map()}
+                  "extents": self.extents.map(), "sums": self.sums.map(), "path_offsets": spilled[2].map()}
         if order is not None:
             tables["order"] = np.asarray(order, "<i4").view(np.uint8)
+            spilled.append(spilled_table(POSITION, inverse_chunks(order), self.stage))
+            tables["positions"] = spilled[-1].map()
         crcs = {}
         for name, raw in tables.items():
             self.put(prefix + b"/" + name.encode(), raw, append=False)
             crcs[name] = table_crc(raw)
             drop_pages(raw.obj if isinstance(raw, memoryview) else raw)
         tables.clear()
-        for table in (self.extents, self.sums):
+        for table in spilled:
             table.close()
         self.extents = self.sums = None
         self.put(prefix + b"/checksums", encode_checksums(crcs), append=False)
@@ -271,6 +287,14 @@ class Writer:
             self.reserved = end
 
 
+def spilled_table(dtype, chunks, folder: str) -> SpillTable:
+    """A table worked out in chunks, spilled to an unlinked file in folder (mapped to be put)."""
+    table = SpillTable(dtype, folder)
+    for chunk in chunks:
+        table.extend(chunk)
+    return table
+
+
 def release_pages(address: int, length: int) -> None:
     """Drop a range of the writemap map from this process's page tables (madvise
     MADV_DONTNEED). The map is a shared file map, so the written pages stay in the page
@@ -319,9 +343,10 @@ class Reader(ExtentReads, SplitReader):
     path may be a URL; storage_options, cache_dir, cache_limit and block_size then say
     how to read it (packer.remote.source.Remote)."""
 
-    TABLES = {"_extents": None, "_extent_at": None, "_extent_length": None,
-              "_sums": None}
+    TABLES = {"_extents": None, "_extent_at": None, "_extent_length": None, "_extent_blocks": None,
+              "_sums": None, "_path_index": None}
     MAPS_DATA_FILE = True
+    _path_index: PathIndex | bool | None = None  # path_index(): False where none is stored
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
         remote = remote_source.remote_for(path, **remote)
@@ -361,11 +386,11 @@ class Reader(ExtentReads, SplitReader):
         if found is not None:
             data, crc = found
             if crc is None or self.record_digest(data) & MASK == crc:
-                return data, self.labels.item(index)
+                return data, self.label(index)
             self.check_extent_header(position, index)  # stale extents are dropped; damage is reported below
         data, crc = self.read_through_map(position, index)
         self.check_data(data, crc, index)
-        return data, self.labels.item(index)
+        return data, self.label(index)
 
     def read_through_map(self, position: int, index: int) -> tuple[bytes, int]:
         """(image bytes, the checksum its header holds) of the record at position, read
@@ -379,10 +404,10 @@ class Reader(ExtentReads, SplitReader):
             raise CorruptDataError(f"{self.where(index)}: record missing (the database is damaged; "
                                    "re-pack it or restore it from a copy)", self.path)
         data, label, relpath, crc = decode_record(value, self.where(index))
-        if label != self.labels.item(index) or relpath != self.paths[index]:
+        if label != self.label(index) or relpath != self.path_of(index):
             raise CorruptDataError(f"{self.where(index)}: the record's header says label {label}, path "
-                                   f"{relpath!r}; the tables say {self.labels.item(index)}, "
-                                   f"{self.paths[index]!r}; {DAMAGED}", self.path)
+                                   f"{relpath!r}; the tables say {self.label(index)}, "
+                                   f"{self.path_of(index)!r}; {DAMAGED}", self.path)
         return data, crc
 
     def load_tables(self) -> None:
@@ -410,9 +435,11 @@ class Reader(ExtentReads, SplitReader):
         return self.loaded("checksums", lambda: decode_checksums(self._aux(b"checksums", required=False),
                                                                  self.table_where(b"checksums")))
 
-    def table(self, name: bytes, required: bool = True) -> tuple | None:
+    def table(self, name: bytes, required: bool = True, crc: bool = True) -> tuple | None:
         """Table `<split>/<name>` as (buffer, start, length): its bytes are
-        buffer[start:start + length], checked against its stored CRC-32 if it has one."""
+        buffer[start:start + length], checked against its stored CRC-32 if it has one (with
+        crc False, only a table copied or mapped up to CRC_AT_OPEN: reads check the blocks
+        of a larger one they use, check_layout_tables all of it)."""
         crcs, where = self.table_checksums(), self.table_where(name)
         _, txn, _ = self.handle()
         value = txn.get(self.split.encode() + b"/" + name)
@@ -421,11 +448,12 @@ class Reader(ExtentReads, SplitReader):
                 raise CorruptDataError(f"{where}: key missing; {DAMAGED}", self.path)
             return None
         expected = expected_crc(crcs, name.decode(), where)
-        if expected is not None and len(value) >= EXTENT_MIN:
+        if expected is not None and len(value) >= EXTENT_MIN and self.remote is None:
             found = mapped_value(value, self.identity_file, self.handle()[2], where)
-            if found is not None and table_crc(region_view(*found, len(value))) == expected:
+            if found is not None:
+                if crc or crc_now(len(value)):
+                    check_crc(region_view(*found, len(value)), expected, where)
                 return (*found, len(value))
-            # Not where the map said (it moved since): the copy below is the value, or damaged.
         raw = bytes(value)
         check_crc(raw, expected, where)
         return raw, 0, len(raw)
@@ -433,6 +461,72 @@ class Reader(ExtentReads, SplitReader):
     def load_labels(self) -> np.ndarray:
         labels = np.asarray(self.entries_of(self.table(b"labels"), "<i4", self.table_where(b"labels")), np.int32)  # no copy
         return self.checked_labels(labels, self.table_where(b"labels"))
+
+    def map_labels(self) -> tuple[np.ndarray, str]:
+        where = self.table_where(b"labels")
+        return self.entries_of(self.table(b"labels", crc=False), "<i4", where), where
+
+    def path_index(self) -> PathIndex | bool:
+        """The path table read through its stored offsets (PathIndex), loaded once; False in a
+        pack written before path_offsets, or at a URL (its path table is read whole)."""
+        if self._path_index is None:
+            found = self.loaded("path index", self.load_path_index)
+            self._path_index = False if found is None else found
+        return self._path_index
+
+    def load_path_index(self) -> PathIndex | None:
+        if self.remote is not None:
+            return None
+        found = self.table(b"path_offsets", required=False, crc=False)
+        if found is None:
+            return None
+        buffer, start, length = found
+        where = self.table_where(b"path_offsets")
+        if length % OFFSET.itemsize:
+            raise CorruptDataError(f"{where}: {length} bytes, not a whole number of {OFFSET.itemsize}-byte "
+                                   f"entries; {DAMAGED}", self.path)
+        offsets = np.frombuffer(buffer, OFFSET, length // OFFSET.itemsize, start)
+        return PathIndex(*self.table(b"paths", crc=False), offsets, self.count, where, self.path)
+
+    def path_of(self, index: int) -> str:
+        found = self.path_index() if self._path_index is None else self._path_index
+        return self.paths[index] if found is False else found[index]
+
+    def path_raw(self, index: int) -> bytes:
+        found = self.path_index() if self._path_index is None else self._path_index
+        return self.paths.raw(index) if found is False else found.raw(index)
+
+    def path_lengths(self, indexes: np.ndarray) -> np.ndarray:
+        """Each record's path length in bytes (int64), vectorised."""
+        found = self.path_index() if self._path_index is None else self._path_index
+        if found is not False:
+            return found.lengths(indexes)
+        offsets = self.paths.offsets
+        return offsets[indexes + 1].astype(np.int64) - offsets[indexes] - 1
+
+    def stored_positions(self) -> tuple | None:
+        found = self.table(b"positions", required=False, crc=False)
+        if found is None:
+            return None
+        where = self.table_where(b"positions")
+        if "order" not in (self.table_checksums() or {}):
+            raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order "
+                                   f"table); {DAMAGED}", self.path)
+        positions = self.entries_of(found, POSITION, where)
+        return positions, position_checks(positions, self.count, where, self.path)
+
+    def check_layout_tables(self) -> None:
+        """The CRC-32s of the tables reads map (labels and paths are checked as they load
+        whole), and every block of each (extents, path offsets, positions)."""
+        for name in (b"extents", b"sums", b"path_offsets", b"positions"):
+            self.table(name, required=False)
+        if self.extents() is not None:
+            self._extent_blocks.ensure_every()
+        if self.path_index() is not False:
+            self._path_index.check_every()
+        if self.position_table() is not False and self._position_checks is not None:
+            self._position_checks.ensure_every()
+            check_inverse(self._position, self.storage_order(), self.table_where(b"positions"), self.path)
 
     def load_paths(self) -> PathTable:
         buffer, start, length = self.table(b"paths")

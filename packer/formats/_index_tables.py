@@ -1,0 +1,115 @@
+"""The tables a pack stores so that a reader builds nothing per record: each path's offset in
+the path table (`path_offsets`) and each record's stored position (`positions`, the inverse of a
+shuffled pack's `order`). The writer works them out a chunk at a time; a reader maps them and
+checks each block of READ_BLOCK entries on its first use (PathIndex, position_checks), the
+whole table only in check_tables (packer verify). Packs written before them build both in
+memory, as they did (4 bytes a record each)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CorruptDataError
+from ..records import PathTable, decode_path, path_offsets
+from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, blocks, check_count
+
+OFFSET = np.dtype("<u8")  # a path_offsets entry
+POSITION = np.dtype("<i4")  # a positions entry, as order's
+# Entries of the inverse made per pass over order: 16 MB of output a pass, so a pack of 10^8
+# records makes it in 25 passes and never holds more than this.
+INVERSE_WINDOW = 1 << 22
+
+
+def path_offset_chunks(paths: PathTable, size: int = SPILL_BLOCK):
+    """The path_offsets table of paths, as stored, in chunks: path i is the NUL-joined table's
+    bytes [offsets[i], offsets[i + 1] - 1), offsets[0] = 0, offsets[count] = its size + 1 (an
+    empty table: the one entry 0)."""
+    offsets = paths.offsets
+    first = offsets.item(0)
+    for start in range(0, len(offsets), size):
+        yield (offsets[start:start + size].astype(np.int64) - first).astype(OFFSET)
+
+
+def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
+    """The positions table of a storage order (positions[order[j]] = j), as stored, a window at a
+    time: one pass over order per window, so neither is ever whole in memory."""
+    count = len(order)
+    for low in range(0, count, window):
+        high = min(count, low + window)
+        out = np.empty(high - low, POSITION)
+        for start, stop in blocks(count, SPILL_BLOCK):
+            at = order[start:stop]
+            mine = (at >= low) & (at < high)
+            out[at[mine] - low] = np.flatnonzero(mine) + start
+        yield out
+
+
+def position_checks(positions: np.ndarray, count: int, where: str, path: str) -> BlockChecks:
+    """BlockChecks of a mapped positions table: each entry names a position of the split. That
+    it is the order's inverse is check_inverse's (check_tables): a wrong entry in range reads
+    another record, whose checksum and header then fail."""
+    check_count(len(positions), count, where)
+
+    def check(start: int, stop: int) -> None:  # a closure, not a method: no reference cycle
+        part = positions[start:stop]
+        if len(part) and (int(part.min()) < 0 or int(part.max()) >= count):
+            raise CorruptDataError(f"{where}: entries {start}..{stop} name positions outside 0..{count - 1}; "
+                                   f"{DAMAGED}", path)
+    return BlockChecks(count, check)
+
+
+def check_inverse(positions: np.ndarray, order: np.ndarray, where: str, path: str) -> None:
+    """Raise unless positions is order's inverse, a block at a time (order is checked to be a
+    permutation already)."""
+    for start, stop in blocks(len(order)):
+        if not np.array_equal(positions[order[start:stop]], np.arange(start, stop)):
+            raise CorruptDataError(f"{where}: not the inverse of the order table (positions {start}..{stop}); "
+                                   f"{DAMAGED}", path)
+
+
+class PathIndex:
+    """The path table read through its stored offsets, both mapped: path i without scanning the
+    table for NULs or holding an offset per path. Each block of READ_BLOCK paths is checked on
+    its first use: its offsets must be where the table's NULs are, and each path safe."""
+
+    __slots__ = ("data", "start", "size", "offsets", "checks", "where", "path")
+
+    def __init__(self, data, start: int, size: int, offsets: np.ndarray, count: int, where: str, path: str):
+        self.data, self.start, self.size = data, start, size  # the table's bytes: data[start:start + size]
+        self.offsets, self.where, self.path = offsets, where, path
+        check_count(len(offsets), count + 1, where)
+        if offsets.item(0) != 0 or offsets.item(count) != (size + 1 if count else 0):
+            raise CorruptDataError(f"{where}: does not describe the {size}-byte path table; {DAMAGED}", path)
+        self.checks = BlockChecks(count, self.check_block)
+
+    def check_block(self, first: int, last: int) -> None:
+        low, high = self.offsets.item(first), self.offsets.item(last)
+        if not 0 <= low < high <= self.size + 1:
+            raise CorruptDataError(f"{self.where}: entries {first}..{last} do not rise within the "
+                                   f"{self.size}-byte path table; {DAMAGED}", self.path)
+        found = PathTable.from_nul_separated(self.data, self.where, self.start + low, high - 1 - low)
+        stored = self.offsets[first:last + 1].astype(np.int64)
+        if len(found) != last - first or not np.array_equal(found.offsets.astype(np.int64) - self.start, stored):
+            raise CorruptDataError(f"{self.where}: entries {first}..{last} are not where the path table's "
+                                   f"paths start; {DAMAGED}", self.path)
+
+    def raw(self, i: int) -> bytes:
+        self.checks.ensure(i)
+        return self.data[self.start + self.offsets.item(i):self.start + self.offsets.item(i + 1) - 1]
+
+    def __getitem__(self, i: int) -> str:
+        return decode_path(self.raw(i))
+
+    def __len__(self) -> int:
+        return self.checks.count
+
+    def length(self, i: int) -> int:
+        self.checks.ensure(i)
+        return self.offsets.item(i + 1) - self.offsets.item(i) - 1
+
+    def lengths(self, indexes: np.ndarray) -> np.ndarray:
+        """Each path's length in bytes (int64), vectorised."""
+        self.checks.ensure_all(indexes)
+        return self.offsets[indexes + 1].astype(np.int64) - self.offsets[indexes].astype(np.int64) - 1
+
+    def check_every(self) -> None:
+        self.checks.ensure_every()
