@@ -97,11 +97,12 @@ def write_tiny_pack(out: str, records: int, fmt: str = "hdf5", options: dict | N
     def fill(writer) -> Metadata:
         writer.begin_split("train", expected_count=records)
         checksum, add, nbytes = record_checksums.function(kind), writer.add, 0
+        named = fmt == "lmdb"  # an LMDB record's header holds its path, which reads check against the table
         for first in range(0, records, CHUNK):
             stop = min(records, first + CHUNK)
             for i, label in zip(range(first, stop), labels[first:stop].tolist()):
                 data = i.to_bytes(5, "little")
-                add(data, label, "", checksum(data))
+                add(data, label, f"c{label:04d}/{i:010d}" if named else "", checksum(data))
             nbytes += 5 * (stop - first)
             drop_pages(labels)  # read once: out of RSS (they stay in the page cache)
         writer.end_split(labels, paths)

@@ -88,7 +88,8 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
-from ._index_tables import OFFSET, POSITION, PathIndex, check_inverse, inverse_chunks, path_offset_chunks, position_checks
+from ._index_tables import (OFFSET, POSITION, PathIndex, check_inverse, inverse_chunks, path_offset_chunks,
+                            position_checks)
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import LMDBPages
 from . import _handle, _io
@@ -96,7 +97,7 @@ from ._contract import Format
 from ._lmdb_env import DATA_FILE, close_env, data_identity, open_env
 from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader
-from ._tables import (DAMAGED, SpillTable, check_count, check_crc, decode_checksums, drop_pages, encode_checksums,
+from ._tables import (DAMAGED, SpillTable, check_count, check_crc, crc_now, decode_checksums, drop_pages, encode_checksums,
                       expected_crc, mapped_value, nul_separated_view, region_view, table_crc)
 
 EXTENSION = ".lmdb"
