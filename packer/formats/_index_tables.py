@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..records import PathTable, decode_path, path_offsets
-from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, blocks, check_count
+from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, array_chunks, blocks, check_count, drop_pages
 
 OFFSET = np.dtype("<u8")  # a path_offsets entry
 POSITION = np.dtype("<i4")  # a positions entry, as order's
@@ -23,10 +23,9 @@ def path_offset_chunks(paths: PathTable, size: int = SPILL_BLOCK):
     """The path_offsets table of paths, as stored, in chunks: path i is the NUL-joined table's
     bytes [offsets[i], offsets[i + 1] - 1), offsets[0] = 0, offsets[count] = its size + 1 (an
     empty table: the one entry 0)."""
-    offsets = paths.offsets
-    first = offsets.item(0)
-    for start in range(0, len(offsets), size):
-        yield (offsets[start:start + size].astype(np.int64) - first).astype(OFFSET)
+    first = paths.offsets.item(0)
+    for chunk in array_chunks(paths.offsets, size):  # a mapped table's pages dropped as it goes
+        yield (chunk.astype(np.int64) - first).astype(OFFSET)
 
 
 def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
@@ -40,6 +39,7 @@ def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
             at = order[start:stop]
             mine = (at >= low) & (at < high)
             out[at[mine] - low] = np.flatnonzero(mine) + start
+        drop_pages(order)  # a mapped order's pages out of RSS after each pass
         yield out
 
 

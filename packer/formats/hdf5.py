@@ -12,9 +12,14 @@
   /<split>/paths         uint8[n]             relative paths of records 0..count-1, UTF-8,
                                               "/"-separated, joined by NUL
   /<split>/order         int32[count]         only in shuffled packs: the record stored at position j
+  /<split>/positions     int32[count]         only in shuffled packs: the position record i is stored
+                                              at (order's inverse: positions[order[j]] = j); missing
+                                              in packs written before it, whose readers work it out
+                                              from order (4 bytes a record in each process)
   /<split>               attrs: checksums     UTF-8 JSON {table: CRC-32 (zlib)} of the little-endian
                                               bytes of each table above but images ("offsets",
-                                              "crc32", "labels", "paths", "order" where stored);
+                                              "crc32", "labels", "paths", "order" and "positions"
+                                              where stored);
                                               missing in packs written before table checksums,
                                               whose tables are then only range-checked
 
@@ -80,6 +85,7 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
+from ._index_tables import check_inverse, inverse_chunks, position_checks
 from ._hdf5_file import HDF5_SIGNATURE, HDF5File, close_file, open_file, open_remote_file
 from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
@@ -91,7 +97,7 @@ DIRECTORY = False
 META_ATTR = "packer_metadata"
 # What packer writes in the file: --force replaces one holding nothing else (foreign).
 ROOT_ATTRS = {META_ATTR, "classes"}
-TABLES = {"images", "offsets", "crc32", "labels", "paths", "order"}
+TABLES = {"images", "offsets", "crc32", "labels", "paths", "order", "positions"}
 CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
 # What the writer keeps of each record until its split ends (spilled, not in memory): where
@@ -158,6 +164,7 @@ class Writer:
         self.rows.close()
         if order is not None:
             table_crcs["order"] = write_table(self.group, "order", "<i4", len(order), array_chunks(order))
+            table_crcs["positions"] = write_table(self.group, "positions", "<i4", len(order), inverse_chunks(order))
         self.group.attrs.create(CHECKSUMS_ATTR, encode_checksums(table_crcs).decode(),
                                 dtype=h5py.string_dtype("utf-8"))
         self.group = self.rows = None
@@ -351,6 +358,20 @@ class Reader(HDF5File, SplitReader):
         self._array("crc32", self.count, "<u4")
         self.index()
         self._offset_blocks.ensure_every()
+        if self._array("positions", self.count, "<i4", required=False) is not None:
+            self.position_table()
+            self._position_checks.ensure_every()
+            check_inverse(self._position, self.storage_order(), self.table_where("positions"), self.path)
+
+    def stored_positions(self) -> tuple | None:
+        positions = self._array("positions", self.count, "<i4", required=False, crc=False)
+        if positions is None:
+            return None
+        where = self.table_where("positions")
+        if "order" not in (self.table_checksums() or {}):
+            raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order "
+                                   f"table); {DAMAGED}", self.path)
+        return positions, position_checks(positions, self.count, where, self.path)
 
     def check_images(self) -> int:
         """The size of images, checked to be stored whole in the file: HDF5 makes up zeros

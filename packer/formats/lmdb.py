@@ -211,6 +211,7 @@ class Writer:
             self.put(prefix + b"/" + name.encode(), raw, append=False)
             crcs[name] = table_crc(raw)
             drop_pages(raw.obj if isinstance(raw, memoryview) else raw)
+            self.commit()  # the table's pages out of our RSS (release_pages) before the next is put
         tables.clear()
         for table in spilled:
             table.close()

@@ -1,0 +1,235 @@
+"""The path_offsets and positions tables (packer.formats._index_tables): a DataLoader worker reading
+an LMDB or shuffled HDF5 pack holds nothing per record; damaged tables are named; packs written
+before them still read."""
+from __future__ import annotations
+
+import json
+import tracemalloc
+import zlib
+
+import h5py
+import lmdb
+import numpy as np
+import pytest
+import torch.utils.data
+
+import readers
+from packer import checksum as record_checksums
+from packer.errors import CorruptDataError
+from packer.formats import open_reader
+from packer.formats._index_tables import inverse_chunks
+from packer.records import Metadata, PathTable, SplitInfo
+from packer.writing import now_utc, write_dataset
+
+CLASSES = 10
+SIZES = (4_000, 100_000)
+READS = 2_000
+PER_RECORD = 1.0  # bytes a record the worker may add: a table of 4 bytes a record adds 384 KB
+
+
+def names_of(records: int) -> tuple[np.ndarray, list[str]]:
+    labels = (np.arange(records) * CLASSES // records).astype(np.int32)
+    return labels, [f"c{label:04d}/{i:07d}" for i, label in enumerate(labels.tolist())]
+
+
+def write_pack(out: str, records: int, fmt: str, shuffled: bool) -> str:
+    """A pack of records of 5 bytes (the record's number), stored in a seeded shuffled order
+    (the writer's order argument) or in index order."""
+    labels, names = names_of(records)
+    order = np.random.default_rng(0).permutation(records).astype(np.int32) if shuffled else None
+    checksum = record_checksums.function(record_checksums.DEFAULT)
+
+    def fill(writer) -> Metadata:
+        writer.begin_split("train", expected_count=records)
+        for j in range(records):
+            i = int(order[j]) if shuffled else j
+            data = i.to_bytes(5, "little")
+            writer.add(data, int(labels[i]), names[i], checksum(data))
+        writer.end_split(labels, PathTable.from_strings(names), order)
+        counts = np.bincount(labels, minlength=CLASSES).tolist()
+        return Metadata(format=fmt, classes=[f"c{k:04d}" for k in range(CLASSES)],
+                        splits={"train": SplitInfo(records, 5 * records, counts)}, source="synthetic",
+                        created=now_utc(), packer_version="test", params={"format": fmt},
+                        checksum=record_checksums.DEFAULT)
+
+    write_dataset(fmt, out, True, None, fill, record_checksums.DEFAULT)
+    return out
+
+
+class TracedReads(torch.utils.data.IterableDataset):
+    """In a DataLoader worker: READS random reads of the pack (each through the Dataset, and
+    with paths through packer's Reader, path included), their allocations traced: yields
+    (what the reads returned checked, bytes kept at the end, the most held at once)."""
+
+    def __init__(self, path: str, paths: bool):
+        self.dataset = readers.open_dataset(path, decode="raw")
+        self.reader = open_reader(path) if paths else None
+
+    def __iter__(self):
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        count, good = len(self.dataset), 0
+        for i in np.random.default_rng(1).integers(0, count, READS).tolist():
+            data, label = self.dataset[i]
+            good += int.from_bytes(data, "little") == i and label == i * CLASSES // count
+            if self.reader is not None:
+                good += self.reader.read(i)[2] == f"c{label:04d}/{i:07d}"
+        kept, peak = tracemalloc.get_traced_memory()
+        yield good, kept - before, peak - before
+        tracemalloc.stop()
+
+
+def in_worker(dataset: TracedReads) -> tuple[int, int, int]:
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="fork")
+    return next(iter(loader))
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[tuple, str]:
+    folder = tmp_path_factory.mktemp("index-tables")
+    return {(fmt, shuffled, records): write_pack(str(folder / f"{records}-{shuffled}.{fmt}"), records, fmt, shuffled)
+            for fmt, shuffled in (("lmdb", False), ("lmdb", True), ("hdf5", True)) for records in SIZES}
+
+
+@pytest.mark.parametrize("fmt, shuffled", [("lmdb", False), ("lmdb", True), ("hdf5", True)])
+def test_a_worker_reading_at_random_holds_nothing_per_record(packs, fmt, shuffled):
+    # LMDB: labels, extents and sums mapped and checked a block at a time, each path found
+    # through the mapped path_offsets (not 4 bytes a record of offsets found by scanning the
+    # path table); a shuffled pack: each record's position from the mapped positions table
+    # (not the inverse of order, 4 bytes a record, and a byte a record to check order).
+    paths = fmt == "lmdb"
+    found = {}
+    for records in SIZES:
+        good, *found[records] = in_worker(TracedReads(packs[fmt, shuffled, records], paths))
+        assert good == READS * (1 + paths)
+    for what, k in (("kept", 0), ("peak", 1)):
+        grown = found[SIZES[1]][k] - found[SIZES[0]][k]
+        assert grown < PER_RECORD * (SIZES[1] - SIZES[0]), f"the worker's {what} grew by {grown} bytes: {found}"
+
+
+def test_the_stored_positions_are_the_inverse_of_the_order_a_window_at_a_time():
+    order = np.random.default_rng(3).permutation(10_000).astype(np.int32)
+    chunks = list(inverse_chunks(order, window=1_024))
+    assert len(chunks) == 10
+    positions = np.concatenate(chunks)
+    assert (positions[order] == np.arange(10_000)).all()
+
+
+def rewrite_lmdb(path: str, key: str, value: bytes | None, crc: bool = True) -> None:
+    """Put (or with None delete) key train/<key> of an LMDB pack; with crc, its checksum to
+    match (or removed with it), as a pack written that way would hold."""
+    env = lmdb.open(path, map_size=1 << 30, subdir=True, lock=False)
+    with env.begin(write=True) as txn:
+        crcs = json.loads(txn.get(b"train/checksums"))
+        if value is None:
+            txn.delete(f"train/{key}".encode())
+            crcs.pop(key, None)
+        else:
+            txn.put(f"train/{key}".encode(), value)
+            if crc:
+                crcs[key] = zlib.crc32(value)
+        txn.put(b"train/checksums", json.dumps(crcs).encode())
+    env.close()
+
+
+def read_all(path: str) -> list[tuple]:
+    reader = open_reader(path)
+    try:
+        return [reader.read(i) for i in range(len(reader))]
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_an_lmdb_pack_written_before_the_index_tables_reads_the_same(tmp_path, shuffled):
+    out = write_pack(str(tmp_path / "p.lmdb"), 3_000, "lmdb", shuffled)
+    expected = read_all(out)
+    rewrite_lmdb(out, "path_offsets", None)
+    if shuffled:
+        rewrite_lmdb(out, "positions", None)
+    reader = open_reader(out)
+    assert reader.path_index() is False and reader.stored_positions() is None
+    reader.check_tables()
+    reader.close()
+    assert read_all(out) == expected
+
+
+def test_an_hdf5_pack_written_before_positions_reads_the_same(tmp_path):
+    out = write_pack(str(tmp_path / "p.h5"), 3_000, "hdf5", True)
+    expected = read_all(out)
+    with h5py.File(out, "r+") as f:
+        del f["train"]["positions"]
+        crcs = json.loads(f["train"].attrs["checksums"])
+        del crcs["positions"]
+        f["train"].attrs["checksums"] = json.dumps(crcs)
+    assert open_reader(out).stored_positions() is None
+    assert read_all(out) == expected
+
+
+def damaged(path: str, match: str, check_tables: bool = False) -> None:
+    reader = open_reader(path)
+    try:
+        with pytest.raises(CorruptDataError, match=match) as caught:
+            if check_tables:
+                reader.check_tables()
+            else:
+                for i in range(len(reader)):
+                    reader.read(i)
+    finally:
+        reader.close()
+    assert path in str(caught.value)
+
+
+def test_damaged_path_offsets_are_named(tmp_path):
+    out = write_pack(str(tmp_path / "p.lmdb"), 3_000, "lmdb", False)
+    with lmdb.open(out, readonly=True, lock=False) as env, env.begin() as txn:
+        offsets = np.frombuffer(txn.get(b"train/path_offsets"), "<u8").copy()
+    flipped = offsets.copy()
+    flipped[1500] += 1
+    rewrite_lmdb(out, "path_offsets", flipped.tobytes(), crc=False)
+    damaged(out, r"key train/path_offsets: checksum mismatch")
+    rewrite_lmdb(out, "path_offsets", flipped.tobytes())  # its CRC-32 made to match: the block check finds it
+    damaged(out, r"train/path_offsets: entries 1024\.\.2048 are not where the path table's paths start")
+    rewrite_lmdb(out, "path_offsets", offsets[:-1].tobytes())
+    damaged(out, r"train/path_offsets: holds 3000 entries, the metadata says 3001")
+    rewrite_lmdb(out, "path_offsets", offsets.tobytes()[:-3])
+    damaged(out, r"train/path_offsets: 24005 bytes, not a whole number of 8-byte entries")
+    rewrite_lmdb(out, "path_offsets", offsets.tobytes())
+    read_all(out)
+
+
+def test_damaged_positions_are_named(tmp_path):
+    out = write_pack(str(tmp_path / "p.lmdb"), 3_000, "lmdb", True)
+    with lmdb.open(out, readonly=True, lock=False) as env, env.begin() as txn:
+        positions = np.frombuffer(txn.get(b"train/positions"), "<i4").copy()
+    bad = positions.copy()
+    bad[2500] = 3_000
+    rewrite_lmdb(out, "positions", bad.tobytes())
+    damaged(out, r"train/positions: entries 2048\.\.3000 name positions outside 0\.\.2999")
+    bad = positions.copy()
+    bad[[10, 20]] = bad[[20, 10]]
+    rewrite_lmdb(out, "positions", bad.tobytes())
+    damaged(out, r"train/positions: not the inverse of the order table", check_tables=True)
+    plain = write_pack(str(tmp_path / "plain.lmdb"), 3_000, "lmdb", False)
+    rewrite_lmdb(plain, "positions", positions.tobytes())
+    damaged(plain, r"train/positions: a positions table in a split stored in index order")
+
+
+def test_a_damaged_mapped_table_past_the_open_check_fails_check_tables(tmp_path, monkeypatch):
+    # Past CRC_AT_OPEN a table's CRC-32 is left to check_tables (packer verify): a label that
+    # passes its block's range check is caught by the record's header (a read through the
+    # map), and the whole table's CRC-32 names the table.
+    from packer.formats import _tables
+    out = write_pack(str(tmp_path / "p.lmdb"), 3_000, "lmdb", False)
+    with lmdb.open(out, readonly=True, lock=False) as env, env.begin() as txn:
+        labels = np.frombuffer(txn.get(b"train/labels"), "<i4").copy()
+    labels[7] = (labels[7] + 1) % CLASSES
+    rewrite_lmdb(out, "labels", labels.tobytes(), crc=False)
+    monkeypatch.setattr(_tables, "CRC_AT_OPEN", 0)
+    reader = open_reader(out).open()
+    assert reader.read(6)[1] == labels[6]
+    with pytest.raises(CorruptDataError, match=r"record train/7: the record's header says label 0, .* the tables say 1"):
+        reader.read(7)
+    with pytest.raises(CorruptDataError, match=r"key train/labels: checksum mismatch"):
+        reader.check_tables()
+    reader.close()
