@@ -173,7 +173,9 @@ def test_an_hdf5_pack_written_before_positions_reads_the_same(tmp_path):
         crcs = json.loads(f["train"].attrs["checksums"])
         del crcs["positions"]
         f["train"].attrs["checksums"] = json.dumps(crcs)
-    assert open_reader(out).stored_positions() is None
+    reader = open_reader(out)
+    assert reader.stored_positions() is None
+    reader.close()
     assert read_all(out) == expected
 
 
@@ -220,7 +222,7 @@ def test_damaged_positions_are_named(tmp_path):
     bad = positions.copy()
     bad[[10, 20]] = bad[[20, 10]]
     rewrite_lmdb(out, "positions", bad.tobytes())
-    damaged(out, r"train/positions: not the inverse of the order table", check_tables=True)
+    damaged(out, r"train/positions: entries 0\.\.1024 are not the inverse of the order table")
     plain = write_pack(str(tmp_path / "plain.lmdb"), 3_000, "lmdb", False)
     rewrite_lmdb(plain, "positions", positions.tobytes())
     damaged(plain, r"train/positions: a positions table in a split stored in index order")

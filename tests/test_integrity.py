@@ -297,14 +297,15 @@ def table_spans(out: Path, fmt: str) -> list[tuple[Path, int, int]]:
     if fmt == "lmdb":
         env = lmdb.open(str(out), readonly=True, lock=False)
         with env.begin() as txn:
-            raws = [bytes(txn.get(f"all/{name}".encode())) for name in ("labels", "paths", "extents", "order")
+            raws = [bytes(txn.get(f"all/{name}".encode())) for name in ("labels", "paths", "extents", "order",
+                                                                               "positions", "path_offsets")
                     if txn.get(f"all/{name}".encode()) is not None]
         env.close()
         where = out / "data.mdb"
     else:
         with h5py.File(out, "r", locking=False) as f:
-            raws = [f["all"][name][()].tobytes() for name in ("offsets", "crc32", "labels", "paths", "order")
-                    if name in f["all"]]
+            raws = [f["all"][name][()].tobytes() for name in ("offsets", "crc32", "labels", "paths", "order",
+                                                                    "positions") if name in f["all"]]
         where = out
     data = where.read_bytes()
     spans = []

@@ -2,7 +2,7 @@
 the path table (`path_offsets`) and each record's stored position (`positions`, the inverse of a
 shuffled pack's `order`). The writer works them out a chunk at a time; a reader maps them and
 checks each block of READ_BLOCK entries on its first use (PathIndex, position_checks), the
-whole table only in check_tables (packer verify). Packs written before them build both in
+tables' CRC-32s in check_tables (packer verify). Packs written before them build both in
 memory, as they did (4 bytes a record each)."""
 from __future__ import annotations
 
@@ -43,27 +43,25 @@ def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
         yield out
 
 
-def position_checks(positions: np.ndarray, count: int, where: str, path: str) -> BlockChecks:
-    """BlockChecks of a mapped positions table: each entry names a position of the split. That
-    it is the order's inverse is check_inverse's (check_tables): a wrong entry in range reads
-    another record, whose checksum and header then fail."""
+def position_checks(positions: np.ndarray, order: np.ndarray, where: str, path: str) -> BlockChecks:
+    """BlockChecks of a mapped positions table against the mapped order it inverts: each
+    entry names a position of the split, and order names the entry's record there. A read
+    finds its record's position once that block passed, so a damaged entry never reads
+    another record (whose own checksum would pass); the tables' CRC-32s are check_tables'."""
+    count = len(order)
     check_count(len(positions), count, where)
 
     def check(start: int, stop: int) -> None:  # a closure, not a method: no reference cycle
         part = positions[start:stop]
-        if len(part) and (int(part.min()) < 0 or int(part.max()) >= count):
+        if not len(part):
+            return
+        if int(part.min()) < 0 or int(part.max()) >= count:
             raise CorruptDataError(f"{where}: entries {start}..{stop} name positions outside 0..{count - 1}; "
                                    f"{DAMAGED}", path)
-    return BlockChecks(count, check)
-
-
-def check_inverse(positions: np.ndarray, order: np.ndarray, where: str, path: str) -> None:
-    """Raise unless positions is order's inverse, a block at a time (order is checked to be a
-    permutation already)."""
-    for start, stop in blocks(len(order)):
-        if not np.array_equal(positions[order[start:stop]], np.arange(start, stop)):
-            raise CorruptDataError(f"{where}: not the inverse of the order table (positions {start}..{stop}); "
+        if not np.array_equal(order[part], np.arange(start, stop)):
+            raise CorruptDataError(f"{where}: entries {start}..{stop} are not the inverse of the order table; "
                                    f"{DAMAGED}", path)
+    return BlockChecks(count, check)
 
 
 class PathIndex:

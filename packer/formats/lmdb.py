@@ -88,7 +88,7 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
-from ._index_tables import (OFFSET, POSITION, PathIndex, check_inverse, inverse_chunks, path_offset_chunks,
+from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, path_offset_chunks,
                             position_checks)
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import LMDBPages
@@ -211,7 +211,8 @@ class Writer:
             self.put(prefix + b"/" + name.encode(), raw, append=False)
             crcs[name] = table_crc(raw)
             drop_pages(raw.obj if isinstance(raw, memoryview) else raw)
-            self.commit()  # the table's pages out of our RSS (release_pages) before the next is put
+            if len(raw) >= TXN_BYTES:  # its pages out of our RSS (release_pages) before the next is put
+                self.commit()
         tables.clear()
         for table in spilled:
             table.close()
@@ -511,11 +512,13 @@ class Reader(ExtentReads, SplitReader):
         if found is None:
             return None
         where = self.table_where(b"positions")
-        if "order" not in (self.table_checksums() or {}):
+        order = self.table(b"order", required=False, crc=False)
+        if order is None:
             raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order "
                                    f"table); {DAMAGED}", self.path)
         positions = self.entries_of(found, POSITION, where)
-        return positions, position_checks(positions, self.count, where, self.path)
+        return positions, position_checks(positions, self.entries_of(order, "<i4", self.table_where(b"order")),
+                                          where, self.path)
 
     def check_layout_tables(self) -> None:
         """The CRC-32s of the tables reads map (labels and paths are checked as they load
@@ -528,7 +531,7 @@ class Reader(ExtentReads, SplitReader):
             self._path_index.check_every()
         if self.position_table() is not False and self._position_checks is not None:
             self._position_checks.ensure_every()
-            check_inverse(self._position, self.storage_order(), self.table_where(b"positions"), self.path)
+            self.storage_order()  # order's CRC-32 and that it is a permutation: positions is then its inverse
 
     def load_paths(self) -> PathTable:
         buffer, start, length = self.table(b"paths")
