@@ -43,6 +43,17 @@ def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
         yield out
 
 
+def stored_positions(positions: np.ndarray | None, order: np.ndarray | None, where: str, path: str) -> tuple | None:
+    """A Reader's stored_positions: (positions, position_checks), or None where the split stores no
+    positions; a positions table without the order table it inverts is damage."""
+    if positions is None:
+        return None
+    if order is None:
+        raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order table); "
+                               f"{DAMAGED}", path)
+    return positions, position_checks(positions, order, where, path)
+
+
 def position_checks(positions: np.ndarray, order: np.ndarray, where: str, path: str) -> BlockChecks:
     """BlockChecks of a mapped positions table against the mapped order it inverts: each
     entry names a position of the split, and order names the entry's record there. A read

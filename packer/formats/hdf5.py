@@ -85,7 +85,7 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
-from ._index_tables import inverse_chunks, position_checks
+from ._index_tables import inverse_chunks, stored_positions
 from ._hdf5_file import HDF5_SIGNATURE, HDF5File, close_file, open_file, open_remote_file
 from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
@@ -359,20 +359,14 @@ class Reader(HDF5File, SplitReader):
         self.index()
         self._offset_blocks.ensure_every()
         if self._array("positions", self.count, "<i4", required=False) is not None:
+            self.storage_order()  # order's CRC-32, and a permutation: positions, checked below, is its inverse
             self.position_table()
             self._position_checks.ensure_every()
-            self.storage_order()  # order's CRC-32 and that it is a permutation: positions is then its inverse
 
     def stored_positions(self) -> tuple | None:
         positions = self._array("positions", self.count, "<i4", required=False, crc=False)
-        if positions is None:
-            return None
-        where = self.table_where("positions")
-        order = self._array("order", self.count, "<i4", required=False, crc=False)
-        if order is None:
-            raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order "
-                                   f"table); {DAMAGED}", self.path)
-        return positions, position_checks(positions, order, where, self.path)
+        order = None if positions is None else self._array("order", self.count, "<i4", required=False, crc=False)
+        return stored_positions(positions, order, self.table_where("positions"), self.path)
 
     def check_images(self) -> int:
         """The size of images, checked to be stored whole in the file: HDF5 makes up zeros

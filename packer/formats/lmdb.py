@@ -89,7 +89,7 @@ from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
 from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, path_offset_chunks,
-                            position_checks)
+                            stored_positions)
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import LMDBPages
 from . import _handle, _io
@@ -508,17 +508,13 @@ class Reader(ExtentReads, SplitReader):
         return offsets[indexes + 1].astype(np.int64) - offsets[indexes] - 1
 
     def stored_positions(self) -> tuple | None:
-        found = self.table(b"positions", required=False, crc=False)
+        found, where = self.table(b"positions", required=False, crc=False), self.table_where(b"positions")
         if found is None:
             return None
-        where = self.table_where(b"positions")
         order = self.table(b"order", required=False, crc=False)
-        if order is None:
-            raise CorruptDataError(f"{where}: a positions table in a split stored in index order (no order "
-                                   f"table); {DAMAGED}", self.path)
-        positions = self.entries_of(found, POSITION, where)
-        return positions, position_checks(positions, self.entries_of(order, "<i4", self.table_where(b"order")),
-                                          where, self.path)
+        return stored_positions(self.entries_of(found, POSITION, where),
+                                None if order is None else self.entries_of(order, "<i4", self.table_where(b"order")),
+                                where, self.path)
 
     def check_layout_tables(self) -> None:
         """The CRC-32s of the tables reads map (labels and paths are checked as they load
@@ -530,8 +526,8 @@ class Reader(ExtentReads, SplitReader):
         if self.path_index() is not False:
             self._path_index.check_every()
         if self.position_table() is not False and self._position_checks is not None:
+            self.storage_order()  # order's CRC-32, and a permutation: positions, checked below, is its inverse
             self._position_checks.ensure_every()
-            self.storage_order()  # order's CRC-32 and that it is a permutation: positions is then its inverse
 
     def load_paths(self) -> PathTable:
         buffer, start, length = self.table(b"paths")
