@@ -58,8 +58,8 @@ against the tables, and its image against the header's checksum.
 
 Opening checks each table's length against the metadata's count and its ends; a read checks
 the block of READ_BLOCK entries around its record on the block's first use (extents within
-data.mdb, labels naming a class, path offsets where the paths start, positions naming a
-position), and check_tables (packer verify) checks every table whole with its CRC-32, as
+data.mdb, labels naming a class, path offsets where the paths start, positions whose order
+entries name their records back), and check_tables (packer verify) checks every table whole with its CRC-32, as
 HDF5's reader does (docs/safety.md). Tables with a checksum that fill overflow pages are
 mapped from data.mdb where LMDB put them (the file offset of the map that holds the value's
 address), not copied into each process (_tables), and CRC-checked when they are mapped up to
