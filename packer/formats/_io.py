@@ -180,20 +180,3 @@ def mapped_at(path: str) -> int | None:
     except OSError:
         return None
     return None
-
-
-def file_offset_at(path: str, address: int) -> int | None:
-    """The offset in path's file of the byte this process maps at address (Linux /proc: the map
-    that holds the address, whichever it is), or None where no map of path holds it."""
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.rstrip("\n").split(maxsplit=5)
-                if len(fields) == 6 and fields[5] == real:
-                    start, end = (int(bound, 16) for bound in fields[0].split("-"))
-                    if start <= address < end:
-                        return int(fields[2], 16) + address - start
-    except OSError:
-        return None
-    return None

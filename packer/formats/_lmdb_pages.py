@@ -1,7 +1,9 @@
 """A read-only LMDB lookup over a byte source: LMDB's B-tree walked by ranged reads.
 
 LMDB itself needs a memory map of the whole file; a remote data.mdb is read page by page
-instead. Only the pages on the path to a key are fetched: the meta pages, one page per
+instead. A local reader finds where its tables lie the same way (locate, over FileSource):
+a value looked up through LMDB (py-lmdb's get, even as a buffer) has every page of it
+faulted in, seconds for the tables of 10^8 records. Only the pages on the path to a key are fetched: the meta pages, one page per
 tree level, and a value's overflow pages. The layout (LMDB 0.9, 64-bit, little-endian;
 lmdb's mdb.c defines it):
 
@@ -28,6 +30,7 @@ CorruptDataError, never a read outside it or an endless walk.
 """
 from __future__ import annotations
 
+import os
 import struct
 
 from ..errors import CorruptDataError
@@ -46,8 +49,19 @@ MAX_DEPTH = 32
 DAMAGED = "restore it from a copy or re-pack"
 
 
+class FileSource:
+    """A local descriptor as LMDBPages' byte source."""
+
+    def __init__(self, fd: int):
+        self.fd, self.size = fd, os.fstat(fd).st_size
+
+    def pread(self, size: int, offset: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+
 class LMDBPages:
-    """get(key) -> value bytes or None, over source (pread(size, offset), size)."""
+    """get(key) -> value bytes or None, and locate(key) -> where a value in overflow pages lies,
+    over source (pread(size, offset), size)."""
 
     def __init__(self, source, where: str):
         self.source, self.where = source, where
@@ -110,6 +124,19 @@ class LMDBPages:
 
     def get(self, key: bytes) -> bytes | None:
         """The value stored under key in the main database, or None."""
+        found = self.find(key)
+        return None if found is None else self.value(*found)
+
+    def locate(self, key: bytes) -> tuple[int, int] | None:
+        """(file offset, size) of key's value where it fills overflow pages, read by no one;
+        None where key is missing or its value sits in its leaf page."""
+        found = self.find(key)
+        if found is None or not found[3] & F_BIGDATA:
+            return None
+        return self.overflow(*found), found[2]
+
+    def find(self, key: bytes) -> tuple | None:
+        """Key's leaf node as value() takes it, or None."""
         number = self.root
         if number == NO_PAGE:
             return None
@@ -119,7 +146,7 @@ class LMDBPages:
             if flags & P_BRANCH:
                 number = self.child(page, number, key)
             elif flags & P_LEAF and not flags & P_LEAF2:
-                return self.leaf_value(page, number, key)
+                return self.leaf_node(page, number, key)
             else:
                 raise self.damaged(f"page {number} (flags {flags:#x}) is neither a branch nor a leaf page")
         raise self.damaged(f"the tree is deeper than {MAX_DEPTH} levels (a loop?)")
@@ -140,14 +167,14 @@ class LMDBPages:
         lo, hi, flags, _ = self.key_at(page, offsets[chosen], number)
         return lo | hi << 16 | flags << 32
 
-    def leaf_value(self, page: bytes, number: int, key: bytes) -> bytes | None:
+    def leaf_node(self, page: bytes, number: int, key: bytes) -> tuple | None:
         offsets = self.nodes(page, number)
         low, high = 0, len(offsets) - 1
         while low <= high:
             middle = (low + high) // 2
             lo, hi, flags, found = self.key_at(page, offsets[middle], number)
             if found == key:
-                return self.value(page, offsets[middle], lo | hi << 16, flags, len(found), number)
+                return page, offsets[middle], lo | hi << 16, flags, len(found), number
             if found < key:
                 low = middle + 1
             else:
@@ -155,13 +182,26 @@ class LMDBPages:
         return None
 
     def value(self, page: bytes, offset: int, size: int, flags: int, key_size: int, number: int) -> bytes:
-        start = offset + NODE.size + key_size
-        if flags & (F_SUBDATA | F_DUPDATA):
-            raise self.damaged(f"page {number} holds a sub-database or duplicate values, which packer never writes")
         if not flags & F_BIGDATA:
+            start = offset + NODE.size + key_size
+            self.check_kind(flags, number)
             if start + size > self.page_size:
                 raise self.damaged(f"page {number} has a value running past its end")
             return page[start:start + size]
+        at = self.overflow(page, offset, size, flags, key_size, number)
+        data = self.source.pread(size, at)
+        if len(data) != size:
+            raise self.damaged(f"the value at byte {at} is cut short")
+        return data
+
+    def check_kind(self, flags: int, number: int) -> None:
+        if flags & (F_SUBDATA | F_DUPDATA):
+            raise self.damaged(f"page {number} holds a sub-database or duplicate values, which packer never writes")
+
+    def overflow(self, page: bytes, offset: int, size: int, flags: int, key_size: int, number: int) -> int:
+        """The file offset of a value in overflow pages, its pages checked to hold it."""
+        start = offset + NODE.size + key_size
+        self.check_kind(flags, number)
         if start + 8 > self.page_size:
             raise self.damaged(f"page {number} has an overflow pointer running past its end")
         first = struct.unpack_from("<Q", page, start)[0]
@@ -170,10 +210,7 @@ class LMDBPages:
         if not PAGE_HEADER.unpack_from(head)[2] & P_OVERFLOW or first + pages - 1 > self.last_page \
                 or size > pages * self.page_size - HEADER_SIZE:
             raise self.damaged(f"the {size}-byte value at overflow page {first} does not fit its {pages} page(s)")
-        data = self.source.pread(size, first * self.page_size + HEADER_SIZE)
-        if len(data) != size:
-            raise self.damaged(f"the value at overflow page {first} is cut short")
-        return data
+        return first * self.page_size + HEADER_SIZE
 
     def abort(self) -> None:
         """What an LMDB transaction's abort is: nothing to release here."""

@@ -27,7 +27,6 @@ import tempfile
 
 import numpy as np
 
-from . import _io
 
 from ..crc import crc32
 from ..errors import CorruptDataError, FormatError, ReplacedError
@@ -421,16 +420,3 @@ def nul_separated_view(paths):
     if not len(paths):
         return b""
     return memoryview(paths.data)[paths.offsets.item(0):paths.offsets.item(len(paths)) - 1]
-
-
-def mapped_value(value, path: str, fd: int, where: str) -> tuple | None:
-    """(map, start) of value's bytes in the file at path (descriptor fd), mapped on their own, or
-    None where the file's map cannot be located. value: a buffer into that file's map (a
-    store's own, as LMDB's with buffers=True); the map that holds its address says where in the
-    file it lies, so no check of its bytes is needed to find it."""
-    if not len(value):
-        return None
-    offset = _io.file_offset_at(path, np.frombuffer(value, np.uint8).ctypes.data)
-    if offset is None:
-        return None
-    return map_region(fd, offset, len(value), where)

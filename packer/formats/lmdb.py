@@ -91,14 +91,14 @@ from ..remote import source as remote_source
 from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, path_offset_chunks,
                             stored_positions)
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
-from ._lmdb_pages import LMDBPages
+from ._lmdb_pages import FileSource, LMDBPages
 from . import _handle, _io
 from ._contract import Format
 from ._lmdb_env import DATA_FILE, close_env, data_identity, open_env
 from ._foreign import not_a_file, unexpected
 from ._reader import SplitReader
 from ._tables import (DAMAGED, SpillTable, check_count, check_crc, crc_now, decode_checksums, drop_pages, encode_checksums,
-                      expected_crc, mapped_value, nul_separated_view, region_view, table_crc)
+                      expected_crc, map_region, nul_separated_view, region_view, table_crc)
 
 EXTENSION = ".lmdb"
 DIRECTORY = True
@@ -443,20 +443,23 @@ class Reader(ExtentReads, SplitReader):
         buffer[start:start + length], checked against its stored CRC-32 if it has one (with
         crc False, only a table copied or mapped up to CRC_AT_OPEN: reads check the blocks
         of a larger one they use, check_layout_tables all of it)."""
-        crcs, where = self.table_checksums(), self.table_where(name)
-        _, txn, _ = self.handle()
-        value = txn.get(self.split.encode() + b"/" + name)
+        crcs, where, key = self.table_checksums(), self.table_where(name), self.split.encode() + b"/" + name
+        _, txn, fd = self.handle()
+        expected = expected_crc(crcs, name.decode(), where) if crcs is not None and name.decode() in crcs else None
+        if expected is not None and self.remote is None:
+            # Found by walking the B-tree with preads (LMDB's own get would fault in every page).
+            found = LMDBPages(FileSource(fd), self.identity_file).locate(key)
+            if found is not None:
+                region, start = map_region(fd, *found, where)
+                if crc or crc_now(found[1]):
+                    check_crc(region_view(region, start, found[1]), expected, where)
+                return region, start, found[1]
+        value = txn.get(key)
         if value is None:
             if required or (crcs is not None and name.decode() in crcs):
                 raise CorruptDataError(f"{where}: key missing; {DAMAGED}", self.path)
             return None
         expected = expected_crc(crcs, name.decode(), where)
-        if expected is not None and len(value) >= EXTENT_MIN and self.remote is None:
-            found = mapped_value(value, self.identity_file, self.handle()[2], where)
-            if found is not None:
-                if crc or crc_now(len(value)):
-                    check_crc(region_view(*found, len(value)), expected, where)
-                return (*found, len(value))
         raw = bytes(value)
         check_crc(raw, expected, where)
         return raw, 0, len(raw)
