@@ -61,9 +61,9 @@ the block of READ_BLOCK entries around its record on the block's first use (exte
 data.mdb, labels naming a class, path offsets where the paths start, positions whose order
 entries name their records back), and check_tables (packer verify) checks every table whole with its CRC-32, as
 HDF5's reader does (docs/safety.md). Tables with a checksum that fill overflow pages are
-mapped from data.mdb where LMDB put them (the file offset of the map that holds the value's
-address), not copied into each process (_tables), and CRC-checked when they are mapped up to
-CRC_AT_OPEN. Older packs' tables, and small ones, are copied and checked whole. Before LMDB
+mapped from data.mdb where LMDB put them (found by walking the B-tree with preads,
+_lmdb_pages.LMDBPages.locate: LMDB's own get faults in every page of the value), not copied
+into each process (_tables), and CRC-checked when they are mapped up to CRC_AT_OPEN. Older packs' tables, and small ones, are copied and checked whole. Before LMDB
 maps data.mdb, its two meta pages are read with pread and the file's size checked against
 the pages they say are in use: touching a mapped page past the end of a truncated file
 would kill the process with SIGBUS. Readers are tied to the data.mdb they read the
