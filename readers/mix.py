@@ -29,7 +29,6 @@ reads this schedule and fills a stream's places from the stream of each rank and
 """
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import zlib
@@ -37,6 +36,7 @@ from bisect import bisect_right
 from functools import partial
 from itertools import compress, repeat
 from operator import attrgetter
+from typing import Callable
 
 import numpy as np
 import torch.utils.data
@@ -162,18 +162,20 @@ def name_key(name: str) -> int:
     return zlib.crc32(name.encode("utf-8", "surrogateescape"))
 
 
-def keyed_chunk(indexes: np.ndarray, passes: np.ndarray, prefix: tuple):
-    """indexes as KeyedIndex keyed by (*prefix, pass), made as they are taken (a lazy map:
+def keyed_chunk(indexes: np.ndarray, passes: np.ndarray, prefix: tuple) -> tuple[list, Callable]:
+    """(indexes as a list, a function of its iterator giving them as KeyedIndex keyed by
+    (*prefix, pass)): a run for RankedSampler.hand_out, keyed as they are taken (a lazy map:
     a list of a chunk's thousands, alive together while its batches are read, measured
     slower). A chunk within one pass has its pass's class make them (readers.keyed.keyed_by:
     int's constructor, no Python frame an index)."""
     numbers, which = np.unique(passes, return_inverse=True)
     if len(numbers) == 1:
-        return map(keyed_by((*prefix, int(numbers[0]))), indexes.tolist())
+        return indexes.tolist(), partial(map, keyed_by((*prefix, int(numbers[0]))))
     keys = np.empty(len(numbers), dtype=object)  # a chunk across a pass's end: one key tuple a pass
     for k, number in enumerate(numbers.tolist()):
         keys[k] = (*prefix, number)
-    return map(KeyedIndex, indexes.tolist(), keys[which].tolist())
+    keyed = keys[which].tolist()
+    return indexes.tolist(), lambda current: map(KeyedIndex, current, keyed)
 
 
 class PassOrder:
@@ -403,11 +405,11 @@ class MixSampler(RankedSampler):
 
     def __iter__(self):
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(itertools.chain.from_iterable(self.mixed(self.start())))
+        return self.hand_out(self.mixed(self.start()))
 
     def mixed(self, start: int):
-        """This rank's indexes of the current epoch in a pass from `start`, a list or iterator
-        of CHUNK of them at a time (chained in C: no Python frame per index)."""
+        """This rank's indexes of the current epoch in a pass from `start`, CHUNK of them at a
+        time: a list, or keyed, (the list, what keys it) (keyed_chunk; RankedSampler.hand_out)."""
         rank, world_size = self.world()
         share = self.pass_length(world_size, start)
         for first in range(0, share, CHUNK):
@@ -475,7 +477,7 @@ class MixSampler(RankedSampler):
         the pass under way stands on this world): how far each source's passes have gone."""
         epoch = self.epoch if epoch is None else epoch
         if position is None:
-            position = consumed(self.count, self.pass_start(), self._progress[1] if self._progress else 0,
+            position = consumed(self.count, self.pass_start(), self.handed_out() if self._progress else 0,
                                 self.world()[1])
         return dict(zip(self.mix.names, self.schedule.draws_at(epoch, position).tolist()))
 

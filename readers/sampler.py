@@ -41,7 +41,9 @@ loader and torchdata's StatefulDataLoader record the position of the batches con
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import zlib
 from typing import Iterable, Iterator
 
@@ -55,7 +57,7 @@ from ._pack_identity import reader_identity, without_identity
 from ._state_limits import MAX_EPOCH, bounded_int, check_shape, shown
 from .elastic import consumed, elastic_fields, ended, pass_length, rank_position_chunks, rank_positions
 from .permutation import KeyedPermutation
-from .keyed import KeyedIndex, keyed_by
+from .keyed import keyed_by
 from .ranks import check_rank, world
 
 BLOCK_SIZE = 64  # records per block: ~7 MB of ImageNet JPEGs, one large read
@@ -156,7 +158,8 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         self.rank, self.world_size, self.keyed = rank, world_size, bool(keyed)
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, samples of its global order consumed)
-        self._progress: list[int] | None = None  # [epoch, indexes handed out, global start] of the last pass
+        # [epoch, indexes dealt into runs, global start, the run being handed out] of the last pass
+        self._progress: list | None = None
         self._after: int | None = None  # the epoch set before a state was loaded: the passes after its pass
 
     def set_epoch(self, epoch: int) -> None:
@@ -185,7 +188,7 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         if self._resume is not None:
             (epoch, start), position = self._resume, 0
         elif self._progress is not None and self._progress[0] == self.epoch:
-            epoch, position, start = self._progress
+            epoch, start, position = self._progress[0], self._progress[2], self.handed_out()
         else:
             epoch, position, start = self.epoch, 0, 0
         return {"kind": type(self).__name__, "version": SAMPLER_STATE_VERSION, **self.settings(),
@@ -229,7 +232,7 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
             self.epoch, self._after = self._after, None
         resume, self._resume = self._resume, None
         start = resume[1] if resume is not None and resume[0] == self.epoch else 0
-        self._progress = [self.epoch, 0, start]
+        self._progress = [self.epoch, 0, start, iter(())]
         return start
 
     def pass_positions(self, start: int) -> Iterator[np.ndarray]:
@@ -242,20 +245,35 @@ class RankedSampler(torch.utils.data.distributed.DistributedSampler):
         rank, world_size = self.world()
         return rank_positions(self.count, start, rank, world_size, self.drop_last, 0, most)
 
-    def counted(self, indexes: Iterable[int]) -> Iterator[int]:
-        """indexes, each counted in the pass's progress as it is handed out; keyed, each
-        carries (seed, epoch) to the transform that augments its sample (readers.keyed)."""
+    def hand_out(self, runs: Iterable) -> Iterator[int]:
+        """The pass's indexes, given as runs, handed out one at a time by C iterators
+        (itertools.chain over each run's list iterator): no Python frame per index, whose
+        cost a warm read of a small record would feel. A run is a list of indexes, each keyed
+        as it goes out where the sampler is keyed (a KeyedIndex carrying (seed, epoch) to the
+        transform that augments its sample: readers.keyed), or a mixture's (list, a function
+        of its iterator that keys them: readers.mix.keyed_chunk), whose keys also name its
+        source's pass. Keyed one at a time, never a run at once: a run of live KeyedIndex
+        objects is tracked by the cyclic garbage collector, whose passes cost more than the keying."""
         progress = self._progress
-        if not self.keyed:
-            for index in indexes:
-                progress[1] += 1
-                yield index
-            return
-        keyed = keyed_by((self.seed, progress[0]))
-        for index in indexes:
-            progress[1] += 1
-            # An index keyed already (a mixture's, whose key also names its source's pass) keeps its key.
-            yield index if isinstance(index, KeyedIndex) else keyed(index)
+        keyed = keyed_by((self.seed, progress[0])) if self.keyed else None
+
+        def dealt() -> Iterator[Iterator[int]]:
+            for run in runs:
+                indexes, keying = run if isinstance(run, tuple) else (run, None)
+                current = iter(indexes)
+                progress[1] += len(indexes)
+                progress[3] = current  # handed_out counts what is left of it
+                if keying is not None:
+                    yield keying(current)
+                else:
+                    # int.__new__(keyed, i) is keyed(i) without the class call's lookups: 2/3 of its cost
+                    yield current if keyed is None else map(int.__new__, itertools.repeat(keyed), current)
+        return itertools.chain.from_iterable(dealt())
+
+    def handed_out(self) -> int:
+        """Indexes of the last pass handed out so far: those dealt into runs less what the
+        current run still holds, so a state saved between any two indexes is exact."""
+        return self._progress[1] - operator.length_hint(self._progress[3])
 
     def __len__(self) -> int:
         return self.pass_length(self.world()[1], self.pass_start())
@@ -291,6 +309,12 @@ class ReadAhead:
             return False
         self.skip -= calls
         return True
+
+    def take_skips(self) -> int:
+        """The calls it would skip next, counted as made: a sampler hands out their records
+        in one run, with no call for each."""
+        skip, self.skip = self.skip, 0
+        return skip
 
 
 class ShuffleSampler(RankedSampler):
@@ -347,12 +371,15 @@ class ShuffleSampler(RankedSampler):
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.read_ahead_of(self.index_chunks(self.start())))
+        return self.hand_out(self.read_ahead_of(self.index_chunks(self.start())))
 
-    def read_ahead_of(self, chunks: Iterator[np.ndarray]) -> Iterator[int]:
+    def read_ahead_of(self, chunks: Iterator[np.ndarray]) -> Iterator[list]:
+        """The chunks' indexes as runs to hand out: a chunk each, or with a reader, HINT_CHUNK
+        each, the AHEAD indexes after a run hinted as it is handed out (a warm run takes the
+        runs of the hints ReadAhead skips along: one run, one numpy pass, for up to MAX_SKIP)."""
         if self.reader is None:
             for chunk in chunks:
-                yield from chunk.tolist()
+                yield chunk.tolist()
             return
         hint, ahead = ReadAhead(self.reader), self.ahead
         self.read_ahead = hint
@@ -373,8 +400,9 @@ class ShuffleSampler(RankedSampler):
             hint(pending[k:k + HINT_CHUNK])
         while len(pending):
             hint(pending[ahead:ahead + HINT_CHUNK])
-            yield from pending[:HINT_CHUNK].tolist()
-            pending = top_up(pending[HINT_CHUNK:])
+            run = HINT_CHUNK * (1 + hint.take_skips())
+            yield pending[:run].tolist()
+            pending = top_up(pending[run:])
 
 
 class BlockShuffleSampler(RankedSampler):
@@ -497,11 +525,12 @@ class BlockShuffleSampler(RankedSampler):
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: a loaded position is taken when the pass begins (iter()).
-        return self.counted(self.read_windows(self.pass_positions(self.start())))
+        return self.hand_out(self.read_windows(self.pass_positions(self.start())))
 
-    def read_windows(self, chunks: Iterator[np.ndarray]) -> Iterator[int]:
-        """The records at these places of the global order (chunks of them), each window's
-        blocks hinted one window ahead of the records read from it."""
+    def read_windows(self, chunks: Iterator[np.ndarray]) -> Iterator[list]:
+        """The records at these places of the global order (chunks of them), as runs to hand
+        out (a chunk's run in one window each), each window's blocks hinted one window ahead
+        of the records read from it."""
         current = None
         for places in chunks:
             windows, edges = window_runs(self.window_of(places))
@@ -513,7 +542,7 @@ class BlockShuffleSampler(RankedSampler):
                         self.hint(self.window_blocks(w + 1))  # read ahead while this window is consumed
                     current = w
                 positions = self.stored_at(w, places[edges[run]:edges[run + 1]])
-                yield from (positions if self.stored is None else self.stored[positions]).tolist()
+                yield (positions if self.stored is None else self.stored[positions]).tolist()
 
     def hint(self, blocks: list[tuple[int, int]]) -> None:
         if self.reader is not None:

@@ -172,6 +172,27 @@ def test_hints_back_off_while_records_are_cached(tmp_path, monkeypatch):
     dataset.close()
 
 
+def test_a_state_saved_between_any_two_indexes_resumes_exactly(tmp_path):
+    """Indexes go out a run at a time (a chunk, a window's part of one, a hint's records and
+    those of the hints skipped with it); a state counts every index handed out, inside a run too."""
+    tree = class_sorted_tree(tmp_path / "src", classes=4, per_class=150)
+    pack(str(tree), "hdf5", str(tmp_path / "r.h5"), progress=False, workers=1)
+    dataset = readers.open_dataset(tmp_path / "r.h5", decode="raw").open()
+    for make in (lambda: ShuffleSampler(dataset, seed=2), lambda: ShuffleSampler(Sized(5000), seed=2),
+                 lambda: BlockShuffleSampler(Sized(5000), block_size=10, window=4, seed=2)):
+        whole = list(make())
+        for taken in [k for k in (1, 15, 16, 17, 100, 599, 4097) if k < len(whole)]:
+            sampler = make()
+            indexes = iter(sampler)
+            assert [next(indexes) for _ in range(taken)] == whole[:taken]
+            state = sampler.state_dict()
+            assert state["position"] == taken
+            resumed = make()
+            resumed.load_state_dict(state)
+            assert list(resumed) == whole[taken:]
+    dataset.close()
+
+
 @needs_page_cache_control
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
 def test_hints_bring_the_next_records_into_the_page_cache(sorted_tree, tmp_path, fmt):
