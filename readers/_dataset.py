@@ -56,7 +56,8 @@ class ReaderDataset(torch.utils.data.Dataset):
             if index < -len(self):  # not wrapped round to a record at the end
                 raise IndexError(f"index {index} out of range for split {self.split!r} of {len(self)} records")
             index += len(self)
-        data, label = self.reader.read_image(index)
+        # The reader gets a plain int: a KeyedIndex (an int subclass) slows each table lookup it indexes.
+        data, label = self.reader.read_image(int(index))
         try:
             image = decode(data, self.decode, max_pixels=self.max_pixels)
             if self.transform is not None:

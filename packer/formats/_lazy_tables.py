@@ -102,7 +102,8 @@ class LazyTables:
         if self._label_blocks is None:
             self._label_blocks = self.loaded("label blocks", self.label_blocks)
         labels, checks = self._label_blocks
-        checks.ensure(index)
+        if checks.left:  # once every block has passed, no call
+            checks.ensure(index)
         return labels.item(index)
 
     def label_blocks(self) -> tuple:

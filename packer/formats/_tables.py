@@ -53,14 +53,18 @@ class BlockChecks:
     """Which blocks of READ_BLOCK entries of a mapped table have passed their range check,
     each checked on its first use (check(start, stop) raises if entries [start, stop) are
     out of range): opening a table of 10^8 entries then reads none of it, and a read checks
-    the block around its own. One bit per block (a 10^9-entry table: 122 KB)."""
+    the block around its own. One bit per block (a 10^9-entry table: 122 KB).
 
-    __slots__ = ("checked", "check", "count")
+    `left` counts the blocks not checked yet: a hot read tests it before it calls ensure,
+    so once every block has passed (soon, reading at random) a read pays no call for it."""
+
+    __slots__ = ("checked", "check", "count", "left")
 
     def __init__(self, count: int, check):
         self.checked = bytearray(-(-count // (READ_BLOCK * 8)))
         self.check = check
         self.count = count
+        self.left = -(-count // READ_BLOCK)
 
     def ensure(self, i: int) -> None:
         """Check the block of entry i unless it has been (a damaged block raises at every use)."""
@@ -68,12 +72,14 @@ class BlockChecks:
         if not self.checked[block >> 3] >> (block & 7) & 1:
             self.check(block * READ_BLOCK, min(self.count, (block + 1) * READ_BLOCK))
             self.checked[block >> 3] |= 1 << (block & 7)
+            self.left -= 1
 
     def ensure_every(self) -> None:
         """Check the whole table (check_tables), CHECK_BLOCK entries a pass: few passes."""
         for start, stop in blocks(self.count):
             self.check(start, stop)
         self.checked[:] = b"\xff" * len(self.checked)
+        self.left = 0
 
     def ensure_all(self, entries: np.ndarray) -> None:
         """Check the blocks of every entry in entries (vectorised ensure)."""

@@ -429,7 +429,8 @@ class Reader(HDF5File, SplitReader):
         self.check_index(index)
         offsets, crcs = self.index()
         position = self.position(index)
-        self._offset_blocks.ensure(position)
+        if self._offset_blocks.left:  # a block not checked yet: this one, maybe
+            self._offset_blocks.ensure(position)
         start, stop = offsets.item(position), offsets.item(position + 1)
         chunks = self.chunks()
         if chunks is None:
