@@ -168,8 +168,9 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
         table = self.position_table() if self._position is None else self._position
         if table is False:
             return index
-        if self._position_checks is not None:
-            self._position_checks.ensure(index)
+        checks = self._position_checks
+        if checks is not None and checks.left:  # once every block has passed, no call
+            checks.ensure(index)
         return table.item(index)
 
     def stored_positions(self) -> tuple | None:
