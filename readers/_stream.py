@@ -8,6 +8,11 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+import numpy as np
+
+CHUNK = 1 << 16  # draws made at a time: memory flat whatever the epoch's size
+MANY_DRAWS = 1 << 12  # from here on, numpy makes the draws: its fixed cost is what about 3,000 cost in Python
+
 
 class Task(NamedTuple):
     """A run of one shard's samples: from start to stop (None: to its end)."""
@@ -21,22 +26,53 @@ def replay_shuffle(n: int, size: int, rng: random.Random, skip: int) -> tuple[li
     """shuffled() over n items, replayed on their ordinals until `skip` are out: (slots, the
     buffer as ordinals; inputs consumed; drained: the input had ended and the buffer was
     shuffled, so slots are what is left to yield, in order), with rng where shuffled's is."""
-    slots = list(range(min(size, n)))
-    consumed, out = len(slots), 0
-    # rng.randrange(size), inlined: CPython's draw for it (getrandbits of size's bit length
-    # until below size) at a third of the cost; a resume replays up to an epoch of draws.
-    bits, draw = size.bit_length(), rng.getrandbits
-    while out < skip and consumed < n:
-        j = draw(bits)
-        while j >= size:
-            j = draw(bits)
-        slots[j] = consumed
-        consumed += 1
-        out += 1
+    slots = np.arange(min(size, n), dtype=np.int64)
+    consumed = len(slots)
+    out = min(skip, n - consumed)  # a draw for each input past the buffer's first, until `skip` are out
+    draws(rng, size, out, slots, consumed)
+    consumed += out
     if out == skip:
-        return slots, consumed, False
+        return slots.tolist(), consumed, False
+    slots = slots.tolist()
     rng.shuffle(slots)
     return slots[skip - out:], n, True
+
+
+def draws(rng: random.Random, size: int, count: int, slots: np.ndarray, first: int) -> None:
+    """Make `count` of shuffled()'s draws, rng.randrange(size) each, and put input ordinals
+    first, first + 1, ... into the slots drawn, as it does (the last put into a slot stays);
+    rng ends where those draws leave it."""
+    bits = size.bit_length()
+    if count < MANY_DRAWS or bits > 32:  # few (or each several words, a buffer over 2**32 samples)
+        # rng.randrange(size), inlined: CPython's draw for it (getrandbits of size's bit length
+        # until below size) at a third of the cost.
+        draw = rng.getrandbits
+        for ordinal in range(first, first + count):
+            j = draw(bits)
+            while j >= size:
+                j = draw(bits)
+            slots[j] = ordinal
+        return
+    many_draws(rng, size, bits, count, slots, first)
+
+
+def many_draws(rng: random.Random, size: int, bits: int, count: int, slots: np.ndarray, first: int) -> None:
+    """draws() without a Python loop over them: getrandbits(bits <= 32) is the top bits of one
+    Mersenne Twister word, and numpy's MT19937 makes the same words from rng's state, `count`
+    at a time (never one past the last needed: each accepted draw needs one). A resume
+    replays up to an epoch of draws."""
+    version, words, gauss = rng.getstate()
+    twister = np.random.MT19937(0)
+    twister.state = {"bit_generator": "MT19937", "state": {"key": np.array(words[:-1], np.uint32), "pos": words[-1]}}
+    while count:
+        drawn = twister.random_raw(min(count, CHUNK)) >> np.uint64(32 - bits)
+        drawn = drawn[drawn < size].astype(np.int64)
+        # Ordinals only grow, so the last put into a slot is the largest (slots start below first).
+        np.maximum.at(slots, drawn, np.arange(first, first + len(drawn), dtype=np.int64))
+        first += len(drawn)
+        count -= len(drawn)
+    state = twister.state["state"]
+    rng.setstate((version, tuple(state["key"].tolist()) + (int(state["pos"]),), gauss))
 
 
 def stream_sizes(total: int, workers: int) -> list[int]:

@@ -119,23 +119,36 @@ def rest(dataset, history: list[dict]) -> list:
     less the samples still in its shuffle buffer where it stopped inside it, so a pass costs
     O(shards + ranks x workers x shuffle buffer) in memory, whatever the epoch's size, and
     its time is the replay of the buffers' draws. The streams of every rank are cut alike;
-    every rank past the data's end has the same plan, marked once."""
-    pool = dataset.epoch_tasks()  # what the pass being replayed dealt: first the epoch's own samples
+    every rank past the data's end has the same plan, marked once. Runs and tasks are
+    worked on as numpy arrays: a resume's thousand one-sample runs cost no Python loop."""
+    tasks = dataset.epoch_tasks()  # what the pass being replayed dealt: first the epoch's own samples
+    if not history:
+        return tasks
+    pool = pool_of(dataset, tasks)
     for segment in history:
-        total = sum(map(dataset.task_size, pool))
+        total = int((pool[2] - pool[1]).sum())
         length = math.ceil(total / segment["world_size"])
-        pool = without(dataset, pool, merged(pass_runs(dataset, segment, total, length)))
+        pool = without(pool, merged(*pass_runs(dataset, segment, total, length)))
+    return list(map(Task._make, zip(*pool.tolist())))
+
+
+def pool_of(dataset, tasks: list) -> np.ndarray:
+    """The tasks as rows shard, start, stop of an int64 array (each stop given)."""
+    pool = np.zeros((3, len(tasks)), np.int64)
+    for k, task in enumerate(tasks):
+        pool[:, k] = task.shard, task.start, task.start + dataset.task_size(task)
     return pool
 
 
-def pass_runs(dataset, segment: dict, total: int, length: int) -> Iterator[tuple[int, int]]:
-    """[begin, end) runs of the pool's sample numbers that the streams of the segment's pass
-    had yielded to its batches, every rank's plan being `length` samples of a pool of `total`."""
+def pass_runs(dataset, segment: dict, total: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """[begin, end) runs (arrays of begins and ends) of the pool's sample numbers that the
+    streams of the segment's pass had yielded to its batches, every rank's plan being
+    `length` samples of a pool of `total`."""
     workers = segment["workers"]
     sizes = stream_sizes(length, workers)
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
     if "ranks" in segment:
-        yield from ranks_runs(dataset, segment, total, length, sizes)
-        return
+        return ranks_runs(dataset, segment, total, length, sizes, edges)
     if "streams" in segment:
         yielded = segment["streams"]
         if any(n > size for n, size in zip(yielded, sizes)):
@@ -143,37 +156,44 @@ def pass_runs(dataset, segment: dict, total: int, length: int) -> Iterator[tuple
                              f"whose streams hold {shown(sizes)}; it was saved over other data")
     else:
         yielded, _ = consumed_samples(sizes, segment["batches"], segment["batch_size"], segment["drop_last"])
-    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-    for ranks, begin, end in share_spans(total, length, segment["world_size"]):
-        yield from yielded_runs(dataset, ranks, yielded, sizes, edges, begin, end)
+    return joined(yielded_runs(dataset, ranks, yielded, sizes, edges, begin, end)
+                  for ranks, begin, end in share_spans(total, length, segment["world_size"]))
 
 
 def yielded_runs(dataset, ranks, yielded: list[int], sizes: list[int], edges: list[int], begin: int, end: int
-                 ) -> Iterator[tuple[int, int]]:
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Runs of the pool's sample numbers that the streams of `ranks` (one share of the
     pool, [begin, end) then its start) had yielded, `yielded` of each stream's `sizes`."""
+    found = []
     for stream_id, (n, size) in enumerate(zip(yielded, sizes)):
         if not n:
             continue
         if dataset.shuffle <= 1 or n == size:  # yielded in order, or the buffer drained
-            runs = [(0, n)]
+            lows, highs = np.zeros(1, np.int64), np.full(1, n, np.int64)
         else:  # stopped inside its shuffle buffer: which samples depends on the rank's draws
-            runs = stream_yield(dataset, ranks, stream_id, size, n)
-        for low, high in runs:
-            yield from pool_runs(edges[stream_id] + low, edges[stream_id] + high, begin, end)
+            lows, highs = stream_yield(dataset, ranks, stream_id, size, n)
+        found.append(pool_runs(lows + edges[stream_id], highs + edges[stream_id], begin, end))
+    return joined(found)
 
 
-def ranks_runs(dataset, segment: dict, total: int, length: int, sizes: list[int]) -> Iterator[tuple[int, int]]:
+def ranks_runs(dataset, segment: dict, total: int, length: int, sizes: list[int], edges: list[int]
+               ) -> tuple[np.ndarray, np.ndarray]:
     """pass_runs of a per-rank segment: each rank's streams yielded their own counts, so
     each rank's runs are worked out on their own (the padding ranks' too, joined after)."""
     counts = segment["ranks"]
     if any(n > size for row in counts for n, size in zip(row, sizes)):
         raise ValueError(f"WDSDataset: the state has {shown(counts)} samples read from the streams of a pass whose "
                          f"streams hold {shown(sizes)} on each rank; it was saved over other data")
-    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-    for ranks, begin, end in share_spans(total, length, segment["world_size"]):
-        for rank in ranks:
-            yield from yielded_runs(dataset, range(rank, rank + 1), counts[rank], sizes, edges, begin, end)
+    return joined(yielded_runs(dataset, range(rank, rank + 1), counts[rank], sizes, edges, begin, end)
+                  for ranks, begin, end in share_spans(total, length, segment["world_size"]) for rank in ranks)
+
+
+def joined(runs) -> tuple[np.ndarray, np.ndarray]:
+    """(begins, ends) of every (begins, ends) pair of runs, one after another."""
+    runs = list(runs)
+    if not runs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate([lows for lows, _ in runs]), np.concatenate([highs for _, highs in runs])
 
 
 def share_spans(total: int, each: int, world_size: int) -> Iterator[tuple[range, int, int]]:
@@ -187,66 +207,64 @@ def share_spans(total: int, each: int, world_size: int) -> Iterator[tuple[range,
         yield range(within, world_size), 0, 0
 
 
-def pool_runs(low: int, high: int, begin: int, end: int) -> list[tuple[int, int]]:
-    """Samples [low, high) of a share that is the pool's [begin, end) and then its start, as
-    runs of the pool's sample numbers."""
+def pool_runs(lows: np.ndarray, highs: np.ndarray, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs [lows, highs) of a share's samples, the share being the pool's [begin, end) and
+    then its start, as runs of the pool's sample numbers (a run across the two, split)."""
     mine = end - begin
-    runs = [(begin + low, begin + min(high, mine))] if low < mine else []
-    if high > mine:
-        runs.append((max(low, mine) - mine, high - mine))
-    return runs
+    inside, past = lows < mine, highs > mine
+    return (np.concatenate([begin + lows[inside], np.maximum(lows[past], mine) - mine]),
+            np.concatenate([begin + np.minimum(highs[inside], mine), highs[past] - mine]))
 
 
-def merged(runs) -> list[tuple[int, int]]:
-    """runs sorted, overlapping and touching ones joined."""
-    out: list[list[int]] = []
-    for low, high in sorted(runs):
-        if out and low <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], high)
-        elif low < high:
-            out.append([low, high])
-    return [(low, high) for low, high in out]
+def merged(lows: np.ndarray, highs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs sorted, overlapping and touching ones joined, empty ones left out."""
+    full = lows < highs
+    if not full.any():
+        return lows[full], highs[full]
+    order = np.lexsort((highs[full], lows[full]))
+    lows, highs = lows[full][order], highs[full][order]
+    reach = np.maximum.accumulate(highs)  # the end of the runs so far
+    starts = np.flatnonzero(np.concatenate([[True], lows[1:] > reach[:-1]]))
+    return lows[starts], reach[np.append(starts[1:], len(lows)) - 1]
 
 
-def without(dataset, pool: list, taken: list[tuple[int, int]]) -> list:
-    """The pool's tasks less the sample numbers in the sorted, disjoint runs `taken`."""
-    tasks, first, k = [], 0, 0
-    for task in pool:
-        size = dataset.task_size(task)
-        at, stop = first, first + size
-        while k < len(taken) and taken[k][1] <= at:
-            k += 1
-        j = k
-        while at < stop:
-            low, high = taken[j] if j < len(taken) else (stop, stop)
-            if low > at:
-                tasks.append(Task(task.shard, task.start + at - first, task.start + min(low, stop) - first))
-            at = max(at, min(high, stop)) if low < stop else stop
-            j += 1
-        first = stop
-    return tasks
+def without(pool: np.ndarray, taken: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The pool (rows shard, start, stop) less the sample numbers in the sorted, disjoint
+    runs `taken`: the runs between them, each cut where a task of the pool ends."""
+    shards, starts, stops = pool
+    ends = np.cumsum(stops - starts)  # each task's end in the pool's sample numbers
+    firsts = ends - (stops - starts)
+    total = int(ends[-1]) if len(ends) else 0
+    lows = np.concatenate([[0], np.minimum(taken[1], total)]).astype(np.int64)
+    highs = np.concatenate([np.minimum(taken[0], total), [total]]).astype(np.int64)
+    free = lows < highs
+    lows, highs = lows[free], highs[free]
+    first = np.searchsorted(ends, lows, "right")  # the first task each free run reaches into
+    count = np.searchsorted(firsts, highs, "left") - first  # and how many
+    run = np.repeat(np.arange(len(lows)), count)
+    task = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)
+    low, high = np.maximum(lows[run], firsts[task]), np.minimum(highs[run], ends[task])
+    kept = low < high
+    task, low, high = task[kept], low[kept], high[kept]
+    return np.stack([shards[task], starts[task] + low - firsts[task], starts[task] + high - firsts[task]])
 
 
-def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> list[tuple[int, int]]:
-    """Runs of the ordinals of a stream of `size` samples, stopped after `yielded` inside its
-    shuffle buffer, that any of `ranks` had yielded: the samples read, less those still in
-    the buffer of every rank (each rank's draws differ; the ranks share one plan, padding
-    past the data's end). Once no sample is in every rank's buffer, the rest add none."""
+def stream_yield(dataset, ranks, stream_id: int, size: int, yielded: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs (begins, ends) of the ordinals of a stream of `size` samples, stopped after
+    `yielded` inside its shuffle buffer, that any of `ranks` had yielded: the samples read,
+    less those still in the buffer of every rank (each rank's draws differ; the ranks share
+    one plan, padding past the data's end). Once no sample is in every rank's buffer, the
+    rest add none."""
     held = None
     read = 0
     for rank in ranks:
         slots, read, _ = replay_shuffle(size, dataset.shuffle, stream_rng(dataset, rank, stream_id), yielded)
-        held = set(slots) if held is None else held & set(slots)
-        if not held:
+        held = np.unique(slots) if held is None else np.intersect1d(held, slots)
+        if not len(held):
             break
-    runs, at = [], 0
-    for slot in sorted(held):
-        if slot >= read:
-            break
-        runs.append((at, slot))
-        at = slot + 1
-    runs.append((at, read))
-    return [(low, high) for low, high in runs if low < high]
+    held = held[held < read].astype(np.int64)
+    lows, highs = np.concatenate([[0], held + 1]), np.concatenate([held, [read]])
+    return lows[lows < highs], highs[lows < highs]
 
 
 def stream_rng(dataset, rank: int, stream_id: int) -> random.Random | None:
