@@ -8,9 +8,12 @@ not describe, is parsed (packer.formats.wds_shards.iter_samples), its .json memb
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import warnings
 from typing import Iterable, Iterator
+
+import numpy as np
 
 from packer.errors import CorruptDataError, PackError, ReplacedError
 from packer.formats import current_identity, replaced_error, wds, wds_shards
@@ -42,63 +45,111 @@ def opener(ds, paths: list[str]):
     return ShardsAhead(ds.remote, paths, ds.prefetch_shards)
 
 
-def read_tasks(ds, tasks: Iterable[Task]) -> Iterator[tuple[str, bytes, int]]:
-    """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked."""
+def read_tasks(ds, tasks: Iterable[Task], numbered: bool = False) -> Iterator:
+    """(where, image bytes, label) of every image sample of the tasks' shards, in order, checked;
+    numbered: (the task's place in tasks, the sample)."""
     tasks = list(tasks)
     shards = opener(ds, [ds.shards[task.shard] for task in tasks])
     try:
-        yield from task_samples(ds, tasks, shards)
+        if numbered:
+            yield from task_samples(ds, tasks, shards)
+        else:
+            for _, sample in task_samples(ds, tasks, shards):
+                yield sample
     finally:
         if shards is not None:
             shards.close()
 
 
-def task_samples(ds, tasks: list[Task], shards) -> Iterator[tuple[str, bytes, int]]:
-    """The tasks' samples, each shard's cut at the task's ends; damage fails the stream or,
+def task_samples(ds, tasks: list[Task], shards) -> Iterator[tuple[int, tuple[str, bytes, int]]]:
+    """(k, sample) of the tasks' samples, task k's; tasks one after another in one shard (a
+    resumed pass's one-sample runs, what the saved shuffle buffers held) are read in one pass
+    (one_pass), the rest of them, from where that pass stopped, task by task (task_run)."""
+    k = 0
+    while k < len(tasks):
+        end = k + 1
+        while end < len(tasks) and tasks[end].shard == tasks[k].shard:
+            end += 1
+        sizes = [ds.task_size(task) for task in tasks[k:end]]
+        at, read = k, 0  # the task the pass is in, and its samples read
+        for sample in one_pass(ds, tasks[k:end], sizes) if end - k > 1 else ():
+            while read == sizes[at - k]:
+                at, read = at + 1, 0
+            read += 1
+            yield at, sample
+        for j in range(at, end):
+            task = tasks[j]
+            if j == at and read:
+                if read == sizes[j - k]:
+                    continue
+                task = Task(task.shard, task.start + read, task.stop)
+            for sample in task_run(ds, task, shards):
+                yield j, sample
+        k = end
+
+
+def one_pass(ds, tasks: list[Task], sizes: list[int]) -> Iterator[tuple[str, bytes, int]]:
+    """The samples of tasks of one shard, read in one pass where the index reads the shard
+    (wds_shards.read_stored_runs), as task_run reads them; it stops before a sample that fails
+    its checks or past the shard's end, for task_run to read from there, and fail or warn."""
+    shard, reader = tasks[0].shard, index_reader(ds)
+    if reader is None or not reader.as_indexed(shard):
+        return
+    starts = np.array([task.start for task in tasks], np.int64)
+    try:
+        for index, image, label in wds_shards.read_stored_runs(reader, shard, starts, starts + sizes):
+            if isinstance(image, CorruptDataError):
+                return
+            yield SampleName(reader, index), image, label
+    except CorruptDataError:
+        return
+
+
+def task_run(ds, task: Task, shards) -> Iterator[tuple[str, bytes, int]]:
+    """The task's samples, its shard's cut at the task's ends; damage fails the stream or,
     with on_error="skip", leaves out the sample or the rest of its shard, warned."""
-    for task in tasks:
-        path, expected = ds.shards[task.shard], ds.shard_counts()[task.shard]
-        wanted = expected if task.stop is None else task.stop
-        got = task.start  # the shard's samples passed, counted from its first
-        try:
-            for where, image, label in ds.shard_samples(task.shard, shards, task.start, task.stop):
-                got += 1
-                if image is not None:
-                    yield where, image, label
-                elif ds.on_error == "fail":
-                    raise label
-                else:
-                    warnings.warn(f"{label}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
-                                  stacklevel=2)
-                if got == wanted:
-                    break
-            if got < wanted:
-                raise CorruptDataError(f"{path}: ended after {got} samples, {expected} expected; the shard "
-                                       "is truncated or was replaced (re-create it, or read with "
-                                       "on_error='skip')", path)
-        except ReplacedError:
-            raise  # not damage to skip: every shard from here on is the other dataset's
-        except CorruptDataError as exc:
-            if ds.on_error == "fail":
-                raise
-            warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
-                          RuntimeWarning, stacklevel=2)
+    path, expected = ds.shards[task.shard], ds.shard_counts()[task.shard]
+    wanted = expected if task.stop is None else task.stop
+    got = task.start  # the shard's samples passed, counted from its first
+    try:
+        for where, image, label in ds.shard_samples(task.shard, shards, task.start, task.stop):
+            got += 1
+            if image is not None:
+                yield where, image, label
+            elif ds.on_error == "fail":
+                raise label
+            else:
+                warnings.warn(f"{label}; skipped this sample, 1 sample short this epoch", RuntimeWarning,
+                              stacklevel=2)
+            if got == wanted:
+                break
+        if got < wanted:
+            raise CorruptDataError(f"{path}: ended after {got} samples, {expected} expected; the shard "
+                                   "is truncated or was replaced (re-create it, or read with "
+                                   "on_error='skip')", path)
+    except ReplacedError:
+        raise  # not damage to skip: every shard from here on is the other dataset's
+    except CorruptDataError as exc:
+        if ds.on_error == "fail":
+            raise
+        warnings.warn(f"{exc}; skipped the rest of this shard, {wanted - got} sample(s) short this epoch",
+                      RuntimeWarning, stacklevel=2)
 
 
 def read_ordinals(ds, tasks: list[Task], sizes: list[int], start: int, keep) -> Iterator[tuple[int, tuple]]:
     """(ordinal, sample) of the tasks' samples numbered from 0 whose ordinal is in `keep`
     or at least `start`; a task holding none of them is skipped unread."""
     wanted = sorted(set(keep))
-    first = 0
-    for task, size in zip(tasks, sizes):
-        stop = first + size
-        below = bisect.bisect_left(wanted, first)
-        if stop > start or (below < len(wanted) and wanted[below] < stop):
-            chosen = set(wanted[below:bisect.bisect_left(wanted, stop)])
-            for ordinal, sample in enumerate(read_tasks(ds, [task]), first):
-                if ordinal >= start or ordinal in chosen:
-                    yield ordinal, sample
-        first = stop
+    kept = set(wanted)
+    firsts = list(itertools.accumulate(sizes, initial=0))
+    due = [k for k in range(len(tasks)) if firsts[k + 1] > start
+           or bisect.bisect_left(wanted, firsts[k]) < bisect.bisect_left(wanted, firsts[k + 1])]
+    passed = [0] * len(due)  # each due task's samples read: a sample's ordinal counts its task's
+    for j, sample in read_tasks(ds, [tasks[k] for k in due], numbered=True):
+        ordinal = firsts[due[j]] + passed[j]
+        passed[j] += 1
+        if ordinal >= start or ordinal in kept:
+            yield ordinal, sample
 
 
 def check_replaced(ds) -> None:

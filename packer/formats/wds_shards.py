@@ -2,7 +2,8 @@
 layout (readers.WDSDataset): a packer folder's shards and their sample counts from its index
 (indexed_split), and the members of any shard, packer's or another tool's (iter_samples,
 count_samples, image_suffix). A packer shard's images are also read by its index
-(read_stored, where packer.formats.wds.Reader.as_indexed says the shard allows it)."""
+(read_stored, read_stored_runs, where packer.formats.wds.Reader.as_indexed says the shard allows
+it)."""
 from __future__ import annotations
 
 import os
@@ -53,8 +54,29 @@ def read_stored(reader, shard: int, start: int = 0, stop: int | None = None
     one is open at a time, however many shards a stream reads. A run's stop keeps a
     one-sample run (what a resumed stream's shuffle buffer held) to one record's ints."""
     reader.close_other_shards(shard)
+    yield from read_indexes(reader, shard, stored_part(reader, shard, start, stop))
+
+
+def read_stored_runs(reader, shard: int, starts: np.ndarray, stops: np.ndarray
+                     ) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
+    """read_stored() of the runs [starts, stops) of the shard's samples (sorted, disjoint),
+    one after another, in one pass: a resumed stream reads hundreds of one-sample runs of a
+    shard (what its shuffle buffer held), each of which would be a read_stored() of its own.
+    A run past the shard's end is cut at it, as read_stored() cuts one."""
+    reader.close_other_shards(shard)
+    counts = stops - starts
+    positions = np.arange(counts.sum(), dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    if not len(positions):
+        return
+    low = int(positions[0])
+    part = stored_part(reader, shard, low, int(positions[-1]) + 1)
+    yield from read_indexes(reader, shard, part[positions[positions - low < len(part)] - low])
+
+
+def read_indexes(reader, shard: int, indexes: np.ndarray) -> Iterator[tuple[int, bytes | CorruptDataError, int]]:
+    """read_stored()'s samples: those of `indexes`, which the shard holds, in their order."""
     fd, records = reader.shard_fd(shard), reader.record_blocks()[0]
-    for index in chunked_ints(stored_part(reader, shard, start, stop)):
+    for index in chunked_ints(indexes):
         _, crc, offset, size, label = records[index].tolist()
         data = _io.pread(fd, size, offset)
         if len(data) != size:
