@@ -134,10 +134,8 @@ def rest(dataset, history: list[dict]) -> list:
 
 def pool_of(dataset, tasks: list) -> np.ndarray:
     """The tasks as rows shard, start, stop of an int64 array (each stop given)."""
-    pool = np.zeros((3, len(tasks)), np.int64)
-    for k, task in enumerate(tasks):
-        pool[:, k] = task.shard, task.start, task.start + dataset.task_size(task)
-    return pool
+    rows = [(task.shard, task.start, task.start + dataset.task_size(task)) for task in tasks]
+    return np.array(rows, np.int64).reshape(-1, 3).T
 
 
 def pass_runs(dataset, segment: dict, total: int, length: int) -> tuple[np.ndarray, np.ndarray]:
