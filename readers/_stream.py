@@ -5,6 +5,8 @@ on the same ranks or others (readers.wds_elastic), works these out without readi
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from typing import NamedTuple
 
@@ -103,14 +105,18 @@ def consumed_samples(sizes: list[int], batches: int, batch_size: int, drop_last:
 
 
 def cut(dataset, pool: list, begin: int, end: int) -> list:
-    """The pool's samples [begin, end), as tasks."""
-    tasks, first = [], 0
-    for task in pool:
-        if first >= end:  # the rest of the pool lies past the cut (a share's padding is its start)
-            break
-        size = dataset.task_size(task)
-        low, high = max(begin, first), min(end, first + size)
-        if low < high:
-            tasks.append(Task(task.shard, task.start + low - first, task.start + high - first))
-        first += size
+    """The pool's samples [begin, end), as tasks (each stop given). The tasks wholly inside
+    are found by bisection and kept as they are: a resumed pass's pool holds a task per
+    sample its saved shuffle buffers held, and each worker cuts its run out of it."""
+    ends = list(itertools.accumulate(map(dataset.task_size, pool)))  # each task's end in the pool
+    low, high = bisect.bisect_right(ends, begin), bisect.bisect_left(ends, end)
+    tasks = []
+    for k in range(low, min(high + 1, len(pool))):
+        task, first = pool[k], ends[k] - dataset.task_size(pool[k])
+        start, stop = max(begin, first), min(end, ends[k])
+        if start >= stop:
+            continue
+        if task.stop is None or start > first or stop < ends[k]:
+            task = Task(task.shard, task.start + start - first, task.start + stop - first)
+        tasks.append(task)
     return tasks
