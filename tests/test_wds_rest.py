@@ -1,15 +1,19 @@
 """A WebDataset stream resumed on other ranks and workers hands out exactly the samples its
 saved passes did not (readers.wds_elastic.rest): checked on random states against the
-records each pass's streams really read (their tasks through their shuffle buffers)."""
+records each pass's streams really read (their tasks through their shuffle buffers); the
+one-sample runs it reads first, a shard's in one pass, fail and warn as runs read alone."""
 from __future__ import annotations
 
+import os
 import random
+import warnings
 from collections import Counter
 
 import pytest
 
+from packer.errors import CorruptDataError
 from readers import WDSDataset
-from readers._stream import consumed_samples, stream_sizes
+from readers._stream import Task, consumed_samples, stream_sizes
 from readers._wds_shuffle import samples_after, stream_rng
 from readers.wds_elastic import rank_plan
 
@@ -88,3 +92,48 @@ def test_a_pass_after_random_passes_hands_out_exactly_the_records_they_did_not(t
         repeats = sum(n - 1 for n in Counter(after).values())
         assert repeats <= world_size - 1
         assert len(after) == world_size * plan_length(ds, history, world_size)
+
+
+def read_all(ds: WDSDataset, groups: list[list]) -> tuple[list, list[str], str | None]:
+    """(records read, warnings, the error that stopped the read or None) of read_tasks over
+    each group of tasks."""
+    from readers._wds_read import read_tasks
+
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for group in groups:
+                for _, data, _ in read_tasks(ds, group):
+                    got.append(int.from_bytes(data, "little"))
+        except CorruptDataError as exc:
+            return got, [str(w.message) for w in caught], str(exc)
+    return got, [str(w.message) for w in caught], None
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_shards_runs_read_in_one_pass_fail_and_warn_as_read_one_by_one(tmp_path, on_error):
+    """A resumed pass's one-sample runs of a shard are read together: a damaged sample among
+    them stops the stream, or is left out and warned of, as when each run is read alone."""
+    from benchmarks import tiny
+    from packer.formats import wds
+
+    out = str(tmp_path / "tiny.wds")
+    tiny.write_tiny_pack(out, 60, fmt="wds", options={"max_count": 30})
+    reader = wds.Reader(out)
+    offset = int(reader.records["offset"][7])  # record 7, the 8th of the first shard (unshuffled)
+    shard = os.path.join(out, reader.shards[0])
+    reader.close()
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff")
+    tasks = [Task(0, k, k + 1) for k in (2, 5, 7, 9)] + [Task(0, 11, 20), Task(1, 3, 4), Task(1, 8, 9)]
+    ds = WDSDataset(out, decode="raw", on_error=on_error)
+    together = read_all(ds, [tasks])
+    assert together == read_all(WDSDataset(out, decode="raw", on_error=on_error), [[task] for task in tasks])
+    records, caught, error = together
+    assert 7 not in records and records[:2] == [2, 5]
+    if on_error == "fail":
+        assert records == [2, 5] and "checksum mismatch" in error
+    else:
+        assert error is None and len(records) == 3 + 9 + 2 and len(caught) == 1 and "checksum mismatch" in caught[0]
