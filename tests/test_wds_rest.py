@@ -137,3 +137,21 @@ def test_a_shards_runs_read_in_one_pass_fail_and_warn_as_read_one_by_one(tmp_pat
         assert records == [2, 5] and "checksum mismatch" in error
     else:
         assert error is None and len(records) == 3 + 9 + 2 and len(caught) == 1 and "checksum mismatch" in caught[0]
+
+
+# 9,000 and 19,000 draws (the last past the input's end: the buffer shuffled after), 4,990 of
+# a 3-bit draw, and 500 (drawn in Python).
+@pytest.mark.parametrize("n, size, skip", [(20_000, 1000, 9_000), (20_000, 1000, 19_500), (5_000, 7, 4_990),
+                                           (900, 100, 500)])
+def test_a_replayed_shuffle_buffer_goes_on_as_the_stream_it_replays(n, size, skip):
+    """Replaying a stream's draws on ordinals (thousands of them by numpy's MT19937, a few in
+    Python) leaves the buffer and the generator where the stream itself is: resumed from
+    there, it yields the rest of the stream."""
+    from readers._stream import replay_shuffle
+    from readers._wds_shuffle import resumed_shuffle, shuffled
+
+    whole = list(shuffled(iter(range(n)), size, stream_rng(size, 0, 1, 2, 3)))
+    rng = stream_rng(size, 0, 1, 2, 3)
+    slots, consumed, drained = replay_shuffle(n, size, rng, skip)
+    source = ((k, k) for k in sorted(set(slots) | set(range(consumed, n))))
+    assert list(resumed_shuffle(source, slots, drained, size, rng)) == whole[skip:]
