@@ -6,7 +6,8 @@ A remote dataset at OUT (http(s):// URLs are read-only) is these objects:
   hdf5   the one object OUT                                      (entry: OUT itself)
   lmdb   OUT/data.mdb, OUT/packer.json                           (entry: OUT/data.mdb)
   wds    OUT/index.json, OUT/<split>/shard-NNNNNN.tar,           (entry: OUT/index.json)
-         OUT/<split>/records.bin, paths.bin, wids-index.json, order.bin,
+         OUT/<split>/records.bin, paths.bin, path_offsets.bin, wids-index.json,
+         order.bin,
          OUT/packer.json
 
 OUT/packer.json, for the folder formats, is the completion marker and the manifest,

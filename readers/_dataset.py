@@ -67,7 +67,7 @@ class ReaderDataset(torch.utils.data.Dataset):
                 raise
             # Decoders and transforms are given bytes and cannot name the file; the name is
             # built here, on failure only, since reads are hot.
-            where = f"{self.reader.path}: {self.reader.paths[index]}"
+            where = f"{self.reader.path}: {self.paths[index]}"
             raise CorruptDataError(f"{where}: {exc.reason or exc}", where, exc.reason) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)
@@ -144,8 +144,11 @@ class ReaderDataset(torch.utils.data.Dataset):
 
     @property
     def paths(self):
-        """Every sample's path relative to the source folder, in order."""
-        return self.reader.paths
+        """Every sample's path relative to the source folder, in order: a sequence that looks
+        each one up through the pack's stored path offsets where it has them (packer's
+        SplitReader.path_lookup: nothing per record in this process), else the path table."""
+        lookup = getattr(self.reader, "path_lookup", None)
+        return self.reader.paths if lookup is None else lookup()
 
     def close(self) -> None:
         self.reader.close()

@@ -180,7 +180,7 @@ def shard_samples(ds, shard: int, shards, start: int = 0, stop: int | None = Non
 class SampleName:
     """An indexed sample's name in messages, "<folder>: <relative path>" as the map-style
     Datasets name a record: the path is looked up when a message needs it, as those do, so
-    a stream never loads the path table (its offsets are 4 bytes a record)."""
+    a stream never loads the path table."""
 
     __slots__ = ("reader", "index")
 
@@ -188,7 +188,7 @@ class SampleName:
         self.reader, self.index = reader, index
 
     def __str__(self) -> str:
-        return f"{self.reader.path}: {self.reader.paths[self.index]}"
+        return f"{self.reader.path}: {self.reader.path_of(self.index)}"
 
 
 def indexed_samples(ds, reader: wds.Reader, shard: int, start: int, stop: int | None) -> Iterator:

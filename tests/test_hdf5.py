@@ -47,13 +47,16 @@ def test_layout_is_readable_with_h5py_and_json_alone(split_tree, tmp_path, kind)
         assert sorted(f) == sorted(meta["splits"]) == ["train", "val"]
         for split, info in meta["splits"].items():
             g = f[split]
-            assert sorted(g) == ["crc32", "images", "labels", "offsets", "paths"]
+            assert sorted(g) == ["crc32", "images", "labels", "offsets", "path_offsets", "paths"]
             images, offsets, labels, crcs = g["images"], g["offsets"][:], g["labels"][:], g["crc32"][:]
             assert images.dtype == np.uint8 and images.chunks == (256 << 10,) and images.compression is None
             assert (offsets.dtype, labels.dtype, crcs.dtype) == (np.int64, np.int32, np.uint32)
             paths = g["paths"][:].tobytes().decode("utf-8").split("\0")
             assert len(offsets) == info["count"] + 1 and offsets[-1] == images.shape[0]
             assert len(labels) == len(crcs) == len(paths) == info["count"]
+            path_offsets = g["path_offsets"][:]
+            assert path_offsets.dtype == np.uint64 and len(path_offsets) == info["count"] + 1
+            assert [len(p.encode()) for p in paths] == (np.diff(path_offsets.astype(np.int64)) - 1).tolist()
             for i, relpath in enumerate(paths):
                 image = images[offsets[i]:offsets[i + 1]].tobytes()
                 assert image == (split_tree / relpath).read_bytes()

@@ -2,8 +2,9 @@
 the path table (`path_offsets`) and each record's stored position (`positions`, the inverse of a
 shuffled pack's `order`). The writer works them out a chunk at a time; a reader maps them and
 checks each block of READ_BLOCK entries on its first use (PathIndex, position_checks), the
-tables' CRC-32s in check_tables (packer verify). Packs written before them build both in
-memory, as they did (4 bytes a record each)."""
+tables' CRC-32s in check_tables (packer verify). Where positions is stored, it also proves
+order a permutation without a byte a record (order_inverted_by). Packs written before them
+build both in memory, as they did (4 bytes a record each)."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,6 +55,22 @@ def stored_positions(positions: np.ndarray | None, order: np.ndarray | None, whe
     return positions, position_checks(positions, order, where, path)
 
 
+def order_inverted_by(order: np.ndarray, positions: np.ndarray) -> bool:
+    """Whether positions[order[i]] == i for every i, each order entry in range: then order is a
+    permutation (two equal entries would map back to one i) and positions its inverse. A block
+    at a time, both tables mapped: no scratch per record, where is_permutation keeps a byte."""
+    count = len(order)
+    if len(positions) != count:
+        return False
+    for start, stop in blocks(count):
+        part = order[start:stop]
+        if int(part.min()) < 0 or int(part.max()) >= count:
+            return False
+        if not np.array_equal(positions[part], np.arange(start, stop)):
+            return False
+    return True
+
+
 def position_checks(positions: np.ndarray, order: np.ndarray, where: str, path: str) -> BlockChecks:
     """BlockChecks of a mapped positions table against the mapped order it inverts: each
     entry names a position of the split, and order names the entry's record there. A read
@@ -73,6 +90,15 @@ def position_checks(positions: np.ndarray, order: np.ndarray, where: str, path: 
             raise CorruptDataError(f"{where}: entries {start}..{stop} are not the inverse of the order table; "
                                    f"{DAMAGED}", path)
     return BlockChecks(count, check)
+
+
+def offsets_of(found: tuple, where: str, path: str) -> np.ndarray:
+    """A stored path_offsets table, found as (buffer, start, length), as its entries (mapped)."""
+    buffer, start, length = found
+    if length % OFFSET.itemsize:
+        raise CorruptDataError(f"{where}: {length} bytes, not a whole number of {OFFSET.itemsize}-byte "
+                               f"entries; {DAMAGED}", path)
+    return np.frombuffer(buffer, OFFSET, length // OFFSET.itemsize, start)
 
 
 class PathIndex:
@@ -106,10 +132,18 @@ class PathIndex:
         return self.data[self.start + self.offsets.item(i):self.start + self.offsets.item(i + 1) - 1]
 
     def __getitem__(self, i: int) -> str:
+        count = self.checks.count
+        if i < 0:
+            i += count
+        if not 0 <= i < count:
+            raise IndexError(f"path index {i} out of range for {count} paths")
         return decode_path(self.raw(i))
 
     def __len__(self) -> int:
         return self.checks.count
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
     def length(self, i: int) -> int:
         self.checks.ensure(i)

@@ -91,8 +91,9 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
         wids = entry.get("wids_index")
         if (version >= 2 or wids is not None) and wids != f"{split}/{WIDS_INDEX}":
             return f"split {split!r} names its wids index {wids!r:.80}, not {split}/{WIDS_INDEX}"
-        if entry.get("order") not in (None, f"{split}/order.bin"):
-            return f"split {split!r} names its order table {entry['order']!r:.80}, not {split}/order.bin"
+        for key, name in (("order", "order.bin"), ("path_offsets", "path_offsets.bin")):
+            if entry.get(key) not in (None, f"{split}/{name}"):
+                return f"split {split!r} names its {key} table {entry[key]!r:.80}, not {split}/{name}"
         for shard in entry["shards"]:
             problem = entry_problem(shard, split, ".tar", split_name_problem)
             if problem:
@@ -105,5 +106,5 @@ def named_files(section: dict) -> list[str]:
     files = []
     for entry in section["splits"].values():
         files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
-        files += [entry[key] for key in ("wids_index", "order") if entry.get(key) is not None]
+        files += [entry[key] for key in ("wids_index", "order", "path_offsets") if entry.get(key) is not None]
     return files

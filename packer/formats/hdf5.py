@@ -11,6 +11,11 @@
   /<split>/labels        int32[count]         label of record i (-1 = unlabeled)
   /<split>/paths         uint8[n]             relative paths of records 0..count-1, UTF-8,
                                               "/"-separated, joined by NUL
+  /<split>/path_offsets  uint64[count + 1]    path i is paths[offsets[i]:offsets[i + 1] - 1]
+                                              (offsets[0] = 0, offsets[count] = n + 1; an empty
+                                              split: the one entry 0); missing in packs written
+                                              before it, whose readers find the offsets by
+                                              scanning paths for NULs (4 bytes a record)
   /<split>/order         int32[count]         only in shuffled packs: the record stored at position j
   /<split>/positions     int32[count]         only in shuffled packs: the position record i is stored
                                               at (order's inverse: positions[order[j]] = j); missing
@@ -18,8 +23,8 @@
                                               from order (4 bytes a record in each process)
   /<split>               attrs: checksums     UTF-8 JSON {table: CRC-32 (zlib)} of the little-endian
                                               bytes of each table above but images ("offsets",
-                                              "crc32", "labels", "paths", "order" and "positions"
-                                              where stored);
+                                              "crc32", "labels", "paths", "path_offsets", "order"
+                                              and "positions" where stored);
                                               missing in packs written before table checksums,
                                               whose tables are then only range-checked
 
@@ -85,7 +90,7 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
-from ._index_tables import inverse_chunks, stored_positions
+from ._index_tables import OFFSET, PathIndex, inverse_chunks, path_offset_chunks, stored_positions
 from ._hdf5_file import HDF5_SIGNATURE, HDF5File, close_file, open_file, open_remote_file
 from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
@@ -97,7 +102,7 @@ DIRECTORY = False
 META_ATTR = "packer_metadata"
 # What packer writes in the file: --force replaces one holding nothing else (foreign).
 ROOT_ATTRS = {META_ATTR, "classes"}
-TABLES = {"images", "offsets", "crc32", "labels", "paths", "order", "positions"}
+TABLES = {"images", "offsets", "crc32", "labels", "paths", "path_offsets", "order", "positions"}
 CHECKSUMS_ATTR = "checksums"
 CHUNK_BYTES = 256 << 10
 # What the writer keeps of each record until its split ends (spilled, not in memory): where
@@ -160,6 +165,7 @@ class Writer:
             "labels": write_table(self.group, "labels", "<i4", len(labels), array_chunks(labels)),
             "paths": write_table(self.group, "paths", np.uint8, paths_bytes(paths),
                                  (np.frombuffer(piece, np.uint8) for piece in nul_separated_chunks(paths))),
+            "path_offsets": write_table(self.group, "path_offsets", OFFSET, len(paths) + 1, path_offset_chunks(paths)),
         }
         self.rows.close()
         if order is not None:
@@ -358,10 +364,22 @@ class Reader(HDF5File, SplitReader):
         self._array("crc32", self.count, "<u4")
         self.index()
         self._offset_blocks.ensure_every()
+        self._array("path_offsets", self.count + 1, OFFSET, required=False)
+        self.check_path_index()
         if self._array("positions", self.count, "<i4", required=False) is not None:
             self.storage_order()  # order's CRC-32, and a permutation: positions, checked below, is its inverse
             self.position_table()
             self._position_checks.ensure_every()
+
+    def load_path_index(self) -> PathIndex | None:
+        if self.remote is not None:  # at a URL the path table is read whole
+            return None
+        offsets = self._array("path_offsets", self.count + 1, OFFSET, required=False, crc=False)
+        if offsets is None:
+            return None
+        values = self._array("paths", -1, np.uint8, crc=False)
+        return PathIndex(*buffer_of(values), values.size, offsets, self.count, self.table_where("path_offsets"),
+                         self.path)
 
     def stored_positions(self) -> tuple | None:
         positions = self._array("positions", self.count, "<i4", required=False, crc=False)

@@ -88,7 +88,7 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
-from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, path_offset_chunks,
+from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, offsets_of, path_offset_chunks,
                             stored_positions)
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import FileSource, LMDBPages
@@ -347,9 +347,8 @@ class Reader(ExtentReads, SplitReader):
     how to read it (packer.remote.source.Remote)."""
 
     TABLES = {"_extents": None, "_extent_at": None, "_extent_length": None, "_extent_blocks": None,
-              "_sums": None, "_path_index": None}
+              "_sums": None}
     MAPS_DATA_FILE = True
-    _path_index: PathIndex | bool | None = None  # path_index(): False where none is stored
 
     def __init__(self, path: str, split: str | None = None, check_crc: bool = True, **remote):
         remote = remote_source.remote_for(path, **remote)
@@ -472,35 +471,15 @@ class Reader(ExtentReads, SplitReader):
         where = self.table_where(b"labels")
         return self.entries_of(self.table(b"labels", crc=False), "<i4", where), where
 
-    def path_index(self) -> PathIndex | bool:
-        """The path table read through its stored offsets (PathIndex), loaded once; False in a
-        pack written before path_offsets, or at a URL (its path table is read whole)."""
-        if self._path_index is None:
-            found = self.loaded("path index", self.load_path_index)
-            self._path_index = False if found is None else found
-        return self._path_index
-
     def load_path_index(self) -> PathIndex | None:
         if self.remote is not None:
             return None
         found = self.table(b"path_offsets", required=False, crc=False)
         if found is None:
             return None
-        buffer, start, length = found
         where = self.table_where(b"path_offsets")
-        if length % OFFSET.itemsize:
-            raise CorruptDataError(f"{where}: {length} bytes, not a whole number of {OFFSET.itemsize}-byte "
-                                   f"entries; {DAMAGED}", self.path)
-        offsets = np.frombuffer(buffer, OFFSET, length // OFFSET.itemsize, start)
-        return PathIndex(*self.table(b"paths", crc=False), offsets, self.count, where, self.path)
-
-    def path_of(self, index: int) -> str:
-        found = self.path_index() if self._path_index is None else self._path_index
-        return self.paths[index] if found is False else found[index]
-
-    def path_raw(self, index: int) -> bytes:
-        found = self.path_index() if self._path_index is None else self._path_index
-        return self.paths.raw(index) if found is False else found.raw(index)
+        return PathIndex(*self.table(b"paths", crc=False), offsets_of(found, where, self.path), self.count, where,
+                         self.path)
 
     def path_lengths(self, indexes: np.ndarray) -> np.ndarray:
         """Each record's path length in bytes (int64), vectorised."""
@@ -526,8 +505,7 @@ class Reader(ExtentReads, SplitReader):
             self.table(name, required=False)
         if self.extents() is not None:
             self._extent_blocks.ensure_every()
-        if self.path_index() is not False:
-            self._path_index.check_every()
+        self.check_path_index()
         if self.position_table() is not False and self._position_checks is not None:
             self.storage_order()  # order's CRC-32, and a permutation: positions, checked below, is its inverse
             self._position_checks.ensure_every()

@@ -11,6 +11,12 @@
                                      where absent), uint64 data offset,
                                      uint64 data size, int32 label
   OUT.wds/<split>/paths.bin          relative paths in ImageFolder order, UTF-8 joined by NUL
+  OUT.wds/<split>/path_offsets.bin   uint64 per sample + 1, little-endian: path i is paths.bin's
+                                     bytes [offsets[i], offsets[i + 1] - 1) (offsets[0] = 0, the
+                                     last = the size of paths.bin + 1; an empty split: the one
+                                     entry 0) ("path_offsets" and "path_offsets_crc32" in the
+                                     split's entry; absent in packs written before it, whose
+                                     readers find the offsets by scanning paths.bin for NULs)
   OUT.wds/<split>/order.bin          int32 per sample, little-endian: the index of the sample at
                                      each position of the split's shards, shard by shard ("order"
                                      and "order_crc32" in the split's entry; absent when the pack
@@ -28,7 +34,8 @@
 
 The index names only files of its own dataset: load_index refuses any name but
 <split>/<name>.tar, <split>/records.bin, <split>/paths.bin, <split>/wids-index.json
-(the split's "wids_index", absent before layout 2) and <split>/order.bin (its "order"), and
+(the split's "wids_index", absent before layout 2), <split>/order.bin (its "order") and
+<split>/path_offsets.bin (its "path_offsets"), and
 any that resolves (through a symlink) outside OUT.wds (_wds_index). Its metadata checksum ("crc32", see packer.records) leaves out
 "wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
 that each wids index lists exactly the split's shards, sample counts and classes.
@@ -94,6 +101,7 @@ from ..remote import source as remote_source
 from . import _io, _tar
 from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
 from ._contract import Format, Option, parse_size, positive_int
+from ._index_tables import OFFSET, PathIndex, offsets_of, path_offset_chunks
 from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
 from ._reader import SplitReader
@@ -108,6 +116,7 @@ EXTENSION = ".wds"
 DIRECTORY = True
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 SHARD_NAME = "shard-{:06d}.tar"
+PATH_OFFSETS = "path_offsets.bin"
 RUN_CHECK = 4096  # records of a shard's run checked at a time (check_run)
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
@@ -223,10 +232,14 @@ class Writer:
                                           (rows.view(np.uint8) for rows in chunks))
         self.rows.close()
         paths_crc = write_synced_chunks(os.path.join(folder, "paths.bin"), nul_separated_chunks(paths))
+        offsets_crc = write_synced_chunks(os.path.join(folder, PATH_OFFSETS),
+                                          (chunk.view(np.uint8) for chunk in path_offset_chunks(paths)))
         entry = self.splits[self.split] = {"count": count, "shards": self.shards,
                                            "records": f"{self.split}/records.bin", "paths": f"{self.split}/paths.bin",
+                                           "path_offsets": f"{self.split}/{PATH_OFFSETS}",
                                            "wids_index": f"{self.split}/{WIDS_INDEX}",
-                                           "records_crc32": records_crc, "paths_crc32": paths_crc}
+                                           "records_crc32": records_crc, "paths_crc32": paths_crc,
+                                           "path_offsets_crc32": offsets_crc}
         if order is not None:  # the storage order: a reader streams a shard without sorting records.bin
             entry.update(order=f"{self.split}/order.bin", order_crc32=write_synced_chunks(
                 os.path.join(folder, "order.bin"), (np.ascontiguousarray(c, "<i4").view(np.uint8)
@@ -286,6 +299,7 @@ class Reader(SplitReader):
                                                             for key in ("name", "bytes", "count"))
         self.tables = (entry["records"], entry["paths"])
         self.order_table = entry.get("order")  # None: sort records.bin (read_order)
+        self.offsets_table = entry.get("path_offsets")  # None: scan paths.bin for its offsets
         self.__dict__.update(self.TABLES)
         self.bind(entry)
 
@@ -294,8 +308,8 @@ class Reader(SplitReader):
         self.identity_file = os.path.join(self.path, INDEX)
         self.identity = (dataset_identity(self.identity_file) if self.remote is None
                          else self.remote.identity(self.identity_file))
-        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths", "order")
-                if name != "order" or self.order_table is not None}
+        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths", "order", "path_offsets")
+                if entry.get(name) is not None}
         self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
 
     def table_checksums(self) -> dict | None:
@@ -356,6 +370,9 @@ class Reader(SplitReader):
 
     def check_layout_tables(self) -> None:
         self.records  # loaded whole: its CRC-32 and every check
+        if self.offsets_table is not None:
+            self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize, OFFSET.itemsize)
+        self.check_path_index()
         if self.order_table is not None:
             region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4)
             self.checked_order(np.frombuffer(region, "<i4", self.count, start))
@@ -375,6 +392,15 @@ class Reader(SplitReader):
 
     def load_labels(self) -> np.ndarray:
         return np.asarray(self.records["label"], np.int32)  # a view of the mapped table, checked whole
+
+    def load_path_index(self) -> PathIndex | None:
+        if self.remote is not None or self.offsets_table is None:  # at a URL the path table is read whole
+            return None
+        found = self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize,
+                                OFFSET.itemsize, crc=False)
+        where = os.path.join(self.path, self.offsets_table)
+        return PathIndex(*self.read_table("paths", crc=False), offsets_of(found, where, self.path), self.count,
+                         where, self.path)
 
     def load_paths(self) -> PathTable:
         where = os.path.join(self.path, self.tables[1])
@@ -493,7 +519,7 @@ class Reader(SplitReader):
         shard, crc, offset, size, label = records[index].tolist()
         data = _io.pread(self.shard_fd(shard), size, offset)
         if len(data) != size:
-            raise CorruptDataError(f"{self.where(index)} ({self.paths[index]}): shard truncated, {size} bytes "
+            raise CorruptDataError(f"{self.where(index)} ({self.path_of(index)}): shard truncated, {size} bytes "
                                    f"expected at byte {offset} (re-pack, or restore the shard from a copy)", self.path)
         if self.check_crc and self.record_digest(data) & MASK != crc:  # check_data, inlined: a call less per read
             self.checksum_mismatch(index)

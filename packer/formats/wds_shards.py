@@ -82,7 +82,7 @@ def read_indexes(reader, shard: int, indexes: np.ndarray) -> Iterator[tuple[int,
         if len(data) != size:
             raise CorruptDataError(f"{os.path.join(reader.path, reader.shards[shard])}: truncated at byte "
                                    f"{offset + len(data)}: the file ends inside sample {reader.split}/{index} "
-                                   f"({reader.paths[index]}), which needs bytes {offset}-{offset + size} "
+                                   f"({reader.path_of(index)}), which needs bytes {offset}-{offset + size} "
                                    "(re-pack, or restore the shard from a copy)", reader.path)
         if reader.check_crc and reader.record_digest(data) & MASK != crc:
             try:
