@@ -1,6 +1,7 @@
 """The path_offsets and positions tables (packer.formats._index_tables): a DataLoader worker reading
-an LMDB or shuffled HDF5 pack holds nothing per record; damaged tables are named; packs written
-before them still read."""
+a pack of any format, paths included, holds nothing per record, nor does checking a shuffled
+pack's order where positions is stored; damaged tables are named; packs written before them
+still read."""
 from __future__ import annotations
 
 import json
@@ -57,13 +58,13 @@ def write_pack(out: str, records: int, fmt: str, shuffled: bool) -> str:
 
 
 class TracedReads(torch.utils.data.IterableDataset):
-    """In a DataLoader worker: READS random reads of the pack (each through the Dataset, and
-    with paths through packer's Reader, path included), their allocations traced: yields
-    (what the reads returned checked, bytes kept at the end, the most held at once)."""
+    """In a DataLoader worker: READS random reads of the pack, each through the Dataset, its
+    path through Dataset.paths and through packer's Reader.read, their allocations traced:
+    yields (what the reads returned checked, bytes kept at the end, the most held at once)."""
 
-    def __init__(self, path: str, paths: bool):
+    def __init__(self, path: str):
         self.dataset = readers.open_dataset(path, decode="raw")
-        self.reader = open_reader(path) if paths else None
+        self.reader = open_reader(path)
 
     def __iter__(self):
         tracemalloc.start()
@@ -71,9 +72,9 @@ class TracedReads(torch.utils.data.IterableDataset):
         count, good = len(self.dataset), 0
         for i in np.random.default_rng(1).integers(0, count, READS).tolist():
             data, label = self.dataset[i]
+            name = f"c{label:04d}/{i:07d}"
             good += int.from_bytes(data, "little") == i and label == i * CLASSES // count
-            if self.reader is not None:
-                good += self.reader.read(i)[2] == f"c{label:04d}/{i:07d}"
+            good += self.dataset.paths[i] == name and self.reader.read(i)[2] == name
         kept, peak = tracemalloc.get_traced_memory()
         yield good, kept - before, peak - before
         tracemalloc.stop()
@@ -88,7 +89,7 @@ def warmed(path: str) -> str:
     """path, once a record was read through it here: what reads import is then imported in
     the process the workers fork from, not counted in the first pack's figures."""
     dataset, reader = readers.open_dataset(path, decode="raw"), open_reader(path)
-    dataset[0], reader.read(0)
+    dataset[0], dataset.paths[0], reader.read(0)
     dataset.close()
     reader.close()
     return path
@@ -99,23 +100,43 @@ def packs(tmp_path_factory) -> dict[tuple, str]:
     folder = tmp_path_factory.mktemp("index-tables")
     return {(fmt, shuffled, records): warmed(write_pack(str(folder / f"{records}-{shuffled}.{fmt}"), records, fmt,
                                                         shuffled))
-            for fmt, shuffled in (("lmdb", False), ("lmdb", True), ("hdf5", True)) for records in SIZES}
+            for fmt, shuffled in PACKS for records in SIZES}
 
 
-@pytest.mark.parametrize("fmt, shuffled", [("lmdb", False), ("lmdb", True), ("hdf5", True)])
+PACKS = [("lmdb", False), ("lmdb", True), ("hdf5", True), ("wds", True)]
+
+
+@pytest.mark.parametrize("fmt, shuffled", PACKS)
 def test_a_worker_reading_at_random_holds_nothing_per_record(packs, fmt, shuffled):
-    # LMDB: labels, extents and sums mapped and checked a block at a time, each path found
-    # through the mapped path_offsets (not 4 bytes a record of offsets found by scanning the
-    # path table); a shuffled pack: each record's position from the mapped positions table
-    # (not the inverse of order, 4 bytes a record, and a byte a record to check order).
-    paths = fmt == "lmdb"
+    # Labels and each format's own tables mapped and checked a block at a time; each path
+    # found through the mapped path_offsets (not 4 bytes a record of offsets found by
+    # scanning the path table); a shuffled LMDB or HDF5 pack: each record's position from
+    # the mapped positions table (not the inverse of order, 4 bytes a record, and a byte a
+    # record to check order).
     found = {}
     for records in SIZES:
-        good, *found[records] = in_worker(TracedReads(packs[fmt, shuffled, records], paths))
-        assert good == READS * (1 + paths)
+        good, *found[records] = in_worker(TracedReads(packs[fmt, shuffled, records]))
+        assert good == READS * 2
     for what, k in (("kept", 0), ("peak", 1)):
         grown = found[SIZES[1]][k] - found[SIZES[0]][k]
         assert grown < PER_RECORD * (SIZES[1] - SIZES[0]), f"the worker's {what} grew by {grown} bytes: {found}"
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_checking_a_stored_order_holds_nothing_per_record(packs, fmt):
+    # positions[order[i]] == i for every i proves order a permutation: no byte a record of
+    # scratch (what a block sampler's storage_order() and check_tables() check).
+    peaks = {}
+    for records in SIZES:
+        reader = open_reader(packs[fmt, True, records])
+        reader.open()
+        tracemalloc.start()
+        assert len(reader.storage_order()) == records
+        peaks[records] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        reader.close()
+    grown = peaks[SIZES[1]] - peaks[SIZES[0]]
+    assert grown < PER_RECORD / 4 * (SIZES[1] - SIZES[0]), f"checking order grew the peak by {grown} bytes: {peaks}"
 
 
 def test_the_stored_positions_are_the_inverse_of_the_order_a_window_at_a_time():
@@ -165,16 +186,35 @@ def test_an_lmdb_pack_written_before_the_index_tables_reads_the_same(tmp_path, s
     assert read_all(out) == expected
 
 
-def test_an_hdf5_pack_written_before_positions_reads_the_same(tmp_path):
+@pytest.mark.parametrize("tables", [("positions",), ("path_offsets",), ("positions", "path_offsets")])
+def test_an_hdf5_pack_written_before_the_index_tables_reads_the_same(tmp_path, tables):
     out = write_pack(str(tmp_path / "p.h5"), 3_000, "hdf5", True)
     expected = read_all(out)
     with h5py.File(out, "r+") as f:
-        del f["train"]["positions"]
         crcs = json.loads(f["train"].attrs["checksums"])
-        del crcs["positions"]
+        for table in tables:
+            del f["train"][table], crcs[table]
         f["train"].attrs["checksums"] = json.dumps(crcs)
     reader = open_reader(out)
-    assert reader.stored_positions() is None
+    assert (reader.stored_positions() is None) == ("positions" in tables)
+    assert (reader.path_index() is False) == ("path_offsets" in tables)
+    reader.check_tables()
+    reader.close()
+    assert read_all(out) == expected
+
+
+def test_a_wds_pack_written_before_path_offsets_reads_the_same(tmp_path):
+    out = write_pack(str(tmp_path / "p.wds"), 3_000, "wds", True)
+    expected = read_all(out)
+    index_file = tmp_path / "p.wds" / "index.json"
+    index = json.loads(index_file.read_text())
+    entry = index["wds"]["splits"]["train"]
+    (tmp_path / "p.wds" / entry.pop("path_offsets")).unlink()
+    del entry["path_offsets_crc32"]
+    index_file.write_text(json.dumps(index))
+    reader = open_reader(out)
+    assert reader.path_index() is False
+    reader.check_tables()
     reader.close()
     assert read_all(out) == expected
 
@@ -209,6 +249,42 @@ def test_damaged_path_offsets_are_named(tmp_path):
     damaged(out, r"train/path_offsets: 24005 bytes, not a whole number of 8-byte entries")
     rewrite_lmdb(out, "path_offsets", offsets.tobytes())
     read_all(out)
+
+
+@pytest.mark.parametrize("fmt", ["hdf5", "wds"])
+def test_damaged_path_offsets_of_hdf5_and_wds_are_named(tmp_path, fmt):
+    out = write_pack(str(tmp_path / f"p.{fmt}"), 3_000, fmt, True)
+    if fmt == "hdf5":
+        with h5py.File(out, "r+") as f:
+            f["train"]["path_offsets"][1500] += 1
+        where = r"dataset train/path_offsets"
+    else:
+        table = tmp_path / "p.wds" / "train" / "path_offsets.bin"
+        offsets = np.fromfile(table, "<u8")
+        offsets[1500] += 1
+        offsets.tofile(table)
+        where = r"train/path_offsets\.bin"
+    damaged(out, where + ": checksum mismatch")
+
+
+@pytest.mark.parametrize("positions", [True, False])
+def test_a_duplicate_in_the_order_table_is_caught(tmp_path, positions):
+    # With positions stored, positions[order[i]] == i fails for the duplicate (check_tables may
+    # meet it first as positions not inverting order); without, the bitmap finds a record missing.
+    out = write_pack(str(tmp_path / "p.lmdb"), 3_000, "lmdb", True)
+    with lmdb.open(out, readonly=True, lock=False) as env, env.begin() as txn:
+        order = np.frombuffer(txn.get(b"train/order"), "<i4").copy()
+    order[2000] = order[10]
+    rewrite_lmdb(out, "order", order.tobytes())
+    if not positions:
+        rewrite_lmdb(out, "positions", None)
+    damaged(out, r"the train order table is not a permutation of 3000 records"
+            + (r"|train/positions: entries \d+\.\.\d+ are not the inverse of the order table" if positions else ""),
+            check_tables=True)
+    reader = open_reader(out)
+    with pytest.raises(CorruptDataError, match="not a permutation"):
+        reader.storage_order()  # what a block sampler asks for
+    reader.close()
 
 
 def test_damaged_positions_are_named(tmp_path):

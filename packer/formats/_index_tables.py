@@ -18,6 +18,9 @@ POSITION = np.dtype("<i4")  # a positions entry, as order's
 # Entries of the inverse made per pass over order: 16 MB of output a pass, so a pack of 10^8
 # records makes it in 25 passes and never holds more than this.
 INVERSE_WINDOW = 1 << 22
+# Entries of order checked per pass of order_inverted_by: 36 KB of scratch a pass, whatever
+# the count (10^8 records: 24,000 passes, a fraction of the time the gather's misses take).
+INVERSE_CHECK_BLOCK = 1 << 12
 
 
 def path_offset_chunks(paths: PathTable, size: int = SPILL_BLOCK):
@@ -62,11 +65,11 @@ def order_inverted_by(order: np.ndarray, positions: np.ndarray) -> bool:
     count = len(order)
     if len(positions) != count:
         return False
-    for start, stop in blocks(count):
+    for start, stop in blocks(count, INVERSE_CHECK_BLOCK):
         part = order[start:stop]
         if int(part.min()) < 0 or int(part.max()) >= count:
             return False
-        if not np.array_equal(positions[part], np.arange(start, stop)):
+        if not np.array_equal(positions[part], np.arange(start, stop, dtype=np.int32)):
             return False
     return True
 
