@@ -159,3 +159,60 @@ class PathIndex:
 
     def check_every(self) -> None:
         self.checks.ensure_every()
+
+
+class IndexedPaths:
+    """A SplitReader's paths by index, looked up through the path_offsets the pack stores
+    (a format adds stored_path_offsets and mapped_paths), else from the whole path table."""
+
+    _path_index: PathIndex | bool | None = None  # path_index(): False where the pack stores no path offsets
+
+    def path_of(self, index: int) -> str:
+        """Record index's relative path (index in range): looked up through the stored path
+        offsets (path_index) where the pack has them, else from the path table (paths)."""
+        found = self.path_index() if self._path_index is None else self._path_index
+        return self.paths[index] if found is False else found[index]
+
+    def path_raw(self, index: int) -> bytes:
+        """path_of's path as stored (UTF-8 bytes)."""
+        found = self.path_index() if self._path_index is None else self._path_index
+        return self.paths.raw(index) if found is False else found.raw(index)
+
+    def path_lookup(self):
+        """Every record's path by index (what Dataset.paths hands out): the path table read
+        through its stored offsets (PathIndex: nothing per record, each block checked on first
+        use) where the pack has them, else the path table (paths: its offsets found by
+        scanning it, 4 bytes a record)."""
+        found = self.path_index()
+        return self.paths if found is False else found
+
+    def path_index(self) -> PathIndex | bool:
+        """The path table read through its stored offsets (PathIndex), loaded once; False in a
+        pack written before path_offsets, or at a URL (its path table is read whole)."""
+        if self._path_index is None:
+            found = self.loaded("path index", self.load_path_index)
+            self._path_index = False if found is None else found
+        return self._path_index
+
+    def load_path_index(self) -> PathIndex | None:
+        if self.remote is not None:
+            return None
+        found = self.stored_path_offsets()
+        if found is None:
+            return None
+        offsets, where = found
+        return PathIndex(*self.mapped_paths(), offsets, self.count, where, self.path)
+
+    def stored_path_offsets(self) -> tuple | None:
+        """(the path_offsets table as stored, mapped and unchecked, where it is), or None where
+        the pack stores none (the layout's; none here)."""
+        return None
+
+    def mapped_paths(self) -> tuple:
+        """The path table as stored, mapped and unchecked, as (buffer, start, length) (the layout's)."""
+        raise NotImplementedError
+
+    def check_path_index(self) -> None:
+        """Every block of the stored path offsets (check_layout_tables), where there are some."""
+        if self.path_index() is not False:
+            self._path_index.check_every()

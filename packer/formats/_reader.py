@@ -21,7 +21,7 @@ from ..records import Metadata, choose_split
 from ._contract import check_format_named
 from ._dataset_files import DatasetFiles
 from ._handle import LazyHandle
-from ._index_tables import PathIndex, order_inverted_by
+from ._index_tables import IndexedPaths, order_inverted_by
 from ._io import cached, check_access, will_need
 from ._lazy_tables import LazyTables
 from ._tables import is_permutation
@@ -30,7 +30,7 @@ from ._tables import is_permutation
 _UNREAD = object()
 
 
-class SplitReader(DatasetFiles, LazyTables, LazyHandle):
+class SplitReader(IndexedPaths, DatasetFiles, LazyTables, LazyHandle):
     """One split of a packed dataset. Subclasses add the layout: _open/_close and
     read_record(i), and read_order() where records may be stored out of index order.
 
@@ -43,7 +43,6 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
     # storage_order(); False: the index itself
     _position: np.ndarray | bool | None = None
     _position_checks = None  # a mapped positions table's BlockChecks (None: built, or none)
-    _path_index: PathIndex | bool | None = None  # path_index(): False where the pack stores no path offsets
     # Whether read_image finds a record by its stored position (open() builds that table).
     reads_by_position = True
     # The attributes that hold loaded tables, with their values before loading: pickling
@@ -244,42 +243,6 @@ class SplitReader(DatasetFiles, LazyTables, LazyHandle):
         """(image bytes, label, relative path) of record index."""
         data, label = self.read_image(index)
         return data, label, self.path_of(index)
-
-    def path_of(self, index: int) -> str:
-        """Record index's relative path (index in range): looked up through the stored path
-        offsets (path_index) where the pack has them, else from the path table (paths)."""
-        found = self.path_index() if self._path_index is None else self._path_index
-        return self.paths[index] if found is False else found[index]
-
-    def path_raw(self, index: int) -> bytes:
-        """path_of's path as stored (UTF-8 bytes)."""
-        found = self.path_index() if self._path_index is None else self._path_index
-        return self.paths.raw(index) if found is False else found.raw(index)
-
-    def path_lookup(self):
-        """Every record's path by index (what Dataset.paths hands out): the path table read
-        through its stored offsets (PathIndex: nothing per record, each block checked on first
-        use) where the pack has them, else the path table (paths: its offsets found by
-        scanning it, 4 bytes a record)."""
-        found = self.path_index()
-        return self.paths if found is False else found
-
-    def path_index(self) -> PathIndex | bool:
-        """The path table read through its stored offsets (PathIndex), loaded once; False in a
-        pack written before path_offsets, or at a URL (its path table is read whole)."""
-        if self._path_index is None:
-            found = self.loaded("path index", self.load_path_index)
-            self._path_index = False if found is None else found
-        return self._path_index
-
-    def load_path_index(self) -> PathIndex | None:
-        """The layout's PathIndex, or None where the pack stores no path offsets (none here)."""
-        return None
-
-    def check_path_index(self) -> None:
-        """Every block of the stored path offsets (check_layout_tables), where there are some."""
-        if self.path_index() is not False:
-            self._path_index.check_every()
 
     def read_image(self, index: int) -> tuple[bytes, int]:
         """(image bytes, label) of record index: what a Dataset needs for each item. The

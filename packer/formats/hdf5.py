@@ -90,7 +90,7 @@ from ..remote import source as remote_source
 from . import _handle, _io
 from ._contract import Format
 from ._foreign import listing
-from ._index_tables import OFFSET, PathIndex, inverse_chunks, path_offset_chunks, stored_positions
+from ._index_tables import OFFSET, inverse_chunks, path_offset_chunks, stored_positions
 from ._hdf5_file import HDF5_SIGNATURE, HDF5File, close_file, open_file, open_remote_file
 from ._reader import SplitReader
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, buffer_of, check_count, check_crc, crc_now,
@@ -311,7 +311,8 @@ class Reader(HDF5File, SplitReader):
             dataset = f[self.split][name]
             if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
                 raise KeyError("not a one-dimensional dataset")
-            values = self.stored_table(dataset, np.dtype(dtype), where)
+            values = None if self.remote is not None else stored_table(dataset, np.dtype(dtype), self.handle()[2],
+                                                                       where)
             if values is None:
                 values, crc = np.ascontiguousarray(dataset[()], dtype=dtype), True
         except (KeyError, OSError, ValueError, TypeError) as exc:
@@ -322,22 +323,6 @@ class Reader(HDF5File, SplitReader):
         if length >= 0:
             check_count(values.size, length, where)
         return values
-
-    def stored_table(self, dataset: h5py.Dataset, dtype: np.dtype, where: str) -> np.ndarray | None:
-        """dataset's values mapped from the file, when it is stored contiguous, unfiltered and
-        in dtype exactly (byte order included); else None (read it instead, as for a URL:
-        a remote file has no map)."""
-        if self.remote is not None:
-            return None
-        try:
-            offset = dataset.id.get_offset()
-            stored = dataset.id.get_storage_size()
-        except (OSError, ValueError, TypeError):
-            return None
-        count = dataset.shape[0]
-        if offset is None or dataset.dtype != dtype or stored != count * dtype.itemsize or not count:
-            return None
-        return mapped_array(self.handle()[2], offset, count, dtype, where)
 
     def index(self) -> tuple[np.ndarray, memoryview]:
         """(offsets, crcs (an int_view)) of this split by position, mapped once. Callers
@@ -371,15 +356,13 @@ class Reader(HDF5File, SplitReader):
             self.position_table()
             self._position_checks.ensure_every()
 
-    def load_path_index(self) -> PathIndex | None:
-        if self.remote is not None:  # at a URL the path table is read whole
-            return None
+    def stored_path_offsets(self) -> tuple | None:
         offsets = self._array("path_offsets", self.count + 1, OFFSET, required=False, crc=False)
-        if offsets is None:
-            return None
+        return None if offsets is None else (offsets, self.table_where("path_offsets"))
+
+    def mapped_paths(self) -> tuple:
         values = self._array("paths", -1, np.uint8, crc=False)
-        return PathIndex(*buffer_of(values), values.size, offsets, self.count, self.table_where("path_offsets"),
-                         self.path)
+        return (*buffer_of(values), values.size)
 
     def stored_positions(self) -> tuple | None:
         positions = self._array("positions", self.count, "<i4", required=False, crc=False)
@@ -513,6 +496,21 @@ class Reader(HDF5File, SplitReader):
         table = PathTable.from_nul_separated(buffer, self.table_where("paths"), start, values.size)
         check_count(len(table), self.count, self.table_where("paths"), "paths")
         return table
+
+
+def stored_table(dataset: h5py.Dataset, dtype: np.dtype, fd: int, where: str) -> np.ndarray | None:
+    """dataset's values mapped from the file (fd), when it is stored contiguous, unfiltered and
+    in dtype exactly (byte order included); else None (read it instead, as for a URL: a
+    remote file has no map)."""
+    try:
+        offset = dataset.id.get_offset()
+        stored = dataset.id.get_storage_size()
+    except (OSError, ValueError, TypeError):
+        return None
+    count = dataset.shape[0]
+    if offset is None or dataset.dtype != dtype or stored != count * dtype.itemsize or not count:
+        return None
+    return mapped_array(fd, offset, count, dtype, where)
 
 
 def chunk_map(images: h5py.Dataset) -> np.ndarray | None:

@@ -88,8 +88,7 @@ from ..checksum import MASK
 from ..errors import CorruptDataError, FormatError
 from ..records import Metadata, PathTable, check_split_name, decode_path, encode_path
 from ..remote import source as remote_source
-from ._index_tables import (OFFSET, POSITION, PathIndex, inverse_chunks, offsets_of, path_offset_chunks,
-                            stored_positions)
+from ._index_tables import OFFSET, POSITION, inverse_chunks, offsets_of, path_offset_chunks, stored_positions
 from ._lmdb_extents import EXTENT, HEADER, ExtentReads
 from ._lmdb_pages import FileSource, LMDBPages
 from . import _handle, _io
@@ -471,15 +470,12 @@ class Reader(ExtentReads, SplitReader):
         where = self.table_where(b"labels")
         return self.entries_of(self.table(b"labels", crc=False), "<i4", where), where
 
-    def load_path_index(self) -> PathIndex | None:
-        if self.remote is not None:
-            return None
-        found = self.table(b"path_offsets", required=False, crc=False)
-        if found is None:
-            return None
-        where = self.table_where(b"path_offsets")
-        return PathIndex(*self.table(b"paths", crc=False), offsets_of(found, where, self.path), self.count, where,
-                         self.path)
+    def stored_path_offsets(self) -> tuple | None:
+        found, where = self.table(b"path_offsets", required=False, crc=False), self.table_where(b"path_offsets")
+        return None if found is None else (offsets_of(found, where, self.path), where)
+
+    def mapped_paths(self) -> tuple:
+        return self.table(b"paths", crc=False)
 
     def path_lengths(self, indexes: np.ndarray) -> np.ndarray:
         """Each record's path length in bytes (int64), vectorised."""

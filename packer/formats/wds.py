@@ -101,7 +101,7 @@ from ..remote import source as remote_source
 from . import _io, _tar
 from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
 from ._contract import Format, Option, parse_size, positive_int
-from ._index_tables import OFFSET, PathIndex, offsets_of, path_offset_chunks
+from ._index_tables import OFFSET, offsets_of, path_offset_chunks
 from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
 from ._foreign import unexpected, unnamed
 from ._reader import SplitReader
@@ -328,7 +328,7 @@ class Reader(SplitReader):
         block, and the records' sizes adding up to the split's bytes."""
         region, start, size = self.read_table("records", self.count * RECORD.itemsize)
         records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
-        check, where = self.record_check(records), os.path.join(self.path, self.tables[0])
+        check, where = record_check(self, records), os.path.join(self.path, self.tables[0])
         for begin, end in blocks(len(records)):
             check(begin, end)
         total = int(records["size"].sum(dtype=np.uint64))
@@ -350,23 +350,7 @@ class Reader(SplitReader):
             return self.records, BlockChecks(self.count, checked_whole)
         region, start, size = self.read_table("records", self.count * RECORD.itemsize, crc=False)
         records = np.frombuffer(region, RECORD, size // RECORD.itemsize, start)
-        return records, BlockChecks(self.count, self.record_check(records))
-
-    def record_check(self, records: np.ndarray):
-        """check(begin, end): raise unless records [begin, end) each name one of the split's
-        shards, lie within that shard's file and hold a label in range."""
-        where, shards = os.path.join(self.path, self.tables[0]), len(self.shards)
-        sizes = np.array([self.shard_size(k) for k in range(shards)], np.uint64)  # one stat a shard
-        classes, labeled, path = len(self.classes), self.metadata.splits[self.split].labeled, self.path
-
-        def check(begin: int, end: int) -> None:  # not a method: the reader holds it, so no cycle
-            part = records[begin:end]
-            if int(part["shard"].max()) >= shards:
-                raise CorruptDataError(f"{where}: a record names shard {int(part['shard'].max())}, the split has "
-                                       f"{shards}; {DAMAGED}", path)
-            check_within(part["offset"], part["size"], sizes, where, "record", size_of=part["shard"])
-            check_labels(part["label"], classes, labeled, where)
-        return check
+        return records, BlockChecks(self.count, record_check(self, records))
 
     def check_layout_tables(self) -> None:
         self.records  # loaded whole: its CRC-32 and every check
@@ -393,14 +377,15 @@ class Reader(SplitReader):
     def load_labels(self) -> np.ndarray:
         return np.asarray(self.records["label"], np.int32)  # a view of the mapped table, checked whole
 
-    def load_path_index(self) -> PathIndex | None:
-        if self.remote is not None or self.offsets_table is None:  # at a URL the path table is read whole
+    def stored_path_offsets(self) -> tuple | None:
+        if self.offsets_table is None:
             return None
-        found = self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize,
-                                OFFSET.itemsize, crc=False)
         where = os.path.join(self.path, self.offsets_table)
-        return PathIndex(*self.read_table("paths", crc=False), offsets_of(found, where, self.path), self.count,
-                         where, self.path)
+        return offsets_of(self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize,
+                                          OFFSET.itemsize, crc=False), where, self.path), where
+
+    def mapped_paths(self) -> tuple:
+        return self.read_table("paths", crc=False)
 
     def load_paths(self) -> PathTable:
         where = os.path.join(self.path, self.tables[1])
@@ -528,6 +513,23 @@ class Reader(SplitReader):
     def where(self, index: int) -> str:
         shard = self.record_blocks()[0]["shard"].item(index)  # checked: where() names a record read
         return f"{self.path}/{self.shards[shard]} sample {self.split}/{index}"
+
+
+def record_check(reader: Reader, records: np.ndarray):
+    """check(begin, end): raise unless reader's records [begin, end) each name one of the split's
+    shards, lie within that shard's file and hold a label in range."""
+    where, shards = os.path.join(reader.path, reader.tables[0]), len(reader.shards)
+    sizes = np.array([reader.shard_size(k) for k in range(shards)], np.uint64)  # one stat a shard
+    classes, labeled, path = len(reader.classes), reader.metadata.splits[reader.split].labeled, reader.path
+
+    def check(begin: int, end: int) -> None:  # not a method: the reader holds it, so no cycle
+        part = records[begin:end]
+        if int(part["shard"].max()) >= shards:
+            raise CorruptDataError(f"{where}: a record names shard {int(part['shard'].max())}, the split has "
+                                   f"{shards}; {DAMAGED}", path)
+        check_within(part["offset"], part["size"], sizes, where, "record", size_of=part["shard"])
+        check_labels(part["label"], classes, labeled, where)
+    return check
 
 
 def indexed(reader: Reader, shard: int) -> bool:
