@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..records import PathTable, decode_path, path_offsets
-from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, array_chunks, blocks, check_count, drop_pages
+from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, array_chunks, blocks, check_count, drop_pages, drop_part
 
 OFFSET = np.dtype("<u8")  # a path_offsets entry
 POSITION = np.dtype("<i4")  # a positions entry, as order's
@@ -43,7 +43,8 @@ def inverse_chunks(order: np.ndarray, window: int = INVERSE_WINDOW):
             at = order[start:stop]
             mine = (at >= low) & (at < high)
             out[at[mine] - low] = np.flatnonzero(mine) + start
-        drop_pages(order)  # a mapped order's pages out of RSS after each pass
+            drop_part(order, start, stop)  # a mapped order's pages out of RSS as the pass goes
+        drop_pages(order)
         yield out
 
 

@@ -349,6 +349,7 @@ class SpillTable:
                 at = order[start:start + len(rows)]
                 mine = (at >= low) & (at < high)
                 out[at[mine] - low] = rows[mine]
+                drop_part(order, start, start + len(rows))
                 start += len(rows)
             drop_pages(order)
             yield out
@@ -390,6 +391,19 @@ def drop_pages(buffer) -> None:
         buffer = mapped_region(buffer)
     if isinstance(buffer, mmap.mmap) and len(buffer) and hasattr(mmap, "MADV_DONTNEED"):
         buffer.madvise(mmap.MADV_DONTNEED)
+
+
+def drop_part(values: np.ndarray, start: int, stop: int) -> None:
+    """drop_pages for entries [start, stop) of a 1-D array mapped from a file alone (the whole
+    pages they touch, whose neighbours in the same map fault back in if used): a pass over a
+    table of GBs keeps a block of it resident, not the whole. A no-op as drop_pages is."""
+    region = mapped_region(values)
+    if region is None or stop <= start or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    low = values[start:stop].ctypes.data - np.frombuffer(region, np.uint8).ctypes.data
+    high = min(len(region), low + (stop - start) * values.itemsize)
+    low -= low % mmap.PAGESIZE
+    region.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
 def mapped_region(values: np.ndarray):
