@@ -5,6 +5,7 @@ still read."""
 from __future__ import annotations
 
 import json
+import pickle
 import tracemalloc
 import zlib
 
@@ -322,6 +323,18 @@ def test_a_damaged_mapped_table_past_the_open_check_fails_check_tables(tmp_path,
     with pytest.raises(CorruptDataError, match=r"key train/labels: checksum mismatch"):
         reader.check_tables()
     reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_a_datasets_paths_index_and_pickle_like_a_list(packs, fmt):
+    dataset = readers.open_dataset(packs[fmt, True, SIZES[0]], decode="raw")
+    names = names_of(SIZES[0])[1]
+    assert type(dataset.paths).__name__ == "PathIndex"
+    assert list(dataset.paths) == names and dataset.paths[-1] == names[-1]
+    with pytest.raises(IndexError):
+        dataset.paths[SIZES[0]]
+    assert list(pickle.loads(pickle.dumps(dataset.paths))) == names
+    dataset.close()
 
 
 def test_lmdb_tables_put_while_their_pages_are_dropped_are_whole(tmp_path, monkeypatch):

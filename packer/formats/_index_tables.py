@@ -149,6 +149,10 @@ class PathIndex:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def __reduce__(self):
+        # A map cannot be pickled: a PathIndex pickles as the whole table's bytes (a PathTable).
+        return PathTable.from_nul_separated, (bytes(self.data[self.start:self.start + self.size]), self.where)
+
     def length(self, i: int) -> int:
         self.checks.ensure(i)
         return self.offsets.item(i + 1) - self.offsets.item(i) - 1
