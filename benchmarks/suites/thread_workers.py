@@ -51,8 +51,9 @@ def fixed_step() -> float:
 
 
 def loader_processes(me):
-    """The trainer and every loader process under it."""
-    return [me, *me.children(recursive=True)]
+    """The loader's processes: every process under the trainer (its workers, or the
+    threads' background process; none for threads-inline)."""
+    return me.children(recursive=True)
 
 
 def cpu_seconds(procs) -> float:
@@ -76,53 +77,114 @@ def uss_mb(procs, field: str = "uss") -> float:
     return total / 1e6
 
 
-def batch_shm_mb(pid: int) -> float:
-    """Resident memory of `pid`'s mappings of batch shared memory (torch's, the thread ring)."""
-    total, counting = 0, False
+def is_batch_memory(name: str) -> bool:
+    return "torch_" in name or "packer-batches" in name
+
+
+def mappings(pid: int):
+    """(path, inode, {field: bytes}) of each of `pid`'s mappings, from /proc/PID/smaps."""
+    found, fields = [], None
     with open(f"/proc/{pid}/smaps") as smaps:
         for line in smaps:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping's header line
-                counting = "torch_" in line or "packer-batches" in line
-            elif counting and first == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total / 1e6
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+                fields = {}
+                found.append((" ".join(parts[5:]), int(parts[4]), fields))
+            elif len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return found
+
+
+def batch_shm_mb(pid: int) -> float:
+    """Resident memory of `pid`'s mappings of batch shared memory (torch's, the thread ring)."""
+    return sum(f.get("Rss", 0) for path, _, f in mappings(pid) if is_batch_memory(path)) / 1e6
+
+
+def batch_memory_mb(pids) -> float:
+    """Every batch shared-memory segment alive in these processes, each counted once: mapped
+    (its resident pages) or only held open (its allocated pages: a worker process's batch
+    on its way to the trainer is a descriptor with no mapping, which no USS or PSS counts)."""
+    held = {}
+    for pid in pids:
+        try:
+            for path, inode, f in mappings(pid):
+                if is_batch_memory(path):
+                    held[inode] = max(held.get(inode, 0), f.get("Rss", 0))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if is_batch_memory(os.readlink(f"/proc/{pid}/fd/{fd}")):
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        held[st.st_ino] = max(held.get(st.st_ino, 0), st.st_blocks * 512)
+                except OSError:  # closed meanwhile
+                    pass
+        except OSError:  # the process gone meanwhile
+            pass
+    return sum(held.values()) / 1e6
+
+
+def private_file_mb(pid: int) -> float:
+    """`pid`'s private pages of mapped files (shared libraries above all): private only while
+    no other process on the machine maps them, so they move with what else runs."""
+    return sum(f.get("Private_Clean", 0) + f.get("Private_Dirty", 0) for path, _, f in mappings(pid)
+               if path.startswith("/") and not is_batch_memory(path)) / 1e6
+
+
+def anonymous_rss_mb(pid: int) -> float:
+    """`pid`'s resident anonymous memory (heap, arenas, stacks), private or shared with its
+    forked children: unlike USS, a fork sharing its pages copy-on-write does not move it."""
+    return sum(f.get("Rss", 0) for path, _, f in mappings(pid) if not path.startswith("/")) / 1e6
+
+
+def consume(sink, batch) -> None:
+    """What a training step does with a batch's images: read every byte (here into `sink`)."""
+    images = batch[0]
+    sink[:len(images)].copy_(images)
 
 
 def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
     """One run of `kind`, in this (fresh) process."""
     import psutil
+    import torch
 
     from readers import LMDBDataset, RandomResizedCrop, make_loader
 
     me = psutil.Process()
     alone = statistics.median(fixed_step() for _ in range(15))
     data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
-    trainer_before = uss_mb([me], "pss")
+    sink = torch.ones((batch, *data[0][0].shape), dtype=data[0][0].dtype)  # the trainer's, written before
+    trainer_pss, trainer_uss, trainer_file = uss_mb([me], "pss"), uss_mb([me]), private_file_mb(me.pid)
+    trainer_anon = anonymous_rss_mb(me.pid)
     start = time.perf_counter()
     loader = make_loader(data, batch, workers=workers, worker_kind=kind)
     it = iter(loader)
-    next(it)
+    taken = next(it)
     first = time.perf_counter() - start
+    consume(sink, taken)
     procs = loader_processes(me)
-    cpu0, t0 = cpu_seconds(procs), time.perf_counter()
+    cpu0, t0 = cpu_seconds([me, *procs]), time.perf_counter()
     samples = 0
     for _ in range(batches):
-        images, _ = next(it)
-        samples += len(images)
+        taken = next(it)
+        consume(sink, taken)
+        samples += len(taken[0])
     wall = time.perf_counter() - t0
     procs = loader_processes(me)
-    cpu, uss = cpu_seconds(procs) - cpu0, uss_mb(procs)
+    cpu = cpu_seconds([me, *procs]) - cpu0
     each = [uss_mb([p]) for p in procs]
-    shm = batch_shm_mb(me.pid)
+    figures = {"uss_mb": uss_mb([me, *procs]), "loader_uss_mb": sum(each),
+               "trainer_added_uss_mb": uss_mb([me]) - trainer_uss,
+               "trainer_added_anon_mb": anonymous_rss_mb(me.pid) - trainer_anon,
+               "trainer_added_file_mb": private_file_mb(me.pid) - trainer_file,
+               "loader_mb": uss_mb([me, *procs], "pss") - trainer_pss, "uss_mb_each": each,
+               "batch_shm_mb": batch_shm_mb(me.pid), "batch_memory_mb": batch_memory_mb([me.pid, *(p.pid for p in procs)])}
+    del taken
     steps = []
     for _ in range(15):
         steps.append(fixed_step())
-        next(it)
+        consume(sink, next(it))
     del it
     return {"kind": kind, "first_batch_s": first, "samples_per_s": samples / wall, "cpu_s_per_sample": cpu / samples,
-            "uss_mb": uss, "loader_mb": uss_mb(procs, "pss") - trainer_before, "uss_mb_each": each,
-            "batch_shm_mb": shm, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
+            **figures, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
 
 
 def profile(packed: str, batch: int, batches: int, path: str) -> None:
@@ -190,8 +252,9 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             rounds[kind].append(run(args.packed, kind, args))
-    keys = ("samples_per_s", "first_batch_s", "cpu_s_per_sample", "uss_mb", "loader_mb", "batch_shm_mb",
-            "step_slowdown")
+    keys = ("samples_per_s", "first_batch_s", "cpu_s_per_sample", "loader_uss_mb", "trainer_added_uss_mb",
+            "trainer_added_anon_mb", "uss_mb",
+            "loader_mb", "batch_shm_mb", "batch_memory_mb", "step_slowdown")
     print(f"{args.workers} workers, batches of {args.batch}, decode + RandomResizedCrop(224), warm, "
           f"{args.batches} batches a run, {args.repeats} rounds (medians); load average {os.getloadavg()[0]:.1f}")
     print(f"| kind | {' | '.join(keys)} |\n|---|{'---|' * len(keys)}")
