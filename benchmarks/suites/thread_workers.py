@@ -151,7 +151,6 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
     me = psutil.Process()
     alone = statistics.median(fixed_step() for _ in range(15))
     data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
-    sink = torch.ones((batch, *data[0][0].shape), dtype=data[0][0].dtype)  # the trainer's, written before
     trainer_pss, trainer_uss, trainer_file = uss_mb([me], "pss"), uss_mb([me]), private_file_mb(me.pid)
     trainer_anon = anonymous_rss_mb(me.pid)
     start = time.perf_counter()
@@ -159,6 +158,10 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
     it = iter(loader)
     taken = next(it)
     first = time.perf_counter() - start
+    # Made after the loader's processes fork: a tensor the trainer writes after the fork
+    # would leave its stale copy private to each of them (as a trainer's CPU-side
+    # weights would, in every kind alike).
+    sink = torch.empty_like(taken[0])
     consume(sink, taken)
     procs = loader_processes(me)
     cpu0, t0 = cpu_seconds([me, *procs]), time.perf_counter()
