@@ -77,13 +77,6 @@ class Ring:
             return None
         return t.storage_offset() * t.element_size(), str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride()
 
-    def let_go(self, slot: int) -> None:
-        """Drop this process's mapping of `slot`'s pages, once its batch is sent (the pages
-        stay in the memfd, and come back on the next write). Otherwise a batch the trainer
-        has not yet read is this process's private memory, as a worker process's batch is
-        not once sent."""
-        self.map.madvise(mmap.MADV_DONTNEED, slot * SLOT_BYTES, SLOT_BYTES)
-
     # The trainer's side: a batch's tensors as views of its slot.
     def slot_storage(self, slot: int) -> torch.UntypedStorage:
         """A storage of its own over `slot`: alive as long as a tensor of the batch is."""

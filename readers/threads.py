@@ -474,8 +474,6 @@ class Server:
                     self.slots.give(slot)
                 ok, slot, made = False, -1, f"thread worker: sending batch {key} failed: {type(error).__name__}: {error}"
         self.results.put((run, key, ok, slot, made))
-        if ok and slot >= 0:
-            self.ring.let_go(slot)
         if self.after_batch is not None:
             self.after_batch()
 
