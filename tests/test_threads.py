@@ -267,6 +267,9 @@ def test_the_benchmark_suite_measures_every_kind(packs, tmp_path, capsys):
     assert set(summary) == set(thread_workers.KINDS)
     for kind, figures in summary.items():
         assert figures["samples_per_s"] > 0 and figures["first_batch_s"] > 0 and figures["uss_mb"] > 0, kind
+        assert figures["batch_memory_mb"] > 0, kind  # the trainer's batch at least
+        # the loader's own processes: the workers, or the background process; none inline
+        assert (figures["loader_uss_mb"] > 0) == (kind != "threads-inline"), kind
     assert "| threads-inline |" in capsys.readouterr().out
 
 

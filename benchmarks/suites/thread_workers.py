@@ -9,15 +9,35 @@ threads: equal cores), warm, in a fresh process per run, the kinds interleaved r
 round (medians):
 - first batch s: make_loader + iter() to the first batch (process start included);
 - samples/s: the --batches batches after the first;
-- CPU s/sample: user + system CPU of the trainer and every loader process over them;
-- USS MB: private memory of the trainer and every loader process, summed, at the end;
-- loader MB: the memory the loader added: the PSS (each page split among the processes
-  mapping it) of the trainer and every loader process, summed, less the trainer's before
-  make_loader. USS alone misleads here: a forked process's pages shared copy-on-write
-  with the trainer leave both USS, so the sum of USS can fall as processes start;
-  every process's USS is kept in the runs too;
-- batch shm MB: resident shared memory holding batches (torch's segments, the thread ring),
-  which no process's USS counts (part of loader MB);
+- CPU s/sample: user + system CPU of the trainer and every loader process over them.
+The trainer reads every byte of each batch's images, as a training step does (copied
+into a tensor of its own, made once after the loader's processes fork, the same for
+every kind). A trainer that never reads its batches leaves a thread ring's pages private
+to the background process, where a worker process's batch leaves it once sent.
+Memory, at the end of those batches (the trainer holding the last one):
+- loader USS MB: the private memory (USS) of every process of the loader,
+  summed: the W worker processes, or the one background process of threads (none for
+  threads-inline, whose cost is all the trainer's). It is what ending them would free.
+  A batch on its way differs: a worker process's is a descriptor held with no mapping,
+  in no USS; a ring slot the trainer has not yet read is the background process's own.
+  With a trainer that reads each batch as it comes, few are;
+- trainer added USS MB: the trainer's USS less its own before make_loader. Negative under
+  fork: the trainer's pages the forked processes share copy-on-write leave its USS (and
+  are in theirs only once either writes them), so it says little alone;
+- trainer added anon MB: the trainer's resident anonymous memory (heap, arenas) less its
+  own before make_loader, which that sharing does not move: its own tensor above (one
+  batch) and what receiving batches costs it; batches themselves are counted below;
+- USS MB: the USS of the trainer and every loader process, summed (libraries' pages
+  count as private to whichever process alone maps them at the moment, so the trainer's
+  moves by tens of MB with what else runs on the machine; compare the paired ratios);
+- loader MB: the PSS (each page split among the processes mapping it) of the trainer and
+  every loader process, summed, less the trainer's before make_loader: every page the
+  loader added counted once, batches in the trainer's mappings included;
+- batch shm MB: resident batch shared memory (torch's segments, the thread ring) in the
+  trainer's mappings: in no process's USS once two map it;
+- batch memory MB: every batch segment alive in the trainer and the loader's processes,
+  each once, mapped or only held by a descriptor (a worker process's batch on its way):
+  the ring's every written slot, or processes' batches in flight and held;
 - step slowdown: a fixed CPU-side step (Python arithmetic, as a training loop's host
   side is) timed with a batch taken after each, over the same step alone: the noisy
   neighbour, in-process threads against an isolated process.
