@@ -308,6 +308,48 @@ def test_damaged_positions_are_named(tmp_path):
     damaged(plain, r"train/positions: a positions table in a split stored in index order")
 
 
+def rewrite_wds_positions(out: str, positions: np.ndarray | None, crc: bool = True, order: bool = True) -> None:
+    """positions.bin replaced by positions (its CRC-32 in index.json made to match unless crc is
+    False); order False drops order.bin from the index."""
+    index_file = f"{out}/index.json"
+    with open(index_file) as f:
+        index = json.load(f)
+    entry = index["wds"]["splits"]["train"]
+    if positions is not None:
+        raw = positions.tobytes()
+        with open(f"{out}/train/positions.bin", "wb") as f:
+            f.write(raw)
+        entry["positions_crc32"] = zlib.crc32(raw) if crc else entry["positions_crc32"]
+    if not order:
+        del entry["order"], entry["order_crc32"]
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+
+
+def test_damaged_wds_positions_are_named(tmp_path):
+    out = write_pack(str(tmp_path / "p.wds"), 3_000, "wds", True)
+    positions = np.fromfile(f"{out}/train/positions.bin", "<i4")
+    where = r"train/positions\.bin"
+    bad = positions.copy()
+    bad[2500] = 3_000
+    rewrite_wds_positions(out, bad, crc=False)
+    damaged(out, where + r": checksum mismatch", check_tables=True)
+    rewrite_wds_positions(out, bad)
+    damaged(out, where + r": entries \d+\.\.\d+ name positions outside 0\.\.2999", check_tables=True)
+    bad = positions.copy()
+    bad[[10, 20]] = bad[[20, 10]]
+    rewrite_wds_positions(out, bad)
+    damaged(out, where + r": entries \d+\.\.\d+ are not the inverse of the order table", check_tables=True)
+    rewrite_wds_positions(out, positions[:-1])
+    damaged(out, where + r".*(holds|bytes)", check_tables=True)
+    rewrite_wds_positions(out, positions)
+    reader = open_reader(out)
+    reader.check_tables()
+    reader.close()
+    rewrite_wds_positions(out, None, order=False)
+    damaged(out, where + r": a positions table in a split stored in index order", check_tables=True)
+
+
 def test_a_damaged_mapped_table_past_the_open_check_fails_check_tables(tmp_path, monkeypatch):
     # Past CRC_AT_OPEN a table's CRC-32 is left to check_tables (packer verify): a label that
     # passes its block's range check is caught by the record's header (a read through the

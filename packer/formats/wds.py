@@ -403,7 +403,8 @@ class Reader(SplitReader):
             return None
         region, start, _ = self.table_file("positions", self.positions_table, self.count * POSITION.itemsize,
                                            POSITION.itemsize, crc=False)
-        return stored_positions(np.frombuffer(region, POSITION, self.count, start), self.read_order(),
+        order = None if self.order_table is None else self.read_order()  # else the sorted records.bin
+        return stored_positions(np.frombuffer(region, POSITION, self.count, start), order,
                                 os.path.join(self.path, self.positions_table), self.path)
 
     def mapped_paths(self) -> tuple:
