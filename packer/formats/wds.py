@@ -23,12 +23,9 @@
                                      is not shuffled, whose shards hold runs of indexes in order,
                                      and in packs written before it, whose readers sort records.bin
                                      by shard and offset instead)
-  OUT.wds/<split>/positions.bin      int32 per sample, little-endian, beside order.bin: the
-                                     position of sample i in the split's shards (order.bin's
-                                     inverse: positions[order[j]] = j) ("positions" and
-                                     "positions_crc32"; absent where order.bin is absent, and in packs
-                                     written before it, whose readers check order.bin with a
-                                     byte a sample)
+  OUT.wds/<split>/positions.bin      int32 per sample, little-endian: sample i's position in the
+                                     shards (positions[order[j]] = j) ("positions", "positions_crc32";
+                                     beside order.bin, absent in packs written before it)
   OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
                                      reader loads them, wids.ShardListDataset(<this file>):
                                      {"wids_version": 1, "name": "<split>", "classes": [...],
@@ -367,13 +364,10 @@ class Reader(SplitReader):
         if self.offsets_table is not None:
             self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize, OFFSET.itemsize)
         self.check_path_index()
-        if self.positions_table is not None:
-            self.table_file("positions", self.positions_table, self.count * POSITION.itemsize, POSITION.itemsize)
         if self.order_table is not None:
             region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4)
             self.checked_order(np.frombuffer(region, "<i4", self.count, start))
-        if self.position_table() is not False and self._position_checks is not None:
-            self._position_checks.ensure_every()  # order passed: every block of positions.bin is its inverse
+        check_positions(self)
 
     def map_labels(self) -> tuple[np.ndarray, str]:
         return self.record_blocks()[0]["label"], os.path.join(self.path, self.tables[0])
@@ -399,13 +393,7 @@ class Reader(SplitReader):
                                           OFFSET.itemsize, crc=False), where, self.path), where
 
     def stored_positions(self) -> tuple | None:
-        if self.positions_table is None or self.remote is not None:
-            return None
-        region, start, _ = self.table_file("positions", self.positions_table, self.count * POSITION.itemsize,
-                                           POSITION.itemsize, crc=False)
-        order = None if self.order_table is None else self.read_order()  # else the sorted records.bin
-        return stored_positions(np.frombuffer(region, POSITION, self.count, start), order,
-                                os.path.join(self.path, self.positions_table), self.path)
+        return mapped_positions(self)
 
     def mapped_paths(self) -> tuple:
         return self.read_table("paths", crc=False)
@@ -553,6 +541,26 @@ def record_check(reader: Reader, records: np.ndarray):
         check_within(part["offset"], part["size"], sizes, where, "record", size_of=part["shard"])
         check_labels(part["label"], classes, labeled, where)
     return check
+
+
+def mapped_positions(reader: Reader) -> tuple | None:
+    """reader.stored_positions(): positions.bin, mapped, and its BlockChecks against order.bin; None
+    where the pack has none, or at a URL (order.bin is checked with a byte a sample, not fetched twice)."""
+    if reader.positions_table is None or reader.remote is not None:
+        return None
+    region, start, _ = reader.table_file("positions", reader.positions_table, reader.count * POSITION.itemsize,
+                                         POSITION.itemsize, crc=False)
+    order = None if reader.order_table is None else reader.read_order()  # else records.bin sorted, not stored
+    return stored_positions(np.frombuffer(region, POSITION, reader.count, start), order,
+                            os.path.join(reader.path, reader.positions_table), reader.path)
+
+
+def check_positions(reader: Reader) -> None:
+    """check_tables' check of positions.bin once order.bin passed: its CRC-32, every block the inverse."""
+    if reader.positions_table is not None:
+        reader.table_file("positions", reader.positions_table, reader.count * POSITION.itemsize, POSITION.itemsize)
+    if reader.position_table() is not False and reader._position_checks is not None:
+        reader._position_checks.ensure_every()
 
 
 def indexed(reader: Reader, shard: int) -> bool:
