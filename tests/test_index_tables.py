@@ -1,6 +1,6 @@
 """The path_offsets and positions tables (packer.formats._index_tables): a DataLoader worker reading
 a pack of any format, paths included, holds nothing per record, nor does checking a shuffled
-pack's order where positions is stored; damaged tables are named; packs written before them
+pack's order where positions is stored (in a DataLoader worker); damaged tables are named; packs written before them
 still read."""
 from __future__ import annotations
 
@@ -123,22 +123,34 @@ def test_a_worker_reading_at_random_holds_nothing_per_record(packs, fmt, shuffle
         assert grown < PER_RECORD * (SIZES[1] - SIZES[0]), f"the worker's {what} grew by {grown} bytes: {found}"
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
-def test_checking_a_stored_order_holds_nothing_per_record(packs, fmt):
-    # positions[order[i]] == i for every i proves order a permutation: no byte a record of
-    # scratch (what a block sampler's storage_order() and check_tables() check; a WebDataset
-    # pack's storage_order() checks each shard's run as a stream first reads it, and
-    # check_tables checks order.bin whole through checked_order).
-    peaks = {}
-    for records in SIZES:
-        reader = open_reader(packs[fmt, True, records])
+class TracedOrderCheck(torch.utils.data.IterableDataset):
+    """In a DataLoader worker: the pack's stored order checked a permutation (a block sampler's
+    storage_order(); a WebDataset pack's checked_order, what check_tables runs on order.bin,
+    whose storage_order() checks each shard's run as a stream first reads it): yields
+    (the order's length, the most its check held at once)."""
+
+    def __init__(self, path: str, fmt: str):
+        self.path, self.fmt = path, fmt
+
+    def __iter__(self):
+        reader = open_reader(self.path)
         reader.open()
         tracemalloc.start()
-        order = reader.checked_order(reader.read_order()) if fmt == "wds" else reader.storage_order()
-        assert len(order) == records
-        peaks[records] = tracemalloc.get_traced_memory()[1]
+        order = reader.checked_order(reader.read_order()) if self.fmt == "wds" else reader.storage_order()
+        yield len(order), tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_checking_a_stored_order_holds_nothing_per_record(packs, fmt):
+    # positions[order[i]] == i for every i proves order a permutation: no byte a record of scratch.
+    peaks = {}
+    for records in SIZES:
+        loader = torch.utils.data.DataLoader(TracedOrderCheck(packs[fmt, True, records], fmt), batch_size=None,
+                                             num_workers=1, multiprocessing_context="fork")
+        count, peaks[records] = next(iter(loader))
+        assert count == records
     grown = peaks[SIZES[1]] - peaks[SIZES[0]]
     assert grown < PER_RECORD / 4 * (SIZES[1] - SIZES[0]), f"checking order grew the peak by {grown} bytes: {peaks}"
 
