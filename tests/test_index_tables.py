@@ -1,6 +1,6 @@
 """The path_offsets and positions tables (packer.formats._index_tables): a DataLoader worker reading
-a pack of any format, paths included, holds nothing per record, nor does checking a shuffled
-pack's order where positions is stored (in a DataLoader worker); damaged tables are named; packs written before them
+a pack of any format, paths included, holds nothing per record, nor does one checking a shuffled
+pack's order where positions is stored; damaged tables are named; packs written before them
 still read."""
 from __future__ import annotations
 
@@ -219,17 +219,20 @@ def test_an_hdf5_pack_written_before_the_index_tables_reads_the_same(tmp_path, t
     assert read_all(out) == expected
 
 
-def test_a_wds_pack_written_before_path_offsets_reads_the_same(tmp_path):
+@pytest.mark.parametrize("tables", [("path_offsets",), ("positions",), ("path_offsets", "positions")])
+def test_a_wds_pack_written_before_path_offsets_or_positions_reads_the_same(tmp_path, tables):
     out = write_pack(str(tmp_path / "p.wds"), 3_000, "wds", True)
     expected = read_all(out)
     index_file = tmp_path / "p.wds" / "index.json"
     index = json.loads(index_file.read_text())
     entry = index["wds"]["splits"]["train"]
-    (tmp_path / "p.wds" / entry.pop("path_offsets")).unlink()
-    del entry["path_offsets_crc32"]
+    for table in tables:
+        (tmp_path / "p.wds" / entry.pop(table)).unlink()
+        del entry[f"{table}_crc32"]
     index_file.write_text(json.dumps(index))
     reader = open_reader(out)
-    assert reader.path_index() is False
+    assert (reader.path_index() is False) == ("path_offsets" in tables)
+    assert (reader.stored_positions() is None) == ("positions" in tables)
     reader.check_tables()
     reader.close()
     assert read_all(out) == expected
