@@ -1,5 +1,5 @@
 """The path_offsets and positions tables (packer.formats._index_tables): a DataLoader worker reading
-a pack of any format, paths included, holds nothing per record, nor does checking a shuffled
+a pack of any format, paths included, holds nothing per record, nor does one checking a shuffled
 pack's order where positions is stored; damaged tables are named; packs written before them
 still read."""
 from __future__ import annotations
@@ -123,19 +123,34 @@ def test_a_worker_reading_at_random_holds_nothing_per_record(packs, fmt, shuffle
         assert grown < PER_RECORD * (SIZES[1] - SIZES[0]), f"the worker's {what} grew by {grown} bytes: {found}"
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
-def test_checking_a_stored_order_holds_nothing_per_record(packs, fmt):
-    # positions[order[i]] == i for every i proves order a permutation: no byte a record of
-    # scratch (what a block sampler's storage_order() and check_tables() check).
-    peaks = {}
-    for records in SIZES:
-        reader = open_reader(packs[fmt, True, records])
+class TracedOrderCheck(torch.utils.data.IterableDataset):
+    """In a DataLoader worker: the pack's stored order checked a permutation (a block sampler's
+    storage_order(); a WebDataset pack's checked_order, what check_tables runs on order.bin,
+    whose storage_order() checks each shard's run as a stream first reads it): yields
+    (the order's length, the most its check held at once)."""
+
+    def __init__(self, path: str, fmt: str):
+        self.path, self.fmt = path, fmt
+
+    def __iter__(self):
+        reader = open_reader(self.path)
         reader.open()
         tracemalloc.start()
-        assert len(reader.storage_order()) == records
-        peaks[records] = tracemalloc.get_traced_memory()[1]
+        order = reader.checked_order(reader.read_order()) if self.fmt == "wds" else reader.storage_order()
+        yield len(order), tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_checking_a_stored_order_holds_nothing_per_record(packs, fmt):
+    # positions[order[i]] == i for every i proves order a permutation: no byte a record of scratch.
+    peaks = {}
+    for records in SIZES:
+        loader = torch.utils.data.DataLoader(TracedOrderCheck(packs[fmt, True, records], fmt), batch_size=None,
+                                             num_workers=1, multiprocessing_context="fork")
+        count, peaks[records] = next(iter(loader))
+        assert count == records
     grown = peaks[SIZES[1]] - peaks[SIZES[0]]
     assert grown < PER_RECORD / 4 * (SIZES[1] - SIZES[0]), f"checking order grew the peak by {grown} bytes: {peaks}"
 
@@ -204,17 +219,20 @@ def test_an_hdf5_pack_written_before_the_index_tables_reads_the_same(tmp_path, t
     assert read_all(out) == expected
 
 
-def test_a_wds_pack_written_before_path_offsets_reads_the_same(tmp_path):
+@pytest.mark.parametrize("tables", [("path_offsets",), ("positions",), ("path_offsets", "positions")])
+def test_a_wds_pack_written_before_path_offsets_or_positions_reads_the_same(tmp_path, tables):
     out = write_pack(str(tmp_path / "p.wds"), 3_000, "wds", True)
     expected = read_all(out)
     index_file = tmp_path / "p.wds" / "index.json"
     index = json.loads(index_file.read_text())
     entry = index["wds"]["splits"]["train"]
-    (tmp_path / "p.wds" / entry.pop("path_offsets")).unlink()
-    del entry["path_offsets_crc32"]
+    for table in tables:
+        (tmp_path / "p.wds" / entry.pop(table)).unlink()
+        del entry[f"{table}_crc32"]
     index_file.write_text(json.dumps(index))
     reader = open_reader(out)
-    assert reader.path_index() is False
+    assert (reader.path_index() is False) == ("path_offsets" in tables)
+    assert (reader.stored_positions() is None) == ("positions" in tables)
     reader.check_tables()
     reader.close()
     assert read_all(out) == expected
@@ -303,6 +321,48 @@ def test_damaged_positions_are_named(tmp_path):
     plain = write_pack(str(tmp_path / "plain.lmdb"), 3_000, "lmdb", False)
     rewrite_lmdb(plain, "positions", positions.tobytes())
     damaged(plain, r"train/positions: a positions table in a split stored in index order")
+
+
+def rewrite_wds_positions(out: str, positions: np.ndarray | None, crc: bool = True, order: bool = True) -> None:
+    """positions.bin replaced by positions (its CRC-32 in index.json made to match unless crc is
+    False); order False drops order.bin from the index."""
+    index_file = f"{out}/index.json"
+    with open(index_file) as f:
+        index = json.load(f)
+    entry = index["wds"]["splits"]["train"]
+    if positions is not None:
+        raw = positions.tobytes()
+        with open(f"{out}/train/positions.bin", "wb") as f:
+            f.write(raw)
+        entry["positions_crc32"] = zlib.crc32(raw) if crc else entry["positions_crc32"]
+    if not order:
+        del entry["order"], entry["order_crc32"]
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+
+
+def test_damaged_wds_positions_are_named(tmp_path):
+    out = write_pack(str(tmp_path / "p.wds"), 3_000, "wds", True)
+    positions = np.fromfile(f"{out}/train/positions.bin", "<i4")
+    where = r"train/positions\.bin"
+    bad = positions.copy()
+    bad[2500] = 3_000
+    rewrite_wds_positions(out, bad, crc=False)
+    damaged(out, where + r": checksum mismatch", check_tables=True)
+    rewrite_wds_positions(out, bad)
+    damaged(out, where + r": entries \d+\.\.\d+ name positions outside 0\.\.2999", check_tables=True)
+    bad = positions.copy()
+    bad[[10, 20]] = bad[[20, 10]]
+    rewrite_wds_positions(out, bad)
+    damaged(out, where + r": entries \d+\.\.\d+ are not the inverse of the order table", check_tables=True)
+    rewrite_wds_positions(out, positions[:-1])
+    damaged(out, where + r".*(holds|bytes)", check_tables=True)
+    rewrite_wds_positions(out, positions)
+    reader = open_reader(out)
+    reader.check_tables()
+    reader.close()
+    rewrite_wds_positions(out, None, order=False)
+    damaged(out, where + r": a positions table in a split stored in index order", check_tables=True)
 
 
 def test_a_damaged_mapped_table_past_the_open_check_fails_check_tables(tmp_path, monkeypatch):

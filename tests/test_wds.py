@@ -234,6 +234,7 @@ def test_verify_names_a_damaged_or_truncated_shard(image_tree, tmp_path):
 def test_official_webdataset_yields_the_folder_images_and_labels(image_tree, tmp_path):
     webdataset = pytest.importorskip("webdataset")
     out = pack_wds(image_tree, tmp_path / "o.wds", max_count=4)
+    assert (out / "all" / "positions.bin").is_file()  # shuffled: its tables lie beside the shards, in no tar
     folder = readers.FolderDataset(image_tree)
     position = {p: i for i, p in enumerate(folder.paths)}
     seen = []

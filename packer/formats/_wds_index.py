@@ -1,4 +1,4 @@
-"""A WebDataset pack's index.json: read, checked field by field, and the files it names.
+"""A WebDataset pack's index.json: read, checked field by field, the files it names, and what `info` shows of it.
 
 The index holds the dataset's Metadata plus "wds", the shard index (layout in wds's
 docstring). It names only files of its own dataset: shard_index_problem refuses any name
@@ -13,6 +13,7 @@ from ..errors import FormatError
 from ..records import MAX_METADATA_BYTES, Metadata, parse_json, split_name_problem
 from ..remote import source as remote_source
 from ._files import entry_problem, outside_problem
+from ._foreign import unexpected, unnamed
 from ._wids import WIDS_INDEX
 
 INDEX = "index.json"
@@ -91,7 +92,7 @@ def shard_index_problem(section, meta: Metadata, path: str) -> str | None:
         wids = entry.get("wids_index")
         if (version >= 2 or wids is not None) and wids != f"{split}/{WIDS_INDEX}":
             return f"split {split!r} names its wids index {wids!r:.80}, not {split}/{WIDS_INDEX}"
-        for key, name in (("order", "order.bin"), ("path_offsets", "path_offsets.bin")):
+        for key, name in (("order", "order.bin"), ("path_offsets", "path_offsets.bin"), ("positions", "positions.bin")):
             if entry.get(key) not in (None, f"{split}/{name}"):
                 return f"split {split!r} names its {key} table {entry[key]!r:.80}, not {split}/{name}"
         for shard in entry["shards"]:
@@ -106,5 +107,27 @@ def named_files(section: dict) -> list[str]:
     files = []
     for entry in section["splits"].values():
         files += [entry["records"], entry["paths"], *(shard["name"] for shard in entry["shards"])]
-        files += [entry[key] for key in ("wids_index", "order", "path_offsets") if entry.get(key) is not None]
+        files += [entry[key] for key in ("wids_index", "order", "path_offsets", "positions") if entry.get(key) is not None]
     return files
+
+
+def info_facts(path: str, remote=None) -> dict:
+    """Per split, for `packer info`, its shards (readers cut an epoch's shard order into one share per rank): their count,
+    and the total, smallest and largest shard bytes (from the index)."""
+    facts = {}
+    for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():
+        sizes = [shard["bytes"] for shard in entry["shards"]]
+        facts[split] = {"shards": {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
+                                   "max_bytes": max(sizes, default=0)}}
+    return facts
+
+
+def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
+    """(Metadata, index.json and the files it names) of the WDS dataset at url."""
+    index, meta = open_index(url, remote)
+    return meta, {INDEX, *named_files(index["wds"])}
+
+
+def foreign(path: str, meta: Metadata) -> str | None:
+    """Anything in a checked WDS folder that its index does not name."""
+    return unexpected(unnamed(path, {INDEX, *named_files(load_index(path)["wds"])}), "wds")

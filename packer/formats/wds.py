@@ -23,6 +23,9 @@
                                      is not shuffled, whose shards hold runs of indexes in order,
                                      and in packs written before it, whose readers sort records.bin
                                      by shard and offset instead)
+  OUT.wds/<split>/positions.bin      int32 per sample, little-endian: sample i's position in the
+                                     shards (positions[order[j]] = j) ("positions", "positions_crc32";
+                                     beside order.bin, absent in packs written before it)
   OUT.wds/<split>/wids-index.json    (layout 2) the split's shards as webdataset's indexed
                                      reader loads them, wids.ShardListDataset(<this file>):
                                      {"wids_version": 1, "name": "<split>", "classes": [...],
@@ -35,7 +38,7 @@
 The index names only files of its own dataset: load_index refuses any name but
 <split>/<name>.tar, <split>/records.bin, <split>/paths.bin, <split>/wids-index.json
 (the split's "wids_index", absent before layout 2), <split>/order.bin (its "order") and
-<split>/path_offsets.bin (its "path_offsets"), and
+<split>/path_offsets.bin (its "path_offsets"), <split>/positions.bin (its "positions") and
 any that resolves (through a symlink) outside OUT.wds (_wds_index). Its metadata checksum ("crc32", see packer.records) leaves out
 "wds": each shard has its SHA-256 and size there, which verify checks; verify also checks
 that each wids index lists exactly the split's shards, sample counts and classes.
@@ -101,15 +104,14 @@ from ..remote import source as remote_source
 from . import _io, _tar
 from ._tar import member_suffix, sample_key, source_suffix  # noqa: F401 (the key rules: the docstring above)
 from ._contract import Format, Option, parse_size, positive_int
-from ._index_tables import OFFSET, offsets_of, path_offset_chunks
+from ._index_tables import OFFSET, POSITION, inverse_chunks, offsets_of, path_offset_chunks, stored_positions
 from ._files import ShardDigest, shards_problems, write_synced, write_synced_chunks
-from ._foreign import unexpected, unnamed
 from ._reader import SplitReader
 from ._shards import (AUTO_SHARDS, MAX_AUTO_SHARD_SIZE, MIN_AUTO_SHARD_SIZE, PLAN_SAMPLES,  # noqa: F401
                       BalancedCut, auto_shard_size, balanced_shard_count, few_shards_warning)
 from ._tables import (DAMAGED, BlockChecks, SpillTable, array_chunks, blocks, check_count, check_labels, check_within,
                       checked_whole, dataset_identity, nul_separated_chunks)
-from ._wds_index import INDEX, LAYOUT_VERSION, foreign_index, load_index, named_files, open_index
+from ._wds_index import INDEX, LAYOUT_VERSION, foreign, foreign_index, info_facts, load_index, open_index, read_remote
 from ._wids import WIDS_INDEX, long_names_warning, wids_index_bytes, wids_index_problems
 
 EXTENSION = ".wds"
@@ -117,6 +119,7 @@ DIRECTORY = True
 DEFAULT_SHARD_SIZE = None  # auto, see the module docstring
 SHARD_NAME = "shard-{:06d}.tar"
 PATH_OFFSETS = "path_offsets.bin"
+POSITIONS = "positions.bin"
 RUN_CHECK = 4096  # records of a shard's run checked at a time (check_run)
 RECORD = np.dtype([("shard", "<u4"), ("crc", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("label", "<i4")])
 
@@ -244,6 +247,9 @@ class Writer:
             entry.update(order=f"{self.split}/order.bin", order_crc32=write_synced_chunks(
                 os.path.join(folder, "order.bin"), (np.ascontiguousarray(c, "<i4").view(np.uint8)
                                                     for c in array_chunks(order))))
+            # Its inverse, a window at a time: proves order.bin a permutation with no byte a sample.
+            entry.update(positions=f"{self.split}/{POSITIONS}", positions_crc32=write_synced_chunks(
+                os.path.join(folder, POSITIONS), (c.view(np.uint8) for c in inverse_chunks(order))))
         self.warnings += [warning for warning in (few_shards_warning(self.split, len(self.shards), count),
                                                   long_names_warning(self.split, self.long_names, self.long_name))
                           if warning]
@@ -300,6 +306,7 @@ class Reader(SplitReader):
         self.tables = (entry["records"], entry["paths"])
         self.order_table = entry.get("order")  # None: sort records.bin (read_order)
         self.offsets_table = entry.get("path_offsets")  # None: scan paths.bin for its offsets
+        self.positions_table = entry.get("positions")  # None: check order.bin with a byte a sample
         self.__dict__.update(self.TABLES)
         self.bind(entry)
 
@@ -308,7 +315,7 @@ class Reader(SplitReader):
         self.identity_file = os.path.join(self.path, INDEX)
         self.identity = (dataset_identity(self.identity_file) if self.remote is None
                          else self.remote.identity(self.identity_file))
-        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths", "order", "path_offsets")
+        crcs = {name: entry.get(f"{name}_crc32") for name in ("records", "paths", "order", "path_offsets", "positions")
                 if entry.get(name) is not None}
         self._table_crcs = None if all(crc is None for crc in crcs.values()) else crcs
 
@@ -360,6 +367,7 @@ class Reader(SplitReader):
         if self.order_table is not None:
             region, start, _ = self.table_file("order", self.order_table, self.count * 4, 4)
             self.checked_order(np.frombuffer(region, "<i4", self.count, start))
+        check_positions(self)
 
     def map_labels(self) -> tuple[np.ndarray, str]:
         return self.record_blocks()[0]["label"], os.path.join(self.path, self.tables[0])
@@ -383,6 +391,9 @@ class Reader(SplitReader):
         where = os.path.join(self.path, self.offsets_table)
         return offsets_of(self.table_file("path_offsets", self.offsets_table, (self.count + 1) * OFFSET.itemsize,
                                           OFFSET.itemsize, crc=False), where, self.path), where
+
+    def stored_positions(self) -> tuple | None:
+        return mapped_positions(self)
 
     def mapped_paths(self) -> tuple:
         return self.read_table("paths", crc=False)
@@ -532,6 +543,26 @@ def record_check(reader: Reader, records: np.ndarray):
     return check
 
 
+def mapped_positions(reader: Reader) -> tuple | None:
+    """reader.stored_positions(): positions.bin, mapped, and its BlockChecks against order.bin; None
+    where the pack has none, or at a URL (order.bin is checked with a byte a sample, not fetched twice)."""
+    if reader.positions_table is None or reader.remote is not None:
+        return None
+    region, start, _ = reader.table_file("positions", reader.positions_table, reader.count * POSITION.itemsize,
+                                         POSITION.itemsize, crc=False)
+    order = None if reader.order_table is None else reader.read_order()  # else records.bin sorted, not stored
+    return stored_positions(np.frombuffer(region, POSITION, reader.count, start), order,
+                            os.path.join(reader.path, reader.positions_table), reader.path)
+
+
+def check_positions(reader: Reader) -> None:
+    """check_tables' check of positions.bin once order.bin passed: its CRC-32, every block the inverse."""
+    if reader.positions_table is not None:
+        reader.table_file("positions", reader.positions_table, reader.count * POSITION.itemsize, POSITION.itemsize)
+    if reader.position_table() is not False and reader._position_checks is not None:
+        reader._position_checks.ensure_every()
+
+
 def indexed(reader: Reader, shard: int) -> bool:
     """Whether shard's file opens and is the size the index gives, and its samples' records
     pass stored_in's checks: what wds_shards.read_stored needs. Asked once for each
@@ -600,28 +631,6 @@ def table_shard_counts(path: str, split: str, shards: int) -> np.ndarray | None:
         counts += np.bincount(block, minlength=shards)[:shards]
     reader.close()
     return counts
-
-
-def info_facts(path: str, remote=None) -> dict:
-    """Per split, for `packer info`, its shards (readers cut an epoch's shard order into one share per rank): their count,
-    and the total, smallest and largest shard bytes (from the index)."""
-    facts = {}
-    for split, entry in open_index(path, remote)[0]["wds"]["splits"].items():
-        sizes = [shard["bytes"] for shard in entry["shards"]]
-        facts[split] = {"shards": {"shards": len(sizes), "bytes": sum(sizes), "min_bytes": min(sizes, default=0),
-                                   "max_bytes": max(sizes, default=0)}}
-    return facts
-
-
-def read_remote(url: str, remote) -> tuple[Metadata, set[str]]:
-    """(Metadata, index.json and the files it names) of the WDS dataset at url."""
-    index, meta = open_index(url, remote)
-    return meta, {INDEX, *named_files(index["wds"])}
-
-
-def foreign(path: str, meta: Metadata) -> str | None:
-    """Anything in a checked WDS folder that its index does not name."""
-    return unexpected(unnamed(path, {INDEX, *named_files(load_index(path)["wds"])}), "wds")
 
 
 FORMAT = Format(
