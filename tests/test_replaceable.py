@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from packer import FORMATS, pack
 from packer.cli import main
-from packer.formats import wds
+from packer.formats import _wds_index, wds
 from packer.records import metadata_crc
 
 from conftest import snapshot, tree, write
@@ -149,4 +149,4 @@ def test_convert_and_merge_refuse_a_look_alike_too(tmp_path):
 def test_wds_named_files_are_what_the_writer_writes(tmp_path):
     out = packed(tmp_path, "wds")
     on_disk = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert sorted([wds.INDEX, *wds.named_files(wds.load_index(str(out))["wds"])]) == on_disk
+    assert sorted([wds.INDEX, *_wds_index.named_files(wds.load_index(str(out))["wds"])]) == on_disk
