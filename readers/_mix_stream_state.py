@@ -27,7 +27,8 @@ class SavedState:
     workers (None: not known), position, anchor, start and pass_batches of the saved pass,
     and the sampler's state of it."""
 
-    def __init__(self, mix, state: dict):
+    def __init__(self, mix, state: dict, pool: dict | None = None):
+        self.pool = pool  # a rank's workers' own counts (pooled_state's), for its rows of the chains
         now = mix.settings()
         check_state(state, "MixStream", {k: v for k, v in now.items() if k not in CHANGEABLE})
         who = "MixStream.load_state_dict"
@@ -108,7 +109,7 @@ class SavedState:
             at = counts.at(rank, self.workers, self.epoch, self.pass_batches)
             for k, name in enumerate(self.names):
                 out[name].append(at[:, k].tolist())
-        return out
+        return out if self.pool is None else with_pooled_rows(out, self.pool, self.world_size)
 
 
 def checked_position(position) -> dict | None:
@@ -195,3 +196,85 @@ def own_state(mix, state: dict) -> dict:
     anchor = {"epoch": epoch, "start": start, "batches": first, "skipped": 0, "world_size": world_size,
               "workers": workers, "chains": rows, "bases": bases}
     return {"epoch": epoch, "first": first, "anchor": anchor}
+
+
+POOL_KEYS = {"rank", "workers", "batches", "chains"}  # readers.for_workers' pool of a rank's workers' own states
+
+
+def pooled_workers(states: list) -> dict:
+    """One state for every new worker of a rank (readers.for_workers), from its K workers'
+    own states (StatefulDataLoader's): what they share, with "pooled": the saving rank, K,
+    the batches of the pass the rank had handed out, and each stream's count per worker.
+    Worker w of K makes batches w, w + K, ..., so the workers whose next round is one ahead
+    are a prefix, and the batches handed out are the lowest next round plus their number."""
+    who = "readers.for_workers: a MixStream worker state's"
+    shared = {key: value for key, value in states[0].items() if key != "worker"}
+    if any({key: value for key, value in state.items() if key != "worker"} != shared for state in states):
+        raise ValueError("readers.for_workers: the workers' MixStream states differ in more than their own part "
+                         "(settings, epoch or anchor): they are not one loader's")
+    owns = [state.get("worker") for state in states]
+    workers = len(owns)
+    if not all(isinstance(own, dict) and set(own) == WORKER_KEYS for own in owns):
+        raise ValueError(f"{who} worker must be a dict of {', '.join(sorted(WORKER_KEYS))}, as state_dict() in a "
+                         f"DataLoader worker gives it, got {shown(owns)}")
+    rank = bounded_int(owns[0]["rank"], "rank", who, 0, MAX_WORLD_SIZE - 1)
+    if any((own["rank"], own["worker"], own["workers"], own["start"]) != (rank, w, workers, owns[0]["start"])
+           for w, own in enumerate(owns)):
+        raise ValueError(f"readers.for_workers: the {workers} MixStream worker states are not workers 0 to "
+                         f"{workers - 1} of {workers} of one rank's pass (got {shown(owns)}): not a "
+                         "StatefulDataLoader's")
+    firsts = [bounded_int(own["first"], "first", who, 0, MOST) for own in owns]
+    low = min(firsts)
+    ahead = [first > low for first in firsts]
+    if any(first not in (low, low + workers) for first in firsts) or ahead != sorted(ahead, reverse=True):
+        raise ValueError(f"readers.for_workers: the MixStream workers' next batches {firsts} are not one loader's "
+                         f"(worker w of {workers} makes batches w, w + {workers}, ...): it is damaged or was put "
+                         "together from two states")
+    names = list(owns[0]["chains"]) if isinstance(owns[0]["chains"], dict) else None
+    if names is None or not all(isinstance(own["chains"], dict) and list(own["chains"]) == names and all(
+            type(n) is int and 0 <= n <= MOST for n in own["chains"].values()) for own in owns):
+        raise ValueError(f"{who} chains must hold a count >= 0 for each stream source, the same in every worker, "
+                         f"got {shown([own['chains'] for own in owns])}")
+    return {**copy.deepcopy(shared), "pooled": {"rank": rank, "workers": workers, "batches": low + sum(ahead),
+                                               "chains": {name: [own["chains"][name] for own in owns]
+                                                          for name in names}}}
+
+
+def pooled_state(mix, state: dict) -> tuple[dict, dict]:
+    """(a loader state, the pool) of a pooled state (pooled_workers'), for SavedState: the
+    saving rank's pass at the batches it had handed out."""
+    pool = state["pooled"]
+    who = "MixStream.load_state_dict: the pooled"
+    if not isinstance(pool, dict) or set(pool) != POOL_KEYS:
+        raise ValueError(f"MixStream.load_state_dict: pooled must be a dict of {', '.join(sorted(POOL_KEYS))}, as "
+                         f"readers.for_workers gives it, got {shown(pool)}")
+    workers = bounded_int(pool["workers"], "workers", who, 1, MAX_WORKERS)
+    batches = bounded_int(pool["batches"], "batches", who, 0, MOST)
+    anchor = state.get("anchor")
+    ours = isinstance(anchor, dict) and anchor.get("epoch") == state.get("epoch")
+    skipped = bounded_int(anchor.get("skipped"), "skipped", "MixStream.load_state_dict: the anchor's", 0, MOST) \
+        if ours else 0
+    loader = {key: value for key, value in state.items() if key != "pooled"}
+    loader.update(workers=workers, position={"workers": workers, "batches": skipped + batches,
+                                             "batch_size": state.get("batch_size"),
+                                             "drop_last": state.get("drop_last")})
+    return loader, pool
+
+
+def with_pooled_rows(chains: dict, pool: dict, world_size: int) -> dict:
+    """The saved chains with the pooling rank's rows its workers' own counts. The other ranks'
+    are worked out from the anchor, as the pooling rank's are: where those differ (its run
+    resumed from workers' own states), only a one-rank run's chains are all known."""
+    rank = bounded_int(pool["rank"], "rank", "MixStream.load_state_dict: the pooled", 0, world_size - 1)
+    if list(pool["chains"]) != list(chains) or not all(
+            isinstance(row, list) and len(row) == len(chains[name][rank]) and
+            all(type(n) is int and 0 <= n <= MOST for n in row) for name, row in pool["chains"].items()):
+        raise ValueError(f"MixStream.load_state_dict: the pooled chains must hold a count >= 0 per worker for each "
+                         f"stream source ({', '.join(chains)}), got {shown(pool['chains'])}")
+    if world_size > 1 and any(pool["chains"][name] != chains[name][rank] for name in chains):
+        raise ValueError(f"Mix: this rank's workers' chains are not where its pass began says (its run was resumed "
+                         f"from its workers' own states), so the other {world_size - 1} rank(s)' cannot be worked "
+                         "out from one rank's state: resume with the ranks and workers that saved it, or run "
+                         "through readers.make_loader's loader, whose state holds every rank's")
+    return {name: [pool["chains"][name] if r == rank else row for r, row in enumerate(rows)]
+            for name, rows in chains.items()}

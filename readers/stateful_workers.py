@@ -13,7 +13,10 @@ count once a pass is resumed, so only these need rewriting:
 - WDSDataset's worker states each hold one stream's count of samples yielded to batches
   handed out; together they are the rank's position, so they are pooled here into one
   pass of the stream's history (readers.wds_elastic), and every new worker starts its
-  stream of the rest of the epoch, dealt anew, at 0.
+  stream of the rest of the epoch, dealt anew, at 0;
+- a stream mixture's (readers.Mix over a WDSDataset) worker states each hold one worker's
+  next batch and its chains' counts: they are pooled into one state for every new worker,
+  whose mixture folds the chains into each stream's base (readers._mix_stream_state).
 
 The layout is torchdata's private detail: it is checked key by key, against the torchdata
 release it was read from, and anything else is refused.
@@ -25,6 +28,7 @@ import importlib.metadata
 
 import torch
 
+from ._mix_stream_state import pooled_workers
 from ._state_limits import MAX_WORKERS, MAX_WORLD_SIZE, bounded_int, check_shape, shown
 from ._wds_resume import checked_position
 from .wds_elastic import appended, checked_history
@@ -46,7 +50,7 @@ VALUE_TYPES = {  # the types torchdata 0.11 saves under each key it owns: any ot
 FRESH_FETCHER = {"dataset_iter_state": None, "fetcher_ended": False}  # an iterable dataset's, not yet ended
 
 
-def for_workers(state: dict, num_workers: int) -> dict:
+def for_workers(state: dict, num_workers: int, dataset=None) -> dict:
     """The StatefulDataLoader state `state` (saved with any number of workers, 0 included)
     rewritten so that a StatefulDataLoader with `num_workers` workers loads it and resumes
     the same epoch exactly: for packer's samplers and WDSDataset's stream, on these ranks
@@ -54,7 +58,10 @@ def for_workers(state: dict, num_workers: int) -> dict:
 
     Raises ValueError for a state that is not a StatefulDataLoader's, of a layout other
     than torchdata 0.11's, saved between snapshots (snapshot_every_n_steps above 1), or
-    over an IterableDataset other than WDSDataset."""
+    over an IterableDataset other than WDSDataset or a stream mixture. A stream mixture's
+    (readers.Mix over a WDSDataset) needs `dataset`, the mixture the loader reads, where
+    the loader has workers: the mixture loads the pooled state here too, so that the
+    workers of its later epochs, started from it, go on from the same fold."""
     bounded_int(num_workers, "num_workers", "readers.for_workers", 0, MAX_WORKERS)
     check_torchdata()
     check_shape(state, "readers.for_workers")
@@ -67,6 +74,8 @@ def for_workers(state: dict, num_workers: int) -> dict:
                          "other workers would skip batches of another deal: save it at a snapshot (keep the "
                          "default snapshot_every_n_steps=1), or resume with the workers it was saved with")
     workers = new_worker_states(saved["datasets"], saved["fetchers"], max(1, num_workers))
+    if isinstance(workers[0][1], dict) and "pooled" in workers[0][1]:
+        hold_fold(dataset, workers[0][1], num_workers)
     main = copy.deepcopy(saved["main"])
     base_seed = main.pop("_base_seed", None)  # a worker loader's; the flat form has none
     if num_workers == 0:
@@ -82,6 +91,21 @@ def for_workers(state: dict, num_workers: int) -> dict:
                                                                 "dataset_state": dataset}
                                                 for i, (fetcher, dataset) in enumerate(workers)}},
             "_steps_since_snapshot": 0, "_iterator_finished": saved["finished"]}
+
+
+def hold_fold(dataset, pooled: dict, num_workers: int) -> None:
+    """Load a stream mixture's pooled state into the loader's mixture: a DataLoader starts
+    each epoch's workers from it, and only its state says where the fold left each stream."""
+    if dataset is None:
+        if num_workers == 0:
+            return  # the loader loads it into the mixture itself
+        raise ValueError("readers.for_workers: this is a stream mixture's state (readers.Mix over a WDSDataset), "
+                         "whose later epochs' workers start from the mixture the loader reads: pass it, "
+                         "for_workers(state, num_workers, dataset=mix), so it goes on from where the state stopped")
+    if type(dataset).__name__ != "MixStream":
+        raise ValueError(f"readers.for_workers: dataset must be the stream mixture the state was saved over (a "
+                         f"readers.Mix with a WDSDataset source), got {type(dataset).__name__}")
+    dataset.load_state_dict(copy.deepcopy(pooled))
 
 
 def check_torchdata() -> None:
@@ -166,11 +190,16 @@ def new_worker_states(datasets: list, fetchers: list, workers: int) -> list[tupl
             raise ValueError("readers.for_workers: the workers saved different states of their map-style dataset, "
                              "so no one state stands for all of them: resume with the workers it was saved with")
         return [(None, copy.deepcopy(datasets[0])) for _ in range(workers)]
-    if not all(isinstance(d, dict) and d.get("kind") == "WDSDataset" for d in datasets) \
+    kinds = {d.get("kind") if isinstance(d, dict) else None for d in datasets}
+    if len(kinds) != 1 or kinds - {"WDSDataset", "MixStream"} \
             or not all(isinstance(f, dict) and set(f) == set(FRESH_FETCHER) for f in fetchers):
-        raise ValueError("readers.for_workers: the state is of an IterableDataset other than readers.WDSDataset, "
+        raise ValueError("readers.for_workers: the state is of an IterableDataset other than readers.WDSDataset "
+                         "or a readers.Mix with a stream, "
                          "whose workers' states cannot be pooled into other workers' here: resume it with the "
                          "workers it was saved with")
+    if kinds == {"MixStream"}:  # every new worker folds the rank's workers' chains (readers._mix_stream_state)
+        pooled = pooled_workers(datasets)
+        return [(dict(FRESH_FETCHER), copy.deepcopy(pooled)) for _ in range(workers)]
     return [(dict(FRESH_FETCHER), dataset) for dataset in stream_states(datasets, workers)]
 
 

@@ -210,6 +210,32 @@ def test_torchdata_resumes_a_stream_mixture_exactly_from_each_workers_own_state(
         worker_state.load_state_dict(own)
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(packs):
+    loader, mix = stateful(packs, 2)
+    expected = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        expected.append(split(list(loader), packs))
+    mix.set_epoch(0)
+    batches = iter(loader)
+    head = [next(batches) for _ in range(3)]  # inside a round of the 2 workers' batches
+    state = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    for workers in (0, 1, 3):
+        loader, mix = stateful(packs, workers)
+        loader.load_state_dict(readers.for_workers(state, workers, mix))
+        mix.set_epoch(0)
+        first = split(head + list(loader), packs)
+        mix.set_epoch(1)
+        second = split(list(loader), packs)
+        for (lmdb, web), (lmdb_then, web_then) in zip((first, second), expected):
+            assert sorted(lmdb) == sorted(lmdb_then), f"{workers} workers: the map-style source's draws of the epoch"
+            assert len(web) == len(web_then), f"{workers} workers: the stream's draws of the epoch"
+        web = first[1] + second[1]
+        assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
+
+
 def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs):
     class Numbers(tud.IterableDataset):
         def __iter__(self):
