@@ -54,7 +54,8 @@ def for_workers(state: dict, num_workers: int, dataset=None) -> dict:
     """The StatefulDataLoader state `state` (saved with any number of workers, 0 included)
     rewritten so that a StatefulDataLoader with `num_workers` workers loads it and resumes
     the same epoch exactly: for packer's samplers and WDSDataset's stream, on these ranks
-    or others (docs/resume.md). The same worker count returns `state` itself.
+    or others (docs/resume.md). The same worker count returns `state` itself, but for a
+    stream mixture's on another rank or world size.
 
     Raises ValueError for a state that is not a StatefulDataLoader's, of a layout other
     than torchdata 0.11's, saved between snapshots (snapshot_every_n_steps above 1), or
@@ -66,7 +67,7 @@ def for_workers(state: dict, num_workers: int, dataset=None) -> dict:
     check_torchdata()
     check_shape(state, "readers.for_workers")
     saved = parts(state)
-    if saved["workers"] == num_workers:
+    if saved["workers"] == num_workers and not other_ranks(saved["datasets"][0], dataset):
         return state
     if saved["steps_since"]:
         raise ValueError(f"readers.for_workers: the state was saved {saved['steps_since']} batch(es) after "
@@ -91,6 +92,15 @@ def for_workers(state: dict, num_workers: int, dataset=None) -> dict:
                                                                 "dataset_state": dataset}
                                                 for i, (fetcher, dataset) in enumerate(workers)}},
             "_steps_since_snapshot": 0, "_iterator_finished": saved["finished"]}
+
+
+def other_ranks(saved_dataset, dataset) -> bool:
+    """Whether a stream mixture's worker state goes to a mixture on another rank or world
+    size: it is pooled then, as for other workers (a worker's own state resumes only where
+    it was saved)."""
+    own = saved_dataset.get("worker") if isinstance(saved_dataset, dict) else None
+    return (type(dataset).__name__ == "MixStream" and isinstance(own, dict)
+            and (own.get("rank"), saved_dataset.get("world_size")) != dataset.world())
 
 
 def hold_fold(dataset, pooled: dict, num_workers: int) -> None:

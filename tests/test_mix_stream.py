@@ -236,6 +236,32 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
         assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_torchdata_states_of_2_ranks_resume_on_1_rank_through_for_workers(packs, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    heads, whole = [], []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        loader, mix = stateful(packs, 2)
+        mix.set_epoch(0)
+        whole.append(split(list(loader), packs))
+        batches = iter(loader)
+        heads.append([next(batches) for _ in range(3)])
+        state = json.loads(json.dumps(loader.state_dict()))
+        del batches
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for workers in (2, 3):  # the workers it was saved with, and others
+        loader, mix = stateful(packs, workers)
+        loader.load_state_dict(readers.for_workers(state, workers, mix))  # the last rank's state
+        mix.set_epoch(0)
+        lmdb, web = split(heads[0] + heads[1] + list(loader), packs)
+        assert sorted(lmdb) == sorted(whole[0][0] + whole[1][0]), f"{workers} workers: the map-style draws"
+        assert len(web) == len(whole[0][1] + whole[1][1]) == len(set(web)), f"{workers} workers: the stream"
+    with pytest.raises(ValueError, match=r"for_workers\(state, num_workers, dataset=mix\)"):
+        readers.for_workers(state, 3)
+
+
 def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs):
     class Numbers(tud.IterableDataset):
         def __iter__(self):
