@@ -3,7 +3,8 @@ workers through make_loader and a plain DataLoader; each source's share of every
 map-style sample once per pass and no stream sample twice before its stream's epoch is read;
 the same batches after a resume on the ranks and workers that saved it (the map-style
 sources' exactly, and each stream going on where it stopped), through thread workers and
-torchdata's StatefulDataLoader too; a state resumed on other workers and saved again; and
+torchdata's StatefulDataLoader too, whose workers' states readers.for_workers pools for other
+workers and ranks; a state resumed on other workers and saved again; and
 clear refusals of a foreign or damaged state and of what a stream mixture does not do
 (tests/test_mix_stream_resume.py resumes on other gloo ranks).
 """
@@ -234,6 +235,20 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
             assert len(web) == len(web_then), f"{workers} workers: the stream's draws of the epoch"
         web = first[1] + second[1]
         assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
+    damaged = [("first", 7, r"next batches \[4, 7\] are not one loader's"),
+               ("chains", {"web": -1}, r"chains must hold a count >= 0 for each stream source"),
+               ("worker", 0, r"workers 0 to 1 of 2 of one rank's pass")]
+    for key, value, refusal in damaged:
+        bad = copy.deepcopy(state)
+        bad["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]["worker"][key] = value
+        with pytest.raises(ValueError, match=refusal):
+            readers.for_workers(bad, 1, mix)
+    bad = copy.deepcopy(state)
+    bad["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]["epoch"] = 1
+    with pytest.raises(ValueError, match="differ in more than their own part"):
+        readers.for_workers(bad, 1, mix)
+    with pytest.raises(ValueError, match="dataset must be the stream mixture .* got LMDBDataset"):
+        readers.for_workers(state, 1, readers.LMDBDataset(packs / "d.lmdb", decode="raw"))
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -260,6 +275,10 @@ def test_torchdata_states_of_2_ranks_resume_on_1_rank_through_for_workers(packs,
         assert len(web) == len(whole[0][1] + whole[1][1]) == len(set(web)), f"{workers} workers: the stream"
     with pytest.raises(ValueError, match=r"for_workers\(state, num_workers, dataset=mix\)"):
         readers.for_workers(state, 3)
+    own = state["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]["worker"]
+    own["chains"]["web"] += 1  # not where the schedule from its pass's start puts it
+    with pytest.raises(ValueError, match=r"the other 1 rank\(s\)' cannot be worked out from one rank's state"):
+        readers.for_workers(state, 3, stateful(packs, 3)[1])
 
 
 def test_what_a_stream_mixture_does_not_do_is_refused_naming_the_fix(packs):
