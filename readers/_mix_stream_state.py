@@ -240,6 +240,14 @@ def pooled_workers(states: list) -> dict:
                                                           for name in names}}}
 
 
+def pooled_resume(mix, state: dict) -> dict:
+    """A pooled state (pooled_workers') as own_state gives a worker's: the saving rank's
+    chains folded into each stream's base, as a loader state's on other ranks or workers
+    are, and the pass starting where the fold says."""
+    saved = SavedState(mix, *pooled_state(mix, state))
+    return {"epoch": saved.epoch, "first": 0, "anchor": saved.folded(mix)}
+
+
 def pooled_state(mix, state: dict) -> tuple[dict, dict]:
     """(a loader state, the pool) of a pooled state (pooled_workers'), for SavedState: the
     saving rank's pass at the batches it had handed out."""

@@ -31,7 +31,7 @@ import torch.distributed
 import torch.utils.data
 
 from ._mix_chains import BASE, START, ChainEpochs, Counts, Walk
-from ._mix_stream_state import SavedState, own_state, pooled_state
+from ._mix_stream_state import SavedState, own_state, pooled_resume
 from .ranks import worker
 from .sampler import STATE_VERSION
 from .wds import WDSDataset
@@ -298,8 +298,8 @@ class MixStream(torch.utils.data.IterableDataset):
         if isinstance(state, dict) and "worker" in state:
             self.resume_worker(own_state(self, state))
             return
-        if isinstance(state, dict) and "pooled" in state:
-            self.resume_pooled(state)
+        if isinstance(state, dict) and "pooled" in state:  # readers.for_workers' pool of a rank's workers
+            self.resume_worker(pooled_resume(self, state))
             return
         saved = SavedState(self, state)
         self._counts, self._epochs, self._chains = {}, {}, {}
@@ -332,21 +332,12 @@ class MixStream(torch.utils.data.IterableDataset):
 
     def resume_worker(self, own: dict) -> None:
         """Go on from this worker's own state (own_state's: its round's first batch, its chains'
-        counts in its anchor). Its epoch is for its pass alone (the epoch is shared with the
-        main process, whose next passes run the one set there)."""
+        counts in its anchor), or its rank's workers' pooled (pooled_resume's). Its epoch is
+        for its pass alone (the epoch is shared with the main process, whose next passes run
+        the one set there)."""
         self.anchor = own["anchor"]
         self._counts, self._epochs, self._chains, self.progress = {}, {}, {}, None
         self.pass_epoch, self.pending = own["epoch"], (own["epoch"], own["first"])
-
-    def resume_pooled(self, state: dict) -> None:
-        """Go on from a rank's workers' own states pooled by readers.for_workers (for other
-        workers or ranks): their chains folded into each stream's base, as a loader state on
-        other ranks or workers is. The epoch is for this pass alone, as in resume_worker."""
-        loader, pool = pooled_state(self, state)
-        saved = SavedState(self, loader, pool)
-        self._counts, self._epochs, self._chains, self.progress = {}, {}, {}, None
-        self.anchor = saved.folded(self)
-        self.pass_epoch, self.pending = saved.epoch, (saved.epoch, 0)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
