@@ -3,8 +3,10 @@ a state saved on 2 ranks x 2 DataLoader workers resumes on 3 gloo ranks x 1 work
 batch, mid-way, in the last batch and at the end, with the weights it was saved with and with
 others; every sample of each source is counted per epoch: the map-style source's draws go on
 along its pass, and no stream sample read before the stop comes again before all of its stream's
-epoch is read. Ranks are separate processes (tests/test_elastic.py's launcher) running this file
-as a script: `python tests/test_mix_stream_resume.py PHASE JOBFILE`.
+epoch is read; and torchdata's StatefulDataLoader state of the 2 x 2 ranks, rewritten by
+readers.for_workers, resumes on the 3 x 1 the same way. Ranks are separate processes
+(tests/test_elastic.py's launcher) running this file as a script:
+`python tests/test_mix_stream_resume.py PHASE JOBFILE`.
 """
 from __future__ import annotations
 
@@ -62,6 +64,15 @@ def lmdb_pass(root: str) -> list[int]:
     return flat(loader_of(alone, 0))
 
 
+def stateful_of(root: str, workers: int):
+    """(torchdata's StatefulDataLoader over the mixture, the mixture, told the batch size)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    mix = mixture(root)
+    mix.batching(BATCH, False)
+    return StatefulDataLoader(mix, BATCH, num_workers=workers, collate_fn=sample_ids), mix
+
+
 # Script side
 def save_side(job: dict) -> dict:
     """Epochs 0 and 1 whole, and for each stop the batches handed out before rank 0's state."""
@@ -76,7 +87,14 @@ def save_side(job: dict) -> dict:
         del batches
         if job["rank"] == 0:
             torch.save(state, Path(job["folder"]) / f"mixstream-{k}.pt")
-    return {"mix": {"full": full, "heads": heads}}
+    loader, mix = stateful_of(job["root"], job["workers"])
+    mix.set_epoch(0)
+    batches = iter(loader)
+    stateful = [next(batches) for _ in range(3)]  # inside a round of the workers' batches
+    if job["rank"] == 0:
+        torch.save(loader.state_dict(), Path(job["folder"]) / "stateful.pt")
+    del batches
+    return {"mix": {"full": full, "heads": heads, "stateful": stateful}}
 
 
 def resume_side(job: dict) -> dict:
@@ -88,6 +106,13 @@ def resume_side(job: dict) -> dict:
             loader = loader_of(mix, job["workers"])
             loader.load_state_dict(torch.load(path, weights_only=True))
             record[case][k] = [list(loader), list(loader)]
+    loader, mix = stateful_of(job["root"], job["workers"])
+    state = torch.load(Path(job["states"]) / "stateful.pt", weights_only=True)
+    loader.load_state_dict(readers.for_workers(state, job["workers"], dataset=mix))
+    record["stateful"] = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        record["stateful"].append(list(loader))
     return {"mix": record}
 
 
@@ -129,6 +154,23 @@ def test_a_stream_mixture_resumes_on_other_ranks_and_workers(rank_runs, packs):
         web = head["web"] + rest["web"] + after["web"]  # under 100: every chain is in the stream's first epoch
         assert len(web) - len(set(web)) < 3 * 2, f"{where}: a stream sample read twice (beyond the padding)"
         assert not set(head["web"]) & set(rest["web"] + after["web"]), f"{where}: read before the stop, again"
+
+
+def test_a_stream_mixtures_torchdata_state_resumes_on_other_ranks_and_workers(rank_runs, packs):
+    saved, resumed, known = rank_runs["saved"], rank_runs["resumed"], ids(packs)
+    epochs = [by_source(flat(b for r in saved for b in r["full"][e]), known) for e in range(2)]
+    head = by_source(flat(b for r in saved for b in r["stateful"]), known)
+    rests = [r["stateful"][0] for r in resumed]
+    assert len({len(b) for b in rests}) == 1, "ranks make different batch counts"
+    rest = by_source(interleaved([flat(b) for b in rests]), known)
+    after = by_source(flat(b for r in resumed for b in r["stateful"][1]), known)
+    lmdb = head["lmdb"] + rest["lmdb"]
+    assert set(lmdb) == set(epochs[0]["lmdb"]) and len(lmdb) - 70 < 3, "the epoch's lmdb draws"
+    assert set(after["lmdb"]) == set(epochs[1]["lmdb"]) and len(after["lmdb"]) - 70 < 3, "epoch 1's"
+    assert 30 <= len(head["web"]) + len(rest["web"]) < 33
+    web = head["web"] + rest["web"] + after["web"]  # under 100: every chain is in the stream's first epoch
+    assert len(web) - len(set(web)) < 3 * 2, "a stream sample read twice (beyond the padding)"
+    assert not set(head["web"]) & set(rest["web"] + after["web"]), "read before the stop, again"
 
 
 def test_a_stream_mixture_resumes_with_new_weights_on_other_ranks_and_workers(rank_runs, packs):
