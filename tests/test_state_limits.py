@@ -68,15 +68,29 @@ def elastic_stream_state(root: str) -> dict:
     return state
 
 
-def mix_loader(root: str, rank: int, world_size: int):
-    """make_loader's loader over a stream mixture (the LMDB pack and the WDS shards, 0.7/0.3)
-    on rank of world_size, without workers."""
+def stream_mixture(root: str, rank: int, world_size: int):
+    """A stream mixture (the LMDB pack and the WDS shards, 0.7/0.3) on rank of world_size."""
     root = Path(root)
     mix = Mix({"lmdb": LMDBDataset(root / "d.lmdb", decode="raw"),
                "web": WDSDataset(root / "d.wds", decode="raw", shuffle=4, seed=SEED, rank=rank,
                                  world_size=world_size)}, weights={"lmdb": 0.7, "web": 0.3}, seed=SEED, epoch_size=100)
     mix.sampler.rank, mix.sampler.world_size = rank, world_size
-    return make_loader(mix, 5, workers=0, seed=SEED, drop_last=False)
+    return mix
+
+
+def mix_loader(root: str, rank: int, world_size: int):
+    """make_loader's loader over stream_mixture, without workers."""
+    return make_loader(stream_mixture(root, rank, world_size), 5, workers=0, seed=SEED, drop_last=False)
+
+
+def mix_sdl(root: str, rank: int, world_size: int, workers: int):
+    """(a StatefulDataLoader over stream_mixture, the mixture, told the batch size)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    mix = stream_mixture(root, rank, world_size)
+    mix.batching(5, False)
+    mix.set_epoch(0)
+    return StatefulDataLoader(mix, 5, num_workers=workers), mix
 
 
 def mix_stream_state(root: str) -> dict:
@@ -227,7 +241,7 @@ def test_an_error_quotes_a_huge_value_in_a_few_hundred_characters(packs):
 # -- The fuzz: random edits of real saved states, each loaded within 1 s and 100 MB or refused.
 
 FUZZ_SECONDS, FUZZ_BYTES = 1.0, 100 << 20
-CASES_PER_SURFACE = 30  # x 3 orders x 3 ways of loading, and a stream mixture's make_loader
+CASES_PER_SURFACE = 30  # x 3 orders x 3 ways of loading, and a stream mixture's make_loader and StatefulDataLoader
 HUGE = (-1, 0, 1, 2, 2**31, 10**9, 10**12, 2**63, 2**70, -2**70, MAX_WORLD_SIZE, MAX_WORLD_SIZE + 1,
         MAX_WORKERS, MAX_WORKERS + 1, 2**32, 2**32 - 1)
 FOREIGN = ("x", None, 1.5, True, [], {}, [1, 2], "0" * 1000, float("nan"))
@@ -298,6 +312,8 @@ def fuzz_side(job: dict) -> dict:
                                                    lambda state, order=order: use_sdl(root, order, state), True)
     mixed = mix_stream_state(root)
     surfaces["stream mixture make_loader"] = (mixed, lambda state: use_mix(root, state), False)
+    surfaces["stream mixture StatefulDataLoader"] = (saved(mix_sdl(root, 0, 2, 2)[0], 3),
+                                                     lambda state: use_mix_sdl(root, state), True)
     signal.signal(signal.SIGALRM, overtime)
     cap_address_space(2 << 30)
     outcomes = []
@@ -316,6 +332,11 @@ def use_loader(root: str, order: str, state: dict):
 def use_mix(root: str, state: dict):
     loader = mix_loader(root, 0, 3)
     return lambda: (loader.load_state_dict(state), first_batch(loader))
+
+
+def use_mix_sdl(root: str, state: dict):
+    loader, mix = mix_sdl(root, 0, 3, 0)
+    return lambda: (loader.load_state_dict(for_workers(state, 0, mix)), first_batch(loader))
 
 
 def use_own(root: str, order: str, state: dict):
@@ -377,7 +398,7 @@ def test_random_edits_of_real_states_load_within_a_second_and_100_mb_or_are_refu
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     outcomes = json.loads((tmp_path / "out.json").read_text())["outcomes"]
-    assert len(outcomes) == 10 * (CASES_PER_SURFACE + 1)
+    assert len(outcomes) == 11 * (CASES_PER_SURFACE + 1)
     bad = [o for o in outcomes if o["outcome"] not in ("loaded", "refused") or o["seconds"] > FUZZ_SECONDS
            or o["grew"] > FUZZ_BYTES]
     assert not bad, "\n".join(f"{o['surface']}, {o['edit']}: {o['outcome']}, {o['seconds']:.2f} s, "
