@@ -235,6 +235,18 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
             assert len(web) == len(web_then), f"{workers} workers: the stream's draws of the epoch"
         web = first[1] + second[1]
         assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
+    loader, mix = stateful(packs, 3)  # saved again inside a round of 3 workers after a resume, then on 1
+    loader.load_state_dict(readers.for_workers(state, 3, mix))
+    mix.set_epoch(0)
+    batches = iter(loader)
+    middle = [next(batches) for _ in range(2)]
+    again = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    loader, mix = stateful(packs, 1)
+    loader.load_state_dict(readers.for_workers(again, 1, mix))
+    mix.set_epoch(0)
+    lmdb, web = split(head + middle + list(loader), packs)
+    assert sorted(lmdb) == sorted(expected[0][0]) and len(web) == len(set(web)) == len(expected[0][1])
     damaged = [("first", 7, r"next batches \[4, 7\] are not one loader's"),
                ("chains", {"web": -1}, r"chains must hold a count >= 0 for each stream source"),
                ("worker", 0, r"workers 0 to 1 of 2 of one rank's pass")]
