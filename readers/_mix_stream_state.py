@@ -178,8 +178,9 @@ def own_state(mix, state: dict) -> dict:
         raise ValueError(f"Mix: this state is DataLoader worker {saved[2]} of {saved[3]}'s on rank {saved[0]} of "
                          f"{shown(saved[1])}, loaded in worker {worker_id} of {workers} on rank {rank} of {world_size}: "
                          "a worker's own state (torchdata's StatefulDataLoader) resumes on the ranks and workers that "
-                         "saved it; for others, resume through readers.make_loader's loader (its state holds the "
-                         "rank's batches)")
+                         "saved it; for others, load the loader's whole state rewritten by "
+                         "readers.for_workers(state, num_workers, dataset=mix), or resume through "
+                         "readers.make_loader's loader")
     names = [mix.names[s] for s in mix.streams]
     chains = own["chains"]
     if not isinstance(chains, dict) or list(chains) != names or not all(

@@ -235,6 +235,19 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
             assert len(web) == len(web_then), f"{workers} workers: the stream's draws of the epoch"
         web = first[1] + second[1]
         assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
+    loader, mix = stateful(packs, 2)  # saved after the epoch's last batch, resumed on 3: the next epoch's
+    mix.set_epoch(0)
+    batches = iter(loader)
+    whole = [next(batches) for _ in range(EPOCH // BATCH)]
+    ended = json.loads(json.dumps(loader.state_dict()))
+    del batches
+    loader, mix = stateful(packs, 3)
+    loader.load_state_dict(readers.for_workers(ended, 3, mix))
+    mix.set_epoch(0)
+    assert list(loader) == [], "the epoch was over"
+    mix.set_epoch(1)
+    lmdb, web = split(list(loader), packs)
+    assert sorted(lmdb) == sorted(expected[1][0]) and not set(web) & set(split(whole, packs)[1])
     loader, mix = stateful(packs, 3)  # saved again inside a round of 3 workers after a resume, then on 1
     loader.load_state_dict(readers.for_workers(state, 3, mix))
     mix.set_epoch(0)
