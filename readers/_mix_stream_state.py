@@ -6,7 +6,10 @@ map-style schedule's elastic or reweighted resume (readers.mix.MixSampler.load_s
 
 The state (MixStream.state_dict, with make_loader's loader's position): the mixture's
 settings, "streams" (each stream source's settings), "world_size", "workers" (the loader's),
-"segment" (the schedule's, as MixSampler's), "anchor", "epoch", "position".
+"segment" (the schedule's, as MixSampler's), "anchor", "epoch", "position". In a DataLoader
+worker (torchdata's StatefulDataLoader), each worker's own: "worker" (own_state) in place
+of the position, which resumes exactly; readers.for_workers pools a rank's workers' into
+"pooled" (pooled_workers), which resumes folded, as a loader state on other ranks does.
 """
 from __future__ import annotations
 
