@@ -211,18 +211,34 @@ def test_torchdata_resumes_a_stream_mixture_exactly_from_each_workers_own_state(
         worker_state.load_state_dict(own)
 
 
-@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(packs):
-    loader, mix = stateful(packs, 2)
-    expected = []
-    for epoch in range(2):
-        mix.set_epoch(epoch)
-        expected.append(split(list(loader), packs))
+def stopped(packs: Path, workers: int, take: int, state=None) -> tuple[list, dict]:
+    """(the batches handed out, the StatefulDataLoader state there, through JSON) of a loader
+    over the mixture with `workers`, `take` batches into epoch 0 (from `state`, for_workers'd)."""
+    loader, mix = stateful(packs, workers)
+    if state is not None:
+        loader.load_state_dict(readers.for_workers(state, workers, mix))
     mix.set_epoch(0)
     batches = iter(loader)
-    head = [next(batches) for _ in range(3)]  # inside a round of the 2 workers' batches
+    head = [next(batches) for _ in range(take)]
     state = json.loads(json.dumps(loader.state_dict()))
     del batches
+    return head, state
+
+
+def uninterrupted(packs: Path) -> list[tuple[list[int], list[int]]]:
+    """Epochs 0 and 1 on 2 workers, split by source."""
+    loader, mix = stateful(packs, 2)
+    out = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        out.append(split(list(loader), packs))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_torchdata_state_of_2_workers_resumes_on_0_1_and_3_through_for_workers(packs):
+    expected = uninterrupted(packs)
+    head, state = stopped(packs, 2, 3)  # inside a round of the 2 workers' batches
     for workers in (0, 1, 3):
         loader, mix = stateful(packs, workers)
         loader.load_state_dict(readers.for_workers(state, workers, mix))
@@ -235,12 +251,12 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
             assert len(web) == len(web_then), f"{workers} workers: the stream's draws of the epoch"
         web = first[1] + second[1]
         assert len(web) == len(set(web)), f"{workers} workers: a stream sample twice before its epoch is read"
-    loader, mix = stateful(packs, 2)  # saved after the epoch's last batch, resumed on 3: the next epoch's
-    mix.set_epoch(0)
-    batches = iter(loader)
-    whole = [next(batches) for _ in range(EPOCH // BATCH)]
-    ended = json.loads(json.dumps(loader.state_dict()))
-    del batches
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_pooled_state_saved_again_or_at_the_epochs_end_resumes_through_for_workers(packs):
+    expected = uninterrupted(packs)
+    whole, ended = stopped(packs, 2, EPOCH // BATCH)  # after the epoch's last batch: the next epoch's start
     loader, mix = stateful(packs, 3)
     loader.load_state_dict(readers.for_workers(ended, 3, mix))
     mix.set_epoch(0)
@@ -248,18 +264,18 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
     mix.set_epoch(1)
     lmdb, web = split(list(loader), packs)
     assert sorted(lmdb) == sorted(expected[1][0]) and not set(web) & set(split(whole, packs)[1])
-    loader, mix = stateful(packs, 3)  # saved again inside a round of 3 workers after a resume, then on 1
-    loader.load_state_dict(readers.for_workers(state, 3, mix))
-    mix.set_epoch(0)
-    batches = iter(loader)
-    middle = [next(batches) for _ in range(2)]
-    again = json.loads(json.dumps(loader.state_dict()))
-    del batches
+    head, state = stopped(packs, 2, 3)
+    middle, again = stopped(packs, 3, 2, state)  # inside a round of 3 workers after a resume, then on 1
     loader, mix = stateful(packs, 1)
     loader.load_state_dict(readers.for_workers(again, 1, mix))
     mix.set_epoch(0)
     lmdb, web = split(head + middle + list(loader), packs)
     assert sorted(lmdb) == sorted(expected[0][0]) and len(web) == len(set(web)) == len(expected[0][1])
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_for_workers_refuses_a_damaged_stream_mixture_state_naming_what(packs):
+    state, mix = stopped(packs, 2, 3)[1], stateful(packs, 1)[1]
     damaged = [("first", 7, r"next batches \[4, 7\] are not one loader's"),
                ("chains", {"web": -1}, r"chains must hold a count >= 0 for each stream source"),
                ("worker", 0, r"workers 0 to 1 of 2 of one rank's pass")]
@@ -274,6 +290,8 @@ def test_torchdata_state_of_2_workers_resumes_on_1_and_3_through_for_workers(pac
         readers.for_workers(bad, 1, mix)
     with pytest.raises(ValueError, match="dataset must be the stream mixture .* got LMDBDataset"):
         readers.for_workers(state, 1, readers.LMDBDataset(packs / "d.lmdb", decode="raw"))
+    with pytest.raises(ValueError, match=r"for_workers\(state, num_workers, dataset=mix\)"):
+        readers.for_workers(state, 3)
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -298,8 +316,6 @@ def test_torchdata_states_of_2_ranks_resume_on_1_rank_through_for_workers(packs,
         lmdb, web = split(heads[0] + heads[1] + list(loader), packs)
         assert sorted(lmdb) == sorted(whole[0][0] + whole[1][0]), f"{workers} workers: the map-style draws"
         assert len(web) == len(whole[0][1] + whole[1][1]) == len(set(web)), f"{workers} workers: the stream"
-    with pytest.raises(ValueError, match=r"for_workers\(state, num_workers, dataset=mix\)"):
-        readers.for_workers(state, 3)
     own = state["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]["worker"]
     own["chains"]["web"] += 1  # not where the schedule from its pass's start puts it
     with pytest.raises(ValueError, match=r"the other 1 rank\(s\)' cannot be worked out from one rank's state"):
