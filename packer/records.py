@@ -107,7 +107,29 @@ def decode_path(raw: bytes) -> str:
     return raw.decode("utf-8", PATH_ENCODING_ERRORS)
 
 
-class PathTable:
+class PathSequence:
+    """Paths by index from a subclass's len() and raw(i) (path i's bytes): indexing (negative
+    from the end, out of range an IndexError) and iteration, shared by the table held in
+    memory (PathTable) and the one read through stored offsets (formats._index_tables)."""
+
+    __slots__ = ()
+
+    def raw(self, i: int) -> bytes:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> str:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"path index {i} out of range for {n} paths")
+        return decode_path(self.raw(i))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+class PathTable(PathSequence):
     """An immutable list of strings held as one byte blob plus offsets.
 
     A list of a million Python strings is touched by refcounting on every access, so a
@@ -192,19 +214,8 @@ class PathTable:
             kept = kept[:-1]  # the NUL after the last kept path
         return PathTable(kept, path_offsets(kept, 0, len(kept)))
 
-    def __getitem__(self, i: int) -> str:
-        n = len(self.offsets) - 1
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"path index {i} out of range for {n} paths")
-        return decode_path(self.raw(i))
-
     def __len__(self) -> int:
         return len(self.offsets) - 1
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
     def __reduce__(self):
         # A mapped table pickles as its bytes (a map cannot be pickled), already checked.

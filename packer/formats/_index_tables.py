@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CorruptDataError
-from ..records import PathTable, decode_path, path_offsets
+from ..records import PathSequence, PathTable, path_offsets
 from ._tables import DAMAGED, SPILL_BLOCK, BlockChecks, array_chunks, blocks, check_count, drop_pages, drop_part
 
 OFFSET = np.dtype("<u8")  # a path_offsets entry
@@ -105,7 +105,7 @@ def offsets_of(found: tuple, where: str, path: str) -> np.ndarray:
     return np.frombuffer(buffer, OFFSET, length // OFFSET.itemsize, start)
 
 
-class PathIndex:
+class PathIndex(PathSequence):
     """The path table read through its stored offsets, both mapped: path i without scanning the
     table for NULs or holding an offset per path. Each block of READ_BLOCK paths is checked on
     its first use: its offsets must be where the table's NULs are, and each path safe."""
@@ -135,19 +135,8 @@ class PathIndex:
         self.checks.ensure(i)
         return self.data[self.start + self.offsets.item(i):self.start + self.offsets.item(i + 1) - 1]
 
-    def __getitem__(self, i: int) -> str:
-        count = self.checks.count
-        if i < 0:
-            i += count
-        if not 0 <= i < count:
-            raise IndexError(f"path index {i} out of range for {count} paths")
-        return decode_path(self.raw(i))
-
     def __len__(self) -> int:
         return self.checks.count
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
     def __reduce__(self):
         # A map cannot be pickled: a PathIndex pickles as the whole table's bytes (a PathTable).
