@@ -83,6 +83,13 @@ def one(packed: str, kind: str, workers: int, batch: int) -> dict:
     return {"kind": kind, **{m: marks.get(m) for m in MARKS}}
 
 
+def median_ms(marks: list) -> str:
+    """The median of the runs that made the mark; "–" where none did (threads-inline starts
+    no loader process)."""
+    made = [m for m in marks if m is not None]
+    return f"{statistics.median(made):.0f}" if made else "–"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("packed")
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"| kind | {' | '.join(MARKS)} |\n|---|{'---:|' * len(MARKS)}")
     for kind, runs in rounds.items():
-        print(f"| {kind} | " + " | ".join(f"{statistics.median(r[m] for r in runs):.0f}" for m in MARKS) + " |")
+        print(f"| {kind} | " + " | ".join(median_ms([r[m] for r in runs]) for m in MARKS) + " |")
     return 0
 
 
