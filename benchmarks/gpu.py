@@ -20,10 +20,10 @@ order (`--steps` picks some; `corpus` runs whenever a later step needs it):
   pack     pack_profile.py: pack LMDB and WDS on every core against `tar cf`, cold, with the
            CPU each process used and a cProfile of the packing process (pack-profile.txt)
   suite    `python -m benchmarks run --device cuda` on the corpus, sized to the time left
-  scaling  scaling.py: e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the
-           per-core decode + crop rate, and against as many lone processes at once
   threads  thread_workers.py: 16 threads (in one background process, and in the trainer)
            against 16 worker processes, decode + RandomResizedCrop(224)
+  scaling  scaling.py: e2e warm (no step) with 1, 2, 4, 8, 16 workers over workers x the
+           per-core decode + crop rate, and against as many lone processes at once
 
 This module is the orchestration: each step is timed, logged and recorded whatever happens
 to it: a failed step records its error and the next one runs. `--time-budget` (seconds for
@@ -52,9 +52,9 @@ from . import machine, transfer
 from .suites import cuda_tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The suite before scaling: a suite stopped by the time limit loses its whole JSON, while
-# scaling saves each row as it goes, so it takes what is left.
-STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "pack", "suite", "scaling", "threads")
+# The suite and threads before scaling: a study stopped by the time limit loses its whole JSON,
+# while scaling saves each row as it goes, so it takes what is left.
+STEPS = ("env", "tests", "corpus", "feed", "nvjpeg", "handover", "disk", "pack", "suite", "threads", "scaling")
 NEEDS_CORPUS = ("feed", "nvjpeg", "disk", "pack", "scaling", "suite", "threads")
 # About how long each step needs at least, in seconds, on the GPU machine (--quick: a fifth).
 MIN_SECONDS = {"env": 5, "tests": 60, "corpus": 60, "feed": 90, "nvjpeg": 45, "handover": 60, "disk": 40,
@@ -339,8 +339,8 @@ def step_pack(run: Run, args, ctx: dict, summary: dict) -> None:
 def step_threads(run: Run, args, ctx: dict, summary: dict) -> None:
     """16 thread workers against 16 worker processes (benchmarks/suites/thread_workers.py)."""
     study_step(run, args, summary, "threads", "thread_workers.py", [
-        ctx["lmdb"], "--workers", "16", "--batch", "256", "--batches", "8" if args.quick else "30",
-        "--repeats", "1" if args.quick else "3"])
+        ctx["lmdb"], "--workers", "16", "--batch", "16" if args.quick else "256",
+        "--batches", "8" if args.quick else "30", "--repeats", "1" if args.quick else "3"])
 
 
 def study_step(run: Run, args, summary: dict, step: str, script: str, script_args: list) -> None:
@@ -400,7 +400,7 @@ def write_summary(run: Run, summary: dict) -> None:
     for name, s in run.results["steps"].items():
         note = s.get("error") or s.get("reason") or s.get("note") or ""
         parts.append(f"| {name} | {s.get('status')} | {s.get('seconds', '')} | {note} |")
-    for name in ("feed", "nvjpeg", "handover", "scaling", "disk", "pack", "suite"):
+    for name in STEPS:
         if name in summary:
             parts += ["", f"## {name}", "", summary[name]]
     with open(os.path.join(run.out, "summary.md"), "w") as f:

@@ -167,7 +167,8 @@ def test_prepare_carries_the_photos_and_tool_and_prints_the_run_calls(repo, tmp_
 
 def test_the_one_device_command_fits_nine_minutes_and_measures_every_open_item():
     """Issue 40: one prepared command of at most 540 s, setup included, measuring GPU decode and
-    the hybrid split (nvjpeg), scaling, pack against tar cf, and the feed at the frontier."""
+    the hybrid split (nvjpeg), scaling, pack against tar cf, the feed at the frontier, and 16
+    thread workers against 16 worker processes."""
     (command,) = transfer.COMMANDS
     assert command.startswith(transfer.SETUP)
     argv = command[len(transfer.SETUP):].split()
@@ -176,7 +177,7 @@ def test_the_one_device_command_fits_nine_minutes_and_measures_every_open_item()
     gpu.add_arguments(parser)
     args = parser.parse_args([a.replace("$OUT", "/out") for a in argv[4:]])
     assert args.time_budget + 25 <= 540  # the wheels' install and start-up take well under 25 s
-    assert {"nvjpeg", "scaling", "pack", "feed"} <= set(args.steps)
+    assert {"nvjpeg", "scaling", "pack", "feed", "threads"} <= set(args.steps)
     assert args.feed_model == "resnet18" and "make_loader_hybrid" in args.feed_cases
     assert all(gpu.MIN_SECONDS[s] for s in args.steps)
 
@@ -313,3 +314,13 @@ def test_the_corpus_and_scaling_steps_run_alone_as_suites(tmp_path):
 def test_the_gpu_decode_suite_without_cuda_says_so(tmp_path):
     proc = run_suite("gpu_decode.py", str(tmp_path / "absent.lmdb"))
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_summary_holds_every_steps_table_in_the_steps_order(tmp_path):
+    run = gpu.Run(str(tmp_path / "out"), 60, ["--steps", "threads,scaling"])
+    tables = {step: f"TABLE OF {step}" for step in gpu.STEPS}
+    gpu.write_summary(run, dict(reversed(list(tables.items()))))
+    text = (tmp_path / "out" / "summary.md").read_text()
+    places = [text.index(f"## {step}\n\nTABLE OF {step}") for step in gpu.STEPS]
+    assert places == sorted(places)
+

@@ -273,6 +273,16 @@ def test_the_benchmark_suite_measures_every_kind(packs, tmp_path, capsys):
     assert "| threads-inline |" in capsys.readouterr().out
 
 
+def test_the_benchmark_suite_refuses_a_pack_too_small_for_its_run_naming_what_it_needs(packs, capsys):
+    from benchmarks.suites import thread_workers
+
+    size = len(readers.LMDBDataset(Path(packs) / "d.lmdb"))
+    with pytest.raises(SystemExit) as exited:
+        thread_workers.main([str(Path(packs) / "d.lmdb"), "--batch", str(size), "--batches", "1"])
+    assert exited.value.code == 2
+    assert f"{size} samples, and a run takes 1 + 1 batches of {size} = {2 * size} in one pass" in capsys.readouterr().err
+
+
 def run_script(*args, timeout: int = 180) -> None:
     done = subprocess.run([sys.executable, __file__, *map(str, args)], capture_output=True, text=True,
                           cwd=HERE.parent, timeout=timeout)

@@ -234,6 +234,18 @@ def profile(packed: str, batch: int, batches: int, path: str) -> None:
     Path(path).write_text(out.getvalue())
 
 
+def too_few_samples(packed: str, batch: int, batches: int) -> str | None:
+    """Why the pack cannot give a run its first batch and --batches more in one pass (whole
+    batches: make_loader drops the last short one), or None."""
+    from readers import LMDBDataset
+
+    have, need = len(LMDBDataset(packed, decode="raw")), (batches + 1) * batch
+    if have >= need:
+        return None
+    return (f"{packed}: {have} samples, and a run takes {batches} + 1 batches of {batch} = {need} in one pass; "
+            f"pass a smaller --batch or --batches, or a larger pack")
+
+
 def run(packed: str, kind: str, args) -> dict:
     cmd = [sys.executable, __file__, packed, "--one", kind, "--workers", str(args.workers), "--batch",
            str(args.batch), "--batches", str(args.batches)]
@@ -268,6 +280,9 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(one(args.packed, args.one, args.workers, args.batch, args.batches)))
         return 0
+    short = too_few_samples(args.packed, args.batch, args.batches)
+    if short:
+        p.error(short)
     if args.profile:
         profile(args.packed, args.batch, args.batches, args.profile)
     kinds = args.kinds.split(",")
