@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -23,11 +24,16 @@ from packer.parts import run_part
 
 from test_parts import leftovers, same_bytes, same_dataset, single_pack
 
-distributed = pytest.importorskip("distributed", reason="the Dask tests need packer[dask] (in the test extra)")
+# Found, not imported: importing distributed takes a second, paid by every pytest process
+# that collects this file; only the one that runs it imports it (the fixtures).
+if importlib.util.find_spec("distributed") is None:
+    pytest.skip("the Dask tests need packer[dask] (in the test extra)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    import distributed
+
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                                   silence_logs=40) as local:
         yield local
@@ -47,6 +53,8 @@ def allowed_failures(cluster):
 
 @pytest.fixture
 def client(cluster):
+    import distributed
+
     with distributed.Client(cluster) as found:
         found.wait_for_workers(2, timeout=60)
         yield found
