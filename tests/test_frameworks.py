@@ -30,7 +30,9 @@ import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from packer.cores import available_cores  # noqa: E402
 
-if __name__ != "__main__":  # collected: the tests need both frameworks (an Accelerate rank imports no Lightning)
+# Collected: the tests need both frameworks. Run as the launch script, or imported again by the
+# workers it spawns (__mp_main__), it imports only the one it runs (an Accelerate rank imports no Lightning).
+if __name__ not in ("__main__", "__mp_main__"):
     pytest.importorskip("lightning")
     pytest.importorskip("accelerate")
 import torch  # noqa: E402
@@ -137,8 +139,14 @@ def lightning_run(job: dict) -> None:
     trainer.fit(recorder(job), ckpt_path=job.get("resume"))
 
 
+# The exceptions of refused prepare() calls, kept until the process exits: collected, the torchdata
+# loader a refusal leaves behind would wait 5 s on each of its workers, which are never told to stop
+# (torchdata 0.11.0); at the exit, torch skips that wait and the workers are ended.
+REFUSALS: list[ValueError] = []
+
+
 def accelerate_run(job: dict) -> None:
-    """One rank of 2 under torchrun: prepare() the loader, train EPOCHS epochs (from a
+    """One rank of 2 under torchrun, or a process alone: prepare() the loader, train EPOCHS epochs (from a
     saved state, if the job says), save the state after job["save_at"] = [epoch, steps]."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
@@ -159,6 +167,7 @@ def accelerate_run(job: dict) -> None:
             accelerator.prepare(loader)
         except ValueError as exc:
             (out / f"error{accelerator.process_index}.txt").write_text(f"{own['kind']}\n{exc}")
+            REFUSALS.append(exc)
         return
     loader = accelerator.prepare(loader)
     start, skip = 0, 0
@@ -186,15 +195,15 @@ def torchrun_options(ranks: int) -> list[str]:
     return ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
 
 
-def launch(kind: str, jobs: dict[str, dict], root: Path, torchrun: bool = False, ranks: int = 2) -> None:
-    """Run jobs, in order, in one launch of `ranks` processes; job NAME writes to root/NAME."""
+def launch(kind: str, jobs: dict[str, dict], root: Path, torchrun: bool = False) -> None:
+    """Run jobs, in order, in one launch (under torchrun on 2 ranks, if asked); job NAME writes to root/NAME."""
     for name, job in jobs.items():
         (root / name).mkdir()
     jobfile = root / f"jobs-{next(iter(jobs))}.json"
     jobfile.write_text(json.dumps([{**job, "out": str(root / name)} for name, job in jobs.items()]))
     command = [sys.executable, __file__, kind, str(jobfile)]
     if torchrun:
-        command[1:1] = torchrun_options(ranks)
+        command[1:1] = torchrun_options(2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, timeout=120 + 120 * len(jobs),
                           env=env)
@@ -325,9 +334,10 @@ def refused_case(ranks: int, workers: int, context: str | None) -> str:
 
 @pytest.fixture(scope="module")
 def accelerate_runs(packs, tmp_path_factory) -> Path:
-    """Every Accelerate run of the tests below under torchrun: one launch of 2 ranks for the
-    uninterrupted runs and the refusals, one of 1 rank for its refusals, and one of 2 ranks for
-    the runs resumed from the first launch's saved states. The folder holding each job's."""
+    """Every Accelerate run of the tests below: under torchrun, one launch of 2 ranks for the
+    uninterrupted runs and the refusals, and one for the runs resumed from the first launch's
+    saved states; between them, the 1-process refusals in a plain process, as a user runs one.
+    The folder holding each job's."""
     root = tmp_path_factory.mktemp("accelerate")
     whole = {f"{accelerate_case(loader, stateful)}-whole": {"root": str(packs), "loader": loader, "stateful": stateful,
                                                            "save_at": [1, 3]}
@@ -337,7 +347,7 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
         "context": context} for r, workers, context in REFUSED_CASES if r == ranks} for ranks in (1, 2)}
     unprepared = {"unprepared": {"root": str(packs), "loader": "make_loader", "unprepared": True}}
     launch("accelerate", {**whole, **unprepared, **refused[2]}, root, torchrun=True)
-    launch("accelerate", refused[1], root, torchrun=True, ranks=1)
+    launch("accelerate", refused[1], root)
     resumed = {name.replace("-whole", "-resumed"): {**job, "save_at": None, "resume": str(root / name / "state"),
                                                      "resume_at": [1, 3]} for name, job in whole.items()}
     launch("accelerate", resumed, root, torchrun=True)
