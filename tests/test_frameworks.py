@@ -4,18 +4,23 @@ names a sample), every sample counted per rank per epoch; resumed from the frame
 own checkpoints at an epoch's end and mid-epoch, which must replay exactly what an
 uninterrupted run saw. The docs' recipes are run too, as they are printed.
 
-The counting runs are new processes running this file as a script:
+The runs are new processes running this file as a script:
 `python tests/test_frameworks.py lightning|accelerate JOBFILE`, which runs the file's jobs one
 after another in the same ranks, so a launch's imports, rank start-up and process group are paid
 once for the several checks it serves. Runs resumed from a checkpoint are launched after the runs
-that saved it, in processes of their own, as a user's resumed job is.
+that saved it, in processes of their own, as a user's resumed job is. A recipe's job runs the
+printed code, unchanged, as `python train.py ARGUMENTS` in its own folder would, in ranks that
+the launch's first job started the way the recipe's own launch would (Lightning's launcher, torchrun).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
+import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -187,6 +192,49 @@ def accelerate_run(job: dict) -> None:
     record(out, accelerator.process_index, seen)
 
 
+def recipe_job(name: str, arguments: list[str], where: Path) -> dict:
+    """A job running the docs' recipe `name` as `python train.py ARGUMENTS` in `where`; not a
+    launch's first: that one starts the ranks."""
+    (where / "train.py").write_text(recipe(name))
+    return {"recipe": str(where / "train.py"), "arguments": arguments}
+
+
+def recipe_run(job: dict) -> None:
+    """Run the recipe's train.py as its __main__, from its folder, with its arguments; what
+    it prints goes to job["out"]/outputRANK.txt."""
+    script, here, argv = Path(job["recipe"]), os.getcwd(), sys.argv
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    os.chdir(script.parent)
+    sys.argv = [script.name, *job["arguments"]]
+    try:
+        with output_to(Path(job["out"]) / f"output{rank}.txt"):
+            runpy.run_path(script.name, run_name="__main__")
+    finally:
+        os.chdir(here)
+        sys.argv = argv
+
+
+@contextlib.contextmanager
+def output_to(path: Path):
+    """This process's stdout and stderr, at the descriptors (as the frameworks' loggers write), into path."""
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "w") as file:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(file.fileno(), 1), os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            for descriptor, old in zip((1, 2), saved):
+                os.dup2(old, descriptor)
+                os.close(old)
+
+
+def recipe_output(out: Path) -> str:
+    """What a recipe's job printed, on every rank."""
+    return "".join(path.read_text() for path in sorted(out.glob("output*.txt")))
+
+
 def torchrun_options(ranks: int) -> list[str]:
     """python's arguments that run a script under torchrun on `ranks` processes, on a free port."""
     with socket.socket() as free:
@@ -259,22 +307,34 @@ MID_STEP = {"make_loader": 11, "wds": 11, "mix": 20, "mixstream": 20}  # 7 or 8,
 
 
 @pytest.fixture(scope="module")
-def lightning_runs(packs, tmp_path_factory):
-    """Every Lightning run of the tests below: the uninterrupted runs in one launch, then every
-    run resumed from their checkpoints in another.
-    {sampler-whole|LOADER-whole|LOADER-after-end|LOADER-after-mid: {rank: {epoch: labels}}}."""
+def lightning_launches(packs, tmp_path_factory) -> Path:
+    """Every Lightning run of the tests below: the uninterrupted runs and the docs' recipe's
+    first in one launch, then every run resumed from their checkpoints, and the recipe's
+    second, in another. The folder holding each job's (the recipe's own: recipe/)."""
     root = tmp_path_factory.mktemp("lightning")
+    (root / "recipe").mkdir()
     whole = {f"{loader}-whole": {"root": str(packs), "loader": loader, "mid_step": MID_STEP[loader]}
              for loader in LIGHTNING_LOADERS}
-    launch("lightning", {"sampler-whole": {"root": str(packs), "loader": "sampler"}, **whole}, root)
+    first = recipe_job("lightning", [str(packs / "d.lmdb"), "1", "16", "2"], root / "recipe")
+    launch("lightning", {"sampler-whole": {"root": str(packs), "loader": "sampler"}, **whole, "recipe-first": first},
+           root)
+    shutil.copy(root / "recipe" / "checkpoints" / "last.ckpt", root / "recipe-first")  # the next run replaces it
     resumed = {}
     for loader in LIGHTNING_LOADERS:
         (end,) = (root / f"{loader}-whole" / "end").glob("epoch=0-*.ckpt")
         (mid,) = (root / f"{loader}-whole" / "mid").glob(f"*step={MID_STEP[loader]}.ckpt")
         for name, checkpoint in (("after-end", end), ("after-mid", mid)):
             resumed[f"{loader}-{name}"] = {**whole[f"{loader}-whole"], "mid_step": None, "resume": str(checkpoint)}
-    launch("lightning", resumed, root)
-    return {name: records(root / name) for name in ["sampler-whole", *whole, *resumed]}
+    again = recipe_job("lightning", [str(packs / "d.lmdb"), "2", "16", "2"], root / "recipe")
+    launch("lightning", {**resumed, "recipe-again": again}, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(lightning_launches) -> dict:
+    """{sampler-whole|LOADER-whole|LOADER-after-end|LOADER-after-mid: {rank: {epoch: labels}}}."""
+    runs = [f"{loader}-{run}" for loader in LIGHTNING_LOADERS for run in ("whole", "after-end", "after-mid")]
+    return {name: records(lightning_launches / name) for name in ["sampler-whole", *runs]}
 
 
 def test_lightning_defaults_leave_a_plain_loader_over_a_packer_sampler_its_shares(lightning_runs):
@@ -335,10 +395,13 @@ def refused_case(ranks: int, workers: int, context: str | None) -> str:
 @pytest.fixture(scope="module")
 def accelerate_runs(packs, tmp_path_factory) -> Path:
     """Every Accelerate run of the tests below: under torchrun, one launch of 2 ranks for the
-    uninterrupted runs and the refusals, and one for the runs resumed from the first launch's
-    saved states; between them, the 1-process refusals in a plain process, as a user runs one.
-    The folder holding each job's."""
+    uninterrupted runs, the refusals and the docs' recipe's first run, and one for the runs
+    resumed from the first launch's saved states and the recipe's second; between them, the
+    1-process refusals in a plain process, as a user runs one. The folder holding each job's
+    (the recipe's own: recipe/)."""
     root = tmp_path_factory.mktemp("accelerate")
+    (root / "recipe").mkdir()
+    recipe_arguments = [str(BATCH), "3", "checkpoint"]  # BATCH EVERY CHECKPOINT, after DATA EPOCHS
     whole = {f"{accelerate_case(loader, stateful)}-whole": {"root": str(packs), "loader": loader, "stateful": stateful,
                                                            "save_at": [1, 3]}
              for loader, stateful in ACCELERATE_CASES}  # mid-epoch 1, after 3 steps
@@ -346,11 +409,13 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
         "root": str(packs), "loader": "wds", "stateful": True, "refused": True, "workers": workers,
         "context": context} for r, workers, context in REFUSED_CASES if r == ranks} for ranks in (1, 2)}
     unprepared = {"unprepared": {"root": str(packs), "loader": "make_loader", "unprepared": True}}
-    launch("accelerate", {**whole, **unprepared, **refused[2]}, root, torchrun=True)
+    first = recipe_job("accelerate", [str(packs / "d.lmdb"), "2", *recipe_arguments], root / "recipe")
+    launch("accelerate", {**whole, **unprepared, **refused[2], "recipe-first": first}, root, torchrun=True)
     launch("accelerate", refused[1], root)
     resumed = {name.replace("-whole", "-resumed"): {**job, "save_at": None, "resume": str(root / name / "state"),
                                                      "resume_at": [1, 3]} for name, job in whole.items()}
-    launch("accelerate", resumed, root, torchrun=True)
+    again = recipe_job("accelerate", [str(packs / "d.lmdb"), "3", *recipe_arguments], root / "recipe")
+    launch("accelerate", {**resumed, "recipe-again": again}, root, torchrun=True)
     return root
 
 
@@ -387,7 +452,7 @@ def test_accelerate_stateful_loader_over_wds_stops_at_prepare_saying_what_to_set
         assert "use_stateful_dataloader=False" in error and "skip_first_batches" in error
 
 
-# The docs' recipes, run as they are printed.
+# The docs' recipes, run as they are printed (in the launches of lightning_launches and accelerate_runs).
 
 def recipe(name: str) -> str:
     """The code block docs/frameworks.md tags `<!-- recipe: name ... -->`, as printed."""
@@ -396,37 +461,23 @@ def recipe(name: str) -> str:
     return found.group(1)
 
 
-def run_recipe(name: str, arguments: list[str], where: Path, ranks: int = 0) -> str:
-    """Run the recipe as train.py in `where`, under torchrun with `ranks` processes if given;
-    its output."""
-    (where / "train.py").write_text(recipe(name))
-    command = [sys.executable, "train.py", *arguments]
-    if ranks:
-        command[1:1] = torchrun_options(ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}  # this checkout's readers
-    done = subprocess.run(command, capture_output=True, text=True, cwd=where, timeout=240, env=env)
-    assert done.returncode == 0, f"the {name} recipe failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done.stdout + done.stderr
-
-
-def test_the_lightning_recipe_resumes_from_its_last_checkpoint(packs, tmp_path):
-    run_recipe("lightning", [str(packs / "d.lmdb"), "1", "16", "2"], tmp_path)
-    first = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
-    again = run_recipe("lightning", [str(packs / "d.lmdb"), "2", "16", "2"], tmp_path)
+def test_the_lightning_recipe_resumes_from_its_last_checkpoint(lightning_launches):
+    first = torch.load(lightning_launches / "recipe-first" / "last.ckpt", weights_only=False)
+    again = recipe_output(lightning_launches / "recipe-again")
     assert "Restored all states from the checkpoint" in again  # ckpt_path="last" found last.ckpt
-    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    last = torch.load(lightning_launches / "recipe" / "checkpoints" / "last.ckpt", weights_only=False)
     assert first["global_step"] > 0
     assert (first["epoch"], last["epoch"], last["global_step"]) == (0, 1, 2 * first["global_step"])
 
 
-def test_the_accelerate_recipe_trains_distributed_and_resumes_after_an_epochs_end(packs, tmp_path):
+def test_the_accelerate_recipe_trains_distributed_and_resumes_after_an_epochs_end(accelerate_runs, packs):
     """On CPU under torchrun (the docs' launch), each rank gets half the loader's batches; a
     state saved after an epoch's last batch resumes at the next epoch, replaying nothing."""
     data = readers.LMDBDataset(packs / "d.lmdb")
     whole = len(readers.make_loader(data, BATCH, workers=0))  # one process's batches of an epoch
-    first = run_recipe("accelerate", [str(packs / "d.lmdb"), "2", str(BATCH), "3", "checkpoint"], tmp_path, ranks=2)
+    first = recipe_output(accelerate_runs / "recipe-first")
     assert re.findall(r"epoch (\d+): (\d+) steps", first) == [("0", str(whole // 2)), ("1", str(whole // 2))]
-    again = run_recipe("accelerate", [str(packs / "d.lmdb"), "3", str(BATCH), "3", "checkpoint"], tmp_path, ranks=2)
+    again = recipe_output(accelerate_runs / "recipe-again")
     assert re.findall(r"epoch (\d+): (\d+) steps", again) == [("2", str(whole // 2))]
 
 
@@ -494,4 +545,4 @@ def test_a_stream_loaders_length_is_every_pass_it_runs(packs):
 
 if __name__ == "__main__":
     for one in json.loads(Path(sys.argv[2]).read_text()):
-        {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]](one)
+        (recipe_run if "recipe" in one else {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]])(one)
