@@ -409,12 +409,12 @@ def accelerate_runs(packs, tmp_path_factory) -> Path:
         "root": str(packs), "loader": "wds", "stateful": True, "refused": True, "workers": workers,
         "context": context} for r, workers, context in REFUSED_CASES if r == ranks} for ranks in (1, 2)}
     unprepared = {"unprepared": {"root": str(packs), "loader": "make_loader", "unprepared": True}}
-    first = recipe_job("accelerate", [str(packs / "d.lmdb"), "2", *recipe_arguments], root / "recipe")
+    first = recipe_job("accelerate", [str(packs / "d.lmdb"), "1", *recipe_arguments], root / "recipe")
     launch("accelerate", {**whole, **unprepared, **refused[2], "recipe-first": first}, root, torchrun=True)
     launch("accelerate", refused[1], root)
     resumed = {name.replace("-whole", "-resumed"): {**job, "save_at": None, "resume": str(root / name / "state"),
                                                      "resume_at": [1, 3]} for name, job in whole.items()}
-    again = recipe_job("accelerate", [str(packs / "d.lmdb"), "3", *recipe_arguments], root / "recipe")
+    again = recipe_job("accelerate", [str(packs / "d.lmdb"), "2", *recipe_arguments], root / "recipe")
     launch("accelerate", {**resumed, "recipe-again": again}, root, torchrun=True)
     return root
 
@@ -476,9 +476,9 @@ def test_the_accelerate_recipe_trains_distributed_and_resumes_after_an_epochs_en
     data = readers.LMDBDataset(packs / "d.lmdb")
     whole = len(readers.make_loader(data, BATCH, workers=0))  # one process's batches of an epoch
     first = recipe_output(accelerate_runs / "recipe-first")
-    assert re.findall(r"epoch (\d+): (\d+) steps", first) == [("0", str(whole // 2)), ("1", str(whole // 2))]
+    assert re.findall(r"epoch (\d+): (\d+) steps", first) == [("0", str(whole // 2))]
     again = recipe_output(accelerate_runs / "recipe-again")
-    assert re.findall(r"epoch (\d+): (\d+) steps", again) == [("2", str(whole // 2))]
+    assert re.findall(r"epoch (\d+): (\d+) steps", again) == [("1", str(whole // 2))]
 
 
 def test_make_loader_refuses_a_one_process_accelerator_where_the_launcher_started_several(packs, tmp_path):
