@@ -146,7 +146,8 @@ def lightning_run(job: dict) -> None:
 
 # The exceptions of refused prepare() calls, kept until the process exits: collected, the torchdata
 # loader a refusal leaves behind would wait 5 s on each of its workers, which are never told to stop
-# (torchdata 0.11.0); at the exit, torch skips that wait and the workers are ended.
+# (torchdata 0.11.0); at the exit, torch skips that wait and multiprocessing ends the workers (which
+# torch reports on stderr, the exit status staying 0).
 REFUSALS: list[ValueError] = []
 
 
@@ -545,4 +546,5 @@ def test_a_stream_loaders_length_is_every_pass_it_runs(packs):
 
 if __name__ == "__main__":
     for one in json.loads(Path(sys.argv[2]).read_text()):
-        (recipe_run if "recipe" in one else {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]])(one)
+        run = recipe_run if "recipe" in one else {"lightning": lightning_run, "accelerate": accelerate_run}[sys.argv[1]]
+        run(one)
