@@ -1,6 +1,7 @@
 """packer.formats._handle: shared per-process handles, and finalizers that run while it holds its lock."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -33,6 +34,20 @@ def test_a_release_from_a_finalizer_inside_acquire_does_not_deadlock(tmp_path):
     assert result == ["my-handle"] and closed == ["other-handle"]  # the deferred release was done
     _handle.release(mine, ("id",))
     assert closed == ["other-handle", "my-handle"]
+
+
+def test_the_pid_handles_are_kept_under_follows_a_fork():
+    """Handles are checked against a pid kept by a fork hook, not asked of the kernel at each
+    read: a child os.fork() makes must see its own pid there, or it would use its parent's
+    handles (an LMDB environment, an h5py file) as its own."""
+    parent = os.getpid()
+    assert _handle._pid == parent
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _handle._pid == os.getpid() != parent else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _handle._pid == parent
 
 
 # A training script's normal shape: Datasets held at module level (so a spawned or forkserver

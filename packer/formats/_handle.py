@@ -6,6 +6,10 @@ is not ours was inherited through fork and is closed and reopened, and pickling 
 DDP) drops it. lmdb >= 2.0 refuses a second open of one file in a process, so handles
 are shared per (pid, real path, file identity) and reference-counted.
 
+The pid compared is kept by a fork hook, not asked of the kernel: a read asks for its
+handle twice, and each os.getpid() is a system call, which a warm read of a small record
+feels.
+
 The identity (inode, size, mtime of the dataset's main file; see
 _tables.file_identity) is part of the key because a dataset can be replaced at its path
 (pack --force) while in use: a reader opened before keeps the old file's handle and reads
@@ -28,6 +32,16 @@ _shared: dict[tuple, list] = {}
 # once the lock is given back.
 _local = threading.local()
 _deferred: list[tuple[str, tuple]] = []
+_pid = os.getpid()  # this process's: set again in each child os.fork() makes (_forked)
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; without it there is no os.fork to follow either
+    os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager
@@ -44,7 +58,7 @@ def acquire(path: str, opener: Callable[[str], Any], closer: Callable[[Any], Non
     """This process's shared handle for the file with this identity at path, opened with
     opener(path) when needed (the caller checks the file opened is the one it meant)."""
     key = (os.path.realpath(path), identity)
-    pid = os.getpid()
+    pid = _pid
     try:
         with _locked():
             _close_inherited(key[0], pid)
@@ -74,7 +88,7 @@ def release(path: str, identity: tuple) -> None:
     try:
         with _locked():
             entry = _shared.get(key)
-            if entry is None or entry[0] != os.getpid():
+            if entry is None or entry[0] != _pid:
                 return
             entry[2] -= 1
             if entry[2] <= 0:
@@ -122,15 +136,15 @@ class LazyHandle:
     exiting = False
 
     def handle(self) -> Any:
-        if self._handle is None or self._handle_pid != os.getpid():
+        if self._handle is None or self._handle_pid != _pid:
             self._handle = None  # never use, and never close, another process's handle here
             self._handle = self._open()
-            self._handle_pid = os.getpid()
+            self._handle_pid = _pid
         return self._handle
 
     @property
     def is_open(self) -> bool:
-        return self._handle is not None and self._handle_pid == os.getpid()
+        return self._handle is not None and self._handle_pid == _pid
 
     def close(self) -> None:
         if self.is_open:
