@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -35,11 +36,14 @@ import readers  # noqa: E402
 from packer import pack  # noqa: E402
 from packer.cores import available_cores  # noqa: E402
 
-# Collected: the tests need both frameworks. Run as the launch script, or imported again by the
-# workers it spawns (__mp_main__), it imports only the one it runs (an Accelerate rank imports no Lightning).
+# Collected: the tests need both frameworks, found here and imported only by the launches that
+# run them (importing Lightning takes seconds, paid by every pytest process that collects the
+# file). Run as the launch script, or imported again by the workers it spawns (__mp_main__),
+# it imports only the one it runs (an Accelerate rank imports no Lightning).
 if __name__ not in ("__main__", "__mp_main__"):
-    pytest.importorskip("lightning")
-    pytest.importorskip("accelerate")
+    for framework in ("lightning", "accelerate"):
+        if importlib.util.find_spec(framework) is None:
+            pytest.skip(f"could not find {framework!r}: the framework tests need it", allow_module_level=True)
 import torch  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
