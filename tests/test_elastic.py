@@ -5,7 +5,7 @@ every rank, then the epochs a run started on W2 yields; the samplers' global ord
 same on every world size.
 
 Ranks are separate processes told RANK and WORLD_SIZE (two runs join a gloo group), each
-with real DataLoader workers (a world of one rank is the test's own process); rank 0 saves
+with real DataLoader workers (outside a gloo group, rank 0 is the test's own process); rank 0 saves
 the one state every rank loads. Samples are named by the CRC-32 of their raw bytes, so every
 sample of the epoch is counted. The processes run this file as a script, each doing the
 steps its job file lists: `python tests/test_elastic.py JOBFILE`.
@@ -219,40 +219,52 @@ class Step:
                 "workers": self.workers, "rank": rank}
 
 
-def launch(root: str, world_size: int, steps: list[Step], gloo: bool = False, script: str = __file__) -> list:
-    """Run world_size processes of `script` (rank_main), each doing the steps one after the other
-    (joined in one gloo group if told, through a file in the first step's folder); per step, each
-    rank's record."""
-    procs, outs = [], []
-    for rank in range(world_size):
-        jobs = [{**step.job(root, rank), "phase": step.phase,
-                 "out": str(step.folder / f"{step.phase}-{n}-{world_size}-{rank}.json")} for n, step in enumerate(steps)]
-        outs.append([job["out"] for job in jobs])
-        path = steps[0].folder / f"job-{steps[0].phase}-{world_size}-{rank}.json"
-        path.write_text(json.dumps({"rank": rank, "gloo": gloo, "steps": jobs,
-                                    "group": str(steps[0].folder / f"group-{steps[0].phase}-{world_size}")}))
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
-        procs.append(subprocess.Popen([sys.executable, script, str(path)], cwd=HERE.parent, env=env,
-                                      stderr=subprocess.PIPE, text=True))
-    for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"{steps[0].phase} rank {rank} of {world_size} failed:\n{err[-4000:]}"
-    return [[json.loads(Path(outs[rank][n]).read_text()) for rank in range(world_size)] for n in range(len(steps))]
+def launch(root: str, world_size: int, steps: list[Step], gloo: bool = False, script=None) -> list:
+    """Run world_size ranks, each doing the steps one after the other with the PHASES of `script`
+    (a test module; default this one): processes running it as a script (rank_main) told RANK and
+    WORLD_SIZE, joined in one gloo group if told, through a file in the first step's folder;
+    without one, rank 0 is this process (one start of torch fewer; its loaders' workers forked
+    from it). Per step, each rank's record, through json."""
+    script = script or sys.modules[__name__]
+    procs = {rank: start_rank(root, rank, world_size, steps, gloo, script.__file__)
+             for rank in range(0 if gloo else 1, world_size)}
+    try:
+        here = [] if gloo else run_here(script.PHASES, root, steps, world_size)
+    finally:
+        errors = {rank: proc.communicate(timeout=240)[1] for rank, proc in procs.items()}
+    for rank, proc in procs.items():
+        assert proc.returncode == 0, f"{steps[0].phase} rank {rank} of {world_size} failed:\n{errors[rank][-4000:]}"
+    return [([here[n]] if here else []) + [json.loads(Path(out(step, n, world_size, r)).read_text()) for r in procs]
+            for n, step in enumerate(steps)]
+
+
+def out(step: Step, n: int, world_size: int, rank: int) -> str:
+    return str(step.folder / f"{step.phase}-{n}-{world_size}-{rank}.json")
+
+
+def start_rank(root: str, rank: int, world_size: int, steps: list[Step], gloo: bool, script: str):
+    jobs = [{**step.job(root, rank), "phase": step.phase, "out": out(step, n, world_size, rank)}
+            for n, step in enumerate(steps)]
+    path = steps[0].folder / f"job-{steps[0].phase}-{world_size}-{rank}.json"
+    path.write_text(json.dumps({"rank": rank, "gloo": gloo, "steps": jobs,
+                                "group": str(steps[0].folder / f"group-{steps[0].phase}-{world_size}")}))
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    return subprocess.Popen([sys.executable, script, str(path)], cwd=HERE.parent, env=env, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False,
-              script: str = __file__, states: Path | None = None) -> list:
+              script=None, states: Path | None = None) -> list:
     """launch of one step: each rank's record."""
     return launch(root, world_size, [Step(phase, folder, workers, states)], gloo, script)[0]
 
 
-def run_here(phases: dict, root: str, steps: list[Step]) -> list:
-    """launch on a world of one rank, this process (the loaders' workers forked from it): per
-    step, the rank's record, through json as a launch's."""
+def run_here(phases: dict, root: str, steps: list[Step], world_size: int) -> list:
+    """Rank 0's steps, run in this process told RANK and WORLD_SIZE: per step, its record."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RANK", "0")
-        env.setenv("WORLD_SIZE", "1")
-        return [[json.loads(json.dumps(run_phases(phases, step.phase, step.job(root, 0))))] for step in steps]
+        env.setenv("WORLD_SIZE", str(world_size))
+        return [json.loads(json.dumps(run_phases(phases, step.phase, step.job(root, 0)))) for step in steps]
 
 
 def rank_main(phases: dict) -> None:
@@ -336,15 +348,14 @@ def check_reweighted(saved: list, resumed: list, packs: Path) -> None:
 def rank_runs(packs, tmp_path_factory) -> dict:
     """The rank launches of the tests below, {run: each rank's record}. make_loader's cases and
     StatefulDataLoader's run in the same processes, one after the other (their cases and state
-    files are named apart); so do 3 ranks' save and resume, on a world of one the test's process."""
+    files are named apart), and so do 3 ranks' save and resume."""
     a, b = tmp_path_factory.mktemp("from2"), tmp_path_factory.mktemp("from3")
     runs = {"save 2x2": run_ranks("save+sdl-save", a, packs, world_size=2, workers=2)}
     # 3 ranks save theirs and resume the 2 ranks' states: records keyed apart (full, heads; fresh, stops)
     runs["save 3x1"] = runs["resume 3x1 gloo"] = run_ranks("save+sdl-save+resume+sdl-resume", b, packs, world_size=3,
                                                          workers=1, gloo=True, states=a)
     runs["resume 2x2 gloo"] = run_ranks("resume+reweight", b, packs, world_size=2, workers=2, gloo=True)
-    runs["resume 1x0"], runs["sdl-resume 1"] = run_here(PHASES, packs, [Step("resume", a, 0),
-                                                                        Step("sdl-resume", b, 0)])
+    runs["resume 1x0"], runs["sdl-resume 1"] = launch(packs, 1, [Step("resume", a, 0), Step("sdl-resume", b, 0)])
     return runs
 
 

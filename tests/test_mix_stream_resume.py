@@ -5,8 +5,8 @@ others; every sample of each source is counted per epoch: the map-style source's
 along its pass, and no stream sample read before the stop comes again before all of its stream's
 epoch is read; and torchdata's StatefulDataLoader state of the 2 x 2 ranks, rewritten by
 readers.for_workers, resumes on the 3 x 1 the same way. Ranks are separate processes
-(tests/test_elastic.py's launcher) running this file as a script:
-`python tests/test_mix_stream_resume.py JOBFILE`.
+(tests/test_elastic.py's launch; rank 0 of the 2 is the test's own) running this file as a
+script: `python tests/test_mix_stream_resume.py JOBFILE`.
 """
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ PHASES = {"save": save_side, "resume": resume_side}
 @pytest.fixture(scope="module")
 def rank_runs(packs, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("runs")
-    saved = run_ranks("save", folder, packs, world_size=2, workers=2, script=__file__)
-    resumed = run_ranks("resume", folder, packs, world_size=3, workers=1, gloo=True, script=__file__)
+    here = sys.modules[__name__]
+    saved = run_ranks("save", folder, packs, world_size=2, workers=2, script=here)
+    resumed = run_ranks("resume", folder, packs, world_size=3, workers=1, gloo=True, script=here)
     return {"saved": [r["mix"] for r in saved], "resumed": [r["mix"] for r in resumed]}
 
 

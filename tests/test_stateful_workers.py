@@ -3,8 +3,8 @@ with K1 DataLoader workers, rewritten for K2 and loaded on another number of ran
 docs/resume.md says: the rest of the epoch is the samples no rank had handed out, each once (at
 most W2 - 1 repeats), in equal batch counts, then the epochs a fresh W2 x K2 run reads.
 
-Ranks are separate processes told RANK and WORLD_SIZE, each with real DataLoader workers (a world
-of one rank is the test's own process), run by tests/test_elastic.py's launch and checked by its
+Ranks are separate processes told RANK and WORLD_SIZE, each with real DataLoader workers (rank 0
+is the test's own process), run by tests/test_elastic.py's launch and checked by its
 check_resumes; rank 0 saves the one state. The processes run this file as a script:
 `python tests/test_stateful_workers.py JOBFILE`.
 """
@@ -25,8 +25,8 @@ import readers  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, for_workers, make_loader  # noqa: E402
 
 from conftest import packed_three_ways, sample_ids  # noqa: E402
-from test_elastic import (BATCH, SEED, Step, check_resumes, epoch_of, flat, launch, rank_main, run_here,  # noqa: E402
-                          run_ranks, save_heads, save_to_bytes)
+from test_elastic import (BATCH, SEED, Step, check_resumes, epoch_of, flat, launch, rank_main, run_ranks,  # noqa: E402
+                          save_heads, save_to_bytes)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]  # 3 workers, 2 cores
@@ -92,14 +92,14 @@ PHASES = {"save": save_side, "resume": resume_side}
 def rank_runs(packs, tmp_path_factory) -> dict:
     """The rank launches of the two tests below, {launch: each rank's record}: 3 ranks without
     workers resume the 2 x 2 state and then save their own, then resume the 2 x 2 state with one
-    worker each, in the same processes; a world of one rank is the test's process."""
+    worker each, in the same processes."""
     a, b = tmp_path_factory.mktemp("from2x2"), tmp_path_factory.mktemp("from3x0")
-    runs = {"save 2x2": run_ranks("save", a, packs, world_size=2, workers=2, script=__file__)}
+    here = sys.modules[__name__]
+    runs = {"save 2x2": run_ranks("save", a, packs, world_size=2, workers=2, script=here)}
     runs["resume 3x0, save 3x0"], runs["resume 3x1"] = launch(packs, 3, [Step("resume+save", b, 0, states=a),
-                                                                        Step("resume", b, 1, states=a)],
-                                                              script=__file__)
-    [runs["resume 1x3"]] = run_here(PHASES, packs, [Step("resume", a, 3)])
-    runs["resume 2x2"] = run_ranks("resume", b, packs, world_size=2, workers=2, script=__file__)
+                                                                        Step("resume", b, 1, states=a)], script=here)
+    runs["resume 1x3"] = run_ranks("resume", a, packs, world_size=1, workers=3, script=here)
+    runs["resume 2x2"] = run_ranks("resume", b, packs, world_size=2, workers=2, script=here)
     return runs
 
 
