@@ -4,10 +4,11 @@ had handed out, each once (at most W2 - 1 padded repeats), the same number of ba
 every rank, then the epochs a run started on W2 yields; the samplers' global order is the
 same on every world size.
 
-Ranks are separate processes told RANK and WORLD_SIZE (one run joins a gloo group), each
-with real DataLoader workers; rank 0 saves the one state every rank loads. Samples are
-named by the CRC-32 of their raw bytes, so every sample of the epoch is counted. The
-processes run this file as a script: `python tests/test_elastic.py save|resume JOBFILE`.
+Ranks are separate processes told RANK and WORLD_SIZE (two runs join a gloo group), each
+with real DataLoader workers (outside a gloo group, rank 0 is the test's own process); rank 0 saves
+the one state every rank loads. Samples are named by the CRC-32 of their raw bytes, so every
+sample of the epoch is counted. The processes run this file as a script, each doing the
+steps its job file lists: `python tests/test_elastic.py JOBFILE`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import pickle
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -203,23 +205,81 @@ def run_phases(phases: dict, names: str, job: dict) -> dict:
     return result
 
 
+@dataclass(frozen=True)
+class Step:
+    """One job of a rank launch: `phase` (PHASE+PHASE...: run_phases) with `workers` DataLoader
+    workers a rank, saving into folder and resuming the states in `states` (default: folder)."""
+    phase: str
+    folder: Path
+    workers: int
+    states: Path | None = None
+
+    def job(self, root: str, rank: int) -> dict:
+        return {"root": root, "folder": str(self.folder), "states": str(self.states or self.folder),
+                "workers": self.workers, "rank": rank}
+
+
+def launch(root: str, world_size: int, steps: list[Step], gloo: bool = False, script=None) -> list:
+    """Run world_size ranks, each doing the steps one after the other with the PHASES of `script`
+    (a test module; default this one): processes running it as a script (rank_main) told RANK and
+    WORLD_SIZE, joined in one gloo group if told, through a file in the first step's folder;
+    without one, rank 0 is this process (one start of torch fewer; its loaders' workers forked
+    from it). Per step, each rank's record, through json."""
+    script = script or sys.modules[__name__]
+    procs = {rank: start_rank(root, rank, world_size, steps, gloo, script.__file__)
+             for rank in range(0 if gloo else 1, world_size)}
+    try:
+        here = [] if gloo else run_here(script.PHASES, root, steps, world_size)
+    finally:
+        errors = {rank: proc.communicate(timeout=240)[1] for rank, proc in procs.items()}
+    for rank, proc in procs.items():
+        assert proc.returncode == 0, f"{steps[0].phase} rank {rank} of {world_size} failed:\n{errors[rank][-4000:]}"
+    return [([here[n]] if here else []) + [json.loads(Path(out(step, n, world_size, r)).read_text()) for r in procs]
+            for n, step in enumerate(steps)]
+
+
+def out(step: Step, n: int, world_size: int, rank: int) -> str:
+    return str(step.folder / f"{step.phase}-{n}-{world_size}-{rank}.json")
+
+
+def start_rank(root: str, rank: int, world_size: int, steps: list[Step], gloo: bool, script: str):
+    jobs = [{**step.job(root, rank), "phase": step.phase, "out": out(step, n, world_size, rank)}
+            for n, step in enumerate(steps)]
+    path = steps[0].folder / f"job-{steps[0].phase}-{world_size}-{rank}.json"
+    path.write_text(json.dumps({"rank": rank, "gloo": gloo, "steps": jobs,
+                                "group": str(steps[0].folder / f"group-{steps[0].phase}-{world_size}")}))
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    return subprocess.Popen([sys.executable, script, str(path)], cwd=HERE.parent, env=env, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def run_ranks(phase: str, folder: Path, root: str, world_size: int, workers: int, gloo: bool = False,
-              script: str = __file__, states: Path | None = None) -> list:
-    """Run world_size processes of `phase` (of `script`'s PHASES, or PHASE+PHASE...: run_phases)
-    saving into folder and resuming the states in `states` (default: folder); each rank's record."""
-    procs = []
-    for rank in range(world_size):
-        job = {"root": root, "folder": str(folder), "states": str(states or folder), "workers": workers,
-               "rank": rank, "gloo": gloo, "out": str(folder / f"{phase}-{world_size}-{rank}.json")}
-        path = folder / f"job-{phase}-{world_size}-{rank}.json"
-        path.write_text(json.dumps(job))
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
-        procs.append(subprocess.Popen([sys.executable, script, phase, str(path)], cwd=HERE.parent, env=env,
-                                      stderr=subprocess.PIPE, text=True))
-    for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"{phase} rank {rank} of {world_size} failed:\n{err[-4000:]}"
-    return [json.loads((folder / f"{phase}-{world_size}-{rank}.json").read_text()) for rank in range(world_size)]
+              script=None, states: Path | None = None) -> list:
+    """launch of one step: each rank's record."""
+    return launch(root, world_size, [Step(phase, folder, workers, states)], gloo, script)[0]
+
+
+def run_here(phases: dict, root: str, steps: list[Step], world_size: int) -> list:
+    """Rank 0's steps, run in this process told RANK and WORLD_SIZE: per step, its record."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RANK", "0")
+        env.setenv("WORLD_SIZE", str(world_size))
+        return [json.loads(json.dumps(run_phases(phases, step.phase, step.job(root, 0)))) for step in steps]
+
+
+def rank_main(phases: dict) -> None:
+    """A launched rank (python SCRIPT JOBFILE): its steps' phases, each record written where told."""
+    job = json.loads(Path(sys.argv[1]).read_text())
+    if job["gloo"]:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{job['group']}", rank=job["rank"],
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    for step in job["steps"]:
+        Path(step["out"]).write_text(json.dumps(run_phases(phases, step["phase"], step)))
+    if job["gloo"]:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def check_resumes(saved: list, resumed: list, name: str, cases=CASES) -> None:
@@ -286,16 +346,17 @@ def check_reweighted(saved: list, resumed: list, packs: Path) -> None:
 
 @pytest.fixture(scope="module")
 def rank_runs(packs, tmp_path_factory) -> dict:
-    """The rank launches of the two tests below, {launch: each rank's record}. Where both save, or
-    resume, on the same world from the same states, make_loader's cases and StatefulDataLoader's
-    run in the same processes, one after the other (their cases and state files are named apart)."""
+    """The rank launches of the tests below, {run: each rank's record}. make_loader's cases and
+    StatefulDataLoader's run in the same processes, one after the other (their cases and state
+    files are named apart), and so do 3 ranks' save and resume."""
     a, b = tmp_path_factory.mktemp("from2"), tmp_path_factory.mktemp("from3")
-    return {"save 2x2": run_ranks("save+sdl-save", a, packs, world_size=2, workers=2),
-            "save 3x1": run_ranks("save+sdl-save", b, packs, world_size=3, workers=1),
-            "resume 1x0": run_ranks("resume", a, packs, world_size=1, workers=0),
-            "resume 3x1 gloo": run_ranks("resume+sdl-resume", a, packs, world_size=3, workers=1, gloo=True),
-            "resume 2x2 gloo": run_ranks("resume+reweight", b, packs, world_size=2, workers=2, gloo=True),
-            "sdl-resume 1": run_ranks("sdl-resume", b, packs, world_size=1, workers=0)}
+    runs = {"save 2x2": run_ranks("save+sdl-save", a, packs, world_size=2, workers=2)}
+    # 3 ranks save theirs and resume the 2 ranks' states: records keyed apart (full, heads; fresh, stops)
+    runs["save 3x1"] = runs["resume 3x1 gloo"] = run_ranks("save+sdl-save+resume+sdl-resume", b, packs, world_size=3,
+                                                         workers=1, gloo=True, states=a)
+    runs["resume 2x2 gloo"] = run_ranks("resume+reweight", b, packs, world_size=2, workers=2, gloo=True)
+    runs["resume 1x0"], runs["sdl-resume 1"] = launch(packs, 1, [Step("resume", a, 0), Step("sdl-resume", b, 0)])
+    return runs
 
 
 def test_a_state_resumes_on_fewer_more_and_non_divisor_ranks_and_workers(rank_runs, packs):
@@ -541,23 +602,13 @@ def test_the_resume_benchmark_times_every_order_and_measures_the_stream_drift():
     assert len(drift) == 3 and all(0 < row["mean_moved"] < 1 for row in drift)
 
 
-if __name__ == "__main__":
-    job = json.loads(Path(sys.argv[2]).read_text())
-    if job["gloo"]:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
-                                world_size=int(os.environ["WORLD_SIZE"]))
-    result = run_phases(PHASES, sys.argv[1], job)
-    Path(job["out"]).write_text(json.dumps(result))
-    if job["gloo"]:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def test_every_resumable_row_of_make_loaders_table_is_a_case_here():
     """A new row of readers.loader.SAMPLERS is tested here by adding its case (build() makes it)."""
     from readers.loader import SAMPLERS
 
     stateless = {"distributed", "plain"}  # torch's own samplers: no state to resume
     assert {name for name, _, _ in SAMPLERS} - stateless == set(SAMPLER_CASES)
+
+
+if __name__ == "__main__":
+    rank_main(PHASES)

@@ -5,14 +5,12 @@ others; every sample of each source is counted per epoch: the map-style source's
 along its pass, and no stream sample read before the stop comes again before all of its stream's
 epoch is read; and torchdata's StatefulDataLoader state of the 2 x 2 ranks, rewritten by
 readers.for_workers, resumes on the 3 x 1 the same way. Ranks are separate processes
-(tests/test_elastic.py's launcher) running this file as a script:
-`python tests/test_mix_stream_resume.py PHASE JOBFILE`.
+(tests/test_elastic.py's launch; rank 0 of the 2 is the test's own) running this file as a
+script: `python tests/test_mix_stream_resume.py JOBFILE`.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import readers  # noqa: E402
 from readers import Mix, make_loader  # noqa: E402
 
 from conftest import goes_on, packed_three_ways, sample_ids  # noqa: E402
-from test_elastic import flat, interleaved, run_phases, run_ranks, stops  # noqa: E402
+from test_elastic import flat, interleaved, rank_main, run_ranks, stops  # noqa: E402
 
 BATCH, SEED, EPOCH = 5, 3, 100
 WEIGHTS, NEW = {"lmdb": 0.7, "web": 0.3}, {"lmdb": 0.2, "web": 0.8}
@@ -123,8 +121,9 @@ PHASES = {"save": save_side, "resume": resume_side}
 @pytest.fixture(scope="module")
 def rank_runs(packs, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("runs")
-    saved = run_ranks("save", folder, packs, world_size=2, workers=2, script=__file__)
-    resumed = run_ranks("resume", folder, packs, world_size=3, workers=1, gloo=True, script=__file__)
+    here = sys.modules[__name__]
+    saved = run_ranks("save", folder, packs, world_size=2, workers=2, script=here)
+    resumed = run_ranks("resume", folder, packs, world_size=3, workers=1, gloo=True, script=here)
     return {"saved": [r["mix"] for r in saved], "resumed": [r["mix"] for r in resumed]}
 
 
@@ -194,13 +193,4 @@ def test_a_stream_mixture_resumes_with_new_weights_on_other_ranks_and_workers(ra
 
 
 if __name__ == "__main__":
-    job = json.loads(Path(sys.argv[2]).read_text())
-    if job["gloo"]:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{job['folder']}/group", rank=job["rank"],
-                                world_size=int(os.environ["WORLD_SIZE"]))
-    Path(job["out"]).write_text(json.dumps(run_phases(PHASES, sys.argv[1], job)))
-    if job["gloo"]:
-        dist.barrier()
-        dist.destroy_process_group()
+    rank_main(PHASES)

@@ -3,9 +3,10 @@ with K1 DataLoader workers, rewritten for K2 and loaded on another number of ran
 docs/resume.md says: the rest of the epoch is the samples no rank had handed out, each once (at
 most W2 - 1 repeats), in equal batch counts, then the epochs a fresh W2 x K2 run reads.
 
-Ranks are separate processes told RANK and WORLD_SIZE, each with real DataLoader workers, run by
-tests/test_elastic.py's run_ranks and checked by its check_resumes; rank 0 saves the one state.
-The processes run this file as a script: `python tests/test_stateful_workers.py save|resume JOB`.
+Ranks are separate processes told RANK and WORLD_SIZE, each with real DataLoader workers (rank 0
+is the test's own process), run by tests/test_elastic.py's launch and checked by its
+check_resumes; rank 0 saves the one state. The processes run this file as a script:
+`python tests/test_stateful_workers.py JOBFILE`.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import readers  # noqa: E402
 from readers import BlockShuffleSampler, ShuffleSampler, WDSDataset, for_workers, make_loader  # noqa: E402
 
 from conftest import packed_three_ways, sample_ids  # noqa: E402
-from test_elastic import (BATCH, SEED, check_resumes, epoch_of, flat, run_phases, run_ranks, save_heads,  # noqa: E402
-                          save_to_bytes)
+from test_elastic import (BATCH, SEED, Step, check_resumes, epoch_of, flat, launch, rank_main, run_ranks,  # noqa: E402
+                          save_heads, save_to_bytes)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]  # 3 workers, 2 cores
@@ -90,14 +91,15 @@ PHASES = {"save": save_side, "resume": resume_side}
 @pytest.fixture(scope="module")
 def rank_runs(packs, tmp_path_factory) -> dict:
     """The rank launches of the two tests below, {launch: each rank's record}: 3 ranks without
-    workers resume the 2 x 2 state and then save their own, in the same processes."""
+    workers resume the 2 x 2 state and then save their own, then resume the 2 x 2 state with one
+    worker each, in the same processes."""
     a, b = tmp_path_factory.mktemp("from2x2"), tmp_path_factory.mktemp("from3x0")
-    runs = {"save 2x2": run_ranks("save", a, packs, world_size=2, workers=2, script=__file__)}
-    runs["resume 3x0, save 3x0"] = run_ranks("resume+save", b, packs, world_size=3, workers=0, script=__file__,
-                                             states=a)
-    for world_size, workers in ((1, 3), (3, 1)):
-        runs[f"resume {world_size}x{workers}"] = run_ranks("resume", a, packs, world_size, workers, script=__file__)
-    runs["resume 2x2"] = run_ranks("resume", b, packs, world_size=2, workers=2, script=__file__)
+    here = sys.modules[__name__]
+    runs = {"save 2x2": run_ranks("save", a, packs, world_size=2, workers=2, script=here)}
+    runs["resume 3x0, save 3x0"], runs["resume 3x1"] = launch(packs, 3, [Step("resume+save", b, 0, states=a),
+                                                                        Step("resume", b, 1, states=a)], script=here)
+    runs["resume 1x3"] = run_ranks("resume", a, packs, world_size=1, workers=3, script=here)
+    runs["resume 2x2"] = run_ranks("resume", b, packs, world_size=2, workers=2, script=here)
     return runs
 
 
@@ -201,5 +203,4 @@ def test_what_cannot_be_rewritten_is_refused_saying_what_to_do(packs):
 
 
 if __name__ == "__main__":
-    job = json.loads(Path(sys.argv[2]).read_text())
-    Path(job["out"]).write_text(json.dumps(run_phases(PHASES, sys.argv[1], job)))
+    rank_main(PHASES)
