@@ -35,8 +35,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", type=float, default=1.0, help="seconds per timed run, at most (default: 1)")
     run.add_argument("--warmup", type=float, default=0.25, help="seconds of untimed warm-up per case (0.25)")
     run.add_argument("--step-ms", type=float, default=20.0, help="synthetic training step per batch (ms)")
-    run.add_argument("--isolation", choices=("case", "source"), default="case",
-                     help="a fresh process per case (default) or per source (faster, for smoke runs)")
+    run.add_argument("--isolation", choices=("case", "source", "run"), default="case",
+                     help="a fresh process per case (default), per source, or one for the whole run "
+                          "(faster, for smoke runs)")
     run.add_argument("--workdir", help="where the corpus and packed data go (default: a temp dir, removed)")
     run.add_argument("--keep", action="store_true", help="keep the temporary workdir")
     run.add_argument("--seed", type=int, default=0,
