@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .measures import CACHE_STATES, MEASURES
-from .sources import PACKER_SOURCES
+from .names import CACHE_STATES, MEASURE_NAMES, PACKER_SOURCES
 
 
 def csv(text: str) -> list[str]:
@@ -22,8 +21,8 @@ def parser() -> argparse.ArgumentParser:
                       help="generate N synthetic ImageNet-like JPEGs (default: 1000)")
     run.add_argument("--formats", type=csv, default=list(PACKER_SOURCES),
                      help=f"comma-separated, from {', '.join(PACKER_SOURCES)} (default: all)")
-    run.add_argument("--measures", type=csv, default=list(MEASURES),
-                     help=f"comma-separated, from {', '.join(MEASURES)} (default: all)")
+    run.add_argument("--measures", type=csv, default=list(MEASURE_NAMES),
+                     help=f"comma-separated, from {', '.join(MEASURE_NAMES)} (default: all)")
     run.add_argument("--cache", type=csv, default=list(CACHE_STATES), help="cold,warm (default: both)")
     run.add_argument("--pack-cache", choices=("cold", "warm"), default="cold",
                      help="page cache state of the source before each pack and tar run (default: cold)")

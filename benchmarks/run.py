@@ -21,9 +21,10 @@ import numpy as np
 from packer.cores import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
+from .measures import CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
+from .names import CACHE_STATES, PACKER_SOURCES
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
-from .sources import PACKER_SOURCES, SOURCES
+from .sources import SOURCES
 
 SCHEMA = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -243,6 +243,19 @@ def test_every_option_is_documented_in_the_manual(command, capsys):
     assert flags and all(f"`{flag}" in section for flag in flags), flags
 
 
+def test_the_command_line_names_every_measure_and_starts_without_torch():
+    """compare and trend run nightly: importing torch for their parser would cost each a second or two."""
+    from benchmarks.measures import MEASURES
+    from benchmarks.names import MEASURE_NAMES
+
+    assert tuple(MEASURES) == MEASURE_NAMES
+    probe = "import sys\nfrom benchmarks.__main__ import parser\nfrom benchmarks import compare, trend\nparser()\n" \
+            "sys.exit('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:] or "torch was imported"
+
+
 def test_every_option_and_argument_has_a_help_text():
     def parsers(parser, name):
         yield name, parser
