@@ -27,8 +27,8 @@ def smoke(tmp_path_factory) -> dict:
     out = work / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--generate", "32", "--repeat", "1", "--budget", "0.1",
-         "--warmup", "0.02", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1",
+        [sys.executable, "-m", "benchmarks", "run", "--generate", "32", "--repeat", "1", "--budget", "0.05",
+         "--warmup", "0.01", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1",
          "--isolation", "run",
          "--workdir", str(work / "wd"), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -82,7 +82,7 @@ def test_warm_runs_read_epoch_after_epoch_and_cold_runs_one_pass(smoke):
     images = results["config"]["corpus"]["images"]
     for name in ("folder", "lmdb", "hdf5"):
         raw = results["sources"][name]["measures"]["raw"]
-        # 32 records take milliseconds: a warm run fills its 0.1 s budget with further epochs.
+        # 32 records take milliseconds: a warm run fills its 0.05 s budget with further epochs.
         assert raw["warm"]["samples"][0] > 2 * images, name
         if raw["warm"]["resident"] != [None]:  # mincore available
             assert raw["warm"]["resident_after"] == [1.0] and raw["warm"]["cache_verified"] is True
