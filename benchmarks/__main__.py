@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .measures import CACHE_STATES, MEASURES
-from .sources import PACKER_SOURCES
+from .names import CACHE_STATES, MEASURE_NAMES, PACKER_SOURCES
 
 
 def csv(text: str) -> list[str]:
@@ -22,8 +21,8 @@ def parser() -> argparse.ArgumentParser:
                       help="generate N synthetic ImageNet-like JPEGs (default: 1000)")
     run.add_argument("--formats", type=csv, default=list(PACKER_SOURCES),
                      help=f"comma-separated, from {', '.join(PACKER_SOURCES)} (default: all)")
-    run.add_argument("--measures", type=csv, default=list(MEASURES),
-                     help=f"comma-separated, from {', '.join(MEASURES)} (default: all)")
+    run.add_argument("--measures", type=csv, default=list(MEASURE_NAMES),
+                     help=f"comma-separated, from {', '.join(MEASURE_NAMES)} (default: all)")
     run.add_argument("--cache", type=csv, default=list(CACHE_STATES), help="cold,warm (default: both)")
     run.add_argument("--pack-cache", choices=("cold", "warm"), default="cold",
                      help="page cache state of the source before each pack and tar run (default: cold)")
@@ -35,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", type=float, default=1.0, help="seconds per timed run, at most (default: 1)")
     run.add_argument("--warmup", type=float, default=0.25, help="seconds of untimed warm-up per case (0.25)")
     run.add_argument("--step-ms", type=float, default=20.0, help="synthetic training step per batch (ms)")
-    run.add_argument("--isolation", choices=("case", "source"), default="case",
-                     help="a fresh process per case (default) or per source (faster, for smoke runs)")
+    run.add_argument("--isolation", choices=("case", "source", "run"), default="case",
+                     help="a fresh process per case (default), per source, or one for the whole run "
+                          "(faster, for smoke runs)")
     run.add_argument("--workdir", help="where the corpus and packed data go (default: a temp dir, removed)")
     run.add_argument("--keep", action="store_true", help="keep the temporary workdir")
     run.add_argument("--seed", type=int, default=0,

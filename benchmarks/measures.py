@@ -543,4 +543,3 @@ MEASURES = {
 MAP_ONLY = ("block", "loader")
 CEILING = Ceiling()
 DISK = DiskLimit()
-CACHE_STATES = ("cold", "warm")

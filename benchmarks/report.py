@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from packer.formats import FORMATS
 
-from .measures import CACHE_STATES, MEASURES
+from .measures import MEASURES
+from .names import CACHE_STATES
 
 
 

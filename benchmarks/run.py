@@ -21,9 +21,10 @@ import numpy as np
 from packer.cores import available_cores
 
 from . import cache, machine, report
-from .measures import CACHE_STATES, CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
+from .measures import CEILING, DISK, MAP_ONLY, MEASURES, BareRead, MemoryCopy, Options
+from .names import CACHE_STATES, PACKER_SOURCES
 from .packtime import pack_options, time_pack, time_tar, tree_bytes
-from .sources import PACKER_SOURCES, SOURCES
+from .sources import SOURCES
 
 SCHEMA = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,17 +174,17 @@ def plan(args, ctx: dict, sources: dict) -> list[list[dict]]:
             continue
         cases = [{"source": name, "measure": m, "cache": s} for m in args.measures for s in args.cache
                  if takes(source, m)]
-        groups += [cases] if args.isolation == "source" else [[c] for c in cases]
+        groups += [[c] for c in cases] if args.isolation == "case" else [cases]
     if args.isolation == "case":
         groups = join_cells(cell_major(groups, args.measures, args.cache))
     ceiling = {"source": None, "measure": "ceiling", "cache": None}
-    if args.isolation == "source" and groups:
+    if args.isolation != "case" and groups:
         groups[0].insert(0, ceiling)  # one process start fewer
     else:
         groups.insert(0, [ceiling])
     if ctx["packed"] and "cold" in args.cache and ("block" in args.measures or "loader" in args.measures):
         groups.insert(1, [{"source": None, "measure": "disk", "cache": None}])
-    return groups
+    return [sum(groups, [])] if args.isolation == "run" else groups
 
 
 def cell_major(groups: list[list[dict]], measures: list[str], states: list[str]) -> list[list[dict]]:

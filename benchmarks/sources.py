@@ -334,4 +334,3 @@ def packer_rows() -> dict:
 
 # Row name -> source; the key is what --formats and the table use. Peers follow packer's rows.
 SOURCES = {**packer_rows(), "webdataset (peer)": WebDatasetPeer(), "pil+listdir (peer)": PILListdirPeer()}
-PACKER_SOURCES = ("folder", *FORMATS)

@@ -22,14 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
-    """One tiny end-to-end run: 60 images, one repeat, a fraction of a second per case."""
+    """One tiny end-to-end run: 32 images, one repeat, a fraction of a second per case, one process."""
     work = tmp_path_factory.mktemp("bench")
     out = work / "results.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--generate", "60", "--repeat", "1", "--budget", "0.1",
-         "--warmup", "0.02", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1",
-         "--isolation", "source",
+        [sys.executable, "-m", "benchmarks", "run", "--generate", "32", "--repeat", "1", "--budget", "0.05",
+         "--warmup", "0.01", "--device", "cuda", "--workers", "1", "--batch-size", "8", "--step-ms", "1",
+         "--isolation", "run",
          "--workdir", str(work / "wd"), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_smoke_run_records_the_machine_and_config(smoke):
     assert results["schema"] == 1
     for key in ("cpu", "cpus_usable", "ram_bytes", "torch", "cuda", "gpu", "disk", "memory_reclaim"):
         assert key in results["machine"]
-    assert results["config"]["corpus"]["images"] == 60
+    assert results["config"]["corpus"]["images"] == 32
     assert results["config"]["repeat"] == 1
 
 
@@ -82,7 +82,7 @@ def test_warm_runs_read_epoch_after_epoch_and_cold_runs_one_pass(smoke):
     images = results["config"]["corpus"]["images"]
     for name in ("folder", "lmdb", "hdf5"):
         raw = results["sources"][name]["measures"]["raw"]
-        # 60 records take milliseconds: a warm run fills its 0.1 s budget with further epochs.
+        # 32 records take milliseconds: a warm run fills its 0.05 s budget with further epochs.
         assert raw["warm"]["samples"][0] > 2 * images, name
         if raw["warm"]["resident"] != [None]:  # mincore available
             assert raw["warm"]["resident_after"] == [1.0] and raw["warm"]["cache_verified"] is True
@@ -241,6 +241,19 @@ def test_every_option_is_documented_in_the_manual(command, capsys):
         section = f.read()
     assert f"python -m benchmarks {command}" in section
     assert flags and all(f"`{flag}" in section for flag in flags), flags
+
+
+def test_the_command_line_names_every_measure_and_starts_without_torch():
+    """compare and trend run nightly: importing torch for their parser would cost each a second or two."""
+    from benchmarks.measures import MEASURES
+    from benchmarks.names import MEASURE_NAMES
+
+    assert tuple(MEASURES) == MEASURE_NAMES
+    probe = "import sys\nfrom benchmarks.__main__ import parser\nfrom benchmarks import compare, trend\nparser()\n" \
+            "sys.exit('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:] or "torch was imported"
 
 
 def test_every_option_and_argument_has_a_help_text():

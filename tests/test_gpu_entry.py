@@ -301,8 +301,8 @@ def test_the_corpus_and_scaling_steps_run_alone_as_suites(tmp_path):
                                  "--synthetic").stdout)
     assert again["made_by"].startswith("reused") and again["lmdb"] == made["lmdb"]
     rows = tmp_path / "scaling.json"
-    proc = run_suite("scaling.py", made["folder"], made["lmdb"], "--workers", "1", "--quick", "--device", "cpu",
-                     "--workdir", str(tmp_path / "scaling"), "--json", str(rows))
+    proc = run_suite("scaling.py", made["folder"], made["lmdb"], "--workers", "1", "--quick", "--seconds", "0.5",
+                     "--device", "cpu", "--workdir", str(tmp_path / "scaling"), "--json", str(rows))
     assert proc.returncode == 0, proc.stderr[-3000:]
     entry = json.loads(rows.read_text())
     assert entry["per_core"]["median"] > 0 and entry["goal"] == "fraction >= 0.9 at 16 workers"

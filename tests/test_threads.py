@@ -262,7 +262,7 @@ def test_the_benchmark_suite_measures_every_kind(packs, tmp_path, capsys):
 
     out = tmp_path / "runs.json"
     assert thread_workers.main([str(Path(packs) / "d.lmdb"), "--batch", "4", "--batches", "3", "--repeats", "1",
-                                "--json", str(out)]) == 0
+                                "--steps", "2", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == set(thread_workers.KINDS)
     for kind, figures in summary.items():

@@ -2,7 +2,7 @@
 decode + crop rate, and against as many lone processes decoding at once.
 
     python benchmarks/suites/scaling.py FOLDER PACK.lmdb [--workers 1,2,4,8,16] [--device cuda]
-                                        [--quick] [--workdir DIR] [--json out.json]
+                                        [--quick] [--seconds S] [--workdir DIR] [--json out.json]
 
 The suite's own cases, each in a fresh process (benchmarks.run.run_children): the per-core
 rate is the `augment` measure (read + decode + RandomResizedCrop(224) + flip, one process,
@@ -42,14 +42,17 @@ def nothing(message: str) -> None:
 
 
 def measure(entry: dict, folder: str, lmdb: str, device: str, workdir: str, workers=WORKERS, quick: bool = False,
-            seed: int = 0, seconds_left=lambda: float("inf"), note=nothing) -> None:
+            seed: int = 0, seconds_left=lambda: float("inf"), note=nothing, seconds: float | None = None) -> None:
     """Fills entry with the config, the per-core rate and a row per worker count, calling
-    note(message) after each row; stops before a row that seconds_left() cannot hold."""
+    note(message) after each row; stops before a row that seconds_left() cannot hold.
+    seconds, where given, times every case and parallel baseline that long (a plumbing check)."""
     cores = os.cpu_count() or 1
     counts = sorted({min(w, cores) for w in workers})
     budget, repeat = (1.0, 1) if quick else (5.0, 2)
+    budget = seconds or budget
     ctx = {"folder": folder, "packed": {"lmdb": lmdb}}
-    base = dict(budget=budget, warmup=0.5, repeat=repeat, batch_size=64, device=device, step_ms=0.0, seed=seed)
+    base = dict(budget=budget, warmup=min(0.5, budget), repeat=repeat, batch_size=64, device=device, step_ms=0.0,
+                seed=seed)
     entry["config"] = {**base, "workers": counts, "source": "lmdb", "cache": "warm",
                        "what": "e2e warm, no step: make_loader(LMDB) to the device; per-core rate: the "
                                "augment measure (read + decode + RandomResizedCrop(224) + flip, one process)"}
@@ -68,16 +71,16 @@ def measure(entry: dict, folder: str, lmdb: str, device: str, workdir: str, work
             break
         (case,) = run_children([[{"source": "lmdb", "measure": "e2e", "cache": "warm"}]], ctx,
                                Options(workers=w, **base), workdir)
-        rows.append(row(entry, lmdb, w, rate, case))
+        rows.append(row(entry, lmdb, w, rate, case, seconds))
         note(f"scaling {w} workers: {json.dumps(rows[-1])}")
     entry["goal"] = GOAL
 
 
-def row(entry: dict, lmdb: str, workers: int, rate: float, case: dict) -> dict:
+def row(entry: dict, lmdb: str, workers: int, rate: float, case: dict, seconds: float | None = None) -> dict:
     """One worker count's figures; a failing parallel baseline is noted in entry, the row kept."""
     got = case.get("median")
     try:
-        parallel = parallel_rate(lmdb, workers)
+        parallel = parallel_rate(lmdb, workers, **({} if seconds is None else {"seconds": seconds}))
     except Exception as exc:  # the baseline failing leaves the loader's row standing
         parallel, entry["parallel_error"] = None, f"{type(exc).__name__}: {exc}"
     return {"workers": workers, "samples_per_s": got, "fraction": got / (workers * rate) if got else None,
@@ -96,14 +99,19 @@ def decode_for(lmdb: str, start_at: float, seconds: float, seed: int) -> float:
     torch.manual_seed(seed)
     dataset = readers.LMDBDataset(lmdb, decode="raw", transform=readers.RandomResizedCrop(224, flip=0.5))
     order = np.random.default_rng(seed).permutation(len(dataset))
+    # A process started after the window opened (a loaded machine) times a whole window of its
+    # own, rather than what is left of the others' (nothing, when it came after their end).
+    end = max(start_at, time.time()) + seconds
     i = n = 0
     while time.time() < start_at:
         dataset[int(order[i % len(order)])]
         i += 1
     t0 = time.time()
-    while (t := time.time()) < start_at + seconds:
+    while True:  # at least one image, however long the process waits for a core
         dataset[int(order[(i + n) % len(order)])]
         n += 1
+        if (t := time.time()) >= end:
+            break
     dataset.close()
     return n / (t - t0)
 
@@ -134,6 +142,13 @@ def table(entry: dict) -> str:
     return "\n".join(lines)
 
 
+def positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"--seconds must be above 0, got {value}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("folder", help="the ImageFolder tree the LMDB was packed from (the ceiling case reads it)")
@@ -142,13 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="worker counts, comma-separated (default: 1,2,4,8,16, capped at the cores)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="1 s runs, once: a check of the plumbing")
+    p.add_argument("--seconds", type=positive_seconds,
+                   help="time each case and parallel baseline this long (default: 5, or 1 with --quick; baseline 4)")
     p.add_argument("--workdir", default="scaling-work", help="the cases' scratch files (default: scaling-work)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     entry: dict = {}
     measure(entry, args.folder, args.lmdb, args.device, args.workdir, args.workers, args.quick, args.seed,
-            note=lambda message: print(message, file=sys.stderr))
+            note=lambda message: print(message, file=sys.stderr), seconds=args.seconds)
     print(table(entry))
     if args.json:
         Path(args.json).write_text(json.dumps(entry, indent=1))

@@ -1,7 +1,7 @@
 """Thread workers against worker processes: make_loader's worker_kind side by side.
 
     python benchmarks/suites/thread_workers.py PACKED_LMDB [--workers 2] [--batch 64]
-                                               [--batches 40] [--repeats 3] [--json out.json]
+                                               [--batches 40] [--repeats 3] [--steps 15] [--json out.json]
 
 Each kind (processes, threads, threads-inline) reads the LMDB pack with decode="raw" and
 readers.RandomResizedCrop(224, flip=0.5) through make_loader(workers=W) (W processes or W
@@ -39,8 +39,8 @@ Memory, at the end of those batches (the trainer holding the last one):
   each once, mapped or only held by a descriptor (a worker process's batch on its way):
   the ring's every written slot, or processes' batches in flight and held;
 - step slowdown: a fixed CPU-side step (Python arithmetic, as a training loop's host
-  side is) timed with a batch taken after each, over the same step alone: the noisy
-  neighbour, in-process threads against an isolated process.
+  side is) timed with a batch taken after each, over the same step alone, --steps times
+  each (medians): the noisy neighbour, in-process threads against an isolated process.
 --profile FILE writes a cProfile of one thread making --batches batches (readers.threads.fetch),
 by own time: what is left in Python there holds the GIL, and bounds threads.
 """
@@ -161,7 +161,7 @@ def consume(sink, batch) -> None:
     sink[:len(images)].copy_(images)
 
 
-def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
+def one(packed: str, kind: str, workers: int, batch: int, batches: int, steps: int = 15) -> dict:
     """One run of `kind`, in this (fresh) process."""
     import psutil
     import torch
@@ -169,7 +169,7 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
     from readers import LMDBDataset, RandomResizedCrop, make_loader
 
     me = psutil.Process()
-    alone = statistics.median(fixed_step() for _ in range(15))
+    alone = statistics.median(fixed_step() for _ in range(steps))
     data = LMDBDataset(packed, decode="raw", transform=RandomResizedCrop(224, flip=0.5))
     trainer_pss, trainer_uss, trainer_file = uss_mb([me], "pss"), uss_mb([me]), private_file_mb(me.pid)
     trainer_anon = anonymous_rss_mb(me.pid)
@@ -201,13 +201,13 @@ def one(packed: str, kind: str, workers: int, batch: int, batches: int) -> dict:
                "loader_mb": uss_mb([me, *procs], "pss") - trainer_pss, "uss_mb_each": each,
                "batch_shm_mb": batch_shm_mb(me.pid), "batch_memory_mb": batch_memory_mb([me.pid, *(p.pid for p in procs)])}
     del taken
-    steps = []
-    for _ in range(15):
-        steps.append(fixed_step())
+    beside = []
+    for _ in range(steps):
+        beside.append(fixed_step())
         consume(sink, next(it))
     del it
     return {"kind": kind, "first_batch_s": first, "samples_per_s": samples / wall, "cpu_s_per_sample": cpu / samples,
-            **figures, "loader_processes": len(procs), "step_slowdown": statistics.median(steps) / alone}
+            **figures, "loader_processes": len(procs), "step_slowdown": statistics.median(beside) / alone}
 
 
 def profile(packed: str, batch: int, batches: int, path: str) -> None:
@@ -248,7 +248,7 @@ def too_few_samples(packed: str, batch: int, batches: int) -> str | None:
 
 def run(packed: str, kind: str, args) -> dict:
     cmd = [sys.executable, __file__, packed, "--one", kind, "--workers", str(args.workers), "--batch",
-           str(args.batch), "--batches", str(args.batches)]
+           str(args.batch), "--batches", str(args.batches), "--steps", str(args.steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{done.stderr[-3000:]}")
@@ -265,6 +265,13 @@ def paired_ratios(rounds: dict, keys) -> dict:
                    for k in keys} for kind, runs in rounds.items() if kind != "processes"}
 
 
+def at_least_one(value: str) -> int:
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1, got {value}")
+    return count
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("packed", help="an LMDB pack (the standard corpus: benchmarks/suites/corpus.py)")
@@ -272,13 +279,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=at_least_one, default=15, help="fixed steps timed alone and beside the loader, each")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--profile", help="write a cProfile of one thread worker here")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(one(args.packed, args.one, args.workers, args.batch, args.batches)))
+        print(json.dumps(one(args.packed, args.one, args.workers, args.batch, args.batches, args.steps)))
         return 0
     short = too_few_samples(args.packed, args.batch, args.batches)
     if short:
