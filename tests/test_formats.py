@@ -126,8 +126,9 @@ def test_open_prepares_reads_ahead_of_the_first_and_is_dropped_by_pickling(image
     assert not clone.reader.is_open and clone[2] == ds[2]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-@pytest.mark.parametrize("persistent", [False, True])
+# Spawned workers with persistent=True read a first epoch as new ones do, then a second:
+# spawn with persistent=False would only repeat that first epoch, at a torch import a worker.
+@pytest.mark.parametrize("context, persistent", [("fork", False), ("fork", True), ("spawn", True)])
 def test_dataloader_workers_read_everything_under_fork_and_spawn(image_tree, tmp_path, fmt, context, persistent):
     cls = dataset_class(fmt)
     ds = cls(packed(image_tree, fmt, tmp_path), decode="raw")

@@ -437,7 +437,9 @@ def test_set_epoch_reaches_persistent_workers(even_tree, tmp_path, context):
     fresh = WDSDataset(out, decode="raw", shuffle=8, seed=1)
     fresh.set_epoch(1)
     assert seen[1] != seen[0]
-    assert seen[1] == collect(fresh, context=context)  # epoch 1 in the same workers as in new ones
+    # Epoch 1 in the same workers as in new ones; new ones forked, since the order is the
+    # seed's, the epoch's and the worker's, not the start method's (and spawning costs seconds).
+    assert seen[1] == collect(fresh, context="fork")
 
 
 def test_dataset_pickles_and_yields_the_same(even_tree, tmp_path):
@@ -940,11 +942,12 @@ def stream_labels(loader) -> list[tuple[str, int]]:
     return sorted((digest(data), int(label)) for data, label in loader)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_a_stream_over_a_replaced_dataset_refuses_to_read_it(tmp_path, context):
     """The second epoch after pack --force replaced the folder (same shard names and counts,
-    other classes) raises, in every worker and under every start method; it never labels the
-    new images with the old class list."""
+    other classes) raises, in every worker, forked or started afresh (spawn; forkserver, too,
+    unpickles the Dataset in a process that shares nothing with this one); it never labels
+    the new images with the old class list."""
     old = cats_and_dogs(tmp_path / "old", ("cat", "dog"), 100)
     new = cats_and_dogs(tmp_path / "new", ("ant", "cat"), 200)
     out = pack_wds(old, tmp_path / "d.wds", max_count=2)
