@@ -45,6 +45,13 @@ def big_tree(tmp_path_factory) -> Path:
     return linked_tree(tmp_path_factory.mktemp("interrupt") / "src", FILES)
 
 
+@pytest.fixture(scope="module")
+def parts_tree(tmp_path_factory) -> Path:
+    """Four times big_tree: its two parts take ~10 s here when left to finish, twice the
+    STOP_WITHIN_S a stopped or orphaned part is given."""
+    return linked_tree(tmp_path_factory.mktemp("interrupt-parts") / "src", 4 * FILES)
+
+
 def processes_in_group(pgid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -135,12 +142,10 @@ def test_sigterm_stops_an_hdf5_pack_like_ctrl_c(big_tree, tmp_path):
                            signum=signal.SIGTERM, group=False)
 
 
-def test_sigterm_to_a_pack_in_parts_stops_its_parts_instead_of_waiting_for_them(tmp_path):
-    # Four times big_tree: its two parts take ~10 s here when left to finish. The signal
-    # reaches the command alone, so only the command can tell its part processes to stop.
-    src = linked_tree(tmp_path / "src", 4 * FILES)
+def test_sigterm_to_a_pack_in_parts_stops_its_parts_instead_of_waiting_for_them(parts_tree, tmp_path):
+    # The signal reaches the command alone, so only the command can tell its part processes to stop.
     out = tmp_path / "out.lmdb"
-    args = ["pack", src, "--to", "lmdb", "--parts", "2", "--check", "full", "--workers", "1"]
+    args = ["pack", parts_tree, "--to", "lmdb", "--parts", "2", "--check", "full", "--workers", "1"]
     code, seconds, stderr, _ = interrupt(args, out, workers=2, signum=signal.SIGTERM, group=False)
     state = f"exit {code} after {seconds:.1f} s, stderr:\n{stderr}"
     assert code == 143 and seconds < STOP_WITHIN_S, state
@@ -148,13 +153,12 @@ def test_sigterm_to_a_pack_in_parts_stops_its_parts_instead_of_waiting_for_them(
     assert not out.exists() and staging(out) == [], state
 
 
-def test_a_pack_in_parts_killed_outright_leaves_no_part_process_behind(tmp_path):
+def test_a_pack_in_parts_killed_outright_leaves_no_part_process_behind(parts_tree, tmp_path):
     """SIGKILL reaches the command alone: nothing tells its part processes, which ignore stop
     signals and would otherwise wait for work forever; each sees its owner gone and exits."""
-    src = linked_tree(tmp_path / "src", 4 * FILES)
     out = tmp_path / "out.lmdb"
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", str(src), "--to", "lmdb", "--parts", "2",
-                             "--check", "full", "--workers", "1", "-o", str(out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "pack", str(parts_tree), "--to", "lmdb", "--parts",
+                             "2", "--check", "full", "--workers", "1", "-o", str(out)], cwd=ROOT,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
