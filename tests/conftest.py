@@ -51,10 +51,11 @@ SHARED_DATA = Path(os.environ.get("PACKER_SHARED_DATA") or Path(__file__).resolv
 # files to its 2 processes in collection order (pyproject's addopts: --dist loadfile
 # --no-loadscope-reorder), so these go first and the suite does not end on one long file while
 # the other process idles; every other file follows in its usual order.
-LONGEST_FIRST = ("test_frameworks.py", "test_elastic.py", "test_stateful_workers.py", "test_trend.py", "test_heap.py",
-                 "test_integrity.py", "test_threads.py", "test_resume_end.py", "test_resume.py", "test_formats.py",
-                 "test_gpu_entry.py", "test_keyed.py", "test_benchmarks.py", "test_interrupt.py", "test_pool.py",
-                 "test_source_io.py", "test_diagnose.py", "test_state_limits.py", "test_wds.py", "test_handle.py")
+LONGEST_FIRST = ("test_frameworks.py", "test_elastic.py", "test_gpu_entry.py", "test_threads.py", "test_remote_write.py",
+                 "test_stateful_workers.py", "test_wds.py", "test_remote_read.py", "test_benchmarks.py",
+                 "test_diagnose.py", "test_heap.py", "test_remote_retry.py", "test_interrupt.py", "test_resume_end.py",
+                 "test_resume.py", "test_formats.py", "test_keyed.py", "test_mix_stream.py", "test_trend.py",
+                 "test_pool.py", "test_integrity.py", "test_source_io.py")
 
 
 def pytest_collection_modifyitems(items):
