@@ -50,6 +50,33 @@ def test_the_pid_handles_are_kept_under_follows_a_fork():
     assert _handle._pid == parent
 
 
+@pytest.mark.parametrize("module, lock", [("packer.formats._handle", "_lock"), ("packer.remote.source", "_state_lock")])
+def test_a_lock_another_thread_holds_at_a_fork_is_free_in_the_child(module, lock):
+    """A DataLoader worker forked while another thread of the trainer opens or releases a
+    handle (the garbage collector runs a reader's release on any thread) must not inherit a
+    lock that no thread of its own will ever give back: its first read would wait forever."""
+    import importlib
+
+    owner = importlib.import_module(module)
+    held, fork_done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with getattr(owner, lock):
+            held.set()
+            fork_done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if getattr(owner, lock).acquire(timeout=5) else 1)
+    fork_done.set()
+    holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child found {module}.{lock} held by a thread it does not have"
+
+
 # A training script's normal shape: Datasets held at module level (so a spawned or forkserver
 # worker, which imports the script again, makes its own), read in the main process and in a
 # DataLoader worker, and still held when the interpreter exits. One worker reads them all (it is

@@ -36,8 +36,14 @@ _pid = os.getpid()  # this process's: set again in each child os.fork() makes (_
 
 
 def _forked() -> None:
-    global _pid
+    """In a child os.fork() made: its own pid, and a lock of its own. Another thread of the
+    parent may have held the lock (opening a file, or a reader's release run by the garbage
+    collector) at the fork; that thread does not exist in the child, so the inherited lock
+    would never be given back, and the child's first read (a DataLoader worker's) would wait
+    for it forever."""
+    global _pid, _lock, _local
     _pid = os.getpid()
+    _lock, _local = threading.Lock(), threading.local()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; without it there is no os.fork to follow either

@@ -318,6 +318,17 @@ _state: _Process | None = None
 _state_lock = threading.Lock()
 
 
+def _lock_of_its_own() -> None:
+    """A child os.fork() made takes a new lock: a parent's thread holding it at the fork
+    would never give the child's copy back."""
+    global _state_lock
+    _state_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_lock_of_its_own)
+
+
 def fetched() -> tuple[int, int]:
     """(bytes, requests) this process has fetched from servers for reads, all sources together."""
     state = process_state()
