@@ -671,6 +671,33 @@ def test_the_http_read_timeouts_give_way_to_the_callers_client_kwargs(readers_ow
     assert remote_source.with_http_timeouts("s3://bucket/x.h5", {}) == {}
 
 
+def drop_inherited_filesystems(url: str) -> None:
+    """What a forked DataLoader worker does first: a filesystem of its own (fsspec drops the
+    ones it inherited) and a collection (their finalizers close the inherited connections)."""
+    import gc
+
+    remote_source.filesystem(url, {})
+    gc.collect()
+
+
+def test_a_forked_child_leaves_the_parents_http_connections_working(packs, http, readers_own_http_timeouts,
+                                                                     monkeypatch):
+    """A child forked after a read over HTTP shares its parent's event loop's epoll instance:
+    closing the connections it inherited took the parent's pooled connection out of the
+    parent's loop, whose next request on it then waited for the socket read timeout."""
+    monkeypatch.setattr(remote_source, "HTTP_TIMEOUTS", {"sock_connect": 2.0, "sock_read": 5.0})
+    remote = remote_source.Remote(retries=1)
+    url = f"{http}/{packs['hdf5'].name}"
+    size = remote.identity(url)[1]  # leaves a connection in the pool
+    child = multiprocessing.get_context("fork").Process(target=drop_inherited_filesystems, args=(url,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    start = time.monotonic()
+    assert remote.identity(url)[1] == size  # on the pooled connection: no timeout, no retry
+    assert time.monotonic() - start < 2.5
+
+
 def test_a_wdsdataset_stream_refuses_a_dataset_replaced_at_its_url(packs, s3, tmp_path):
     """A packer folder uploaded again over the one a WDSDataset was made of (other classes)
     is refused, as the local stream refuses one replaced by pack --force."""

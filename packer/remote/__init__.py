@@ -11,6 +11,7 @@ import re
 from typing import NamedTuple
 
 from ..errors import redact
+from . import forked  # noqa: F401  (registers the at-fork hooks that keep a child off its parent's connections)
 from .schemes import LOCAL
 
 # Any scheme fsspec may open (s3://, gs://, https://, ...), but not file://, which is a local path.
