@@ -45,6 +45,8 @@ def isolate_inherited_loop() -> None:
     finally:
         os.close(devnull)
     selector.close()  # the child's copy of the shared epoll descriptor
+    if getattr(loop, "_thread_id", None) is not None:
+        loop._thread_id = None  # is_running() is False: the finalizers close the connections at once
 
 
 def clear_note() -> None:
