@@ -34,7 +34,7 @@ def isolate_inherited_loop() -> None:
     global _parents_loop
     loop, _parents_loop = _parents_loop, None
     selector = getattr(loop, "_selector", None)  # asyncio's selector loops; others (uvloop) have none to share
-    if selector is None:
+    if selector is None or loop.is_closed():
         return
     fds = list(selector.get_map())
     loop._selector = selectors.DefaultSelector()
