@@ -2,6 +2,8 @@
 (ReaderDataset), and the one over a packed dataset of any format in packer.formats.FORMATS (PackedDataset)."""
 from __future__ import annotations
 
+from operator import index as plain_int  # int(i) for any index type, in one C call
+
 import numpy as np
 import torch.utils.data
 
@@ -39,6 +41,7 @@ class ReaderDataset(torch.utils.data.Dataset):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         self.reader = reader
+        self._checks_cuts = bool(getattr(reader, "may_be_cut", False))  # asked once: reads are hot
         self.transform = transform
         self.target_transform = target_transform
         self.decode = decode
@@ -50,14 +53,15 @@ class ReaderDataset(torch.utils.data.Dataset):
         return len(self.reader)
 
     def __getitem__(self, index: int):
-        if self.check_not_cut is not None:  # the file cut short since: an error, not SIGBUS (docs/safety.md)
-            self.check_not_cut()
-        if index < 0:  # never a KeyedIndex: samplers hand out positions
-            if index < -len(self):  # not wrapped round to a record at the end
+        if self._checks_cuts:  # the file cut short since: an error, not SIGBUS (docs/safety.md)
+            self.reader.check_not_cut()
+        # A plain int from here on: a KeyedIndex (an int subclass) slows each comparison and table lookup.
+        position = plain_int(index)
+        if position < 0:  # never a KeyedIndex: samplers hand out positions
+            if position < -len(self):  # not wrapped round to a record at the end
                 raise IndexError(f"index {index} out of range for split {self.split!r} of {len(self)} records")
-            index += len(self)
-        # The reader gets a plain int: a KeyedIndex (an int subclass) slows each table lookup it indexes.
-        data, label = self.reader.read_image(int(index))
+            position += len(self)
+        data, label = self.reader.read_image(position)
         try:
             image = decode(data, self.decode, max_pixels=self.max_pixels)
             if self.transform is not None:
@@ -67,7 +71,7 @@ class ReaderDataset(torch.utils.data.Dataset):
                 raise
             # Decoders and transforms are given bytes and cannot name the file; the name is
             # built here, on failure only, since reads are hot.
-            where = f"{self.reader.path}: {self.paths[index]}"
+            where = f"{self.reader.path}: {self.paths[position]}"
             raise CorruptDataError(f"{where}: {exc.reason or exc}", where, exc.reason) from exc
         if self.target_transform is not None:
             label = self.target_transform(label)
@@ -106,7 +110,7 @@ class ReaderDataset(torch.utils.data.Dataset):
     def check_not_cut(self):
         """The reader's check that the file it maps its tables from was not cut short since
         (packer's SplitReader.check_not_cut: one fstat), or None for a reader with none."""
-        return getattr(self.reader, "check_not_cut", None)
+        return self.reader.check_not_cut if self._checks_cuts else None
 
     def read_ahead(self) -> ReadAhead | None:
         """This dataset's hinting state, or None when its reader takes no hints."""

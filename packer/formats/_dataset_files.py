@@ -43,6 +43,12 @@ class DatasetFiles:
         if now != self.identity:
             raise replaced_error(self.identity_file)
 
+    @property
+    def may_be_cut(self) -> bool:
+        """Whether check_not_cut checks anything: a local reader that maps its tables from its
+        data file. A Dataset asks once, so that a read of the others pays no call."""
+        return self.MAPS_DATA_FILE and self.remote is None
+
     def check_not_cut(self) -> None:
         """Raise if the file this reader maps its tables from is now shorter than when it was
         made. A mapped page past the new end kills the process (SIGBUS) when touched, so

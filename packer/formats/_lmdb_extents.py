@@ -44,7 +44,9 @@ class ExtentReads:
             self.extents()
         if self._extents is False:
             return None
-        self._extent_blocks.ensure(position)
+        checks = self._extent_blocks
+        if checks.left:  # once every block has passed, no call
+            checks.ensure(position)
         at = self._extent_at.item(position)
         if not at:
             return None
