@@ -69,17 +69,23 @@ class KeyedPermutation:
         """Each round's function at every half value, (ROUNDS, 2^half), or None for halves
         wider than TABLE_BITS."""
         if self._table is None and self.half <= TABLE_BITS:
-            self._table = _mix(np.arange(1 << self.half, dtype=np.uint64)[None, :], self.keys[:, None]) & self.mask
+            table = _mix(np.arange(1 << self.half, dtype=np.uint64)[None, :], self.keys[:, None]) & self.mask
+            self._table = table.astype(np.intp)  # values below 2^TABLE_BITS
         return self._table
 
     def _round(self, r: int, half: np.ndarray) -> np.ndarray:
-        """Round r's function of these half values."""
-        table = self.round_table()
-        return table[r][half] if table is not None else _mix(half, self.keys[r]) & self.mask
+        """Round r's function of these half values (halves wider than TABLE_BITS: no table)."""
+        return _mix(half, self.keys[r]) & self.mask
 
     def _network(self, values: np.ndarray) -> np.ndarray:
         shift = np.uint64(self.half)
         left, right = values >> shift, values & self.mask
+        table = self.round_table()
+        if table is not None:  # halves are table positions: intp, so each lookup casts nothing
+            left, right = left.astype(np.intp), right.astype(np.intp)
+            for row in table:
+                left, right = right, left ^ row.take(right)
+            return (left.astype(np.uint64) << shift) | right.astype(np.uint64)
         for r in range(len(self.keys)):
             left, right = right, left ^ self._round(r, right)
         return (left << shift) | right
@@ -87,6 +93,12 @@ class KeyedPermutation:
     def _unnetwork(self, values: np.ndarray) -> np.ndarray:
         shift = np.uint64(self.half)
         left, right = values >> shift, values & self.mask
+        table = self.round_table()
+        if table is not None:
+            left, right = left.astype(np.intp), right.astype(np.intp)
+            for row in table[::-1]:
+                left, right = right ^ row.take(left), left
+            return (left.astype(np.uint64) << shift) | right.astype(np.uint64)
         for r in reversed(range(len(self.keys))):
             left, right = right ^ self._round(r, left), left
         return (left << shift) | right
