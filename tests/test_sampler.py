@@ -311,6 +311,28 @@ def test_each_window_is_hinted_before_it_is_read(sorted_tree, tmp_path):
     dataset.close()
 
 
+def test_set_epoch_hints_the_first_windows_and_the_pass_does_not_hint_them_again(sorted_tree, tmp_path):
+    out = tmp_path / "d.lmdb"
+    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
+    dataset = readers.LMDBDataset(out, decode="raw")
+    hinted = []
+    dataset.reader.will_need = lambda start, stop: hinted.append((start, stop))
+    sampler = BlockShuffleSampler(dataset, block_size=5, window=2, seed=0)
+    for epoch in (1, 2):
+        hinted.clear()
+        sampler.set_epoch(epoch)
+        assert len(hinted) == 4  # the first two windows, before the loader draws an index
+        first = set(hinted)
+        for k, i in enumerate(sampler):
+            assert any(a <= i < b for a, b in hinted)  # hinted before it is read
+        assert sorted(hinted) == [(s, s + 5) for s in range(0, 40, 5)]  # each block once a pass
+        assert set(hinted[:4]) == first
+    hinted.clear()
+    list(sampler)  # a second pass of epoch 2, with no set_epoch before it: hinted as it goes
+    assert sorted(hinted) == [(s, s + 5) for s in range(0, 40, 5)]
+    dataset.close()
+
+
 @pytest.mark.skipif(not cache.CAN_EVICT or cache.resident_fraction([__file__]) is None,
                     reason="needs posix_fadvise and mincore")
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
