@@ -355,6 +355,31 @@ def test_will_need_brings_the_records_into_the_page_cache(sorted_tree, tmp_path,
     reader.close()
 
 
+@pytest.mark.skipif(not (_io.CAN_ADVISE and _io.CAN_PROBE and cache.CAN_EVICT), reason="needs posix_fadvise, "
+                    "RWF_NOWAIT reads and eviction (Linux)")
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5", "wds"])
+def test_a_block_found_in_the_page_cache_is_not_hinted_again(sorted_tree, tmp_path, fmt, monkeypatch):
+    out = tmp_path / f"h.{fmt}"
+    pack(str(sorted_tree), fmt, str(out), progress=False, workers=1)
+    dataset = readers.open_dataset(out, decode="raw").open()
+    reader, advised = dataset.reader, []
+    advise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: (advised.append(args[3]), advise(*args))[1])
+    files = [p for p in cache.data_files(str(out)) if p.endswith((".mdb", ".tar")) or p == str(out)]
+    for i in range(len(dataset)):
+        dataset[i]  # every record read: its pages cached
+    if cache.resident_fraction(files) < 0.9:
+        pytest.skip("this file system does not keep what was read in the page cache")
+    reader.will_need(0, len(reader))
+    assert os.POSIX_FADV_WILLNEED not in advised  # a few probes instead of a walk of every page
+    cache.evict(files)
+    if cache.resident_fraction(files) > 0.2:
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    reader.will_need(0, len(reader))
+    assert os.POSIX_FADV_WILLNEED in advised
+    dataset.close()
+
+
 def test_class_entropy_measures_mixing():
     labels = np.repeat(np.arange(4), 16)  # class-sorted storage, 4 classes of 16
     assert class_entropy(labels, range(64), 8) == 0.0  # sequential: one class per batch

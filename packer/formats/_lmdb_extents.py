@@ -188,7 +188,7 @@ class ExtentReads:
         chunk = chunk[chunk["length"] > 0]
         if len(chunk):
             first = int(chunk["offset"].min())
-            _io.will_need(self.handle()[2], first, int((chunk["offset"] + chunk["length"]).max()) - first)
+            _io.will_need_uncached(self.handle()[2], first, int((chunk["offset"] + chunk["length"]).max()) - first)
 
     def record_extents(self, indexes: np.ndarray):
         if self.extents() is None or not len(indexes):

@@ -199,7 +199,8 @@ class SplitReader(IndexedPaths, DatasetFiles, LazyTables, LazyHandle):
         return is_permutation(order)
 
     def will_need(self, start: int, stop: int) -> None:
-        """Hint that the records stored at positions [start, stop) are read soon (no-op here)."""
+        """Hint that the records stored at positions [start, stop) are read soon, as one span
+        of each file, unless its pages are found cached (_io.will_need_uncached); no-op here."""
 
     def will_need_records(self, indexes) -> int:
         """Hint that the records `indexes` (any order) are read soon: the kernel starts

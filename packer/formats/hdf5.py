@@ -470,7 +470,7 @@ class Reader(HDF5File, SplitReader):
         first, last = int(offsets[start]) // CHUNK_BYTES, (int(offsets[stop]) - 1) // CHUNK_BYTES
         if last >= first:
             lo, hi = int(chunks[first:last + 1].min()), int(chunks[first:last + 1].max()) + CHUNK_BYTES
-            _io.will_need(self.handle()[2], lo, hi - lo)
+            _io.will_need_uncached(self.handle()[2], lo, hi - lo)
 
     def record_extents(self, indexes: np.ndarray):
         if self.chunks() is None or not len(indexes):

@@ -496,7 +496,7 @@ class Reader(SplitReader):
         for shard in np.unique(chosen["shard"]).tolist():
             mine = chosen[chosen["shard"] == shard]
             first = int(mine["offset"].min())
-            _io.will_need(self.shard_fd(shard), first, int((mine["offset"] + mine["size"]).max()) - first)
+            _io.will_need_uncached(self.shard_fd(shard), first, int((mine["offset"] + mine["size"]).max()) - first)
 
     def record_extents(self, indexes: np.ndarray):
         if not len(indexes):
