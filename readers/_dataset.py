@@ -55,6 +55,11 @@ class ReaderDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         if self._checks_cuts:  # the file cut short since: an error, not SIGBUS (docs/safety.md)
             self.reader.check_not_cut()
+        return self.read_item(index)
+
+    def read_item(self, index: int):
+        """self[index] without the check that the file was not cut short: __getitems__ checks
+        once a batch (a batch of 64 made 65 fstat calls)."""
         # A plain int from here on: a KeyedIndex (an int subclass) slows each comparison and table lookup.
         position = plain_int(index)
         if position < 0:  # never a KeyedIndex: samplers hand out positions
@@ -93,8 +98,8 @@ class ReaderDataset(torch.utils.data.Dataset):
         a collate of raw bytes hands on to the decoder (readers.collate.encoded_collate).
         """
         keep_heap_in_worker()
-        if self.check_not_cut is not None:  # before the hints below read the record tables
-            self.check_not_cut()
+        if self._checks_cuts:  # before the hints below read the record tables; once for the batch
+            self.reader.check_not_cut()
         indexes = list(indexes)
         hint = self.read_ahead()
         # Warm, the hints back off for whole batches: their records are not worked out at all.
@@ -102,15 +107,11 @@ class ReaderDataset(torch.utils.data.Dataset):
             wanted = self.hintable(indexes)
             for k in range(0, len(wanted), HINT_CHUNK):
                 hint(wanted[k:k + HINT_CHUNK])
-        samples = [self[i] for i in indexes]
+        # A subclass's own __getitem__ still reads each item.
+        read = self.read_item if type(self).__getitem__ is ReaderDataset.__getitem__ else self.__getitem__
+        samples = [read(i) for i in indexes]
         keys = [key_of(i) for i in indexes]
         return KeyedSamples(samples, keys) if keys and keys[0] is not None else samples
-
-    @property
-    def check_not_cut(self):
-        """The reader's check that the file it maps its tables from was not cut short since
-        (packer's SplitReader.check_not_cut: one fstat), or None for a reader with none."""
-        return self.reader.check_not_cut if self._checks_cuts else None
 
     def read_ahead(self) -> ReadAhead | None:
         """This dataset's hinting state, or None when its reader takes no hints."""

@@ -66,6 +66,27 @@ def test_a_bad_index_in_a_batch_is_refused_as_ds_i_refuses_it(tree, packed):
         dataset.close()
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_a_batch_checks_its_file_once_and_a_subclass_getitem_still_reads_each_item(packed, fmt, monkeypatch):
+    dataset = readers.open_dataset(packed[fmt], decode="raw")
+    checks, check = [], dataset.reader.check_not_cut
+    monkeypatch.setattr(dataset.reader, "check_not_cut", lambda: (checks.append(1), check())[1])
+    assert len(dataset.__getitems__(list(range(64)))) == 64
+    assert len(checks) == 1  # one fstat for the batch (docs/safety.md), not one more per item
+    dataset[3]
+    assert len(checks) == 2
+
+    class Tagged(type(dataset)):
+        def __getitem__(self, index):
+            image, label = super().__getitem__(index)
+            return image, label + 1000
+
+    tagged = Tagged(packed[fmt], decode="raw")
+    assert [label for _, label in tagged.__getitems__([0, 45, 89])] == [dataset[i][1] + 1000 for i in (0, 45, 89)]
+    dataset.close()
+    tagged.close()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_plain_shuffled_dataloader_collates_the_batches_by_default(tree, packed, workers):
     """The README's drop-in: DataLoader(ds, shuffle=True), torch's default collate."""
