@@ -1,4 +1,5 @@
-"""Controls and checks the page cache for a benchmark's data files, without root.
+"""Controls and checks the page cache for a benchmark's data files, without root (compaction
+needs it, and is skipped without).
 
 Cold means: every data page of the source was dropped with
 posix_fadvise(POSIX_FADV_DONTNEED) after an fsync (dirty pages cannot be dropped), and
@@ -7,11 +8,13 @@ process has mapped, so callers close readers (LMDB maps its file) before evictin
 check catches any that stayed. Warm means: the files were evicted and then read from
 start to end (again, up to RELOADS times, while mincore finds a page missing), and
 mincore confirms every data page is resident. Evicting first means no case inherits the
-pages an earlier cold random run brought in one at a time. It cannot make the memory
-behind the cache the same: on a VM that reclaims guest memory (DAMON pageout, a balloon
-reporting free pages; see machine.memory_reclaim) the same cached file copies out slower
-in some runs than in others. Only file data is evicted: directory entries and inodes stay
-cached, and a hypervisor's or disk's own cache is out of reach.
+pages an earlier cold random run brought in one at a time, and compacting free memory in
+between (as root: compact()) that a reload lands in the small pieces its eviction freed.
+It cannot make the memory behind the cache the same: on a VM that reclaims guest memory
+(DAMON pageout, a balloon reporting free pages; see machine.memory_reclaim) the same
+cached file copies out slower in some runs than in others. Only file data is evicted:
+directory entries and inodes stay cached, and a hypervisor's or disk's own cache is out
+of reach.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ COLD_MAX = 0.02
 WARM_MIN = 0.98
 RELOADS = 3  # read-throughs after the first while some page is still not resident
 CAN_EVICT = CAN_ADVISE  # posix_fadvise: Linux and most Unixes; not macOS or Windows
+COMPACT = "/proc/sys/vm/compact_memory"
 
 
 def data_files(path: str) -> list[str]:
@@ -43,6 +47,25 @@ def data_files(path: str) -> list[str]:
         dirs.sort()
         found += [os.path.join(root, f) for f in sorted(files)]
     return found
+
+
+def can_compact() -> bool:
+    """Whether this process may ask the kernel to compact free memory (Linux, root)."""
+    return os.access(COMPACT, os.W_OK)
+
+
+def compact() -> bool:
+    """Have the kernel defragment free memory (a few ms), where this process may: a warm
+    reload then gets large page-cache folios whatever ran before. Reloaded into the small
+    pieces its own eviction left, a 2 GB pack copied out 20-25% slower, run after run, than
+    the same pack reloaded after a compaction (benchmarks/results/NOTES.md). False where
+    not allowed."""
+    try:
+        with open(COMPACT, "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
 
 
 def load(paths: Iterable[str]) -> None:
@@ -121,6 +144,7 @@ def prepare(paths: list[str], state: str) -> float | None:
     elif state == "warm":
         if CAN_EVICT:
             evict(paths)
+        compact()
         load(paths)
         # One read-through right after evicting has left up to 1.2% of pages out here (cause
         # not pinned down); those would be disk reads inside a warm run, so fill the gaps.

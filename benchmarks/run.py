@@ -289,6 +289,7 @@ def run(args) -> dict:
             "machine": machine.describe(workdir),
             "config": {**asdict(opts), "formats": args.formats, "measures": args.measures, "cache": args.cache,
                        "peers": not args.no_peers, "isolation": args.isolation, "workdir": workdir,
+                       "warm_compacts": cache.can_compact(),
                        "corpus": corpus,
                        "descriptions": {**{m: MEASURES[m].description for m in args.measures},
                                         "ceiling": CEILING.description, "disk": DISK.description,
