@@ -291,13 +291,19 @@ def test_blocks_follow_storage_order_of_a_shuffled_pack(sorted_tree, tmp_path, f
     dataset.close()
 
 
-def test_each_window_is_hinted_before_it_is_read(sorted_tree, tmp_path):
+def block_hints(sorted_tree, tmp_path) -> tuple:
+    """(an LMDB Dataset of the 40 sorted records, a BlockShuffleSampler over it in blocks of 5
+    and windows of 2, the (start, stop) spans its reader is asked to hint, in order)."""
     out = tmp_path / "d.lmdb"
     pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
     dataset = readers.LMDBDataset(out, decode="raw")
     hinted = []
     dataset.reader.will_need = lambda start, stop: hinted.append((start, stop))
-    sampler = BlockShuffleSampler(dataset, block_size=5, window=2, seed=0)
+    return dataset, BlockShuffleSampler(dataset, block_size=5, window=2, seed=0), hinted
+
+
+def test_each_window_is_hinted_before_it_is_read(sorted_tree, tmp_path):
+    dataset, sampler, hinted = block_hints(sorted_tree, tmp_path)
     seen = []
     for k, i in enumerate(sampler):
         seen.append(i)
@@ -312,18 +318,13 @@ def test_each_window_is_hinted_before_it_is_read(sorted_tree, tmp_path):
 
 
 def test_set_epoch_hints_the_first_windows_and_the_pass_does_not_hint_them_again(sorted_tree, tmp_path):
-    out = tmp_path / "d.lmdb"
-    pack(str(sorted_tree), "lmdb", str(out), progress=False, workers=1)
-    dataset = readers.LMDBDataset(out, decode="raw")
-    hinted = []
-    dataset.reader.will_need = lambda start, stop: hinted.append((start, stop))
-    sampler = BlockShuffleSampler(dataset, block_size=5, window=2, seed=0)
+    dataset, sampler, hinted = block_hints(sorted_tree, tmp_path)
     for epoch in (1, 2):
         hinted.clear()
         sampler.set_epoch(epoch)
         assert len(hinted) == 4  # the first two windows, before the loader draws an index
         first = set(hinted)
-        for k, i in enumerate(sampler):
+        for i in sampler:
             assert any(a <= i < b for a, b in hinted)  # hinted before it is read
         assert sorted(hinted) == [(s, s + 5) for s in range(0, 40, 5)]  # each block once a pass
         assert set(hinted[:4]) == first
