@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import signal
 import threading
 import time
@@ -29,6 +30,9 @@ RECORD_CHUNK = 64
 WINDOW_FILES = 4096
 WINDOW_BYTES = 256 << 20
 STOP_GRACE_S = 3.0  # how long a stopping pool waits for the chunks in flight before killing its workers
+READER_WAIT_S = 0.002  # how long a reader as far ahead as it may go waits before it looks again
+# How long the consumer waits for a result at a time: a stop signal another thread took waits this long.
+STOP_LOOK_S = 0.1
 
 
 def load_in_processes(jobs: list, load: Callable[[Any], Any], workers: int,
@@ -38,38 +42,70 @@ def load_in_processes(jobs: list, load: Callable[[Any], Any], workers: int,
     load must be picklable; each worker receives it once, so it may keep state (open
     readers) for the life of the pool. At most 4 chunks per worker are in flight, and
     nothing but this generator submits work, so tearing the pool down (on an error, a
-    Ctrl-C or an early close) never waits on a blocked feeder.
+    Ctrl-C or an early close) never waits on a blocked feeder. The pool's own thread hands
+    each chunk over through a queue (in_order), never through a lock this thread takes.
     """
     if workers <= 1:
         yield from map(load, jobs)
         return
     parts = (jobs[i:i + chunk] for i in range(0, len(jobs), chunk))
     pool = None
-    pending: deque = deque()
+    pending: deque = deque()  # the chunks submitted and not yet taken, oldest first
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    arrived: dict = {}
     try:
         with stop_signals_blocked():  # so no worker can take a Ctrl-C or SIGTERM before it starts ignoring them
             pool = Pool(workers, initializer=_start_worker, initargs=(load,))
+        submitted = 0
         for part in itertools.islice(parts, workers * 4):
-            submit(pool, part, pending)
+            submit(pool, part, submitted, pending, finished)
+            submitted += 1
+        taken = 0
         while pending:
-            done = pending[0].get()
+            done = in_order(finished, arrived, taken)
+            taken += 1
             pending.popleft()
             part = next(parts, None)
             if part is not None:
-                submit(pool, part, pending)
+                submit(pool, part, submitted, pending, finished)
+                submitted += 1
             yield from done
     finally:
         if pool is not None:
             stop_pool(pool, pending)
 
 
-def submit(pool, part: list, pending: deque) -> None:
-    """Queue part on pool, its result appended to pending, with no Ctrl-C or SIGTERM between.
+def in_order(finished: queue.SimpleQueue, arrived: dict, number: int):
+    """Result `number`, from a queue other threads put (number, result) on as each finishes,
+    in any order; those that come before it wait in arrived. An exception is raised.
+
+    Why a queue: Ctrl-C or SIGTERM raises in this (the main) thread at any bytecode, and one
+    raised just after a `with condition:` takes its lock leaves the lock held, so the
+    threads that hand results over would wait on it forever, and so would the teardown.
+    SimpleQueue's get and put are single calls into C: nothing is left held. The wait is
+    sliced so that a signal another thread took is still raised here within moments."""
+    while number not in arrived:
+        try:
+            done, result = finished.get(timeout=STOP_LOOK_S)
+        except queue.Empty:
+            continue
+        arrived[done] = result
+    result = arrived.pop(number)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def submit(pool, part: list, number: int, pending: deque, finished: queue.SimpleQueue) -> None:
+    """Queue part on pool as chunk `number`, with no Ctrl-C or SIGTERM between: the pool's
+    thread puts (number, its results or its exception) on finished.
 
     apply_async registers the job with the pool before it queues it: interrupted between
     the two, the job would never run, and Pool.join() waits for every registered job."""
+    def hand_over(result) -> None:
+        finished.put((number, result))
     with stop_signals_deferred():
-        pending.append(pool.apply_async(_load_part, (part,)))
+        pending.append(pool.apply_async(_load_part, (part,), callback=hand_over, error_callback=hand_over))
 
 
 def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
@@ -82,8 +118,8 @@ def stop_pool(pool, pending: deque, grace: float = STOP_GRACE_S) -> None:
     """
     pool.close()
     deadline = time.monotonic() + grace
-    for result in pending:
-        result.wait(max(0.0, deadline - time.monotonic()))
+    while not all(result.ready() for result in pending) and time.monotonic() < deadline:
+        time.sleep(0.01)  # ready() reads a flag; wait() would take the result's lock (see in_order)
     if not all(result.ready() for result in pending):
         for worker in pool._pool:  # the Pool's own list of its worker processes
             if worker.is_alive():
@@ -122,9 +158,9 @@ def stop_signals_deferred() -> Iterator[None]:
     noted: list[int] = []
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     swapped = [signum for signum, handler in handlers.items() if handler is not None]  # None: set outside Python
-    for signum in swapped:
-        signal.signal(signum, lambda signum, frame: noted.append(signum))
-    try:
+    try:  # a signal between two swaps still finds every handler put back
+        for signum in swapped:
+            signal.signal(signum, lambda signum, frame: noted.append(signum))
         with stop_signals_blocked():
             yield
     finally:
@@ -143,7 +179,8 @@ def load_in_threads(jobs: list, load: Callable[[Any], Any], threads: int,
     processes did this (docs/benchmarks.md, "How fast packing is"). The threads keep reading while
     the consumer is busy (an LMDB commit takes a few hundred ms), up to `window` files
     ahead of it and at most about `budget` bytes loaded and not yet consumed, so memory
-    stays flat however large the dataset is.
+    stays flat however large the dataset is. A reader stuck in a read (a hung network
+    mount) is left behind after STOP_GRACE_S (they are daemon threads) rather than waited for.
     """
     if threads <= 1:
         yield from map(load, jobs)
@@ -157,64 +194,66 @@ def load_in_threads(jobs: list, load: Callable[[Any], Any], threads: int,
             yield ahead.take(i)
     finally:
         ahead.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
         for worker in workers:
-            worker.join()
+            worker.join(max(0.0, deadline - time.monotonic()))
 
 
 class _ReadAhead:
-    """Jobs handed to reader threads in order; results collected for an in-order consumer.
+    """Jobs handed to reader threads in order; results taken in order by one consumer.
 
-    Jobs are started in order, so the job the consumer waits for is always started
-    before any later one: the budget can never hold it back (no deadlock).
+    The consumer touches no lock a reader needs (in_order says why): results come to it
+    through a queue, and all it tells the readers is how far it has got, in two counters
+    only it writes. A reader ahead of it by `window` jobs or `budget` bytes looks again
+    every READER_WAIT_S (idle readers cost nothing to a consumer that is behind anyway).
+    Jobs are started in order, so the job the consumer waits for is always started before
+    any later one: once every started job is taken no bytes wait, and the budget can
+    never hold it back (no deadlock).
     """
 
     def __init__(self, jobs: list, load: Callable[[Any], Any], window: int, budget: int):
         self.jobs, self.load = jobs, load
-        self.window, self.budget = window, budget
-        self.cond = threading.Condition()
-        self.started = 0    # jobs handed to a thread
-        self.consumed = 0   # results taken by the consumer
-        self.ready_bytes = 0
-        self.results: dict[int, Any] = {}
+        self.window, self.budget = window, max(budget, 1)
+        self.finished: queue.SimpleQueue = queue.SimpleQueue()  # (index, result), as each is loaded
+        self.lock = threading.Lock()  # the readers' alone
+        self.started = 0        # jobs handed to a reader (under lock)
+        self.loaded_bytes = 0   # of every result loaded so far (under lock)
+        self.taken = 0          # results taken by the consumer (the consumer's)
+        self.taken_bytes = 0    # their bytes (the consumer's)
+        self.arrived: dict = {}  # results loaded ahead of the one the consumer waits for (the consumer's)
         self.stopped = False
 
-    def _may_start(self) -> bool:
-        return self.stopped or self.started >= len(self.jobs) or (
-            self.started - self.consumed < self.window and self.ready_bytes < self.budget)
-
     def work(self) -> None:
-        while True:
-            with self.cond:
-                self.cond.wait_for(self._may_start)
-                if self.stopped or self.started >= len(self.jobs):
-                    return
-                index = self.started
-                self.started += 1
+        while (index := self._next_job()) is not None:
             try:
                 result = self.load(self.jobs[index])
             except BaseException as exc:  # re-raised in the consumer, which knows what to do
                 result = exc
-            with self.cond:
-                self.results[index] = result
-                self.ready_bytes += _loaded_bytes(result)
-                self.cond.notify_all()
+            with self.lock:
+                self.loaded_bytes += _loaded_bytes(result)
+            self.finished.put((index, result))
+
+    def _next_job(self) -> int | None:
+        """The next job to load, once it is within the window and the budget; None when stopped or done."""
+        while True:
+            with self.lock:
+                if self.stopped or self.started >= len(self.jobs):
+                    return None
+                if self.started - self.taken < self.window and self.loaded_bytes - self.taken_bytes < self.budget:
+                    self.started += 1
+                    return self.started - 1
+            time.sleep(READER_WAIT_S)
 
     def take(self, index: int):
-        with self.cond:
-            self.cond.wait_for(lambda: index in self.results)
-            result = self.results.pop(index)
-            self.ready_bytes -= _loaded_bytes(result)
-            self.consumed = index + 1
-            self.cond.notify_all()
-        if isinstance(result, BaseException):
-            raise result
+        """Result index; a failed load's exception is raised (the consumer then stops)."""
+        result = in_order(self.finished, self.arrived, index)
+        self.taken_bytes += _loaded_bytes(result)
+        self.taken = index + 1
         return result
 
     def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.results.clear()
-            self.cond.notify_all()
+        self.stopped = True
+        self.arrived.clear()
 
 
 def _loaded_bytes(result) -> int:
