@@ -164,10 +164,25 @@ def stop_signals_deferred() -> Iterator[None]:
         with stop_signals_blocked():
             yield
     finally:
-        for signum in swapped:
-            signal.signal(signum, handlers[signum])
+        put_back(handlers, swapped)
         for signum in dict.fromkeys(noted):
             signal.raise_signal(signum)
+
+
+def put_back(handlers: dict, swapped: list) -> None:
+    """signal.signal(signum, handlers[signum]) for each swapped signal. A handler put back
+    runs at once for a signal that comes meanwhile, and may raise: the rest still go back
+    (none is left noting signals forever), and then it is raised."""
+    raised = None
+    for signum in swapped:
+        while True:
+            try:
+                signal.signal(signum, handlers[signum])
+                break
+            except BaseException as exc:  # a KeyboardInterrupt: raised once all are back
+                raised = exc
+    if raised is not None:
+        raise raised
 
 
 def load_in_threads(jobs: list, load: Callable[[Any], Any], threads: int,

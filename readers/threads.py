@@ -35,11 +35,14 @@ import signal
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.multiprocessing as tmp
 import torch.utils.data as tud
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
+
+from packer.engine import STOP_LOOK_S, stop_signals_deferred
 
 from .buffers import share_batches
 from .heap import share_one_heap, trim_heap
@@ -173,20 +176,38 @@ def read_one(dataset, index):
 
 def in_order(pool: ThreadPoolExecutor, threads: int, batches, dataset, collate_fn, prefetch: int):
     """The collated batches of `batches` (lists of indexes), in order, with at most
-    `prefetch` of them submitted ahead of the one handed out; the first read by every thread."""
+    `prefetch` of them submitted ahead of the one handed out; the first read by every thread.
+
+    The trainer's Ctrl-C or SIGTERM is held off while a batch is submitted or taken (at
+    most STOP_LOOK_S at a time): both take locks the pool's threads need (the pool's idle
+    count, the future's condition), and a KeyboardInterrupt raised just after one is taken
+    leaves it held, so the threads, and the shutdown that waits for them, would hang."""
     pending = collections.deque()
     batches = iter(batches)
     for indexes in batches:
         parts = 1 if pending else threads
-        pending.append(submit_batch(pool, dataset, list(indexes), collate_fn, parts))
+        with stop_signals_deferred():
+            pending.append(submit_batch(pool, dataset, list(indexes), collate_fn, parts))
         if len(pending) >= prefetch:
             break
     while pending:
-        batch = pending.popleft().result()
+        batch = settled(pending.popleft())
         for indexes in batches:
-            pending.append(submit_batch(pool, dataset, list(indexes), collate_fn))
+            with stop_signals_deferred():
+                pending.append(submit_batch(pool, dataset, list(indexes), collate_fn))
             break
         yield batch
+
+
+def settled(future: Future):
+    """future.result(), waited for STOP_LOOK_S at a time with stop signals held off (in_order)."""
+    while True:
+        with stop_signals_deferred():
+            try:
+                return future.result(timeout=STOP_LOOK_S)
+            except FutureTimeout:
+                if future.done():  # the batch's own TimeoutError, not the wait's
+                    raise
 
 
 class ThreadBatches(tud.DataLoader):

@@ -1,7 +1,6 @@
 """packer.pack: reader threads and processes (order, bounded read-ahead, errors, early exits),
 and what reaches the writer from a hostile source (FIFOs, devices, unreadable folders)."""
 import contextlib
-import itertools
 import multiprocessing
 import os
 import socket
@@ -19,6 +18,7 @@ from packer.formats import read_metadata
 from packer.engine import STOP_GRACE_S, load_in_processes, load_in_threads
 from packer.pack import Loaded, load_file
 
+from bytecode_stops import interrupted_at_every_bytecode
 from conftest import jpeg_bytes, write
 from test_scan import as_unprivileged, locked_tree, public_tmp  # noqa: F401  (public_tmp is a fixture)
 
@@ -163,59 +163,6 @@ def test_a_stuck_worker_is_killed_after_the_grace_period():
     assert multiprocessing.active_children() == []
 
 
-def raising_at(bytecode: int, spared: str, raised: list):
-    """A trace function that raises KeyboardInterrupt at the given bytecode this thread runs
-    from now on, once, as a Ctrl-C's handler does: Python runs it between two bytecodes,
-    wherever the main thread is. Bytecodes run inside a function named `spared` are not
-    counted: one that holds stop signals off (stop_signals_deferred) is safe from them."""
-    seen = 0
-
-    def trace(frame, event, arg):
-        nonlocal seen
-        frame.f_trace_opcodes = True
-        if event == "opcode" and not raised and not runs_inside(frame, spared):
-            if seen == bytecode:
-                raised.append(f"{frame.f_code.co_name} in {Path(frame.f_code.co_filename).name}")
-                raise KeyboardInterrupt
-            seen += 1
-        return trace
-    return trace
-
-
-def runs_inside(frame, name: str) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == name:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def interrupted_at_every_bytecode(start_loading, spared: str = "") -> list[str]:
-    """For k = 0, 1, ...: take two results, raise KeyboardInterrupt at the k-th bytecode on
-    the way to the third, and require the teardown to end within moments (a consumer
-    that left a lock held waits for its readers forever). Returns where each was raised."""
-    places = []
-    for bytecode in itertools.count():
-        raised: list = []
-
-        def take_and_interrupt():
-            loaded = start_loading()
-            assert [next(loaded).crc for _ in range(2)] == [0, 1]
-            sys.settrace(raising_at(bytecode, spared, raised))
-            try:
-                assert next(loaded).crc == 2
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
-            loaded.close()
-
-        within(STOP_GRACE_S + 10, take_and_interrupt)
-        if not raised:  # the third result came in fewer bytecodes than k: every one was tried
-            return places
-        places += raised
-
-
 def test_a_ctrl_c_at_any_bytecode_of_the_thread_consumer_leaves_no_reader_behind():
     # A Ctrl-C or SIGTERM that landed just after `with condition:` took its lock left it
     # held; the readers then waited on it, and the pack for them, forever.
@@ -229,7 +176,7 @@ def test_a_ctrl_c_at_any_bytecode_of_the_process_consumer_leaves_no_worker_behin
     # Submitting is held off from stop signals as a whole (stop_signals_deferred); the rest
     # of the consumer must be safe at any bytecode. Waiting on a result's Event took its lock.
     places = interrupted_at_every_bytecode(
-        lambda: load_in_processes(list(range(100)), make_loaded, workers=2, chunk=1), spared="submit")
+        lambda: load_in_processes(list(range(100)), make_loaded, workers=2, chunk=1), spared=("submit",))
     assert len(places) >= 10 and any("in_order" in place for place in places), places
     assert multiprocessing.active_children() == []
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ sys.path.insert(0, str(HERE.parent))  # the script run: this checkout's packer a
 import readers  # noqa: E402
 from readers import make_loader  # noqa: E402
 
+from readers.threads import inline_batches  # noqa: E402
+
+from bytecode_stops import interrupted_at_every_bytecode  # noqa: E402
 from conftest import packed_three_ways, sample_ids  # noqa: E402
 
 BATCH, SEED, THREADS = 5, 3, 2
@@ -62,6 +66,18 @@ def test_tensor_batches_cross_from_the_background_process(packs):
         assert len(seen[kind]) == len(seen["processes"]) == 20
         for (images, labels), (want_images, want_labels) in zip(seen[kind], seen["processes"]):
             assert torch.equal(images, want_images) and torch.equal(labels, want_labels), kind
+
+
+def test_a_ctrl_c_at_any_bytecode_of_taking_an_inline_batch_leaves_no_thread_behind(packs):
+    # threads-inline: the trainer's own thread submits and takes batches. A KeyboardInterrupt
+    # just after Future.result() or the pool's submit took a lock left it held; the pool's
+    # threads then waited on it, and the loader's shutdown (at the trainer's exit) on them.
+    data = readers.LMDBDataset(Path(packs) / "d.lmdb", decode="raw")
+    batches = [list(range(i, i + BATCH)) for i in range(0, len(data), BATCH)]
+    places = interrupted_at_every_bytecode(lambda: inline_batches(data, batches, sample_ids, THREADS, 2),
+                                           spared=("submit_batch", "settled"))
+    assert len(places) >= 10 and any("in_order" in place for place in places), places
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("packer-loader")]
 
 
 def save(root: str, kind: str, k: int, path: Path) -> list:
