@@ -296,11 +296,11 @@ class Background:
         threads collate them into slots, the trainer hands them out in order."""
         self.passes += 1
         run = self.passes
-        self.requests.put(("pass", run, epoch, self.taken.dropped()))
+        ask(self.requests, ("pass", run, epoch, self.taken.dropped()))
         batches, sent, taken, done = iter(batches), 0, 0, {}
         try:
             for indexes in itertools.islice(batches, prefetch):
-                self.requests.put(("batch", run, sent, list(indexes), []))
+                ask(self.requests, ("batch", run, sent, list(indexes), []))
                 sent += 1
             while taken < sent:
                 while taken not in done:
@@ -313,13 +313,13 @@ class Background:
                 if pin:  # copied into pinned memory (readers.ring): the slot is free once the view goes
                     batch = pin_batch(batch)
                 for indexes in itertools.islice(batches, 1):
-                    self.requests.put(("batch", run, sent, list(indexes), self.taken.dropped()))
+                    ask(self.requests, ("batch", run, sent, list(indexes), self.taken.dropped()))
                     sent += 1
                 yield batch
         finally:  # batches received but not handed out give their slots back
             left = [slot for _, slot, _ in done.values() if slot >= 0]
             if left and self.process.is_alive():
-                self.requests.put(("free", left))
+                ask(self.requests, ("free", left))
 
     def stream(self, blob: bytes, workers: int, batch_size: int, drop_last: bool, prefetch: int, pin: bool):
         """One pass over a stream (readers.thread_streams): `workers` threads read the
@@ -327,7 +327,7 @@ class Background:
         self.passes += 1
         run, done = self.passes, {w: collections.deque() for w in range(workers)}
         credit = max(1, prefetch // workers)
-        self.requests.put(("stream", run, blob, workers, batch_size, drop_last, credit, self.taken.dropped()))
+        ask(self.requests, ("stream", run, blob, workers, batch_size, drop_last, credit, self.taken.dropped()))
 
         def next_of(worker_id: int):
             while not done[worker_id]:
@@ -339,12 +339,12 @@ class Background:
                 if not ok:
                     raise SampleError(payload)
                 batch = self.taken.unpack(payload, slot)
-                self.requests.put(("credit", run, worker_id, self.taken.dropped()))
+                ask(self.requests, ("credit", run, worker_id, self.taken.dropped()))
                 yield pin_batch(batch) if pin else batch
         finally:
             left = [slot for arrived in done.values() for _, slot, _ in arrived if slot >= 0]
             if self.process.is_alive():
-                self.requests.put(("free", left))
+                ask(self.requests, ("free", left))
 
     def arrived(self, run: int, keep) -> None:
         """Receive one answer and keep(number or stream worker, (ok, slot, batch)) it; one
@@ -354,7 +354,7 @@ class Background:
         if run_of == run:
             keep(key, (ok, slot, payload))
         elif slot >= 0:
-            self.requests.put(("free", [slot]))
+            ask(self.requests, ("free", [slot]))
 
     def close(self) -> None:
         stop(self.process, self.requests, self.results)
@@ -388,10 +388,18 @@ def died(process) -> RuntimeError:
                         f"code is the signal), look for an out-of-memory kill in dmesg")
 
 
+def ask(requests, message) -> None:
+    """requests.put(message) with the trainer's stop signals held off: a multiprocessing
+    Queue's put takes a lock its feeder thread needs, and a KeyboardInterrupt raised just
+    after it is taken leaves it held; the closing request would then wait on it forever."""
+    with stop_signals_deferred():
+        requests.put(message)
+
+
 def stop(process, requests, results) -> None:
     """Ask the process to end, then make sure it has (bounded), and drop the queues."""
     try:
-        requests.put(None)
+        ask(requests, None)
     except (OSError, ValueError):
         pass
     process.join(timeout=5 * POLL)

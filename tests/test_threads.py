@@ -9,6 +9,7 @@ The new processes run this file as a script: `python tests/test_threads.py MODE 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -78,6 +79,31 @@ def test_a_ctrl_c_at_any_bytecode_of_taking_an_inline_batch_leaves_no_thread_beh
                                            spared=("submit_batch", "settled"))
     assert len(places) >= 10 and any("in_order" in place for place in places), places
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("packer-loader")]
+
+
+class Closing:
+    """A loader's pass as an iterator whose close() ends the loader's workers too."""
+
+    def __init__(self, loader):
+        self.loader, self.batches = loader, iter(loader)
+
+    def __next__(self):
+        return next(self.batches)
+
+    def close(self) -> None:
+        self.batches = None
+        self.loader.close_workers()
+
+
+def test_a_ctrl_c_at_any_bytecode_of_taking_a_background_batch_leaves_no_process_behind(packs):
+    # threads: the trainer asks its background process for batches through a multiprocessing
+    # Queue, whose put takes a lock its feeder thread needs: a KeyboardInterrupt just after it
+    # left it held, and the request that closes the process then waited on it forever.
+    data = readers.LMDBDataset(Path(packs) / "d.lmdb", decode="raw")
+    places = interrupted_at_every_bytecode(lambda: Closing(make_loader(
+        data, BATCH, workers=THREADS, worker_kind="threads", collate_fn=sample_ids, train=False)), spared=("ask",))
+    assert len(places) >= 10 and any("receive" in place for place in places), places
+    assert multiprocessing.active_children() == []
 
 
 def save(root: str, kind: str, k: int, path: Path) -> list:
@@ -174,7 +200,6 @@ class Slow(Failing):
 
 
 def test_a_killed_background_process_is_reported_within_the_bound():
-    import multiprocessing
 
     from readers.threads import POLL
 
@@ -247,7 +272,6 @@ def test_the_trainers_signal_stops_threads_inline_mid_pass(sig, tmp_path):
 def hold(pids: str, kind: str = "threads") -> None:
     """Script side of the tests above: a trainer holding a batch mid-pass (in shared memory,
     from a background process), iterating on until a signal."""
-    import multiprocessing
 
     made = make_loader(Slow(4000, bad=-1), 8, workers=THREADS, train=False, worker_kind=kind)
     batches = iter(made)
