@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import replaceable
+from .engine import STOP_LOOK_S, stop_signals_deferred
 from .errors import FormatError, PackError
 from .formats import FORMATS, detect_remote, folder_formats
 from .interrupts import Interrupted
@@ -370,14 +371,38 @@ def run_all(jobs: list[Callable[[], None]]) -> None:
     if not jobs:
         return
     with concurrent.futures.ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="packer-upload") as pool:
-        futures = [pool.submit(job) for job in jobs]
+        futures = submitted(pool, jobs)
         try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
+            pending = set(futures)
+            while pending:
+                pending = settle(pending)
         except BaseException:
-            for future in futures:
-                future.cancel()
+            cancel(futures)
             raise
+
+
+# The pool's submit, a future's wait and result, and its cancel each take a lock the pool's
+# threads need: a Ctrl-C or SIGTERM raised just after one is taken would leave it held, and
+# leaving the pool would wait forever. Each runs with stop signals held off (packer.engine).
+
+def submitted(pool: concurrent.futures.Executor, jobs: list) -> list:
+    with stop_signals_deferred():
+        return [pool.submit(job) for job in jobs]
+
+
+def settle(pending: set) -> set:
+    """The futures of pending still running after STOP_LOOK_S at most; a failed one's error is raised."""
+    with stop_signals_deferred():
+        done, left = concurrent.futures.wait(pending, STOP_LOOK_S, concurrent.futures.FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+    return left
+
+
+def cancel(futures: list) -> None:
+    with stop_signals_deferred():
+        for future in futures:
+            future.cancel()
 
 
 def upload(target: Target, local: str, fmt: str, stage: str) -> dict[str, int]:

@@ -857,3 +857,18 @@ def test_giving_up_says_it_retried(s3_bucket):
 
     with pytest.raises(RemoteError, match=r"cannot be reached.*\(retried\)"):
         with_retries("s3://b/k", down, retries=2, storage_options=s3_bucket.storage_options, sleep=lambda s: None)
+
+
+def test_a_ctrl_c_at_any_bytecode_of_an_upload_s_waiting_leaves_no_thread_behind():
+    # The pool's submit, as_completed and a future's result took locks the upload threads
+    # need: a KeyboardInterrupt just after one left it held, and leaving the pool waited forever.
+    from bytecode_stops import interrupted_at_every_bytecode
+    from packer.upload import run_all
+
+    def then_upload():
+        yield from (None, None)
+        yield run_all([lambda: time.sleep(0.001) for _ in range(3)])
+
+    places = interrupted_at_every_bytecode(then_upload, spared=("submitted", "settle", "cancel"))
+    assert len(places) >= 10 and any("run_all" in place for place in places), places
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("packer-upload")]
